@@ -1,0 +1,52 @@
+"""Chained prefix-block hashes, identical on every process and machine.
+
+`h_i = xxh3_128(h_{i-1} || token ids of block i || extra)`; the chain starts from a root
+derived from the model fingerprint and an optional cache salt, so two models (or two
+tenants with different salts) never share a block even for identical tokens. Token ids
+are packed as little-endian uint32 so the bytes do not depend on the platform, and
+Python's `hash()` (salted per process) is never involved.
+"""
+
+from __future__ import annotations
+
+from typing import NewType, Sequence
+
+import numpy as np
+import xxhash
+
+#: A block's chained hash: 16 bytes of xxh3_128.
+BlockHash = NewType("BlockHash", bytes)
+
+_ROOT_TAG = b"mlx-orchard/kv-root/v1"
+
+
+def root_hash(model_fingerprint: str, cache_salt: str | None = None) -> BlockHash:
+    """The parent of a sequence's first block."""
+    h = xxhash.xxh3_128()
+    h.update(_ROOT_TAG)
+    h.update(model_fingerprint.encode())
+    h.update(b"\x00")
+    h.update((cache_salt or "").encode())
+    return BlockHash(h.digest())
+
+
+def hash_block(parent: BlockHash, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
+    """Hash of one full block given its parent's hash."""
+    h = xxhash.xxh3_128()
+    h.update(parent)
+    h.update(np.asarray(token_ids, dtype="<u4").tobytes())
+    if extra:
+        h.update(extra)
+    return BlockHash(h.digest())
+
+
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, root: BlockHash, extra: bytes = b""
+) -> list[BlockHash]:
+    """Hashes of every full block of `token_ids`; a trailing partial block is not hashed."""
+    hashes: list[BlockHash] = []
+    parent = root
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size], extra)
+        hashes.append(parent)
+    return hashes

@@ -1,0 +1,61 @@
+"""Find OpenBLAS so MLX's CPU build can use it instead of the reference BLAS it links.
+
+MLX's Linux CPU wheel runs matrix products ~40x slower with netlib BLAS; preloading
+OpenBLAS fixes that, but the preload must be in the environment before Python starts.
+`python -m node.openblas` prints the library path (or nothing) for the Makefile, and
+`reexec_with_openblas()` lets the CLI restart itself with the preload. Never required.
+"""
+
+from __future__ import annotations
+
+import ctypes.util
+import glob
+import os
+import subprocess
+import sys
+
+_CANDIDATES = [
+    "/usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0",
+    "/usr/lib/*-linux-gnu/libopenblas.so.0",
+    "/usr/lib64/libopenblas.so.0",
+    "/usr/local/lib/libopenblas.so.0",
+]
+
+
+def find_openblas() -> str | None:
+    """Path of a system OpenBLAS shared library, or None (macOS uses Accelerate)."""
+    if sys.platform != "linux":
+        return None
+    for pattern in _CANDIDATES:
+        hits = sorted(glob.glob(pattern))
+        if hits:
+            return hits[0]
+    try:
+        out = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    for line in out.splitlines():
+        if "libopenblas.so.0" in line and "=>" in line:
+            return line.split("=>")[-1].strip()
+    name = ctypes.util.find_library("openblas")
+    return name if name and os.path.isabs(name) else None
+
+
+def openblas_in_use() -> bool:
+    return "openblas" in os.environ.get("LD_PRELOAD", "")
+
+
+def reexec_with_openblas() -> None:
+    """Restart the current process with OpenBLAS preloaded, once, when it exists."""
+    if openblas_in_use() or os.environ.get("ORCHARD_NO_OPENBLAS"):
+        return
+    path = find_openblas()
+    if path is None:
+        return
+    env = dict(os.environ)
+    env["LD_PRELOAD"] = ":".join(p for p in (path, env.get("LD_PRELOAD", "")) if p)
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+if __name__ == "__main__":
+    print(find_openblas() or "")
