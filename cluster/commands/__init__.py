@@ -1,0 +1,1 @@
+"""One module per `orchard` subcommand, each exposing `register(subparsers)`."""
