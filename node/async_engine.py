@@ -1,0 +1,141 @@
+"""An asyncio face on the engine: one thread runs `step()`, coroutines stream results.
+
+MLX work is synchronous and heavy, so it must not run on the event loop. The engine
+thread owns the engine outright; coroutines talk to it only through a command queue
+(add, abort) and per-request asyncio queues fed with `call_soon_threadsafe`.
+A consumer that stops iterating (a client gone) aborts its request at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import AsyncIterator
+
+from node.engine import EngineConfig, LLMEngine
+from node.types import RequestOutput, SamplingParams
+
+_IDLE_WAIT_S = 0.05
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = threading.Event()
+        self._stats: dict = engine.stats()
+        self._kv_listeners: list = []
+        self._thread = threading.Thread(target=self._run, name="orchard-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig | None = None) -> "AsyncEngine":
+        return cls(LLMEngine(config))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model.name
+
+    def add_kv_listener(self, callback) -> None:
+        """`callback(events)` runs on the engine thread after each step with that step's KV events."""
+        self._kv_listeners.append(callback)
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs (deltas); raises the engine's error if it refuses it."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        accepted: asyncio.Future = loop.create_future()
+        self._streams[request_id] = (loop, outputs)
+        self._commands.put(("add", request_id, list(prompt_token_ids), params or SamplingParams(), accepted, loop))
+        finished = False
+        try:
+            await accepted
+            while True:
+                out = await outputs.get()
+                yield out
+                if out.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def stats(self) -> dict:
+        """The last stats the engine thread published (safe from any thread)."""
+        return self._stats
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stopped.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout)
+
+    # -- engine thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._apply_commands(block=not self.engine.has_unfinished)
+            if not self.engine.has_unfinished:
+                continue
+            for out in self.engine.step():
+                self._deliver(out)
+            events = self.engine.drain_kv_events()
+            for listener in self._kv_listeners:
+                listener(events)
+            self._stats = self.engine.stats()
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: tuple) -> None:
+        if cmd[0] == "add":
+            _, request_id, prompt, params, accepted, loop = cmd
+            try:
+                self.engine.add_request(request_id, prompt, params)
+            except Exception as exc:  # refused: hand the named error to the caller
+                loop.call_soon_threadsafe(_set_exception, accepted, exc)
+                return
+            loop.call_soon_threadsafe(_set_result, accepted, None)
+        elif cmd[0] == "abort":
+            self.engine.abort(cmd[1])  # its final output comes with the next step
+            self._stats = self.engine.stats()
+
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,359 @@
+"""The single-machine engine: continuous batching over the paged KV pool.
+
+`step()` is the whole loop body: schedule under the token budget, run one packed forward
+pass for every scheduled chunk (prefill chunks and decodes together), sample the
+sequences whose pending tokens are all computed, register their full blocks in the
+prefix cache, and report what changed. It has no threads and no Ray: `AsyncEngine` and
+the node actor drive it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from kvcache import CacheConfig, KVCache
+from node.errors import DuplicateRequest, InvalidPrompt, PromptTooLong
+from node.model_adapter import ModelRunner, StepInput
+from node.models import LoadedModel, load_model
+from node.rates import NodeRates
+from node.sampling import SampleRow, sample
+from node.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from node.sequence import Request, Sequence, Status
+from node.detokenizer import IncrementalDetokenizer
+from node.types import RequestOutput, SamplingParams
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # local path or hub id; None = the bundled demo model
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_memory_gb: float | None = None
+    memory_fraction: float = 0.3
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    dtype: str | None = None  # KV dtype; follows the model when None
+    cold_tier_dir: str | None = None
+    cold_tier_gb: float = 4.0
+    preemption: str = "auto"  # "auto" (measured cost), "swap" or "recompute"
+    cache_salt: str | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.preemption not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption must be auto, swap or recompute, got {self.preemption!r}")
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            kv_memory_gb=self.kv_memory_gb,
+            memory_fraction=self.memory_fraction,
+            dtype=self.dtype,
+            cold_tier_dir=self.cold_tier_dir,
+            cold_tier_gb=self.cold_tier_gb,
+            cache_salt=self.cache_salt,
+        )
+
+
+@dataclass
+class _StepCounters:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    forward_seconds: float = 0.0
+    step_seconds: float = 0.0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None):
+        self.config = config or EngineConfig()
+        self.model = loaded or load_model(self.config.model)
+        self.tokenizer = self.model.tokenizer
+        geometry = self.model.geometry(self.config.block_size, self.config.dtype)
+        self.kv = KVCache(geometry, self.config.cache_config())
+        self.runner = ModelRunner(self.model, self.kv.pool)
+        self.max_model_len = min(self.config.max_model_len or self.model.max_model_len, self.model.max_model_len)
+        self.eos_token_ids = set(self.model.eos_token_ids)
+        self.rates = NodeRates.new()
+        self.scheduler = Scheduler(
+            SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens),
+            self.kv,
+            self._should_swap,
+        )
+        self.requests: dict[str, Request] = {}
+        self._aborted: list[RequestOutput] = []
+        self._rng = np.random.default_rng(self.config.seed)
+        self.counters = _StepCounters()
+
+    # -- requests -------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise DuplicateRequest(f"request id {request_id!r} is already in the engine")
+        self._check_prompt(prompt_token_ids)
+        request = Request(request_id, list(prompt_token_ids), params)
+        request.seed = params.seed if params.seed is not None else int(self._rng.integers(2**62))
+        request.sequences.append(self._new_sequence(request, 0))
+        self.requests[request_id] = request
+        self.counters.prompt_tokens += len(prompt_token_ids)
+        self.scheduler.add(request.sequences[0])
+
+    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise InvalidPrompt("the prompt is empty")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise PromptTooLong(len(prompt_token_ids), self.max_model_len)
+        vocab = self.model.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise InvalidPrompt(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+
+    def _new_sequence(self, request: Request, index: int, token_ids: list[int] | None = None) -> Sequence:
+        return Sequence(
+            seq_id=f"{request.request_id}/{index}",
+            request=request,
+            index=index,
+            token_ids=list(token_ids if token_ids is not None else request.prompt_token_ids),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+        )
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks now; its final output says `abort`."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        for seq in request.sequences:
+            self._release(seq)
+            if not seq.finished:
+                seq.finish_reason = "abort"
+            seq.status = Status.FINISHED
+        self.counters.aborted_requests += 1
+        self._aborted.append(self._output(request, final=True))
+        return True
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.status is Status.RUNNING or (seq.status is Status.WAITING and seq.swapped):
+            if seq.status is Status.WAITING:
+                self.kv.discard_swapped(seq.seq_id)
+            else:
+                self.kv.free(seq.seq_id)
+        self.scheduler.remove(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the loop body -----------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outputs, self._aborted = self._aborted, []
+        sched = self.scheduler.schedule()
+        if not sched.chunks:
+            return outputs
+        logits = self._forward(sched)
+        touched = self._advance(sched, logits)
+        for request in touched:
+            outputs.append(self._output(request, final=request.finished))
+            if request.finished:
+                self.requests.pop(request.request_id, None)
+                self.counters.finished_requests += 1
+        self.counters.steps += 1
+        self.counters.step_seconds += time.perf_counter() - t0
+        return outputs
+
+    def _forward(self, sched: SchedulerOutput) -> mx.array:
+        step = build_step_input(sched.chunks, self.kv, self.config.block_size)
+        t0 = time.perf_counter()
+        logits = self.runner.forward(step)
+        rows = [i for i, c in enumerate(sched.chunks) if c.completes]
+        logits = logits[mx.array(rows)] if rows and len(rows) < len(sched.chunks) else logits
+        mx.eval(logits)
+        seconds = time.perf_counter() - t0
+        self.counters.forward_seconds += seconds
+        decode = sum(1 for c in sched.chunks if c.num_tokens == 1 and c.seq.num_computed >= c.seq.num_prompt_tokens)
+        self.rates.observe_step(seconds, sched.num_tokens - decode, decode)
+        return logits
+
+    def _advance(self, sched: SchedulerOutput, logits: mx.array) -> list[Request]:
+        sampled: list[Sequence] = []
+        touched: dict[str, Request] = {}
+        for chunk in sched.chunks:
+            seq = chunk.seq
+            completes = chunk.completes
+            seq.num_computed += chunk.num_tokens
+            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+            if completes:
+                sampled.append(seq)
+                touched[seq.request.request_id] = seq.request
+        if sampled:
+            self._sample(sampled, logits)
+        return list(touched.values())
+
+    def _sample(self, seqs: list[Sequence], logits: mx.array) -> None:
+        rows: list[SampleRow] = []
+        owners: list[Sequence] = []
+        row_logits: list[int] = []
+        for i, seq in enumerate(seqs):
+            for target in self._fork_if_first(seq):
+                owners.append(target)
+                row_logits.append(i)
+                rows.append(self._sample_row(target))
+        if len(owners) != len(seqs):
+            logits = logits[mx.array(row_logits)]
+        tokens, logprobs = sample(logits, rows)
+        for seq, token, lp in zip(owners, tokens, logprobs):
+            self._append_token(seq, token, lp)
+
+    def _fork_if_first(self, seq: Sequence) -> list[Sequence]:
+        """At a request's first sample, create its n - 1 other continuations sharing the prompt's blocks."""
+        request = seq.request
+        if request.params.n == 1 or request.forked:
+            return [seq]
+        request.forked = True
+        for index in range(1, request.params.n):
+            child = self._new_sequence(request, index, seq.token_ids)
+            child.num_computed = seq.num_computed
+            self.kv.fork(seq.seq_id, child.seq_id)
+            request.sequences.append(child)
+            self.scheduler.add_running(child)
+        return list(request.sequences)
+
+    def _sample_row(self, seq: Sequence) -> SampleRow:
+        return SampleRow(
+            params=seq.params,
+            seed=seq.request.seed,
+            index=seq.index,
+            position=len(seq.output_token_ids),
+            prompt_token_ids=seq.request.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+        )
+
+    def _append_token(self, seq: Sequence, token: int, logprob) -> None:
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        seq.token_ids.append(token)
+        self.counters.generated_tokens += 1
+        if logprob is not None:
+            seq.pending_logprobs.append(logprob)
+        params = seq.params
+        if token in self.eos_token_ids and not params.ignore_eos:
+            return self._finish(seq, "stop", None)
+        if token in params.stop_token_ids:
+            return self._finish(seq, "stop", token)
+        delta = seq.detokenizer.add(token)
+        if delta:
+            seq.text += delta
+            if params.stop and self._cut_at_stop(seq, len(delta)):
+                return None
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return self._finish(seq, "length", None)
+        return None
+
+    def _cut_at_stop(self, seq: Sequence, delta_len: int) -> bool:
+        longest = max(len(s) for s in seq.params.stop)
+        start = max(0, len(seq.text) - delta_len - longest + 1)
+        hits = [(seq.text.find(s, start), s) for s in seq.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        seq.text = seq.text[:index]
+        self._finish(seq, "stop", stop)
+        return True
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        self.kv.free(seq.seq_id)
+        self.scheduler.remove(seq)
+        seq.status = Status.FINISHED
+
+    def _output(self, request: Request, final: bool) -> RequestOutput:
+        holdback = max((len(s) for s in request.params.stop), default=1) - 1
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[s.take_delta(final or s.finished, holdback) for s in request.sequences],
+            num_cached_tokens=request.num_cached_tokens,
+            finished=final,
+        )
+
+    # -- preemption and introspection ---------------------------------------------------
+
+    def _should_swap(self, seq: Sequence) -> bool:
+        """Swap to the cold tier when restoring is expected to beat recomputing."""
+        if not self.kv.has_cold_tier or self.config.preemption == "recompute":
+            return False
+        if self.config.preemption == "swap":
+            return True
+        tokens = seq.num_computed
+        restore = tokens * self.kv.geometry.bytes_per_token * self.rates.restore_s_per_byte.get(0.0)
+        recompute = tokens * self.rates.prefill_s_per_token.get(float("inf"))
+        return restore < recompute
+
+    def drain_kv_events(self):
+        return self.kv.drain_events()
+
+    def kv_snapshot(self):
+        return self.kv.snapshot()
+
+    def stats(self) -> dict:
+        kv = self.kv.stats()
+        c = self.counters
+        return {
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "requests": len(self.requests),
+            "preemptions": self.scheduler.num_preemptions,
+            "kv": kv.to_dict() if hasattr(kv, "to_dict") else dict(vars(kv)),
+            "prefill_s_per_token": self.rates.prefill_s_per_token.value,
+            "decode_s_per_token": self.rates.decode_s_per_token.value,
+            "steps": c.steps,
+            "generated_tokens": c.generated_tokens,
+            "forward_seconds": c.forward_seconds,
+            "step_seconds": c.step_seconds,
+            "finished_requests": c.finished_requests,
+            "aborted_requests": c.aborted_requests,
+        }
+
+
+def build_step_input(chunks: list[ScheduledChunk], kv: KVCache, block_size: int) -> StepInput:
+    """Flatten the scheduled chunks into the packed batch the model runner takes."""
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    tables: list[list[int]] = []
+    starts = [0]
+    context_lens: list[int] = []
+    for chunk in chunks:
+        seq = chunk.seq
+        begin, end = seq.num_computed, seq.num_computed + chunk.num_tokens
+        table = kv.block_table(seq.seq_id)
+        token_ids.extend(seq.token_ids[begin:end])
+        positions.extend(range(begin, end))
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(begin, end))
+        tables.append(table[: (end + block_size - 1) // block_size])
+        starts.append(starts[-1] + chunk.num_tokens)
+        context_lens.append(end)
+    width = max(len(t) for t in tables)
+    padded = np.zeros((len(tables), width), dtype=np.int32)
+    for i, t in enumerate(tables):
+        padded[i, : len(t)] = t
+    return StepInput(
+        token_ids=token_ids,
+        positions=positions,
+        slot_mapping=slots,
+        block_tables=padded,
+        query_start_loc=starts,
+        context_lens=context_lens,
+    )

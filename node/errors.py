@@ -1,0 +1,29 @@
+"""Named request errors raised by the engine at `add_request`; nothing is queued when they fire."""
+
+from node.types import InvalidSamplingParams  # noqa: F401  (re-exported: one place to import errors from)
+
+
+class EngineError(Exception):
+    """Base of errors about a request the engine refuses."""
+
+
+class PromptTooLong(EngineError):
+    def __init__(self, prompt_tokens: int, max_model_len: int):
+        super().__init__(
+            f"This model's maximum context length is {max_model_len} tokens, "
+            f"but the prompt has {prompt_tokens} tokens (at least one more is needed to generate)."
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_model_len = max_model_len
+
+
+class InvalidPrompt(EngineError):
+    """Empty prompt, or token ids outside the vocabulary."""
+
+
+class DuplicateRequest(EngineError):
+    """A request id that is already in the engine."""
+
+
+class UnknownRequest(EngineError):
+    """A request id the engine does not hold."""

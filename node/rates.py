@@ -1,0 +1,48 @@
+"""Moving averages of what the node measures about itself, for routing and preemption.
+
+Routing and migrate-or-recompute decisions compare measured rates, never constants:
+these are exponentially weighted so they follow load changes within a few steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Ewma:
+    alpha: float = 0.2
+    value: float | None = None
+
+    def update(self, sample: float) -> float:
+        self.value = sample if self.value is None else self.alpha * sample + (1 - self.alpha) * self.value
+        return self.value
+
+    def get(self, default: float) -> float:
+        return default if self.value is None else self.value
+
+
+@dataclass
+class NodeRates:
+    prefill_s_per_token: Ewma
+    decode_s_per_token: Ewma
+    restore_s_per_byte: Ewma
+
+    @classmethod
+    def new(cls) -> "NodeRates":
+        return cls(Ewma(), Ewma(), Ewma())
+
+    def observe_step(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
+        """Split one step's time between its prefill and decode tokens.
+
+        A step mixes both; attributing time in proportion to token counts is crude but
+        unbiased over many steps, and pure steps (all decode, all prefill) correct it.
+        """
+        total = prefill_tokens + decode_tokens
+        if total == 0 or seconds <= 0:
+            return
+        per_token = seconds / total
+        if prefill_tokens:
+            self.prefill_s_per_token.update(per_token)
+        if decode_tokens:
+            self.decode_s_per_token.update(per_token if prefill_tokens else seconds / decode_tokens)

@@ -1,0 +1,150 @@
+"""Iteration-level scheduling under a token budget.
+
+Each step has a budget of tokens (`max_num_batched_tokens`). There are no prefill and
+decode phases: every running sequence has some tokens whose KV is not computed yet — one
+for a decoding sequence, many for a prompt — and the scheduler hands out the budget in
+priority order (priority, then arrival): running sequences first, then waiting ones are
+admitted while their blocks fit under the pool's watermark. A long prompt therefore takes
+only what is left of the budget after the decodes, in chunks, and never stalls them.
+When a running sequence cannot get a slot, the lowest-priority running sequence is
+preempted (its blocks swapped to the cold tier or dropped for recompute) and goes back to
+the front of the waiting queue; its prefix usually hits the cache when it returns.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+from typing import Callable
+
+from node.sequence import Sequence, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """True when this chunk computes the sequence's last pending token, so it is sampled."""
+        return self.num_tokens == self.seq.num_pending
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+def _key(seq: Sequence) -> tuple[int, int, int]:
+    return (*seq.request.sort_key, seq.index)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv, should_swap: Callable[[Sequence], bool]):
+        self.config = config
+        self.kv = kv
+        self.should_swap = should_swap
+        self.waiting: list[Sequence] = []  # sorted by _key
+        self.running: list[Sequence] = []  # sorted by _key
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        bisect.insort(self.waiting, seq, key=_key)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked continuation that already holds (shared) blocks."""
+        seq.status = Status.RUNNING
+        bisect.insort(self.running, seq, key=_key)
+
+    def remove(self, seq: Sequence) -> None:
+        """Forget a finished or aborted sequence; the caller frees its blocks."""
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._admit_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_pending, budget)
+            if n == 0:
+                continue
+            if not self._make_room(seq, seq.num_computed + n, out):
+                continue
+            self.kv.ensure_slots(seq.seq_id, seq.num_computed + n)
+            out.chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+        return budget
+
+    def _make_room(self, seq: Sequence, num_slots: int, out: SchedulerOutput) -> bool:
+        """Preempt from the tail until `seq` can grow to `num_slots`; False if `seq` itself went."""
+        while not self.kv.can_append(seq.seq_id, num_slots):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        swapped = False
+        if seq.num_computed and self.should_swap(seq):
+            swapped = self.kv.swap_out(seq.seq_id, seq.token_ids, seq.num_computed)
+        else:
+            self.kv.free(seq.seq_id)
+        seq.swapped = swapped
+        seq.num_computed = 0
+        self.num_preemptions += 1
+        self.add(seq)
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.kv.can_allocate(seq.token_ids):
+                break  # head-of-line: keep priority order rather than starve big prompts
+            self.waiting.pop(0)
+            if seq.swapped:
+                seq.num_computed = self.kv.swap_in(seq.seq_id, seq.token_ids)
+                seq.swapped = False
+            else:
+                seq.num_computed = self.kv.allocate(seq.seq_id, seq.token_ids)
+                if seq.index == 0 and not seq.request.forked:
+                    seq.request.num_cached_tokens = seq.num_computed
+            seq.status = Status.RUNNING
+            bisect.insort(self.running, seq, key=_key)
+            n = min(seq.num_pending, budget)
+            out.chunks.append(ScheduledChunk(seq, n))
+            budget -= n

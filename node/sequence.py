@@ -1,0 +1,108 @@
+"""A sequence: one continuation of one request, and the request that groups them.
+
+Prefill and decode are not separate states: a sequence simply has tokens whose KV is not
+computed yet (`num_pending`). A step computes some of them; when none remain, the step's
+logits for its last token are sampled and the new token becomes pending in turn.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from node.detokenizer import IncrementalDetokenizer
+from node.types import CompletionOutput, SamplingParams, TokenLogprob
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_arrivals = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    request: "Request"
+    index: int
+    token_ids: list[int]
+    detokenizer: IncrementalDetokenizer
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    swapped: bool = False  # blocks live in the cold tier, resume by copy
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    text: str = ""  # accepted text, stop strings cut off
+    sent_text_len: int = 0
+    sent_tokens: int = 0
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_token_time: float | None = None
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def take_delta(self, final: bool, holdback: int) -> CompletionOutput:
+        """What is new since the last call; text near the end is held back while a stop string could still match."""
+        visible = len(self.text) if final else max(self.sent_text_len, len(self.text) - holdback)
+        out = CompletionOutput(
+            index=self.index,
+            text=self.text[:visible],
+            token_ids=list(self.output_token_ids),
+            text_delta=self.text[self.sent_text_len : visible],
+            token_ids_delta=self.output_token_ids[self.sent_tokens :],
+            logprobs_delta=self.pending_logprobs,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        self.sent_text_len = visible
+        self.sent_tokens = len(self.output_token_ids)
+        self.pending_logprobs = []
+        return out
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_order: int = field(default_factory=lambda: next(_arrivals))
+    sequences: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    seed: int = 0  # the request's seed, or one the engine drew for it
+    forked: bool = False  # the n > 1 continuations have been created
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Lower runs first: priority, then first come, first served."""
+        return (self.params.priority, self.arrival_order)
+
+    @property
+    def finished(self) -> bool:
+        return (self.forked or self.params.n == 1) and all(s.finished for s in self.sequences)
