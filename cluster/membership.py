@@ -1,0 +1,210 @@
+"""Which nodes exist, which can take work, and how fast each one has been lately.
+
+A node registers once, then heartbeats with its load. Rates (prefill and decode seconds
+per token, link bytes per second) arrive as raw measurements and are kept as exponential
+moving averages, so one noisy step cannot swing routing. A node that misses heartbeats
+for `dead_after_s` is declared dead; a node that registers again starts from scratch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable
+
+NodeId = str
+
+
+class NodeStatus(str, Enum):
+    ALIVE = "alive"
+    DRAINING = "draining"
+    DEAD = "dead"
+
+
+class UnknownNode(KeyError):
+    """A node id that never registered (or was forgotten, e.g. after a coordinator restart)."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What a node says about itself when it registers; fixed for its lifetime."""
+
+    model: str
+    block_size: int = 16
+    bytes_per_block: int = 0  # K+V bytes of one block over all layers; 0 = unknown
+    device: str = ""
+    hostname: str = ""
+    ray_node_id: str = ""
+    kv_blocks_total: int = 0
+
+
+@dataclass(frozen=True)
+class NodeLoad:
+    """One heartbeat's worth of load and rate measurements; rates of None were not measured."""
+
+    waiting: int = 0
+    running: int = 0
+    queued_prefill_tokens: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefill_tokens_per_s: float | None = None
+    decode_tokens_per_s: float | None = None
+    prefix_hit_tokens: int = 0
+    prefix_query_tokens: int = 0
+    requests_total: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "NodeLoad":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass
+class MovingAverage:
+    """Exponential moving average that starts at its first sample."""
+
+    alpha: float = 0.3
+    value: float | None = None
+
+    def add(self, sample: float) -> float:
+        self.value = sample if self.value is None else self.alpha * sample + (1 - self.alpha) * self.value
+        return self.value
+
+
+@dataclass
+class NodeState:
+    node_id: NodeId
+    info: NodeInfo
+    registered_at: float
+    last_heartbeat: float
+    status: NodeStatus = NodeStatus.ALIVE
+    load: NodeLoad = field(default_factory=NodeLoad)
+    prefill_s_per_token: MovingAverage = field(default_factory=MovingAverage)
+    decode_s_per_token: MovingAverage = field(default_factory=MovingAverage)
+    # Work routed here since the last heartbeat, which the heartbeat cannot show yet.
+    pending_requests: int = 0
+    pending_prefill_tokens: int = 0
+    death_reason: str | None = None
+
+    @property
+    def model(self) -> str:
+        return self.info.model
+
+    @property
+    def routable(self) -> bool:
+        return self.status is NodeStatus.ALIVE
+
+
+@dataclass(frozen=True)
+class MembershipConfig:
+    dead_after_s: float = 5.0
+    rate_alpha: float = 0.3
+
+
+class Membership:
+    """The registry of nodes, their status, load and measured rates."""
+
+    def __init__(self, config: MembershipConfig | None = None, clock: Callable[[], float] = time.monotonic):
+        self.config = config or MembershipConfig()
+        self._clock = clock
+        self._nodes: dict[NodeId, NodeState] = {}
+        # (source, target) -> bytes per second moved between them.
+        self._links: dict[tuple[NodeId, NodeId], MovingAverage] = {}
+
+    def register(self, node_id: NodeId, info: NodeInfo) -> NodeState:
+        """Add a node, or reset one that comes back: a rejoining node starts with no history."""
+        now = self._clock()
+        alpha = self.config.rate_alpha
+        state = NodeState(
+            node_id,
+            info,
+            registered_at=now,
+            last_heartbeat=now,
+            prefill_s_per_token=MovingAverage(alpha),
+            decode_s_per_token=MovingAverage(alpha),
+        )
+        self._nodes[node_id] = state
+        return state
+
+    def heartbeat(self, node_id: NodeId, load: NodeLoad) -> NodeState:
+        """Record load and fold measured rates into the node's moving averages."""
+        state = self.get(node_id)
+        if state.status is NodeStatus.DEAD:
+            raise UnknownNode(node_id)
+        state.last_heartbeat = self._clock()
+        state.load = load
+        state.pending_requests = 0
+        state.pending_prefill_tokens = 0
+        if load.prefill_tokens_per_s:
+            state.prefill_s_per_token.add(1.0 / load.prefill_tokens_per_s)
+        if load.decode_tokens_per_s:
+            state.decode_s_per_token.add(1.0 / load.decode_tokens_per_s)
+        return state
+
+    def note_routed(self, node_id: NodeId, prefill_tokens: int) -> None:
+        """Count work sent to a node until its next heartbeat reports it."""
+        state = self.get(node_id)
+        state.pending_requests += 1
+        state.pending_prefill_tokens += prefill_tokens
+
+    def record_link_rate(self, source: NodeId, target: NodeId, bytes_per_s: float) -> None:
+        if bytes_per_s > 0:
+            self._links.setdefault((source, target), MovingAverage(self.config.rate_alpha)).add(bytes_per_s)
+
+    def link_rate(self, source: NodeId, target: NodeId) -> float | None:
+        """Measured bytes/s from source to target, or None if never measured."""
+        avg = self._links.get((source, target))
+        return avg.value if avg else None
+
+    def reap(self) -> list[NodeId]:
+        """Declare dead every live node whose last heartbeat is too old; return them."""
+        deadline = self._clock() - self.config.dead_after_s
+        late = [s.node_id for s in self._nodes.values() if s.status is not NodeStatus.DEAD and s.last_heartbeat < deadline]
+        for node_id in late:
+            self.mark_dead(node_id, "missed heartbeats")
+        return late
+
+    def mark_dead(self, node_id: NodeId, reason: str) -> bool:
+        """Stop routing to a node; returns False if it was already dead or unknown."""
+        state = self._nodes.get(node_id)
+        if state is None or state.status is NodeStatus.DEAD:
+            return False
+        state.status = NodeStatus.DEAD
+        state.death_reason = reason
+        for link in [k for k in self._links if node_id in k]:
+            del self._links[link]
+        return True
+
+    def drain(self, node_id: NodeId) -> NodeState:
+        state = self.get(node_id)
+        if state.status is NodeStatus.ALIVE:
+            state.status = NodeStatus.DRAINING
+        return state
+
+    def undrain(self, node_id: NodeId) -> NodeState:
+        state = self.get(node_id)
+        if state.status is NodeStatus.DRAINING:
+            state.status = NodeStatus.ALIVE
+        return state
+
+    def forget(self, node_id: NodeId) -> None:
+        self._nodes.pop(node_id, None)
+
+    def get(self, node_id: NodeId) -> NodeState:
+        try:
+            return self._nodes[node_id]
+        except KeyError:
+            raise UnknownNode(node_id) from None
+
+    def candidates(self, model: str) -> list[NodeState]:
+        """Nodes that may take a new request for `model`."""
+        return [s for s in self._nodes.values() if s.routable and s.model == model]
+
+    def models(self) -> list[str]:
+        return sorted({s.model for s in self._nodes.values() if s.routable})
+
+    def nodes(self) -> list[NodeState]:
+        return list(self._nodes.values())
+
+    def __contains__(self, node_id: NodeId) -> bool:
+        return node_id in self._nodes

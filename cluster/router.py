@@ -1,0 +1,236 @@
+"""Pick the node for a request: the one that will produce its first token soonest.
+
+Under the `prefix` policy each candidate's cost is an estimate in seconds:
+
+    fill(node) + uncached tokens x prefill s/token(node) + load(node)
+    load(node) = queued prefill tokens x prefill s/token + running decodes x decode s/token
+
+where `fill` covers blocks another node holds beyond this node's own prefix: the cheaper
+of recomputing them here and pulling them over the measured link (a migration). Rates are
+moving averages fed by heartbeats; a node not yet measured borrows the mean of those that
+are, and only when none is measured does the configured prior apply, which then ranks
+every node alike. Lowest cost wins; exact ties are broken at random. The other policies
+exist to measure against and ignore the prefix. Every policy returns a node whenever at
+least one candidate exists.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, replace
+from typing import Callable, Sequence
+
+from cluster.membership import NodeId, NodeState
+
+POLICIES = ("prefix", "round_robin", "least_loaded", "random")
+
+LinkRate = Callable[[NodeId, NodeId], "float | None"]
+
+
+class NoNodeAvailable(LookupError):
+    """No live, non-draining node serves the requested model."""
+
+    def __init__(self, model: str):
+        super().__init__(f"no node available for model {model!r}")
+        self.model = model
+
+
+class UnknownPolicy(ValueError):
+    """A routing policy name outside POLICIES."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    policy: str = "prefix"
+    # Used only while no node of the cluster has reported a rate yet.
+    prior_prefill_s_per_token: float = 1e-3
+    prior_decode_s_per_token: float = 1e-2
+    decisions_kept: int = 256
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise UnknownPolicy(f"unknown router policy {self.policy!r}; expected one of {POLICIES}")
+
+
+@dataclass(frozen=True)
+class MigrationPlan:
+    """Pull `num_blocks` blocks (after the target's own leading ones) from `source`."""
+
+    source: NodeId
+    num_blocks: int
+    est_transfer_s: float
+    est_recompute_s: float
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    model: str
+    num_tokens: int
+    block_size: int
+    held: dict[NodeId, int]  # leading blocks of the prompt each node holds (PrefixIndex.match)
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class RouteDecision:
+    node_id: NodeId
+    cached_blocks: int
+    reason: str  # "prefix-hit" | "migrate" | "load" | "only-node" | "round-robin" | "least-loaded" | "random"
+    policy: str
+    est_cost_s: float
+    num_candidates: int
+    migration: MigrationPlan | None = None
+    request_id: str = ""
+    decided_at: float = 0.0
+    latency_s: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _Rates:
+    prefill: float  # seconds per token
+    decode: float
+
+
+@dataclass(frozen=True)
+class _Costed:
+    node: NodeState
+    cost: float
+    own_blocks: int
+    migration: MigrationPlan | None
+
+
+class Router:
+    """Ranks candidates by estimated time to first token; keeps recent decisions."""
+
+    def __init__(self, config: RouterConfig | None = None):
+        self.config = config or RouterConfig()
+        self._rng = random.Random(self.config.seed)
+        self._rr = itertools.count()
+        self.recent: deque[RouteDecision] = deque(maxlen=self.config.decisions_kept)
+
+    def route(
+        self,
+        request: RouteRequest,
+        candidates: Sequence[NodeState],
+        link_rate: LinkRate = lambda source, target: None,
+        policy: str | None = None,
+    ) -> RouteDecision:
+        started = time.perf_counter()
+        policy = policy or self.config.policy
+        if policy not in POLICIES:
+            raise UnknownPolicy(f"unknown router policy {policy!r}; expected one of {POLICIES}")
+        if not candidates:
+            raise NoNodeAvailable(request.model)
+        rates = self._rates(candidates)
+        if policy == "prefix":
+            decision = self._by_cost(request, candidates, rates, link_rate)
+        else:
+            decision = self._by_policy(policy, request, candidates, rates)
+        decision = _stamp(decision, request.request_id, started)
+        self.recent.append(decision)
+        return decision
+
+    # ---- prefix policy -------------------------------------------------------------
+    def _by_cost(self, request, candidates, rates, link_rate) -> RouteDecision:
+        costed = [self._cost(request, node, rates[node.node_id], link_rate) for node in candidates]
+        best = min(c.cost for c in costed)
+        winner = self._rng.choice([c for c in costed if c.cost <= best])
+        if len(candidates) == 1:
+            reason = "only-node"
+        elif winner.migration:
+            reason = "migrate"
+        elif winner.own_blocks:
+            reason = "prefix-hit"
+        else:
+            reason = "load"
+        return RouteDecision(
+            winner.node.node_id, winner.own_blocks, reason, "prefix", winner.cost, len(candidates), winner.migration
+        )
+
+    def _cost(self, request: RouteRequest, node: NodeState, rates: _Rates, link_rate: LinkRate) -> _Costed:
+        bs = request.block_size
+        prompt_blocks = request.num_tokens // bs
+        own = min(request.held.get(node.node_id, 0), prompt_blocks)
+        migration = self._migration(request, node, own, rates, link_rate)
+        covered = own + (migration.num_blocks if migration else 0)
+        fill = migration.est_transfer_s if migration else 0.0
+        # The last prompt token is always computed: its logits start decoding.
+        uncached = max(1, request.num_tokens - covered * bs)
+        cost = fill + uncached * rates.prefill + _load_s(node, rates)
+        return _Costed(node, cost, own, migration)
+
+    def _migration(self, request, node, own, rates, link_rate) -> MigrationPlan | None:
+        """Pull from the best other holder when the measured link beats recomputing."""
+        prompt_blocks = request.num_tokens // request.block_size
+        source, source_blocks = _best_other_holder(request.held, node.node_id)
+        extra = min(source_blocks, prompt_blocks) - own
+        if source is None or extra <= 0 or node.info.bytes_per_block <= 0:
+            return None
+        bytes_per_s = link_rate(source, node.node_id)
+        if not bytes_per_s:
+            return None
+        transfer_s = extra * node.info.bytes_per_block / bytes_per_s
+        recompute_s = extra * request.block_size * rates.prefill
+        if transfer_s >= recompute_s:
+            return None
+        return MigrationPlan(source, extra, transfer_s, recompute_s)
+
+    # ---- baseline policies ---------------------------------------------------------
+    def _by_policy(self, policy, request, candidates, rates) -> RouteDecision:
+        if policy == "round_robin":
+            ordered = sorted(candidates, key=lambda n: n.node_id)
+            node = ordered[next(self._rr) % len(ordered)]
+        elif policy == "least_loaded":
+            loads = [(_load_s(n, rates[n.node_id]), n) for n in candidates]
+            lowest = min(load for load, _ in loads)
+            node = self._rng.choice([n for load, n in loads if load <= lowest])
+        else:
+            node = self._rng.choice(list(candidates))
+        own = min(request.held.get(node.node_id, 0), request.num_tokens // request.block_size)
+        reason = "only-node" if len(candidates) == 1 else policy.replace("_", "-")
+        cost = max(1, request.num_tokens - own * request.block_size) * rates[node.node_id].prefill
+        return RouteDecision(node.node_id, own, reason, policy, cost + _load_s(node, rates[node.node_id]), len(candidates))
+
+    # ---- rates ---------------------------------------------------------------------
+    def _rates(self, candidates: Sequence[NodeState]) -> dict[NodeId, _Rates]:
+        prefill_default = _mean([n.prefill_s_per_token.value for n in candidates], self.config.prior_prefill_s_per_token)
+        decode_default = _mean([n.decode_s_per_token.value for n in candidates], self.config.prior_decode_s_per_token)
+        return {
+            n.node_id: _Rates(
+                n.prefill_s_per_token.value or prefill_default,
+                n.decode_s_per_token.value or decode_default,
+            )
+            for n in candidates
+        }
+
+
+def _load_s(node: NodeState, rates: _Rates) -> float:
+    """Seconds of work already ahead of a new request on `node`."""
+    load = node.load
+    queued = load.queued_prefill_tokens + node.pending_prefill_tokens
+    running = load.running + node.pending_requests
+    return queued * rates.prefill + running * rates.decode
+
+
+def _best_other_holder(held: dict[NodeId, int], exclude: NodeId) -> tuple[NodeId | None, int]:
+    best, best_blocks = None, 0
+    for node_id, blocks in held.items():
+        if node_id != exclude and blocks > best_blocks:
+            best, best_blocks = node_id, blocks
+    return best, best_blocks
+
+
+def _mean(values, default: float) -> float:
+    measured = [v for v in values if v]
+    return sum(measured) / len(measured) if measured else default
+
+
+def _stamp(decision: RouteDecision, request_id: str, started: float) -> RouteDecision:
+    return replace(decision, request_id=request_id, decided_at=time.time(), latency_s=time.perf_counter() - started)

@@ -1,0 +1,172 @@
+"""Coordinator without Ray: the node conversation, routing over the index, death, drain, restart."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.coordinator import Coordinator, CoordinatorConfig
+from cluster.membership import MembershipConfig, NodeInfo, NodeLoad
+from cluster.router import NoNodeAvailable, RouterConfig
+from kvcache.events import MEMORY, EventLog
+from kvcache.hashing import block_hashes, root_hash
+
+BS = 4
+ROOT = root_hash("demo")
+PROMPT = list(range(32))
+HASHES = block_hashes(PROMPT, BS, ROOT)
+LOAD = {"prefill_tokens_per_s": 1000.0, "decode_tokens_per_s": 100.0}
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+def make(*node_ids, model="demo", dead_after_s=5.0, policy="prefix"):
+    clock = Clock()
+    config = CoordinatorConfig(RouterConfig(policy=policy, seed=0), MembershipConfig(dead_after_s=dead_after_s))
+    coord = Coordinator(config, clock=clock)
+    logs = {}
+    for node_id in node_ids:
+        assert coord.register_node(node_id, {"model": model, "block_size": BS}) == {"snapshot": True}
+        coord.kv_snapshot(node_id, 0, [])
+        coord.heartbeat(node_id, LOAD)
+        logs[node_id] = EventLog()
+    return coord, clock, logs
+
+
+def serve(coord, logs, node_id, hashes):
+    """What a node does after prefilling: report the blocks it now caches."""
+    log = logs[node_id]
+    parent = None
+    for h in hashes:
+        log.stored(h, parent, (0,) * BS)
+        parent = h
+    return coord.kv_events(node_id, log.drain())
+
+
+def route(coord, policy=None, exclude=()):
+    return coord.route("demo", HASHES, len(PROMPT), BS, policy=policy, exclude=exclude)
+
+
+def test_second_request_with_same_prefix_goes_to_the_node_that_served_the_first():
+    coord, clock, logs = make("a", "b", "c")
+    first = route(coord)
+    assert serve(coord, logs, first.node_id, HASHES)
+    for node_id in logs:
+        coord.heartbeat(node_id, LOAD)
+    second = route(coord)
+    assert second.node_id == first.node_id
+    assert second.cached_blocks == len(HASHES)
+    assert second.reason == "prefix-hit"
+
+
+def test_round_robin_spreads_the_same_prefix():
+    coord, clock, logs = make("a", "b", "c", policy="round_robin")
+    serve(coord, logs, "a", HASHES)
+    assert [route(coord).node_id for _ in range(3)] == ["a", "b", "c"]
+
+
+def test_events_before_snapshot_are_refused_after_register():
+    coord = Coordinator()
+    coord.register_node("a", NodeInfo(model="demo", block_size=BS))
+    log = EventLog()
+    log.stored(HASHES[0], None, (0,) * BS)
+    assert coord.kv_events("a", log.drain()) is False
+    assert coord.heartbeat("a", LOAD)["snapshot"] is True
+    coord.kv_snapshot("a", log.next_seq, [(HASHES[0], MEMORY)])
+    assert coord.heartbeat("a", LOAD)["snapshot"] is False
+    assert route(coord).cached_blocks == 1
+
+
+def test_missed_heartbeats_mark_node_dead_and_drop_its_blocks():
+    coord, clock, logs = make("a", "b", dead_after_s=3.0)
+    serve(coord, logs, "a", HASHES)
+    clock.now += 2.0
+    coord.heartbeat("b", LOAD)
+    clock.now += 2.0  # a: 4 s silent; b: 2 s
+    assert coord.reap() == ["a"]
+    assert coord.index.match(HASHES) == {}
+    assert route(coord).node_id == "b"
+    assert {n["node_id"]: n["status"] for n in coord.nodes()} == {"a": "dead", "b": "alive"}
+
+
+def test_node_failure_report_stops_routing_at_once():
+    coord, clock, logs = make("a", "b")
+    serve(coord, logs, "a", HASHES)
+    assert coord.node_failed("a", "actor died")
+    assert not coord.node_failed("a", "actor died")
+    assert route(coord).node_id == "b"
+    assert coord.kv_events("a", []) is True  # ignored, not a snapshot request
+
+
+def test_dead_node_heartbeat_is_told_to_register_again_and_rejoins_empty():
+    coord, clock, logs = make("a", "b")
+    serve(coord, logs, "a", HASHES)
+    coord.node_failed("a")
+    assert coord.heartbeat("a", LOAD)["known"] is False
+    coord.register_node("a", {"model": "demo", "block_size": BS})
+    coord.kv_snapshot("a", 0, [])
+    assert coord.index.match(HASHES) == {}
+    assert [n["status"] for n in coord.nodes() if n["node_id"] == "a"] == ["alive"]
+
+
+def test_exclude_skips_a_node_a_resumed_request_just_lost():
+    coord, clock, logs = make("a", "b")
+    serve(coord, logs, "a", HASHES)
+    assert route(coord, exclude=["a"]).node_id == "b"
+
+
+def test_drain_stops_new_work_and_heartbeat_says_so():
+    coord, clock, logs = make("a", "b")
+    serve(coord, logs, "a", HASHES)
+    assert coord.drain("a")["status"] == "draining"
+    assert coord.heartbeat("a", LOAD)["draining"] is True
+    assert {route(coord).node_id for _ in range(5)} == {"b"}
+    coord.undrain("a")
+    assert route(coord).node_id == "a"
+
+
+def test_no_node_for_model_raises():
+    coord, clock, logs = make("a")
+    with pytest.raises(NoNodeAvailable):
+        coord.route("other-model", HASHES, len(PROMPT), BS)
+
+
+def test_restarted_coordinator_rebuilds_index_from_snapshots():
+    coord, clock, logs = make("a", "b")
+    serve(coord, logs, "b", HASHES)
+    fresh = Coordinator()
+    # Nodes learn of the restart from their next heartbeat, then register and send a snapshot.
+    assert fresh.heartbeat("b", LOAD) == {"known": False, "snapshot": False, "draining": False}
+    for node_id in ("a", "b"):
+        fresh.register_node(node_id, {"model": "demo", "block_size": BS})
+        blocks = [(h, MEMORY) for h in HASHES] if node_id == "b" else []
+        fresh.kv_snapshot(node_id, logs[node_id].next_seq, blocks)
+        fresh.heartbeat(node_id, LOAD)
+    decision = fresh.route("demo", HASHES, len(PROMPT), BS)
+    assert (decision.node_id, decision.cached_blocks) == ("b", len(HASHES))
+
+
+def test_cluster_info_reports_nodes_index_and_routing_totals():
+    coord, clock, logs = make("a", "b")
+    serve(coord, logs, "a", HASHES)
+    route(coord)
+    info = coord.cluster_info()
+    assert info["policy"] == "prefix"
+    assert info["models"] == ["demo"]
+    assert info["index"]["blocks"] == len(HASHES)
+    assert info["routing"]["requests"] == 1
+    assert info["routing"]["routed_hit_rate"] == pytest.approx(1.0)
+    assert [d["node_id"] for d in info["recent_decisions"]] == ["a"]
+    assert {n["node_id"]: n["indexed_blocks"] for n in info["nodes"]} == {"a": len(HASHES), "b": 0}
+
+
+def test_set_policy_switches_router():
+    coord, clock, logs = make("a", "b")
+    serve(coord, logs, "b", HASHES)
+    coord.set_policy("round_robin")
+    assert [route(coord).node_id for _ in range(2)] == ["a", "b"]
