@@ -1,0 +1,113 @@
+"""The KV block pool: one K and one V array per layer, holding every block of one model.
+
+One large array per layer rather than one per block, because Metal caps how many
+buffers a process may hold and the attention kernels index blocks through a table.
+Block 0 is the null block that padded block-table entries point at; nothing here ever
+writes it, so it stays zero.
+
+The engine swaps `keys[l]` / `values[l]` for the arrays a forward pass returns, so
+nothing outside this object may keep a reference to them: a stale reference would
+both read old KV and stop MLX from updating the buffer in place.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from kvcache.geometry import KVGeometry
+
+NULL_BLOCK = 0
+
+MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+class KVPool:
+    """Per-layer K and V arrays of shape `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+
+    def __init__(self, geometry: KVGeometry, num_blocks: int):
+        if num_blocks < 2:
+            raise ValueError(f"a pool needs the null block and at least one more, got num_blocks={num_blocks}")
+        self.geometry = geometry
+        self.num_blocks = num_blocks
+        shape = (num_blocks, *geometry.block_shape)
+        dtype = MX_DTYPES[geometry.dtype]
+        self.keys: list[mx.array] = [mx.zeros(shape, dtype=dtype) for _ in range(geometry.num_layers)]
+        self.values: list[mx.array] = [mx.zeros(shape, dtype=dtype) for _ in range(geometry.num_layers)]
+        mx.eval(*self.keys, *self.values)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the pool's arrays hold, null block included."""
+        return self.num_blocks * self.geometry.bytes_per_block
+
+    def read_blocks(self, block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """K and V of `block_ids`, each `[num_layers, n, block_size, heads, head_dim]`, in storage dtype."""
+        index = self._index(block_ids)
+        keys = mx.stack([layer[index] for layer in self.keys])
+        values = mx.stack([layer[index] for layer in self.values])
+        return self._to_numpy(keys), self._to_numpy(values)
+
+    def write_blocks(self, block_ids: Sequence[int], keys_np: np.ndarray, values_np: np.ndarray) -> None:
+        """Store K and V (as `read_blocks` returns them) into `block_ids`, bit for bit."""
+        index = self._index(self._checked_targets(block_ids))
+        self._check_payload("keys", keys_np, len(block_ids))
+        self._check_payload("values", values_np, len(block_ids))
+        for layer in range(self.geometry.num_layers):
+            self.keys[layer] = self._assign(self.keys[layer], index, self._to_mlx(keys_np[layer]))
+            self.values[layer] = self._assign(self.values[layer], index, self._to_mlx(values_np[layer]))
+        mx.eval(*self.keys, *self.values)
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy each `(src, dst)` block in every layer; all sources are read before any write."""
+        if not pairs:
+            return
+        sources = self._index([src for src, _ in pairs])
+        targets = self._index(self._checked_targets([dst for _, dst in pairs]))
+        for layer in range(self.geometry.num_layers):
+            self.keys[layer] = self._assign(self.keys[layer], targets, self.keys[layer][sources])
+            self.values[layer] = self._assign(self.values[layer], targets, self.values[layer][sources])
+        mx.eval(*self.keys, *self.values)
+
+    @staticmethod
+    def _assign(layer: mx.array, index: mx.array, blocks: mx.array) -> mx.array:
+        # Index assignment lets MLX scatter into the existing buffer when nothing else holds it.
+        layer[index] = blocks
+        return layer
+
+    def _index(self, block_ids: Sequence[int]) -> mx.array:
+        ids = [int(b) for b in block_ids]
+        bad = [b for b in ids if not 0 <= b < self.num_blocks]
+        if bad:
+            raise ValueError(f"block ids {bad} outside the pool of {self.num_blocks} blocks")
+        return mx.array(ids, dtype=mx.int32)
+
+    @staticmethod
+    def _checked_targets(block_ids: Sequence[int]) -> list[int]:
+        ids = [int(b) for b in block_ids]
+        if NULL_BLOCK in ids:
+            raise ValueError("block 0 is the null block and is never written")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"a write names the same block twice: {ids}")
+        return ids
+
+    def _check_payload(self, name: str, array: np.ndarray, n: int) -> None:
+        g = self.geometry
+        expected = (g.num_layers, n, *g.block_shape)
+        if array.shape != expected:
+            raise ValueError(f"{name} has shape {array.shape}, expected {expected}")
+        if array.dtype != g.numpy_storage_dtype:
+            raise ValueError(f"{name} has dtype {array.dtype}, expected {g.numpy_storage_dtype}")
+
+    def _to_numpy(self, array: mx.array) -> np.ndarray:
+        if self.geometry.dtype == "bfloat16":
+            array = array.view(mx.uint16)
+        return np.array(array, copy=True)
+
+    def _to_mlx(self, array: np.ndarray) -> mx.array:
+        converted = mx.array(np.ascontiguousarray(array))
+        if self.geometry.dtype == "bfloat16":
+            converted = converted.view(mx.bfloat16)
+        return converted

@@ -1,0 +1,156 @@
+"""The block wire format: how KV blocks travel between nodes and into files.
+
+One msgpack map, keys in a fixed order: format tag, format version, the sender's full
+geometry, the blocks (hash, parent hash, token ids, K bytes, V bytes for every layer),
+and last a 16-byte xxh3_128 checksum. The checksum covers every byte of the payload
+before its own 16 bytes, so it is verified on the raw bytes before anything is
+unpacked or trusted. A decoder that finds anything unexpected raises and hands back
+nothing: a payload is imported whole or not at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+import xxhash
+
+from kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
+from kvcache.geometry import KVGeometry
+
+FORMAT_TAG = "mlx-orchard/kv-blocks"
+FORMAT_VERSION = 1
+CHECKSUM_SIZE = 16
+
+
+@dataclass
+class KVBlockData:
+    """One block's KV for every layer; `keys`/`values` are `[num_layers, block_size, heads, head_dim]`."""
+
+    block_hash: bytes
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+    keys: np.ndarray
+    values: np.ndarray
+
+
+def block_array_shape(geometry: KVGeometry) -> tuple[int, ...]:
+    """Shape of one block's K (or V) across all layers."""
+    return (geometry.num_layers, *geometry.block_shape)
+
+
+def wire_dtype(geometry: KVGeometry) -> np.dtype:
+    """The storage dtype, pinned little-endian so bytes mean the same on every machine."""
+    return geometry.numpy_storage_dtype.newbyteorder("<")
+
+
+def encode_blocks(geometry: KVGeometry, blocks: list[KVBlockData]) -> bytes:
+    """Serialize `blocks` of a model with `geometry` into one self-describing payload."""
+    envelope = {
+        "format": FORMAT_TAG,
+        "version": FORMAT_VERSION,
+        "geometry": geometry.to_dict(),
+        "blocks": [_encode_block(geometry, block) for block in blocks],
+        "checksum": bytes(CHECKSUM_SIZE),
+    }
+    payload = bytearray(msgpack.packb(envelope, use_bin_type=True))
+    payload[-CHECKSUM_SIZE:] = _checksum(payload)
+    return bytes(payload)
+
+
+def decode_blocks(payload: bytes, expected: KVGeometry) -> list[KVBlockData]:
+    """Blocks of `payload` if it was made for `expected`; arrays are read-only views of its bytes."""
+    envelope = _unpack(payload)
+    _check_version(envelope)
+    if envelope.get("checksum") != bytes(memoryview(payload)[-CHECKSUM_SIZE:]) or _checksum(payload) != envelope["checksum"]:
+        raise CorruptKVPayload("KV payload checksum mismatch: the bytes were damaged on the way")
+    _check_geometry(envelope.get("geometry"), expected)
+    raw_blocks = envelope.get("blocks")
+    if not isinstance(raw_blocks, list):
+        raise CorruptKVPayload("KV payload has no block list")
+    return [_decode_block(expected, raw, i) for i, raw in enumerate(raw_blocks)]
+
+
+def _checksum(payload) -> bytes:
+    return xxhash.xxh3_128_digest(memoryview(payload)[:-CHECKSUM_SIZE])
+
+
+def _encode_block(geometry: KVGeometry, block: KVBlockData) -> dict:
+    if not 0 < len(block.token_ids) <= geometry.block_size:
+        raise ValueError(f"a block holds 1..{geometry.block_size} tokens, got {len(block.token_ids)}")
+    return {
+        "hash": bytes(block.block_hash),
+        "parent": None if block.parent_hash is None else bytes(block.parent_hash),
+        "tokens": [int(t) for t in block.token_ids],
+        "k": _array_bytes(geometry, "keys", block.keys),
+        "v": _array_bytes(geometry, "values", block.values),
+    }
+
+
+def _array_bytes(geometry: KVGeometry, name: str, array: np.ndarray) -> memoryview:
+    if array.shape != block_array_shape(geometry):
+        raise ValueError(f"block {name} have shape {array.shape}, expected {block_array_shape(geometry)}")
+    if array.dtype != geometry.numpy_storage_dtype:
+        raise ValueError(f"block {name} have dtype {array.dtype}, expected {geometry.numpy_storage_dtype}")
+    contiguous = np.ascontiguousarray(array, dtype=wire_dtype(geometry))
+    return memoryview(contiguous).cast("B")
+
+
+def _unpack(payload: bytes) -> dict:
+    if len(payload) <= CHECKSUM_SIZE:
+        raise CorruptKVPayload(f"KV payload of {len(payload)} bytes is too short to hold anything")
+    try:
+        envelope = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as err:
+        raise CorruptKVPayload(f"KV payload is not a whole msgpack envelope ({type(err).__name__}: {err})") from err
+    if not isinstance(envelope, dict) or envelope.get("format") != FORMAT_TAG:
+        raise CorruptKVPayload("bytes are not a KV block payload (no format tag)")
+    return envelope
+
+
+def _check_version(envelope: dict) -> None:
+    version = envelope.get("version")
+    if version != FORMAT_VERSION:
+        raise IncompatibleKVPayload(f"KV payload format version: expected {FORMAT_VERSION}, got {version!r}")
+
+
+def _check_geometry(raw: object, expected: KVGeometry) -> None:
+    try:
+        theirs = KVGeometry.from_dict(raw)
+    except (KeyError, TypeError, ValueError) as err:
+        raise IncompatibleKVPayload(f"KV payload geometry is unreadable: {err}") from err
+    difference = expected.mismatch(theirs)
+    if difference is not None:
+        raise IncompatibleKVPayload(f"KV payload is for another model or layout: {difference}")
+
+
+def _decode_block(geometry: KVGeometry, raw: object, index: int) -> KVBlockData:
+    if not isinstance(raw, dict):
+        raise CorruptKVPayload(f"block {index} is not a map")
+    tokens, block_hash, parent = raw.get("tokens"), raw.get("hash"), raw.get("parent")
+    if not isinstance(tokens, list) or not 0 < len(tokens) <= geometry.block_size:
+        raise CorruptKVPayload(f"block {index} token count: expected 1..{geometry.block_size}, got {_length(tokens)}")
+    if not all(type(t) is int and t >= 0 for t in tokens):
+        raise CorruptKVPayload(f"block {index} token ids are not all non-negative integers")
+    if not isinstance(block_hash, bytes) or not (parent is None or isinstance(parent, bytes)):
+        raise CorruptKVPayload(f"block {index} hash or parent hash is not bytes")
+    return KVBlockData(
+        block_hash=block_hash,
+        parent_hash=parent,
+        token_ids=tuple(tokens),
+        keys=_array_view(geometry, raw.get("k"), index, "K"),
+        values=_array_view(geometry, raw.get("v"), index, "V"),
+    )
+
+
+def _array_view(geometry: KVGeometry, data: object, index: int, name: str) -> np.ndarray:
+    expected = geometry.num_layers * geometry.bytes_per_block_layer
+    if not isinstance(data, bytes) or len(data) != expected:
+        raise CorruptKVPayload(f"block {index} {name} bytes: expected {expected}, got {_length(data)}")
+    view = np.frombuffer(data, dtype=wire_dtype(geometry)).reshape(block_array_shape(geometry))
+    return view.view(geometry.numpy_storage_dtype)
+
+
+def _length(value: object) -> object:
+    return len(value) if hasattr(value, "__len__") else type(value).__name__

@@ -1,0 +1,121 @@
+"""The pool stores and returns KV bit for bit, copies blocks across every layer, and never writes block 0."""
+
+import numpy as np
+import pytest
+
+from kvcache.geometry import KVGeometry
+from kvcache.pool import KVPool
+
+DTYPES = ["float32", "float16", "bfloat16"]
+
+
+def tiny_geometry(dtype: str) -> KVGeometry:
+    return KVGeometry("tiny-model", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=dtype)
+
+
+def random_blocks(geometry: KVGeometry, n: int, seed: int) -> np.ndarray:
+    """Arbitrary bit patterns (NaN payloads included) in the storage dtype, `[layers, n, block, heads, dim]`."""
+    rng = np.random.default_rng(seed)
+    shape = (geometry.num_layers, n, *geometry.block_shape)
+    unsigned = np.dtype(f"uint{8 * geometry.itemsize}")
+    bits = rng.integers(0, np.iinfo(unsigned).max, size=shape, dtype=unsigned, endpoint=True)
+    return bits.view(geometry.numpy_storage_dtype)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_then_read_returns_identical_bits(dtype):
+    geometry = tiny_geometry(dtype)
+    pool = KVPool(geometry, num_blocks=6)
+    keys, values = random_blocks(geometry, 3, seed=1), random_blocks(geometry, 3, seed=2)
+    pool.write_blocks([4, 1, 5], keys, values)
+    got_keys, got_values = pool.read_blocks([4, 1, 5])
+    assert got_keys.dtype == geometry.numpy_storage_dtype
+    assert same_bits(got_keys, keys) and same_bits(got_values, values)
+    # Reading in another order returns the blocks in that order.
+    reordered_keys, _ = pool.read_blocks([5, 4])
+    assert same_bits(reordered_keys, keys[:, [2, 0]])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pool_arrays_have_the_layout_and_dtype_of_the_geometry(dtype):
+    geometry = tiny_geometry(dtype)
+    pool = KVPool(geometry, num_blocks=3)
+    assert len(pool.keys) == len(pool.values) == 2
+    assert pool.keys[0].shape == (3, 4, 2, 8)
+    assert str(pool.values[1].dtype) == f"mlx.core.{dtype}"
+    assert pool.nbytes == 3 * 2 * 2 * 4 * 2 * 8 * geometry.itemsize
+
+
+def test_untouched_blocks_stay_zero_after_a_write():
+    geometry = tiny_geometry("float32")
+    pool = KVPool(geometry, num_blocks=4)
+    pool.write_blocks([2], random_blocks(geometry, 1, 3), random_blocks(geometry, 1, 4))
+    keys, values = pool.read_blocks([0, 1, 3])
+    assert not keys.any() and not values.any()
+
+
+def test_copy_blocks_copies_every_layer_and_leaves_the_source():
+    geometry = tiny_geometry("bfloat16")
+    pool = KVPool(geometry, num_blocks=6)
+    keys, values = random_blocks(geometry, 2, 5), random_blocks(geometry, 2, 6)
+    pool.write_blocks([1, 2], keys, values)
+    pool.copy_blocks([(1, 3), (2, 4)])
+    got_keys, got_values = pool.read_blocks([3, 4, 1, 2])
+    assert same_bits(got_keys, np.concatenate([keys, keys], axis=1))
+    assert same_bits(got_values, np.concatenate([values, values], axis=1))
+
+
+def test_copy_blocks_reads_all_sources_before_writing():
+    geometry = tiny_geometry("float16")
+    pool = KVPool(geometry, num_blocks=4)
+    keys, values = random_blocks(geometry, 2, 7), random_blocks(geometry, 2, 8)
+    pool.write_blocks([1, 2], keys, values)
+    pool.copy_blocks([(1, 2), (2, 3)])  # block 2 is both a target and a source
+    got_keys, _ = pool.read_blocks([2, 3])
+    assert same_bits(got_keys, keys)
+
+
+def test_write_to_the_null_block_is_refused_and_changes_nothing():
+    geometry = tiny_geometry("float32")
+    pool = KVPool(geometry, num_blocks=3)
+    with pytest.raises(ValueError, match="null block"):
+        pool.write_blocks([1, 0], random_blocks(geometry, 2, 9), random_blocks(geometry, 2, 10))
+    with pytest.raises(ValueError, match="null block"):
+        pool.copy_blocks([(1, 0)])
+    keys, _ = pool.read_blocks([0, 1])
+    assert not keys.any()
+
+
+def test_write_rejects_wrong_shape_dtype_and_out_of_range_ids():
+    geometry = tiny_geometry("float16")
+    pool = KVPool(geometry, num_blocks=3)
+    good = random_blocks(geometry, 1, 11)
+    with pytest.raises(ValueError, match="shape"):
+        pool.write_blocks([1, 2], good, good)
+    with pytest.raises(ValueError, match="dtype"):
+        pool.write_blocks([1], good.astype(np.float32), good)
+    with pytest.raises(ValueError, match="outside the pool"):
+        pool.write_blocks([3], good, good)
+    with pytest.raises(ValueError, match="same block twice"):
+        pool.write_blocks([1, 1], random_blocks(geometry, 2, 12), random_blocks(geometry, 2, 13))
+
+
+def test_a_pool_needs_more_than_the_null_block():
+    with pytest.raises(ValueError, match="at least one more"):
+        KVPool(tiny_geometry("float32"), num_blocks=1)
+
+
+def test_writes_land_in_arrays_the_engine_swapped_in():
+    """The engine replaces pool.keys[l] after a forward pass; writes must go to the new array."""
+    import mlx.core as mx
+
+    geometry = tiny_geometry("float32")
+    pool = KVPool(geometry, num_blocks=3)
+    pool.keys[0] = mx.ones_like(pool.keys[0])
+    pool.write_blocks([2], random_blocks(geometry, 1, 14), random_blocks(geometry, 1, 15))
+    keys, _ = pool.read_blocks([1])
+    assert (keys[0] == 1).all() and not keys[1].any()
