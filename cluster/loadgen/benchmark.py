@@ -1,0 +1,74 @@
+"""`bench serve` end to end: resolve the model, run each concurrency level, build the result.
+
+A sweep repeats the same seeded workload at each concurrency cap, so the levels differ
+only in load. The result is a plain JSON-ready dict (see `report.result_document`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+
+import httpx
+from rich.console import Console
+
+from cluster.loadgen.client import EndpointConfig, StreamClient
+from cluster.loadgen.datasets import DatasetConfig, conversations
+from cluster.loadgen.metrics import SLO
+from cluster.loadgen.progress import RequestProgress
+from cluster.loadgen.prompts import prompt_source
+from cluster.loadgen.report import result_document
+from cluster.loadgen.runner import LoadConfig, RunResult, run_load
+
+
+@dataclass(frozen=True)
+class ServeBenchConfig:
+    """Everything one `bench serve` invocation needs."""
+
+    endpoint: EndpointConfig
+    dataset: DatasetConfig
+    load: LoadConfig
+    tokenizer: str | None = None
+    slo: SLO | None = None
+    sweep_concurrency: tuple[int, ...] = ()
+    progress: bool = True
+    save_text: bool = False
+
+    @property
+    def levels(self) -> tuple[int | None, ...]:
+        return self.sweep_concurrency or (self.load.max_concurrency,)
+
+
+def run_bench(cfg: ServeBenchConfig, console: Console | None = None) -> dict:
+    """Run the benchmark and return its result document."""
+    return asyncio.run(run_bench_async(cfg, console))
+
+
+async def run_bench_async(cfg: ServeBenchConfig, console: Console | None = None) -> dict:
+    source = prompt_source(cfg.tokenizer)
+    timeout = httpx.Timeout(cfg.endpoint.timeout_s, connect=30.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+        endpoint = await resolve_model(http, cfg.endpoint)
+        client = StreamClient(endpoint, http)
+        runs: list[RunResult] = []
+        for level in cfg.levels:
+            load = replace(cfg.load, max_concurrency=level)
+            convs = conversations(cfg.dataset, source, load.request_budget)
+            label = f"concurrency {level or 'unbounded'}"
+            with RequestProgress(load.num_prompts, label, cfg.progress, console) as bar:
+                runs.append(await run_load(convs, client, load, bar.done))
+    return result_document(cfg, endpoint, source, runs)
+
+
+async def resolve_model(http: httpx.AsyncClient, endpoint: EndpointConfig) -> EndpointConfig:
+    """Fill in the model from /v1/models when none was given; leave it out if that fails."""
+    if endpoint.model:
+        return endpoint
+    url = endpoint.base_url.rstrip("/") + "/v1/models"
+    try:
+        resp = await http.get(url, headers=endpoint.headers())
+        models = resp.json().get("data") or [] if resp.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        models = []
+    return replace(endpoint, model=models[0]["id"]) if models else endpoint

@@ -1,0 +1,21 @@
+"""Result documents built from hand-made records through the real report code."""
+
+from __future__ import annotations
+
+from cluster.loadgen.benchmark import ServeBenchConfig
+from cluster.loadgen.client import EndpointConfig
+from cluster.loadgen.datasets import DatasetConfig
+from cluster.loadgen.metrics import SLO
+from cluster.loadgen.prompts import WordPrompts
+from cluster.loadgen.report import result_document
+from cluster.loadgen.runner import LoadConfig, RunResult
+from tests.loadgen.records import record
+
+
+def document(levels=(None,), ttft=0.1, gap=0.02, n=4, duration_s=2.0, base_url="http://a"):
+    """One run per level: `n` records of TTFT `ttft` and two gaps of `gap` (3 tokens each)."""
+    cfg = ServeBenchConfig(EndpointConfig(base_url, "m"), DatasetConfig(), LoadConfig(num_prompts=n),
+                           slo=SLO(ttft_ms=1000), sweep_concurrency=tuple(x for x in levels if x))
+    runs = [RunResult([record(ttft=ttft * (1 + i / 10), itl=(gap, gap), conv=i) for i in range(n)],
+                      duration_s, level) for level in levels]
+    return result_document(cfg, cfg.endpoint, WordPrompts(), runs)
