@@ -1,0 +1,90 @@
+"""Which attention backend runs: Metal on a Mac, CUDA where MLX drives an NVIDIA GPU, else the reference.
+
+An argument beats the environment variable, which beats the device's default, so a test
+or a benchmark can pin a backend without touching the engine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import mlx.core as mx
+import numpy as np
+
+from kernels import reference
+from kernels.errors import BackendUnavailable, UnknownBackend
+from kernels.reference import DecodeFn
+
+ENV_VAR = "ORCHARD_ATTENTION_BACKEND"
+BACKENDS = ("reference", "metal", "cuda")
+
+
+def metal_available() -> bool:
+    return mx.metal.is_available()
+
+
+def cuda_available() -> bool:
+    return hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+def available_backends() -> list[str]:
+    """Backends that can run here, best first; "reference" is always last and always present."""
+    found = [name for name, ok in (("metal", metal_available()), ("cuda", cuda_available())) if ok]
+    return found + ["reference"]
+
+
+def default_backend() -> str:
+    """The environment's choice when it names one, else the best backend this machine has."""
+    requested = os.environ.get(ENV_VAR, "").strip().lower()
+    if requested:
+        return _checked(requested)
+    return available_backends()[0]
+
+
+def resolve_backend(name: str | None) -> str:
+    return default_backend() if name is None else _checked(name.strip().lower())
+
+
+def _checked(name: str) -> str:
+    if name not in BACKENDS:
+        raise UnknownBackend(f"unknown attention backend {name!r}; expected one of {BACKENDS}")
+    if name not in available_backends():
+        raise BackendUnavailable(f"attention backend {name!r} cannot run here; available: {available_backends()}")
+    return name
+
+
+def decode_function(name: str) -> DecodeFn:
+    """The decode implementation of a resolved backend; kernel modules load only when asked for."""
+    if name == "metal":
+        from kernels import metal
+
+        return metal.paged_decode
+    if name == "cuda":
+        from kernels import cuda
+
+        return cuda.paged_decode
+    return _reference_decode
+
+
+def _reference_decode(queries, key_cache, value_cache, block_tables, context_lens, scale):
+    return reference.paged_decode_reference(
+        queries, key_cache, value_cache,
+        reference.as_host_ints(block_tables, "block_tables"),
+        reference.as_host_ints(context_lens, "context_lens"),
+        scale,
+    )
+
+
+def checked_decode_metadata(queries: mx.array, key_cache: mx.array, block_tables, context_lens):
+    """Host metadata is checked value by value; device arrays only by shape, to avoid a sync per step."""
+    if isinstance(block_tables, mx.array) and isinstance(context_lens, mx.array):
+        reference.check_decode_metadata(
+            queries, key_cache,
+            np.zeros(block_tables.shape, dtype=np.int32),
+            np.ones(context_lens.shape, dtype=np.int32),
+        )
+        return block_tables, context_lens
+    tables = reference.as_host_ints(block_tables, "block_tables")
+    lengths = reference.as_host_ints(context_lens, "context_lens")
+    reference.check_decode_metadata(queries, key_cache, tables, lengths)
+    return tables, lengths

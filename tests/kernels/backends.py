@@ -1,0 +1,20 @@
+"""Backend parameters for the shared correctness grid: each compiled backend skips, with its reason, where it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+
+from kernels.dispatch import cuda_available, metal_available
+
+REFERENCE = pytest.param("reference", id="reference")
+METAL = pytest.param(
+    "metal",
+    id="metal",
+    marks=[pytest.mark.metal, pytest.mark.skipif(not metal_available(), reason="Metal kernels need an Apple GPU (macOS)")],
+)
+CUDA = pytest.param(
+    "cuda",
+    id="cuda",
+    marks=[pytest.mark.cuda, pytest.mark.skipif(not cuda_available(), reason="MLX has no CUDA device here")],
+)
+ALL_BACKENDS = [REFERENCE, METAL, CUDA]
