@@ -1,0 +1,236 @@
+"""The paged forward pass: mlx-lm's own model classes, with KV and attention going through the pool.
+
+One engine step is one packed row `[1, total_tokens]`: decode tokens (one per sequence)
+and prefill chunks of other sequences side by side, no padding. mlx-lm's model code is
+left as it is; three seams make it paged:
+
+- each layer gets a `PagedLayerCache`, which mlx-lm treats as its KV cache: its
+  `update_and_fetch` scatters the step's K/V into the pool (`kernels.write_kv`), its
+  `offset` carries per-token positions, its `make_mask` returns None (the kernel
+  applies causality per sequence);
+- each attention module's rope is wrapped (`node.positions`) to honour those positions;
+- the model module's `scaled_dot_product_attention` is replaced by one that runs
+  `kernels.paged_prefill_attention` for a paged cache and defers to the original for
+  any other cache, so `mlx_lm.generate` still works on the same model object.
+
+Metadata arrays are built once per step and shared by every layer through `StepContext`.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+import kernels
+from node.models import LoadedModel
+from node.positions import PackedPositions, install_positional_rope
+
+_PAGED_MARK = "_orchard_paged_attention"
+
+
+class InvalidStep(ValueError):
+    """Step metadata that disagrees with itself (lengths, offsets, shapes)."""
+
+
+@dataclass
+class StepInput:
+    """What the scheduler hands the model for one step; plain lists or numpy arrays.
+
+    Sequence s owns tokens `query_start_loc[s]:query_start_loc[s+1]` of `token_ids`; after
+    this step it holds `context_lens[s]` tokens of KV. `slot_mapping[i]` is the pool slot
+    (`block_id * block_size + offset`) where token i's K/V goes. `block_tables` rows are
+    padded with block 0 (the null block) to a common width.
+    """
+
+    token_ids: Sequence[int]
+    positions: Sequence[int]
+    slot_mapping: Sequence[int]
+    block_tables: Any  # [S, max_blocks]
+    query_start_loc: Sequence[int]
+    context_lens: Sequence[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+
+@dataclass(frozen=True)
+class SequenceChunk:
+    """New tokens of one sequence for a step: they sit at positions `start`, `start + 1`, ..."""
+
+    token_ids: Sequence[int]
+    start: int
+    block_table: Sequence[int]
+
+
+def pad_block_tables(tables: Sequence[Sequence[int]]) -> np.ndarray:
+    """Ragged block tables as one int32 `[S, max_blocks]` array padded with the null block 0."""
+    width = max((len(t) for t in tables), default=0)
+    out = np.zeros((len(tables), max(width, 1)), dtype=np.int32)
+    for row, table in enumerate(tables):
+        out[row, : len(table)] = table
+    return out
+
+
+def pack_step(chunks: Sequence[SequenceChunk], block_size: int) -> StepInput:
+    """Lay several sequences' new tokens side by side and derive positions and slots."""
+    token_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    starts = [0]
+    for chunk in chunks:
+        table = np.asarray(chunk.block_table, dtype=np.int64)
+        pos = np.arange(chunk.start, chunk.start + len(chunk.token_ids))
+        if len(pos) and pos[-1] >= len(table) * block_size:
+            raise InvalidStep(f"position {pos[-1]} lies beyond the {len(table)} blocks of the sequence")
+        token_ids.extend(int(t) for t in chunk.token_ids)
+        positions.extend(pos.tolist())
+        slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
+        starts.append(starts[-1] + len(chunk.token_ids))
+    return StepInput(
+        token_ids=token_ids,
+        positions=positions,
+        slot_mapping=slots,
+        block_tables=pad_block_tables([c.block_table for c in chunks]),
+        query_start_loc=starts,
+        context_lens=[c.start + len(c.token_ids) for c in chunks],
+    )
+
+
+@dataclass
+class StepContext:
+    """A step's metadata, built once and read by every layer: device arrays for the
+    per-token ops, host arrays for the kernel's planning."""
+
+    pool: Any  # KVPool-like: `keys` / `values` lists of per-layer arrays
+    positions: PackedPositions
+    slot_mapping: mx.array
+    block_tables: np.ndarray
+    query_start_loc: np.ndarray
+    context_lens: np.ndarray
+    backend: str | None = None
+
+    @classmethod
+    def build(cls, step: StepInput, pool: Any, backend: str | None = None) -> "StepContext":
+        starts = np.asarray(step.query_start_loc, dtype=np.int32)
+        lengths = np.asarray(step.context_lens, dtype=np.int32)
+        tables = np.asarray(step.block_tables, dtype=np.int32)
+        _check_step(step, starts, lengths, tables)
+        return cls(
+            pool=pool,
+            positions=PackedPositions(mx.array(np.asarray(step.positions, dtype=np.int32))),
+            slot_mapping=mx.array(np.asarray(step.slot_mapping, dtype=np.int32)),
+            block_tables=tables,
+            query_start_loc=starts,
+            context_lens=lengths,
+            backend=backend,
+        )
+
+
+def _check_step(step: StepInput, starts: np.ndarray, lengths: np.ndarray, tables: np.ndarray) -> None:
+    """Cheap shape checks; the kernel checks values against the pool."""
+    n = step.num_tokens
+    if len(step.positions) != n or len(step.slot_mapping) != n:
+        raise InvalidStep(f"{n} tokens but {len(step.positions)} positions and {len(step.slot_mapping)} slots")
+    if starts.shape != (step.num_seqs + 1,) or starts[0] != 0 or starts[-1] != n:
+        raise InvalidStep(f"query_start_loc must rise from 0 to {n} over {step.num_seqs} sequences")
+    if (np.diff(starts) < 1).any():
+        raise InvalidStep("every sequence in a step needs at least one new token")
+    if tables.ndim != 2 or tables.shape[0] != step.num_seqs:
+        raise InvalidStep(f"block_tables must be [{step.num_seqs}, max_blocks], got {tables.shape}")
+
+
+class PagedLayerCache:
+    """What one layer of an mlx-lm model sees as its KV cache during a paged step."""
+
+    def __init__(self, layer: int, context: StepContext):
+        self.layer = layer
+        self.context = context
+
+    @property
+    def offset(self) -> PackedPositions:
+        return self.context.positions
+
+    def make_mask(self, *args, **kwargs) -> None:
+        return None  # causality per sequence is the attention kernel's job
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Scatter the step's K/V `[1, H_kv, T, D]` into the pool; attention reads the pool."""
+        pool, layer = self.context.pool, self.layer
+        pool.keys[layer], pool.values[layer] = kernels.write_kv(
+            pool.keys[layer], pool.values[layer],
+            keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2),
+            self.context.slot_mapping,
+        )
+        return keys, values
+
+    def attend(self, queries: mx.array, scale: float) -> mx.array:
+        """Queries `[1, H_q, T, D]` over each sequence's paged context, same layout back."""
+        ctx, layer = self.context, self.layer
+        out = kernels.paged_prefill_attention(
+            queries[0].transpose(1, 0, 2),
+            ctx.pool.keys[layer], ctx.pool.values[layer],
+            ctx.block_tables, ctx.query_start_loc, ctx.context_lens,
+            scale=scale, backend=ctx.backend,
+        )
+        return out.transpose(1, 0, 2)[None]
+
+
+def install_paged_attention(model) -> bool:
+    """Route the model module's attention call through the pool for paged caches; once per module."""
+    module = sys.modules[type(model).__module__]
+    original = module.scaled_dot_product_attention
+    if getattr(original, _PAGED_MARK, False):
+        return False
+
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, **kwargs):
+        if isinstance(cache, PagedLayerCache):
+            if kwargs.get("sinks") is not None:
+                raise NotImplementedError("attention sinks over a paged pool")
+            return cache.attend(queries, scale)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+
+    setattr(scaled_dot_product_attention, _PAGED_MARK, True)
+    module.scaled_dot_product_attention = scaled_dot_product_attention
+    return True
+
+
+def _lm_head(model):
+    if getattr(model.args, "tie_word_embeddings", False) or "lm_head" not in model:
+        return model.model.embed_tokens.as_linear
+    return model.lm_head
+
+
+class ModelRunner:
+    """Runs packed steps of one loaded model against a KV pool.
+
+    The pool is read when each step runs, so the engine may swap `runner.pool`; the pool's
+    per-layer arrays are replaced by every step (see `kvcache.pool`).
+    """
+
+    def __init__(self, loaded: LoadedModel, pool: Any, *, attention_backend: str | None = None):
+        self.loaded = loaded
+        self.pool = pool
+        self.attention_backend = attention_backend
+        install_positional_rope(loaded.model)
+        install_paged_attention(loaded.model)
+        self._head = _lm_head(loaded.model)
+        self._num_layers = len(loaded.model.layers)
+
+    def forward(self, step: StepInput) -> mx.array:
+        """Logits `[S, vocab]` for the last new token of each sequence (lazy; evaluating
+        them also materialises this step's KV writes)."""
+        context = StepContext.build(step, self.pool, self.attention_backend)
+        caches = [PagedLayerCache(layer, context) for layer in range(self._num_layers)]
+        tokens = mx.array(np.asarray(step.token_ids, dtype=np.int32))[None]
+        hidden = self.loaded.model.model(tokens, cache=caches)
+        last_rows = mx.array(context.query_start_loc[1:] - 1)
+        return self._head(hidden[0][last_rows])

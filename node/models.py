@@ -1,0 +1,196 @@
+"""Load a model with mlx-lm's own loader, refuse what the paged engine cannot serve, fingerprint it.
+
+The engine runs mlx-lm's model classes unchanged and only replaces their KV cache and
+attention call (see `node.model_adapter`). That works for architectures whose every layer
+is full causal attention over the whole context; anything with a sliding window, linear
+attention or state-space layers would silently compute something else over a paged pool,
+so it is refused here, at load, with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from kvcache.geometry import DTYPE_SIZES, KVGeometry
+
+#: model_type values (as written in config.json) whose mlx-lm classes the adapter drives.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+DEMO_MODEL_NAME = "orchard-demo"
+#: Used when a config states no maximum position.
+DEFAULT_MAX_CONTEXT = 4096
+#: How much of each end of a weight file goes into the fingerprint.
+FINGERPRINT_EDGE_BYTES = 1 << 20
+_FINGERPRINT_VERSION = b"orchard-model-fingerprint-v1"
+
+
+class UnsupportedModel(ValueError):
+    """The model's architecture or attention layout cannot run over the paged pool."""
+
+    def __init__(self, model_type: str, reason: str):
+        super().__init__(f"unsupported model (model_type={model_type!r}): {reason}")
+        self.model_type = model_type
+        self.reason = reason
+
+
+@dataclass
+class LoadedModel:
+    """A loaded mlx-lm model with everything the engine derives from it."""
+
+    name: str
+    path: Path
+    model: Any  # mlx_lm.models.<type>.Model
+    tokenizer: Any  # mlx_lm.tokenizer_utils.TokenizerWrapper
+    config: dict
+    model_type: str
+    fingerprint: str
+    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
+    max_context_length: int = DEFAULT_MAX_CONTEXT
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return int(self.model.layers[0].self_attn.n_kv_heads)
+
+    @property
+    def head_dim(self) -> int:
+        args = self.model.args
+        return int(getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
+
+    @property
+    def dtype(self) -> str:
+        """The activations' dtype: the final norm is never quantized, so its weight tells."""
+        return str(self.model.model.norm.weight.dtype).removeprefix("mlx.core.")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.args.vocab_size)
+
+    def geometry(self, block_size: int, dtype: str | None = None) -> KVGeometry:
+        """The KV pool layout for this model; the dtype follows the weights unless given."""
+        return KVGeometry(
+            model_fingerprint=self.fingerprint,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            block_size=block_size,
+            dtype=dtype or self.dtype,
+        )
+
+
+# ---------------------------------------------------------------- validation
+
+
+def unsupported_reason(config: dict) -> str | None:
+    """Why the paged engine cannot serve a model with this config, or None when it can."""
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"architecture not supported by the paged engine; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+    if config.get("model_file"):
+        return "custom model code (model_file) is not supported"
+    layer_types = set(config.get("layer_types") or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        return f"layer types {sorted(layer_types)} (only full attention pages correctly)"
+    return _sliding_window_reason(config)
+
+
+def _sliding_window_reason(config: dict) -> str | None:
+    window = config.get("sliding_window")
+    if "use_sliding_window" in config:
+        # Qwen-style configs carry a window size that only applies when this flag is on.
+        return f"sliding-window attention (window {window})" if config["use_sliding_window"] else None
+    max_positions = config.get("max_position_embeddings")
+    if window is not None and (max_positions is None or window < max_positions):
+        return f"sliding-window attention (window {window} < max_position_embeddings {max_positions})"
+    return None
+
+
+def check_supported(config: dict) -> None:
+    if (reason := unsupported_reason(config)) is not None:
+        raise UnsupportedModel(str(config.get("model_type")), reason)
+
+
+# ---------------------------------------------------------------- fingerprint
+
+
+def model_fingerprint(path: Path) -> str:
+    """A stable id of a checkpoint that costs milliseconds even for many-GB weights.
+
+    Hashes config.json, the safetensors index when present, and per weight file its name,
+    size and first and last MiB. The first MiB holds the safetensors header (every tensor's
+    name, dtype, shape and offset) and the start of the data, the last MiB the end of the
+    data, so two checkpoints that differ in shape or in trained values differ here in
+    practice, while hashing every byte would add seconds to minutes per start. KV computed
+    by one fingerprint is never served under another (block hashes and the wire format
+    carry it).
+    """
+    digest = xxhash.xxh3_128(_FINGERPRINT_VERSION)
+    for name in ("config.json", "model.safetensors.index.json"):
+        if (path / name).exists():
+            digest.update(name.encode() + b"\0" + (path / name).read_bytes())
+    for weight_file in sorted(path.glob("model*.safetensors")):
+        digest.update(_edges_digest(weight_file))
+    return digest.hexdigest()
+
+
+def _edges_digest(weight_file: Path) -> bytes:
+    size = weight_file.stat().st_size
+    with weight_file.open("rb") as f:
+        head = f.read(FINGERPRINT_EDGE_BYTES)
+        f.seek(max(0, size - FINGERPRINT_EDGE_BYTES))
+        tail = f.read(FINGERPRINT_EDGE_BYTES)
+    return weight_file.name.encode() + b"\0" + str(size).encode() + b"\0" + xxhash.xxh3_128_digest(head + tail)
+
+
+# ---------------------------------------------------------------- loading
+
+
+def resolve_model_path(model: str | None) -> tuple[str, Path]:
+    """(served name, local folder): None means the demo model, created in the cache if missing."""
+    if model is None:
+        from node.demo_model import default_demo_model_path
+
+        return DEMO_MODEL_NAME, default_demo_model_path()
+    local = Path(model).expanduser()
+    if local.exists():
+        return model, local
+    from mlx_lm.utils import _download  # hub download with mlx-lm's own file patterns
+
+    return model, Path(_download(model))
+
+
+def read_config(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise FileNotFoundError(f"no config.json in {path}")
+    return json.loads(config_file.read_text(encoding="utf-8"))
+
+
+def load_model(model: str | None = None) -> LoadedModel:
+    """Load `model` (local path or hub id; None for the demo model) after checking it is servable."""
+    from mlx_lm.utils import load
+
+    name, path = resolve_model_path(model)
+    check_supported(read_config(path))
+    mlx_model, tokenizer, config = load(str(path), return_config=True)
+    dtype = str(mlx_model.model.norm.weight.dtype).removeprefix("mlx.core.")
+    if dtype not in DTYPE_SIZES:
+        raise UnsupportedModel(config["model_type"], f"activation dtype {dtype} has no KV pool layout")
+    return LoadedModel(
+        name=name,
+        path=path,
+        model=mlx_model,
+        tokenizer=tokenizer,
+        config=config,
+        model_type=config["model_type"],
+        fingerprint=model_fingerprint(path),
+        eos_token_ids=frozenset(int(t) for t in tokenizer.eos_token_ids),
+        max_context_length=int(getattr(mlx_model.args, "max_position_embeddings", None) or DEFAULT_MAX_CONTEXT),
+    )

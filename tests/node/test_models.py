@@ -1,0 +1,93 @@
+"""Loading: mlx-lm's loader, refusal of architectures the paged engine cannot serve, fingerprints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from node.demo_model import write_demo_model
+from node.models import DEMO_MODEL_NAME, UnsupportedModel, load_model, model_fingerprint, unsupported_reason
+from tests.node.tiny_models import TINY_CONFIGS, write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def demo_path(tmp_path_factory):
+    return write_demo_model(tmp_path_factory.mktemp("demo"))
+
+
+def write_config(folder, **config):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_no_model_means_the_demo_model_created_in_the_cache(monkeypatch, tmp_path, demo_path):
+    monkeypatch.setenv("ORCHARD_CACHE_DIR", str(tmp_path))
+    loaded = load_model(None)
+    assert loaded.name == DEMO_MODEL_NAME
+    assert loaded.path.parent == tmp_path
+    assert loaded.model_type == "llama"
+    assert loaded.fingerprint == model_fingerprint(demo_path)  # same bytes, same fingerprint
+    assert loaded.eos_token_ids == frozenset({0, 2})
+    assert loaded.max_context_length == 4096
+
+
+def test_geometry_follows_the_model_and_its_weights_dtype(demo_path):
+    loaded = load_model(str(demo_path))
+    geometry = loaded.geometry(16)
+    assert (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim) == (4, 2, 64)
+    assert (geometry.block_size, geometry.dtype) == (16, "float32")
+    assert geometry.model_fingerprint == loaded.fingerprint
+    assert loaded.geometry(8, dtype="bfloat16").dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("model_type,head_dim,kv_heads", [("qwen3", 32, 2), ("mistral", 16, 1), ("qwen2", 16, 2)])
+def test_supported_architectures_load_with_their_head_layout(model_type, head_dim, kv_heads, demo_path, tmp_path):
+    loaded = load_model(str(write_tiny_model(tmp_path / model_type, model_type, demo_path)))
+    assert loaded.model_type == model_type
+    geometry = loaded.geometry(4)
+    assert (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim) == (2, kv_heads, head_dim)
+    assert loaded.max_context_length == TINY_CONFIGS[model_type]["max_position_embeddings"]
+
+
+@pytest.mark.parametrize("config,named", [
+    ({"model_type": "mamba", "hidden_size": 64, "state_size": 16}, "mamba"),
+    ({"model_type": "gemma3_text", "sliding_window": 512}, "gemma3_text"),
+    ({"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}, "sliding-window"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, "sliding-window"),
+    ({"model_type": "llama", "layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
+    ({"model_type": "qwen3", "layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
+])
+def test_unsupported_models_fail_at_load_naming_type_and_reason(config, named, tmp_path):
+    # The folder holds no weights: refusal must come from the config, before any loading.
+    folder = write_config(tmp_path / "m", **config)
+    with pytest.raises(UnsupportedModel) as info:
+        load_model(str(folder))
+    message = str(info.value)
+    assert config["model_type"] in message and named in message
+    assert info.value.model_type == config["model_type"]
+
+
+def test_unused_sliding_window_fields_are_accepted():
+    assert unsupported_reason({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4096}) is None
+    assert unsupported_reason({"model_type": "mistral", "sliding_window": None}) is None
+    assert unsupported_reason({"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 4096}) is None
+
+
+def test_fingerprint_is_stable_across_copies_and_changes_with_config_or_weights(demo_path, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(demo_path, copy)
+    assert model_fingerprint(copy) == model_fingerprint(demo_path)
+    assert len(model_fingerprint(copy)) == 32
+
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps(dict(config, rms_norm_eps=1e-6)))
+    assert model_fingerprint(copy) != model_fingerprint(demo_path)
+
+    shutil.copy(demo_path / "config.json", copy / "config.json")
+    weights = bytearray((copy / "model.safetensors").read_bytes())
+    weights[-1] ^= 0x01  # one bit of the last tensor
+    (copy / "model.safetensors").write_bytes(bytes(weights))
+    assert model_fingerprint(copy) != model_fingerprint(demo_path)
