@@ -20,9 +20,13 @@ STATS = ("mean", "p50", "p90", "p99")
 
 @dataclass(frozen=True)
 class ComparisonRow:
-    """One metric at one concurrency level in both documents; ratio is b / a."""
+    """One metric at one concurrency level in both documents; ratio is b / a.
 
-    level: int | None
+    `level` names the concurrency cap ("unbounded" when none), or both caps ("1 vs 4")
+    when runs were paired by position.
+    """
+
+    level: str
     metric: str
     a: float | None
     b: float | None
@@ -38,7 +42,8 @@ class ComparisonRow:
 def compare_documents(a: dict, b: dict) -> list[ComparisonRow]:
     rows: list[ComparisonRow] = []
     for run_a, run_b in _paired_runs(a["runs"], b["runs"]):
-        rows.extend(_compare_summaries(run_a["max_concurrency"], run_a["summary"], run_b["summary"]))
+        level = _level_label(run_a["max_concurrency"], run_b["max_concurrency"])
+        rows.extend(_compare_summaries(level, run_a["summary"], run_b["summary"]))
     return rows
 
 
@@ -51,7 +56,12 @@ def _paired_runs(runs_a: list[dict], runs_b: list[dict]) -> list[tuple[dict, dic
     return list(zip(runs_a, runs_b))
 
 
-def _compare_summaries(level: int | None, sa: dict, sb: dict) -> list[ComparisonRow]:
+def _level_label(a: int | None, b: int | None) -> str:
+    name_a, name_b = (str(x) if x else "unbounded" for x in (a, b))
+    return name_a if name_a == name_b else f"{name_a} vs {name_b}"
+
+
+def _compare_summaries(level: str, sa: dict, sb: dict) -> list[ComparisonRow]:
     rows = [ComparisonRow(level, k, sa.get(k), sb.get(k), True) for k in THROUGHPUTS]
     rows += [ComparisonRow(level, k, sa.get(k), sb.get(k), None) for k in COUNTS]
     for key in LATENCIES:
@@ -68,7 +78,7 @@ def print_comparison(rows: list[ComparisonRow], name_a: str, name_b: str, consol
     for row in rows:
         if row.a is None and row.b is None:
             continue
-        table.add_row(str(row.level or "unbounded"), row.metric, _fmt(row.a), _fmt(row.b),
+        table.add_row(row.level, row.metric, _fmt(row.a), _fmt(row.b),
                       "-" if row.ratio is None else f"{row.ratio:.3f}x", _verdict(row))
     (console or Console()).print(table)
 

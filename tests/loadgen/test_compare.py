@@ -8,7 +8,7 @@ from cluster.loadgen.report import write_json
 from tests.loadgen.docs import document
 
 
-def rows_by_metric(rows, level=None):
+def rows_by_metric(rows, level="unbounded"):
     return {r.metric: r for r in rows if r.level == level}
 
 
@@ -37,8 +37,8 @@ def test_sweeps_are_paired_by_concurrency_level_not_position():
     b = document(levels=(4, 1), duration_s=2.0)
     b["runs"][0]["summary"]["output_throughput"] *= 3  # level 4 in B
     rows = compare_documents(a, b)
-    assert rows_by_metric(rows, 4)["output_throughput"].ratio == pytest.approx(3.0)
-    assert rows_by_metric(rows, 1)["output_throughput"].ratio == pytest.approx(1.0)
+    assert rows_by_metric(rows, "4")["output_throughput"].ratio == pytest.approx(3.0)
+    assert rows_by_metric(rows, "1")["output_throughput"].ratio == pytest.approx(1.0)
 
 
 def test_compare_command_prints_the_ratio_table(tmp_path, capsys):
@@ -51,3 +51,8 @@ def test_compare_command_prints_the_ratio_table(tmp_path, capsys):
     line = next(l for l in out.splitlines() if "request_throughput" in l)
     cells = [c.strip() for c in line.strip("│ \n").split("│")]
     assert cells == ["unbounded", "request_throughput", "2.00", "1.00", "0.500x", "A"]  # A is better
+
+
+def test_runs_with_different_levels_are_paired_by_position_and_labelled_with_both():
+    rows = compare_documents(document(levels=(2,)), document(levels=(None,)))
+    assert {r.level for r in rows} == {"2 vs unbounded"}
