@@ -59,7 +59,7 @@ def bench_block_manager(num_seqs: int, seed: int = 0) -> list[Row]:
     for label, prompts in (("distinct prompts", distinct), ("256-token shared prefix", shared)):
         ops_per_s, blocks = _time_allocate_free(BlockManager, prompts, warm_prefix=label != "distinct prompts")
         rows.append(Row(f"allocate+free ops/s ({label})", f"{ops_per_s:,.0f}",
-                        f"{num_seqs:,} sequences, {blocks:,} blocks, block 16"))
+                        f"ops = allocate or free calls; {num_seqs:,} sequences, {blocks:,} blocks, block 16"))
     return rows
 
 
@@ -250,7 +250,7 @@ def openblas_preloaded() -> bool:
 
 
 def machine_line() -> str:
-    uname = " ".join(platform.uname())
+    uname = " ".join(part for part in platform.uname() if part)
     load = os.getloadavg() if hasattr(os, "getloadavg") else ()
     loads = ", load average " + " ".join(f"{x:.2f}" for x in load) if load else ""
     return f"`{uname}`, {os.cpu_count()} cores{loads}"
