@@ -1,0 +1,70 @@
+"""KV memory for paged attention: block pool, block manager, prefix hashes, cold tier, wire format.
+
+`KVCache` is the one object an engine needs. Names that pull in MLX (`KVCache`,
+`KVPool`) load on first use, so processes that only hash prompts (the gateway, the
+coordinator) never import MLX.
+"""
+
+from kvcache.block_manager import BlockManager, DuplicateSequence
+from kvcache.config import CacheConfig, InvalidCacheConfig
+from kvcache.errors import (
+    ColdTierError,
+    CorruptKVPayload,
+    IncompatibleKVPayload,
+    KVCacheError,
+    OutOfBlocks,
+    QuotaExceeded,
+    UnknownSequence,
+)
+from kvcache.events import DISK, MEMORY, BlockRemoved, BlockStored, EventLog, KVEvent
+from kvcache.geometry import KVGeometry
+from kvcache.hashing import BlockHash, block_hashes, hash_block, root_hash
+from kvcache.stats import KVStats, contiguous_waste, paged_waste
+
+_LAZY = {
+    "KVCache": "kvcache.cache",
+    "KVPool": "kvcache.pool",
+    "MemoryBudget": "kvcache.budget",
+    "ColdTier": "kvcache.cold_tier",
+    "KVBlockData": "kvcache.wire",
+    "encode_blocks": "kvcache.wire",
+    "decode_blocks": "kvcache.wire",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvcache' has no attribute {name!r}")
+
+
+__all__ = [
+    "BlockHash",
+    "BlockManager",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheConfig",
+    "ColdTierError",
+    "CorruptKVPayload",
+    "DISK",
+    "DuplicateSequence",
+    "EventLog",
+    "IncompatibleKVPayload",
+    "InvalidCacheConfig",
+    "KVCacheError",
+    "KVEvent",
+    "KVGeometry",
+    "KVStats",
+    "MEMORY",
+    "OutOfBlocks",
+    "QuotaExceeded",
+    "UnknownSequence",
+    "block_hashes",
+    "contiguous_waste",
+    "hash_block",
+    "paged_waste",
+    "root_hash",
+    *_LAZY,
+]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Sequence
+from typing import Callable, Hashable, Mapping, Sequence
 
 from kvcache.errors import KVCacheError, OutOfBlocks, UnknownSequence
 from kvcache.events import MEMORY, BlockStored, EventLog
@@ -271,11 +271,11 @@ class BlockManager:
         A consumer that applies the snapshot ignores events numbered below that seq.
         """
         seq = self.events.next_seq
-        out: list[BlockStored] = []
-        emitted: set[BlockHash] = set()
-        for block_hash in self._cached:
-            self._emit_chain(block_hash, seq, out, emitted)
-        return out
+        parents = {h: self._blocks[b].parent_hash for h, b in self._cached.items()}
+        return [
+            BlockStored(seq, h, parents[h], self._blocks[self._cached[h]].token_ids, MEMORY)
+            for h in chain_order(parents)
+        ]
 
     def stats(self) -> KVStats:
         return KVStats(
@@ -412,12 +412,17 @@ class BlockManager:
         if self.on_evict is not None:
             self.on_evict(block.block_id, block.block_hash, block.parent_hash, block.token_ids)
 
-    def _emit_chain(self, block_hash: BlockHash, seq: int, out: list, emitted: set) -> None:
-        """Append `block_hash` after its cached ancestors (iterative: chains can be long)."""
+
+def chain_order(parents: Mapping[BlockHash, BlockHash | None]) -> list[BlockHash]:
+    """The hashes of `parents` ordered so each follows its parent when that is listed too."""
+    ordered: list[BlockHash] = []
+    placed: set[BlockHash] = set()
+    for start in parents:
         chain = []
-        while block_hash is not None and block_hash not in emitted and block_hash in self._cached:
-            chain.append(self._blocks[self._cached[block_hash]])
-            emitted.add(block_hash)
-            block_hash = chain[-1].parent_hash
-        for block in reversed(chain):
-            out.append(BlockStored(seq, block.block_hash, block.parent_hash, block.token_ids, MEMORY))
+        block_hash = start
+        while block_hash in parents and block_hash not in placed:  # iterative: chains can be long
+            chain.append(block_hash)
+            placed.add(block_hash)
+            block_hash = parents[block_hash]
+        ordered.extend(reversed(chain))
+    return ordered

@@ -1,0 +1,374 @@
+"""KVCache: the one object the engine talks to about KV memory.
+
+It ties the block manager (who holds which block), the pool (the KV bytes), the cold
+tier (blocks evicted to disk, and preempted sequences) and the event log together, so
+the engine never coordinates them itself. Prefix hits come from memory first, then the
+chain continues from the cold tier by copying blocks back into the pool.
+
+One owner thread: the engine loop. Exports and imports for migration must be called
+from that thread too (or serialized with it).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import Hashable, Sequence
+
+import numpy as np
+import xxhash
+
+from kvcache.block_manager import BlockManager, chain_order
+from kvcache.budget import GIB, MemoryBudget, num_blocks_for
+from kvcache.cold_tier import ColdTier
+from kvcache.config import CacheConfig, InvalidCacheConfig
+from kvcache.errors import ColdTierError, IncompatibleKVPayload, OutOfBlocks
+from kvcache.events import DISK, BlockStored, EventLog, KVEvent
+from kvcache.geometry import KVGeometry
+from kvcache.hashing import BlockHash, block_hashes, hash_block, root_hash
+from kvcache.pool import KVPool
+from kvcache.stats import KVStats
+from kvcache.wire import KVBlockData, decode_blocks, encode_blocks
+
+log = logging.getLogger(__name__)
+
+_COLD_FAILURES = (ColdTierError, OSError, ValueError)
+
+
+class KVCache:
+    """Paged KV memory of one model: allocation, prefix reuse, spill, swap, migration."""
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        config: CacheConfig,
+        *,
+        budget: MemoryBudget | None = None,
+        model_name: str | None = None,
+    ):
+        if config.dtype is not None and config.dtype != geometry.dtype:
+            raise InvalidCacheConfig("dtype", f"{config.dtype!r} disagrees with the geometry's {geometry.dtype!r}")
+        self.geometry = geometry
+        self.config = config
+        self.block_size = geometry.block_size
+        self.root = root_hash(geometry.model_fingerprint, config.cache_salt)
+        num_blocks = num_blocks_for(geometry, config, budget=budget, model_name=model_name)
+        self._reservation = None
+        if budget is not None:
+            budget.reserve(model_name, num_blocks * geometry.bytes_per_block)
+            self._reservation = (budget, model_name, num_blocks * geometry.bytes_per_block)
+        self.pool = KVPool(geometry, num_blocks)
+        self.events = EventLog()
+        self.cold: ColdTier | None = None
+        if config.cold_tier_dir is not None:
+            self.cold = ColdTier(config.cold_tier_dir, geometry, int(config.cold_tier_gb * GIB))
+        self.manager = BlockManager(
+            num_blocks,
+            geometry.block_size,
+            self.root,
+            watermark=config.watermark,
+            events=self.events,
+            on_evict=self._spill if self.cold is not None else None,
+        )
+        self._disk_blocks: dict[BlockHash, tuple[BlockHash | None, tuple[int, ...]]] = {}
+        self._swap_keys: set[bytes] = set()
+        self._cold_hits = 0
+        self._cold_spills = 0
+
+    # ----------------------------------------------------------------- the engine's calls
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """Chained hashes of the full blocks of `token_ids` for this model and salt."""
+        return block_hashes(token_ids, self.block_size, self.root)
+
+    def can_allocate(self, token_ids: Sequence[int]) -> bool:
+        """Admission check (memory hits only, watermark kept): cold hits only make it easier."""
+        return self.manager.can_allocate(token_ids)
+
+    def allocate(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+        """Reserve slots for the prompt; return how many leading tokens already have KV."""
+        if self.cold is None:
+            return self.manager.allocate(seq_id, token_ids)
+        if not self.manager.can_allocate(token_ids, keep_watermark=False):
+            raise OutOfBlocks(f"sequence {seq_id!r} does not fit in {self.manager.num_available} available blocks")
+        held = self._hold_prefix(token_ids)
+        try:
+            return self.manager.allocate(seq_id, token_ids)
+        finally:
+            self.manager.unpin(held)
+
+    def can_append(self, seq_id: Hashable, num_tokens: int) -> bool:
+        return self.manager.can_append(seq_id, num_tokens)
+
+    def ensure_slots(self, seq_id: Hashable, num_tokens: int) -> list[tuple[int, int]]:
+        """Cover `num_tokens` slots, copying shared blocks the sequence is about to write."""
+        copies = self.manager.ensure_slots(seq_id, num_tokens)
+        self.pool.copy_blocks(copies)
+        return copies
+
+    def commit(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
+        self.manager.commit(seq_id, token_ids, num_computed)
+
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
+        self.manager.fork(parent_id, child_id)
+
+    def free(self, seq_id: Hashable) -> None:
+        self.manager.free(seq_id)
+
+    def block_table(self, seq_id: Hashable) -> list[int]:
+        return self.manager.block_table(seq_id)
+
+    def num_computed(self, seq_id: Hashable) -> int:
+        return self.manager.num_computed(seq_id)
+
+    # ----------------------------------------------------------------- preemption
+
+    def swap_out(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> bool:
+        """Free a preempted sequence, keeping its computed KV on disk; True if all of it was kept.
+
+        Full blocks go in under their chain hashes (so they are ordinary cold hits later);
+        the partly filled last block goes in under a key derived from the sequence id.
+        """
+        if self.cold is None:
+            self.manager.free(seq_id)
+            return False
+        try:
+            self.manager.commit(seq_id, token_ids, max(num_computed, self.manager.num_computed(seq_id)))
+            self._write_swap(seq_id, token_ids, self.manager.num_computed(seq_id))
+            return True
+        except _COLD_FAILURES as err:
+            log.warning("swap-out of %r kept nothing on disk: %s", seq_id, err)
+            return False
+        finally:
+            self.manager.free(seq_id)
+
+    def swap_in(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+        """Allocate a swapped-out sequence again; return how many tokens have KV restored."""
+        reused = self.allocate(seq_id, token_ids)
+        partial = self._take_swapped(seq_id)
+        if partial is None or not self._partial_fits(seq_id, token_ids, reused, partial):
+            return reused
+        table = self.manager.block_table(seq_id)
+        target = table[reused // self.block_size]
+        self.pool.write_blocks([target], partial.keys[:, None], partial.values[:, None])
+        self._cold_hits += 1
+        restored = min(reused + len(partial.token_ids), len(token_ids) - 1)
+        self.manager.commit(seq_id, token_ids, restored)
+        return restored
+
+    def forget_swapped(self, seq_id: Hashable) -> None:
+        """Drop the swapped partial block of a sequence that will not come back."""
+        self._take_swapped(seq_id)
+
+    # ----------------------------------------------------------------- migration
+
+    def export_blocks(self, hashes: Sequence[BlockHash]) -> bytes:
+        """Encode the leading blocks of `hashes` held in memory or on disk (a prefix run)."""
+        pinned = self.manager.pin(hashes)
+        try:
+            blocks = self._memory_blocks(pinned)
+            for block_hash in hashes[len(pinned) :]:
+                data = self._cold_get(block_hash)
+                if data is None:
+                    break
+                blocks.append(data)
+            return encode_blocks(self.geometry, blocks)
+        finally:
+            self.manager.unpin(pinned)
+
+    def import_blocks(self, payload: bytes) -> int:
+        """Cache the blocks of `payload` not held yet, in chain order; return how many."""
+        blocks = decode_blocks(payload, self.geometry)
+        for block in blocks:
+            if not _hash_checks_out(block):
+                raise IncompatibleKVPayload(f"block {block.block_hash.hex()}: hash does not match its parent and tokens")
+        pinned: list[int] = []
+        written: list[KVBlockData] = []
+        try:
+            for block in blocks:
+                if self.manager.cached_block(block.block_hash) is not None:
+                    continue
+                if not self._chains_here(block.parent_hash) or len(block.token_ids) != self.block_size:
+                    break
+                block_id = self.manager.import_cached(block.block_hash, block.parent_hash, block.token_ids)
+                if block_id is None:
+                    break
+                pinned.extend(self.manager.pin([block.block_hash]))
+                written.append(block)
+            if written:
+                self.pool.write_blocks(pinned, *_stacked(written))
+            return len(written)
+        finally:
+            self.manager.unpin(list(reversed(pinned)))  # the chain's head ends most recent
+
+    def prefetch(self, hashes: Sequence[BlockHash]) -> None:
+        """Start reading, from disk, the blocks of `hashes` that memory does not hold."""
+        if self.cold is not None:
+            self.cold.prefetch([h for h in hashes if self.manager.cached_block(h) is None])
+
+    # ----------------------------------------------------------------- reporting
+
+    def drain_events(self) -> list[KVEvent]:
+        return self.events.drain()
+
+    def snapshot(self) -> list[BlockStored]:
+        """All cached blocks, memory then disk, each tier parents first, at the next event seq."""
+        seq = self.events.next_seq
+        disk = {h: parent for h, (parent, _) in self._disk_blocks.items()}
+        on_disk = [BlockStored(seq, h, disk[h], self._disk_blocks[h][1], DISK) for h in chain_order(disk)]
+        return self.manager.snapshot() + on_disk
+
+    def stats(self) -> KVStats:
+        return replace(self.manager.stats(), cold_tier_hits=self._cold_hits, cold_tier_spills=self._cold_spills)
+
+    def close(self) -> None:
+        """Release the cold tier file and this pool's share of the memory budget."""
+        if self.cold is not None:
+            self.cold.close()
+            self.cold = None
+            self.manager.on_evict = None
+        if self._reservation is not None:
+            budget, model_name, nbytes = self._reservation
+            budget.release(model_name, nbytes)
+            self._reservation = None
+
+    def __enter__(self) -> "KVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- internals
+
+    def _hold_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Pin the longest reusable prefix, restoring from disk what memory lacks."""
+        hashes = self.block_hashes(token_ids)[: self.manager.max_reusable_blocks(len(token_ids))]
+        held: list[int] = []
+        restored: list[tuple[int, KVBlockData]] = []
+        try:
+            parent = self.root
+            for index, block_hash in enumerate(hashes):
+                pinned = self.manager.pin([block_hash])
+                if not pinned:
+                    tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
+                    pinned = self._import_from_cold(block_hash, parent, tokens, restored)
+                if not pinned:
+                    break
+                held.extend(pinned)
+                parent = block_hash
+            if restored:
+                self.pool.write_blocks([b for b, _ in restored], *_stacked([d for _, d in restored]))
+                self._cold_hits += len(restored)
+        except BaseException:
+            self.manager.unpin(held)
+            raise
+        return held
+
+    def _import_from_cold(self, block_hash, parent, tokens, restored: list) -> list[int]:
+        data = self._cold_get(block_hash)
+        if data is None or tuple(data.token_ids) != tokens:
+            return []
+        if self.manager.import_cached(block_hash, parent, tokens) is None:
+            return []
+        pinned = self.manager.pin([block_hash])
+        restored.append((pinned[0], data))
+        return pinned
+
+    def _cold_get(self, key: bytes) -> KVBlockData | None:
+        if self.cold is None or key not in self.cold:
+            return None
+        data = self.cold.get(key)
+        if data is None:  # failed its checksum; the tier dropped it
+            self._forget_on_disk([key])
+        return data
+
+    def _spill(self, block_id: int, block_hash: BlockHash, parent_hash, token_ids) -> None:
+        """Eviction hook: copy a cached block to disk before its memory is reused."""
+        if block_hash in self.cold:
+            return
+        try:
+            keys, values = self.pool.read_blocks([block_id])
+            self._put_block(block_hash, keys[:, 0], values[:, 0], token_ids, parent_hash)
+        except _COLD_FAILURES as err:
+            log.warning("could not spill block %s to the cold tier: %s", block_hash.hex(), err)
+
+    def _put_block(self, block_hash: BlockHash, keys, values, token_ids, parent_hash) -> None:
+        dropped = self.cold.put(block_hash, keys, values, tuple(token_ids), parent_hash)
+        self._cold_spills += 1
+        self._disk_blocks[block_hash] = (parent_hash, tuple(token_ids))
+        self.events.stored(block_hash, parent_hash, token_ids, DISK)
+        self._forget_on_disk(dropped)
+
+    def _forget_on_disk(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            if key in self._swap_keys:
+                self._swap_keys.discard(key)
+            else:
+                self._disk_blocks.pop(key, None)
+                self.events.removed(key, DISK)
+
+    def _swap_key(self, seq_id: Hashable) -> bytes:
+        return xxhash.xxh3_128_digest(b"swap:" + self.root + repr(seq_id).encode())
+
+    def _write_swap(self, seq_id: Hashable, token_ids: Sequence[int], num_computed: int) -> None:
+        bs = self.block_size
+        table = self.manager.block_table(seq_id)
+        hashes = self.manager.sequence_hashes(seq_id)
+        full = num_computed // bs
+        missing = [i for i in range(full) if hashes[i] not in self.cold]
+        has_partial = num_computed % bs != 0
+        keys, values = self.pool.read_blocks([table[i] for i in missing] + ([table[full]] if has_partial else []))
+        for j, i in enumerate(missing):
+            parent = hashes[i - 1] if i else self.root
+            self._put_block(hashes[i], keys[:, j], values[:, j], token_ids[i * bs : (i + 1) * bs], parent)
+        if has_partial:
+            key = self._swap_key(seq_id)
+            parent = hashes[full - 1] if full else self.root
+            self._forget_on_disk(self.cold.put(key, keys[:, -1], values[:, -1], token_ids[full * bs : num_computed], parent))
+            self._swap_keys.add(key)
+
+    def _take_swapped(self, seq_id: Hashable) -> KVBlockData | None:
+        key = self._swap_key(seq_id)
+        if self.cold is None or key not in self._swap_keys:
+            return None
+        self._swap_keys.discard(key)
+        data = self.cold.get(key)
+        self.cold.discard(key)
+        return data
+
+    def _partial_fits(self, seq_id, token_ids, reused: int, partial: KVBlockData) -> bool:
+        """The swapped partial block continues exactly the chain that was just restored."""
+        full = reused // self.block_size
+        parent = self.manager.sequence_hashes(seq_id)[full - 1] if full else self.root
+        tokens = tuple(token_ids[reused : reused + len(partial.token_ids)])
+        return partial.parent_hash == parent and tuple(partial.token_ids) == tokens
+
+    def _chains_here(self, parent: BlockHash | None) -> bool:
+        """Whether a block with this parent is reachable from our root."""
+        if parent == self.root:
+            return True
+        return self.manager.cached_block(parent) is not None or (self.cold is not None and parent in self.cold)
+
+    def _memory_blocks(self, block_ids: list[int]) -> list[KVBlockData]:
+        if not block_ids:
+            return []
+        keys, values = self.pool.read_blocks(block_ids)
+        out = []
+        for j, block_id in enumerate(block_ids):
+            block = self.manager.block(block_id)
+            out.append(KVBlockData(block.block_hash, block.parent_hash, block.token_ids, keys[:, j], values[:, j]))
+        return out
+
+
+def _hash_checks_out(block: KVBlockData) -> bool:
+    """A payload's hashes must follow from its tokens, or a wrong block could become a hit."""
+    return block.parent_hash is not None and hash_block(block.parent_hash, block.token_ids) == block.block_hash
+
+
+def _stacked(blocks: Sequence[KVBlockData]) -> tuple[np.ndarray, np.ndarray]:
+    """K and V of single blocks stacked into the pool's `[layers, n, ...]` layout."""
+    return np.stack([b.keys for b in blocks], axis=1), np.stack([b.values for b in blocks], axis=1)

@@ -1,0 +1,309 @@
+"""KVCache with a real pool (and cold tier): KV bytes survive fork, spill, swap and migration.
+
+Tiny geometry: 2 layers, 2 KV heads, head_dim 4, block size 4. KV is written as the
+engine would, straight into the pool, from seeded random numbers, and compared bit for bit.
+"""
+
+import numpy as np
+import pytest
+
+from kvcache.budget import MemoryBudget
+from kvcache.cache import KVCache
+from kvcache.config import CacheConfig, InvalidCacheConfig
+from kvcache.errors import IncompatibleKVPayload, OutOfBlocks, QuotaExceeded
+from kvcache.events import DISK, MEMORY, BlockRemoved, BlockStored
+from kvcache.geometry import KVGeometry
+from kvcache.wire import KVBlockData, decode_blocks, encode_blocks
+
+BS = 4
+
+
+def geometry(dtype="float32", fingerprint="tiny-llama"):
+    return KVGeometry(fingerprint, num_layers=2, num_kv_heads=2, head_dim=4, block_size=BS, dtype=dtype)
+
+
+@pytest.fixture
+def make_cache(tmp_path):
+    made = []
+
+    def make(num_blocks=10, cold=False, dtype="float32", salt=None, fingerprint="tiny-llama", cold_dir=None):
+        config = CacheConfig(
+            block_size=BS,
+            num_blocks=num_blocks,
+            watermark=0.0,
+            cache_salt=salt,
+            cold_tier_dir=str(cold_dir or tmp_path / f"cold{len(made)}") if cold else None,
+            cold_tier_gb=1 / 1024,
+        )
+        cache = KVCache(geometry(dtype, fingerprint), config)
+        made.append(cache)
+        return cache
+
+    yield make
+    for cache in made:
+        assert cache.manager.num_used == 0, "a test leaked blocks"
+        cache.close()
+
+
+def random_kv(cache, n, seed):
+    """K and V for `n` blocks in the pool's storage dtype, never all-zero."""
+    rng = np.random.default_rng(seed)
+    g = cache.geometry
+    shape = (g.num_layers, n, *g.block_shape)
+    if g.dtype == "bfloat16":
+        return tuple(rng.integers(1, 2**15, size=shape, dtype=np.uint16) for _ in range(2))
+    return tuple(rng.standard_normal(shape).astype(g.numpy_storage_dtype) + 3 for _ in range(2))
+
+
+def prefill(cache, seq_id, tokens, seed):
+    """Allocate, write KV for the uncached part, commit: what a prefill step does."""
+    reused = cache.allocate(seq_id, tokens)
+    table = cache.block_table(seq_id)
+    first = reused // BS
+    keys, values = random_kv(cache, len(table) - first, seed)
+    cache.pool.write_blocks(table[first:], keys, values)
+    cache.commit(seq_id, tokens, len(tokens))
+    return reused
+
+
+def kv_of(cache, block_ids):
+    return cache.pool.read_blocks(block_ids)
+
+
+def same_kv(a, b):
+    return all(np.array_equal(x, y) for x, y in zip(a, b))
+
+
+# ------------------------------------------------------------------ construction
+
+
+def test_pool_and_manager_are_sized_from_the_config(make_cache):
+    cache = make_cache(num_blocks=7)
+    assert cache.num_blocks == cache.pool.num_blocks == cache.manager.num_blocks == 7
+    assert cache.stats().blocks_total == 6
+    prefill(cache, "a", list(range(9)), seed=0)
+    assert cache.block_table("a") == [1, 2, 3]
+    assert cache.manager.sequence_hashes("a") == cache.block_hashes(list(range(9)))
+    assert len(cache.block_hashes(list(range(9)))) == 2
+    cache.free("a")
+
+
+def test_config_dtype_that_disagrees_with_the_model_is_rejected():
+    with pytest.raises(InvalidCacheConfig) as err:
+        KVCache(geometry("float16"), CacheConfig(block_size=BS, num_blocks=4, dtype="bfloat16"))
+    assert err.value.field == "dtype"
+
+
+def test_budget_quota_caps_the_pool_and_is_released_on_close():
+    g = geometry()
+    budget = MemoryBudget(100 * g.bytes_per_block)
+    budget.set_quota("a", 5 * g.bytes_per_block)
+    cache = KVCache(g, CacheConfig(block_size=BS, num_blocks=50), budget=budget, model_name="a")
+    assert cache.num_blocks == 5
+    assert budget.available("a") == 0
+    with pytest.raises(QuotaExceeded):
+        KVCache(g, CacheConfig(block_size=BS, num_blocks=50), budget=budget, model_name="a")
+    cache.close()
+    assert budget.available("a") == 5 * g.bytes_per_block
+
+
+def test_salt_changes_the_hashes_a_cache_computes(make_cache):
+    tokens = list(range(8))
+    assert make_cache().block_hashes(tokens) != make_cache(salt="tenant").block_hashes(tokens)
+
+
+# ------------------------------------------------------------------ copy-on-write
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fork_then_divergent_write_leaves_the_parent_kv_bit_for_bit(make_cache, dtype):
+    cache = make_cache(dtype=dtype)
+    tokens = list(range(6))
+    prefill(cache, "p", tokens, seed=1)
+    parent_before = kv_of(cache, cache.block_table("p"))
+    cache.fork("p", "c")
+    assert cache.ensure_slots("c", 7) == [(2, 3)]
+    child_table = cache.block_table("c")
+    assert child_table == [1, 3]
+    copied = kv_of(cache, [3])
+    assert same_kv(copied, kv_of(cache, [2]))
+    # the child writes its own token at slot 6 (block 3, offset 2)
+    keys, values = copied[0].copy(), copied[1].copy()
+    keys[:, 0, 2] += 1 if dtype == "bfloat16" else 1.5
+    values[:, 0, 2] += 1 if dtype == "bfloat16" else 1.5
+    cache.pool.write_blocks([3], keys, values)
+    cache.commit("c", tokens + [99], 7)
+    assert same_kv(kv_of(cache, cache.block_table("p")), parent_before)
+    child_kv = kv_of(cache, child_table)
+    assert np.array_equal(child_kv[0][:, 1, :2], parent_before[0][:, 1, :2])
+    assert not np.array_equal(child_kv[0][:, 1, 2], parent_before[0][:, 1, 2])
+    cache.free("p")
+    cache.free("c")
+
+
+# ------------------------------------------------------------------ cold tier
+
+
+def test_evicted_blocks_spill_to_disk_and_come_back_bit_for_bit(make_cache):
+    cache = make_cache(num_blocks=4, cold=True)  # 3 usable blocks
+    prompt = list(range(8))
+    prefill(cache, "a", prompt, seed=2)
+    original = kv_of(cache, cache.block_table("a"))
+    a0, a1 = cache.block_hashes(prompt)
+    cache.free("a")
+    cache.drain_events()
+    prefill(cache, "b", list(range(100, 112)), seed=3)  # takes block 3, evicts 2 then 1
+    events = cache.drain_events()
+    assert [(type(e).__name__, e.block_hash, e.tier) for e in events[:4]] == [
+        ("BlockRemoved", a1, MEMORY),
+        ("BlockStored", a1, DISK),
+        ("BlockRemoved", a0, MEMORY),
+        ("BlockStored", a0, DISK),
+    ]
+    assert cache.stats().cold_tier_spills == 2
+    cache.free("b")
+    assert cache.allocate("a2", prompt + [8]) == 8
+    assert same_kv(kv_of(cache, cache.block_table("a2")[:2]), original)
+    stats = cache.stats()
+    assert stats.cold_tier_hits == 2
+    assert (stats.prefix_query_tokens, stats.prefix_hit_tokens) == (8 + 12 + 9, 8)
+    cache.free("a2")
+
+
+def test_cold_hit_continues_a_prefix_found_partly_in_memory(make_cache):
+    cache = make_cache(num_blocks=5, cold=True)  # 4 usable
+    prompt = list(range(12))
+    prefill(cache, "a", prompt, seed=4)  # blocks 1, 2, 3
+    original = kv_of(cache, cache.block_table("a"))
+    cache.free("a")  # LRU: 4, then 3, 2, 1
+    prefill(cache, "b", [50, 51, 52, 53, 54], seed=5)  # takes 4, evicts 3 (a's tail)
+    cache.free("b")
+    assert cache.manager.lookup_prefix(prompt) == [1, 2]
+    assert cache.allocate("a2", prompt + [12]) == 12
+    table = cache.block_table("a2")
+    assert table[:2] == [1, 2]
+    assert same_kv(kv_of(cache, table[:3]), original)
+    assert cache.stats().cold_tier_hits == 1
+    cache.free("a2")
+
+
+def test_allocate_with_a_cold_tier_raises_out_of_blocks_without_changing_anything(make_cache):
+    cache = make_cache(num_blocks=3, cold=True)
+    prefill(cache, "a", list(range(8)), seed=6)
+    before = (cache.stats(), cache.events.next_seq)
+    with pytest.raises(OutOfBlocks):
+        cache.allocate("b", [1])
+    assert (cache.stats(), cache.events.next_seq) == before
+    cache.free("a")
+
+
+def test_swapped_out_sequence_resumes_with_every_computed_slot_restored(make_cache):
+    cache = make_cache(num_blocks=5, cold=True)
+    tokens = list(range(11))
+    cache.allocate("s", tokens)
+    table = cache.block_table("s")
+    keys, values = random_kv(cache, 3, seed=7)
+    cache.pool.write_blocks(table, keys, values)
+    assert cache.swap_out("s", tokens, 10)  # 2 full blocks + 2 slots of the third
+    assert cache.manager.num_used == 0
+    prefill(cache, "other", list(range(200, 216)), seed=8)  # evicts everything of "s"
+    cache.free("other")
+    assert cache.swap_in("s", tokens) == 10
+    new_table = cache.block_table("s")
+    restored = kv_of(cache, new_table)
+    assert same_kv((restored[0][:, :2], restored[1][:, :2]), (keys[:, :2], values[:, :2]))
+    assert np.array_equal(restored[0][:, 2, :2], keys[:, 2, :2])
+    assert np.array_equal(restored[1][:, 2, :2], values[:, 2, :2])
+    assert cache.num_computed("s") == 10
+    assert cache.stats().cold_tier_hits == 3
+    cache.free("s")
+    assert cache.swap_in("s", tokens) == 8  # the partial block was handed back once only
+    cache.free("s")
+
+
+def test_swap_out_without_a_cold_tier_frees_and_reports_false(make_cache):
+    cache = make_cache()
+    prefill(cache, "s", list(range(6)), seed=9)
+    assert cache.swap_out("s", list(range(6)), 6) is False
+    assert "s" not in cache.manager
+    assert cache.swap_in("s", list(range(6)) + [6]) == 4  # the full block is still cached in memory
+    cache.free("s")
+
+
+def test_snapshot_lists_memory_then_disk_blocks_parents_first(make_cache):
+    cache = make_cache(num_blocks=3, cold=True)
+    prompt = list(range(8))
+    prefill(cache, "a", prompt, seed=10)
+    cache.free("a")
+    prefill(cache, "b", [9, 9, 9, 9], seed=11)  # evicts a's tail block to disk
+    a0, a1 = cache.block_hashes(prompt)
+    b0 = cache.block_hashes([9, 9, 9, 9])[0]
+    snap = cache.snapshot()
+    assert [(s.block_hash, s.tier) for s in snap] == [(a0, MEMORY), (b0, MEMORY), (a1, DISK)]
+    assert {s.seq for s in snap} == {cache.events.next_seq}
+    assert snap[-1] == BlockStored(cache.events.next_seq, a1, a0, (4, 5, 6, 7), DISK)
+    cache.free("b")
+
+
+# ------------------------------------------------------------------ migration
+
+
+def test_exported_blocks_import_into_another_cache_bit_for_bit(make_cache):
+    source, target = make_cache(), make_cache()
+    prompt = list(range(10))
+    prefill(source, "a", prompt, seed=12)
+    original = kv_of(source, source.block_table("a")[:2])
+    source.free("a")
+    hashes = source.block_hashes(prompt)
+    payload = source.export_blocks(hashes + [b"\x07" * 16])
+    assert source.manager.num_used == 0
+    assert [b.block_hash for b in decode_blocks(payload, source.geometry)] == hashes
+    target.drain_events()
+    assert target.import_blocks(payload) == 2
+    assert [(type(e), e.block_hash) for e in target.drain_events()] == [(BlockStored, h) for h in hashes]
+    assert target.import_blocks(payload) == 0
+    assert target.allocate("a", prompt) == 8
+    assert same_kv(kv_of(target, target.block_table("a")[:2]), original)
+    target.free("a")
+
+
+def test_export_reads_blocks_from_the_cold_tier_after_memory(make_cache):
+    cache = make_cache(num_blocks=3, cold=True)
+    prompt = list(range(8))
+    prefill(cache, "a", prompt, seed=13)
+    original = kv_of(cache, cache.block_table("a"))
+    cache.free("a")
+    prefill(cache, "b", [9], seed=14)  # evicts a's tail block to disk
+    cache.free("b")
+    blocks = decode_blocks(cache.export_blocks(cache.block_hashes(prompt)), cache.geometry)
+    assert [b.token_ids for b in blocks] == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert np.array_equal(blocks[1].keys, original[0][:, 1])
+    assert np.array_equal(blocks[1].values, original[1][:, 1])
+
+
+def test_import_refuses_blocks_of_another_model(make_cache):
+    source, other = make_cache(), make_cache(fingerprint="other-model")
+    prefill(source, "a", list(range(8)), seed=15)
+    payload = source.export_blocks(source.block_hashes(list(range(8))))
+    source.free("a")
+    with pytest.raises(IncompatibleKVPayload):
+        other.import_blocks(payload)
+    assert other.manager.num_cached == 0
+
+
+def test_import_skips_blocks_that_do_not_chain_from_this_cache_root(make_cache):
+    source, salted = make_cache(), make_cache(salt="tenant")
+    prefill(source, "a", list(range(8)), seed=16)
+    payload = source.export_blocks(source.block_hashes(list(range(8))))
+    source.free("a")
+    assert salted.import_blocks(payload) == 0
+    assert salted.manager.num_cached == 0
+
+
+def test_import_rejects_a_block_whose_hash_does_not_follow_from_its_tokens(make_cache):
+    cache = make_cache()
+    keys, values = random_kv(cache, 1, seed=17)
+    forged = KVBlockData(cache.block_hashes([1, 2, 3, 4])[0], cache.root, (5, 6, 7, 8), keys[:, 0], values[:, 0])
+    with pytest.raises(IncompatibleKVPayload):
+        cache.import_blocks(encode_blocks(cache.geometry, [forged]))
+    assert cache.manager.num_cached == 0
