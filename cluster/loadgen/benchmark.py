@@ -44,11 +44,14 @@ def run_bench(cfg: ServeBenchConfig, console: Console | None = None) -> dict:
     return asyncio.run(run_bench_async(cfg, console))
 
 
-async def run_bench_async(cfg: ServeBenchConfig, console: Console | None = None) -> dict:
+async def run_bench_async(cfg: ServeBenchConfig, console: Console | None = None,
+                          transport: httpx.AsyncBaseTransport | None = None) -> dict:
+    """`transport` replaces the network (tests script a server with httpx.MockTransport)."""
     source = prompt_source(cfg.tokenizer)
     timeout = httpx.Timeout(cfg.endpoint.timeout_s, connect=30.0)
+    # No pool limit: with a burst and no cap, queueing in the pool would hide server latency.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as http:
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as http:
         endpoint = await resolve_model(http, cfg.endpoint)
         client = StreamClient(endpoint, http)
         runs: list[RunResult] = []

@@ -110,6 +110,8 @@ def print_summary(doc: dict, console: Console | None = None) -> None:
                 table.add_row(f"{name} ms mean / p50 / p90 / p99",
                               " / ".join(_fmt(d[k]) for k in ("mean", "p50", "p90", "p99")))
         console.print(table)
+        if s["token_count_source"] != "usage":
+            console.print("[yellow]the server sent no usage: output tokens counted as text chunks[/yellow]")
         if s["errors"]:
             console.print(f"[red]errors:[/red] {s['errors']}")
     if not doc["dataset"]["lengths_exact"]:
