@@ -14,7 +14,7 @@ says whether the coordinator still knows the node, wants a snapshot, or drains i
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Sequence
 
 import ray
@@ -56,7 +56,7 @@ class Coordinator:
     def register_node(self, node_id: NodeId, info: NodeInfo | dict) -> dict:
         """Add (or reset) a node; its index entries come only from the snapshot it sends next."""
         if isinstance(info, dict):
-            info = NodeInfo(**info)
+            info = NodeInfo.from_dict(info)
         self.membership.register(node_id, info)
         self.index.require_snapshot(node_id)
         return {"snapshot": True}
@@ -133,6 +133,26 @@ class Coordinator:
     def models(self) -> list[str]:
         return self.membership.models()
 
+    def model_specs(self) -> dict[str, dict]:
+        """Per served model, what a gateway needs to hash prompts as the nodes do."""
+        specs: dict[str, dict] = {}
+        for state in self.membership.nodes():
+            if state.routable and state.model not in specs:
+                specs[state.model] = asdict(state.info)
+        return specs
+
+    def match(self, block_hashes: Sequence[BlockHash]) -> dict[NodeId, int]:
+        """Leading blocks of a prompt each node holds, without routing anything."""
+        return self.index.match(block_hashes)
+
+    def indexed_blocks(self, node_id: NodeId) -> int:
+        return self.index.node_block_count(node_id)
+
+    def node_status(self, node_id: NodeId) -> str | None:
+        """'alive', 'draining', 'dead', or None for a node never seen."""
+        self.reap()
+        return self.membership.get(node_id).status.value if node_id in self.membership else None
+
     def nodes(self) -> list[dict]:
         self.reap()
         return [_node_row(state, self.index) for state in self.membership.nodes()]
@@ -195,6 +215,8 @@ def _node_row(state, index: PrefixIndex) -> dict:
         "kv_blocks_total": load.kv_blocks_total or state.info.kv_blocks_total,
         "indexed_blocks": index.node_block_count(state.node_id),
         "prefix_hit_rate": hit_rate,
+        "prefix_hit_tokens": load.prefix_hit_tokens,
+        "prefix_query_tokens": load.prefix_query_tokens,
         "requests_total": load.requests_total,
         "prefill_tokens_per_s": 1.0 / state.prefill_s_per_token.value if state.prefill_s_per_token.value else None,
         "decode_tokens_per_s": 1.0 / state.decode_s_per_token.value if state.decode_s_per_token.value else None,

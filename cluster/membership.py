@@ -33,10 +33,19 @@ class NodeInfo:
     model: str
     block_size: int = 16
     bytes_per_block: int = 0  # K+V bytes of one block over all layers; 0 = unknown
+    fingerprint: str = ""  # the model fingerprint block hashes are rooted in
+    cache_salt: str | None = None
+    max_model_len: int = 0
+    model_path: str = ""  # where the gateway can load the tokenizer from
+    vocab_size: int = 0
     device: str = ""
     hostname: str = ""
     ray_node_id: str = ""
     kv_blocks_total: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "NodeInfo":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
 @dataclass(frozen=True)
