@@ -66,9 +66,14 @@ class KVPool:
             return
         sources = self._index([src for src, _ in pairs])
         targets = self._index(self._checked_targets([dst for _, dst in pairs]))
+        # Gather first: a scatter whose input a pending gather still reads cannot reuse
+        # the buffer, and would copy the whole layer.
+        key_blocks = [layer[sources] for layer in self.keys]
+        value_blocks = [layer[sources] for layer in self.values]
+        mx.eval(*key_blocks, *value_blocks)
         for layer in range(self.geometry.num_layers):
-            self.keys[layer] = self._assign(self.keys[layer], targets, self.keys[layer][sources])
-            self.values[layer] = self._assign(self.values[layer], targets, self.values[layer][sources])
+            self.keys[layer] = self._assign(self.keys[layer], targets, key_blocks[layer])
+            self.values[layer] = self._assign(self.values[layer], targets, value_blocks[layer])
         mx.eval(*self.keys, *self.values)
 
     @staticmethod

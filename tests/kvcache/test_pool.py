@@ -119,3 +119,20 @@ def test_writes_land_in_arrays_the_engine_swapped_in():
     pool.write_blocks([2], random_blocks(geometry, 1, 14), random_blocks(geometry, 1, 15))
     keys, _ = pool.read_blocks([1])
     assert (keys[0] == 1).all() and not keys[1].any()
+
+
+def test_writes_and_copies_update_the_pool_in_place():
+    """Neither path may allocate a second copy of a layer: the pool is most of memory."""
+    import mlx.core as mx
+
+    geometry = KVGeometry("big-enough", num_layers=2, num_kv_heads=8, head_dim=128, block_size=16, dtype="float16")
+    pool = KVPool(geometry, num_blocks=256)
+    layer_bytes = pool.nbytes // (2 * geometry.num_layers)
+    keys, values = random_blocks(geometry, 2, 16), random_blocks(geometry, 2, 17)
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    pool.write_blocks([1, 2], keys, values)
+    pool.copy_blocks([(1, 3), (2, 4)])
+    assert mx.get_peak_memory() - before < layer_bytes // 4
+    got_keys, _ = pool.read_blocks([3, 4])
+    assert same_bits(got_keys, keys)
