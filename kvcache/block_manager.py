@@ -246,6 +246,8 @@ class BlockManager:
 
     def unpin(self, block_ids: Sequence[int]) -> None:
         for block_id in block_ids:
+            if self._blocks[block_id].ref_count == 0:
+                raise ValueError(f"block {block_id} is not pinned")
             self._release(self._blocks[block_id])
 
     def import_cached(

@@ -9,6 +9,7 @@ import pytest
 
 from kvcache.budget import MemoryBudget
 from kvcache.cache import KVCache
+from kvcache.cold_tier import SlotLayout
 from kvcache.config import CacheConfig, InvalidCacheConfig
 from kvcache.errors import IncompatibleKVPayload, OutOfBlocks, QuotaExceeded
 from kvcache.events import DISK, MEMORY, BlockRemoved, BlockStored
@@ -26,14 +27,15 @@ def geometry(dtype="float32", fingerprint="tiny-llama"):
 def make_cache(tmp_path):
     made = []
 
-    def make(num_blocks=10, cold=False, dtype="float32", salt=None, fingerprint="tiny-llama", cold_dir=None):
+    def make(num_blocks=10, cold=False, dtype="float32", salt=None, fingerprint="tiny-llama", cold_dir=None,
+             cold_bytes=1 << 20):
         config = CacheConfig(
             block_size=BS,
             num_blocks=num_blocks,
             watermark=0.0,
             cache_salt=salt,
             cold_tier_dir=str(cold_dir or tmp_path / f"cold{len(made)}") if cold else None,
-            cold_tier_gb=1 / 1024,
+            cold_tier_gb=cold_bytes / (1 << 30),
         )
         cache = KVCache(geometry(dtype, fingerprint), config)
         made.append(cache)
@@ -112,6 +114,40 @@ def test_salt_changes_the_hashes_a_cache_computes(make_cache):
     assert make_cache().block_hashes(tokens) != make_cache(salt="tenant").block_hashes(tokens)
 
 
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("block_size", 0),
+        ("num_blocks", 1),
+        ("kv_memory_gb", 0.0),
+        ("memory_fraction", 0.0),
+        ("memory_fraction", 1.5),
+        ("watermark", 1.0),
+        ("watermark", -0.1),
+        ("dtype", "int8"),
+        ("cold_tier_gb", 0),
+    ],
+)
+def test_each_invalid_cache_setting_is_rejected_naming_its_field(field, value):
+    with pytest.raises(InvalidCacheConfig) as err:
+        CacheConfig(**{field: value})
+    assert err.value.field == field
+    assert str(err.value).startswith(f"{field}: ")
+
+
+def test_giving_both_a_block_count_and_a_memory_size_is_rejected():
+    with pytest.raises(InvalidCacheConfig) as err:
+        CacheConfig(num_blocks=8, kv_memory_gb=1.0)
+    assert err.value.field == "kv_memory_gb"
+
+
+def test_cache_config_defaults():
+    config = CacheConfig()
+    assert (config.block_size, config.num_blocks, config.kv_memory_gb, config.memory_fraction) == (16, None, None, 0.5)
+    assert (config.watermark, config.dtype, config.cold_tier_dir, config.cold_tier_gb, config.cache_salt) == (
+        0.01, None, None, 4.0, None)
+
+
 # ------------------------------------------------------------------ copy-on-write
 
 
@@ -168,6 +204,53 @@ def test_evicted_blocks_spill_to_disk_and_come_back_bit_for_bit(make_cache):
     assert stats.cold_tier_hits == 2
     assert (stats.prefix_query_tokens, stats.prefix_hit_tokens) == (8 + 12 + 9, 8)
     cache.free("a2")
+
+
+def test_event_numbers_never_go_back_across_memory_and_disk_events(make_cache):
+    cache = make_cache(num_blocks=3, cold=True)
+    for index in range(4):
+        prefill(cache, index, list(range(10 * index, 10 * index + 8)), seed=index)
+        cache.free(index)
+    events = cache.drain_events()
+    assert [e.seq for e in events] == list(range(len(events)))
+    assert {e.tier for e in events} == {MEMORY, DISK}
+    assert len(events) == 8 + 6 + 6  # 8 stored in memory; 6 evicted, each removed and stored on disk
+
+
+def test_blocks_dropped_by_the_full_cold_tier_are_announced_as_removed(make_cache):
+    stride = SlotLayout.for_geometry(geometry(), 1 << 20).stride
+    cache = make_cache(num_blocks=3, cold=True, cold_bytes=2 * stride)
+    prefill(cache, "a", list(range(8)), seed=20)
+    a0, a1 = cache.block_hashes(list(range(8)))
+    cache.free("a")
+    prefill(cache, "b", list(range(100, 108)), seed=21)  # spills a1, a0: the tier is full
+    cache.free("b")
+    cache.drain_events()
+    prefill(cache, "c", [7], seed=22)  # spills b's tail, dropping the least recent slot (a1)
+    events = cache.drain_events()
+    b1 = cache.block_hashes(list(range(100, 108)))[1]
+    assert [(type(e), e.block_hash, e.tier) for e in events] == [
+        (BlockRemoved, b1, MEMORY),
+        (BlockStored, b1, DISK),
+        (BlockRemoved, a1, DISK),
+    ]
+    assert [(s.block_hash, s.tier) for s in cache.snapshot() if s.tier == DISK] == [(a0, DISK), (b1, DISK)]
+    cache.free("c")
+
+
+def test_a_restarted_cache_finds_its_cold_blocks_on_disk(make_cache, tmp_path):
+    first = make_cache(num_blocks=3, cold=True, cold_dir=tmp_path / "shared")
+    prompt = list(range(8))
+    prefill(first, "a", prompt, seed=23)
+    original = kv_of(first, first.block_table("a"))
+    first.free("a")
+    prefill(first, "b", list(range(100, 108)), seed=24)  # spills both of a's blocks
+    first.free("b")
+    first.close()
+    second = make_cache(num_blocks=4, cold=True, cold_dir=tmp_path / "shared")
+    assert second.allocate("a", prompt + [8]) == 8
+    assert same_kv(kv_of(second, second.block_table("a")[:2]), original)
+    second.free("a")
 
 
 def test_cold_hit_continues_a_prefix_found_partly_in_memory(make_cache):
