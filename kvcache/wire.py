@@ -60,7 +60,11 @@ def encode_blocks(geometry: KVGeometry, blocks: list[KVBlockData]) -> bytes:
 
 
 def decode_blocks(payload: bytes, expected: KVGeometry) -> list[KVBlockData]:
-    """Blocks of `payload` if it was made for `expected`; arrays are read-only views of its bytes."""
+    """Blocks of `payload` if it was made for `expected`.
+
+    The arrays are read-only `np.frombuffer` views of the K/V byte strings msgpack
+    unpacked, so the only copy is msgpack's own; write them into a pool, do not mutate.
+    """
     envelope = _unpack(payload)
     _check_version(envelope)
     if envelope.get("checksum") != bytes(memoryview(payload)[-CHECKSUM_SIZE:]) or _checksum(payload) != envelope["checksum"]:
