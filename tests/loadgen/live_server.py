@@ -48,9 +48,14 @@ def mlx_lm_server(model_path: str, log_path: str):
         wait_healthy(base + "/health", proc)
         yield base
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Terminate the server this test started; kill it if it will not go."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
