@@ -205,6 +205,16 @@ class ColdTier:
         """Held keys, least recently used first."""
         return list(self._index)
 
+    def entries(self) -> list[tuple[bytes, bytes | None, tuple[int, ...]]]:
+        """(key, parent hash, token ids) of every held block, least recent first, without
+        reading KV: what a restarted node announces as its disk-tier blocks."""
+        out = []
+        for key, slot in self._index.items():
+            record = self._valid_record(slot)
+            if record is not None and record.key == key:
+                out.append((key, record.parent, record.token_ids))
+        return out
+
     def __contains__(self, key: bytes) -> bool:
         return key in self._index
 

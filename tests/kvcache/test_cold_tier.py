@@ -156,6 +156,19 @@ def test_reopening_the_file_recovers_blocks_in_lru_order(tmp_path):
         assert spill(reopened, 5) == [key(2)]
 
 
+def test_entries_list_recovered_blocks_metadata_in_lru_order(tmp_path):
+    with ColdTier(tmp_path, TINY, capacity_for(TINY, 4)) as tier:
+        for i in (0, 1, 2):
+            spill(tier, i)
+        tier.get(key(0))
+    with ColdTier(tmp_path, TINY, capacity_for(TINY, 4)) as reopened:
+        assert reopened.entries() == [
+            (key(1), key(0), (1, 2, 3, 4)),
+            (key(2), key(1), (2, 3, 4, 5)),
+            (key(0), None, (0, 1, 2, 3)),
+        ]
+
+
 def test_a_file_written_for_another_model_is_ignored(tmp_path, caplog):
     other = dataclasses.replace(TINY, model_fingerprint="another-model")
     with ColdTier(tmp_path, other, capacity_for(TINY, 2)) as foreign:
