@@ -84,12 +84,12 @@ def _add_serve(group) -> None:
                    help="lengths drawn uniformly from [len*(1-r), len*(1+r)]")
     d.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct shared prefixes")
     d.add_argument("--prefix-len", type=int, default=256, help="prefix-repetition: tokens per shared prefix")
-    d.add_argument("--turns", type=int, default=4, help="multi-turn: user turns per conversation")
+    d.add_argument("--turns", type=int, default=4, help="multi-turn: user turns per conversation (--num-prompts counts turns)")
     d.add_argument("--tokenizer", help="tokenizer.json (or its folder): exact lengths; else words, approximate")
     d.add_argument("--seed", type=int, default=0)
     load = p.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=math.inf,
-                      help="Poisson arrivals per second (default inf: all at once)")
+                      help="Poisson arrivals per second, of conversations for multi-turn (default inf: all at once)")
     load.add_argument("--max-concurrency", type=int, help="cap on requests in flight")
     load.add_argument("--sweep-concurrency", help="comma-separated caps, e.g. 1,4,16: one run each")
     stop = load.add_mutually_exclusive_group()
@@ -145,7 +145,7 @@ def run_serve(args) -> int:
         return 2
     console = Console(stderr=True)
     doc = run_bench(cfg, console)
-    print_summary(doc, console)
+    print_summary(doc, Console())
     if args.result_file:
         write_json(doc, args.result_file)
         console.print(f"result written to {args.result_file}")
