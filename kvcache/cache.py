@@ -321,6 +321,8 @@ class KVCache:
         full = num_computed // bs
         missing = [i for i in range(full) if hashes[i] not in self.cold]
         has_partial = num_computed % bs != 0
+        if not missing and not has_partial:
+            return
         keys, values = self.pool.read_blocks([table[i] for i in missing] + ([table[full]] if has_partial else []))
         for j, i in enumerate(missing):
             parent = hashes[i - 1] if i else self.root

@@ -304,6 +304,40 @@ def test_swapped_out_sequence_resumes_with_every_computed_slot_restored(make_cac
     cache.free("s")
 
 
+def test_swap_in_after_the_partial_block_was_forgotten_restores_full_blocks_only(make_cache):
+    cache = make_cache(cold=True)
+    tokens = list(range(7))
+    prefill(cache, "s", tokens, seed=30)
+    assert cache.swap_out("s", tokens, 7)
+    cache.forget_swapped("s")
+    assert cache.swap_in("s", tokens) == 4
+    assert cache.num_computed("s") == 4
+    cache.free("s")
+
+
+def test_swap_out_of_a_sequence_with_nothing_computed_keeps_nothing_and_frees(make_cache):
+    cache = make_cache(cold=True)
+    cache.allocate("s", [1, 2, 3])
+    assert cache.swap_out("s", [1, 2, 3], 0)
+    assert cache.stats().cold_tier_spills == 0
+    assert cache.swap_in("s", [1, 2, 3]) == 0
+    cache.free("s")
+
+
+def test_prefetch_asks_the_cold_tier_only_for_blocks_memory_lacks(make_cache, monkeypatch):
+    cache = make_cache(num_blocks=3, cold=True)
+    prompt = list(range(8))
+    prefill(cache, "a", prompt, seed=31)
+    cache.free("a")
+    prefill(cache, "b", [9], seed=32)  # a's tail block goes to disk
+    cache.free("b")
+    asked = []
+    monkeypatch.setattr(cache.cold, "prefetch", lambda keys: asked.append(list(keys)))
+    a0, a1 = cache.block_hashes(prompt)
+    cache.prefetch([a0, a1])
+    assert asked == [[a1]]
+
+
 def test_swap_out_without_a_cold_tier_frees_and_reports_false(make_cache):
     cache = make_cache()
     prefill(cache, "s", list(range(6)), seed=9)
