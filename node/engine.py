@@ -17,7 +17,7 @@ import numpy as np
 
 from kvcache import CacheConfig, KVCache
 from node.errors import DuplicateRequest, InvalidPrompt, PromptTooLong
-from node.model_adapter import ModelRunner, StepInput
+from node.model_adapter import ModelRunner, SequenceChunk, StepInput, pack_step
 from node.models import LoadedModel, load_model
 from node.rates import NodeRates
 from node.sampling import SampleRow, sample
@@ -80,7 +80,7 @@ class LLMEngine:
         geometry = self.model.geometry(self.config.block_size, self.config.dtype)
         self.kv = KVCache(geometry, self.config.cache_config())
         self.runner = ModelRunner(self.model, self.kv.pool)
-        self.max_model_len = min(self.config.max_model_len or self.model.max_model_len, self.model.max_model_len)
+        self.max_model_len = min(self.config.max_model_len or self.model.max_context_length, self.model.max_context_length)
         self.eos_token_ids = set(self.model.eos_token_ids)
         self.rates = NodeRates.new()
         self.scheduler = Scheduler(
@@ -143,7 +143,7 @@ class LLMEngine:
     def _release(self, seq: Sequence) -> None:
         if seq.status is Status.RUNNING or (seq.status is Status.WAITING and seq.swapped):
             if seq.status is Status.WAITING:
-                self.kv.discard_swapped(seq.seq_id)
+                self.kv.forget_swapped(seq.seq_id)
             else:
                 self.kv.free(seq.seq_id)
         self.scheduler.remove(seq)
@@ -292,7 +292,7 @@ class LLMEngine:
 
     def _should_swap(self, seq: Sequence) -> bool:
         """Swap to the cold tier when restoring is expected to beat recomputing."""
-        if not self.kv.has_cold_tier or self.config.preemption == "recompute":
+        if self.kv.cold is None or self.config.preemption == "recompute":
             return False
         if self.config.preemption == "swap":
             return True
@@ -315,6 +315,7 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "requests": len(self.requests),
             "preemptions": self.scheduler.num_preemptions,
+            "swaps": self.scheduler.num_swaps,
             "kv": kv.to_dict() if hasattr(kv, "to_dict") else dict(vars(kv)),
             "prefill_s_per_token": self.rates.prefill_s_per_token.value,
             "decode_s_per_token": self.rates.decode_s_per_token.value,
@@ -328,32 +329,15 @@ class LLMEngine:
 
 
 def build_step_input(chunks: list[ScheduledChunk], kv: KVCache, block_size: int) -> StepInput:
-    """Flatten the scheduled chunks into the packed batch the model runner takes."""
-    token_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    tables: list[list[int]] = []
-    starts = [0]
-    context_lens: list[int] = []
-    for chunk in chunks:
-        seq = chunk.seq
-        begin, end = seq.num_computed, seq.num_computed + chunk.num_tokens
-        table = kv.block_table(seq.seq_id)
-        token_ids.extend(seq.token_ids[begin:end])
-        positions.extend(range(begin, end))
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(begin, end))
-        tables.append(table[: (end + block_size - 1) // block_size])
-        starts.append(starts[-1] + chunk.num_tokens)
-        context_lens.append(end)
-    width = max(len(t) for t in tables)
-    padded = np.zeros((len(tables), width), dtype=np.int32)
-    for i, t in enumerate(tables):
-        padded[i, : len(t)] = t
-    return StepInput(
-        token_ids=token_ids,
-        positions=positions,
-        slot_mapping=slots,
-        block_tables=padded,
-        query_start_loc=starts,
-        context_lens=context_lens,
+    """The scheduled chunks as the packed batch the model runner takes."""
+    return pack_step(
+        [
+            SequenceChunk(
+                token_ids=c.seq.token_ids[c.seq.num_computed : c.seq.num_computed + c.num_tokens],
+                start=c.seq.num_computed,
+                block_table=kv.block_table(c.seq.seq_id),
+            )
+            for c in chunks
+        ],
+        block_size,
     )

@@ -65,6 +65,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by _key
         self.running: list[Sequence] = []  # sorted by _key
         self.num_preemptions = 0
+        self.num_swaps = 0  # preemptions that kept their KV in the cold tier
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -128,6 +129,7 @@ class Scheduler:
         seq.swapped = swapped
         seq.num_computed = 0
         self.num_preemptions += 1
+        self.num_swaps += swapped
         self.add(seq)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:

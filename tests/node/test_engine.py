@@ -22,7 +22,7 @@ def _reference(model_dir, prompts, max_tokens=MAX_TOKENS) -> list[list[int]]:
     model, _ = load(str(model_dir))
     outs = []
     for prompt in prompts:
-        tokens = [int(t) for t, _ in zip(generate_step(mx.array(prompt), model, max_tokens=max_tokens), range(max_tokens))]
+        tokens = [int(t) for (t, _) in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
         outs.append(tokens)
     return outs
 
@@ -77,9 +77,7 @@ def test_shared_prefix_is_served_from_cache_with_identical_tokens(name, model_di
     prompts = [system + tail for tail in _prompts(vocab, [3, 9, 16, 1])]
     expected = references(name, prompts)
     assert _run(engine, prompts[:1], GREEDY) == expected[:1]
-    hits_before = engine.kv.stats().hit_tokens
-    engine.requests.clear()
-    got = []
+    hits_before = engine.kv.stats().prefix_hit_tokens
     for i, prompt in enumerate(prompts[1:], start=1):
         engine.add_request(f"s{i}", prompt, GREEDY)
     finals = {}
@@ -90,7 +88,7 @@ def test_shared_prefix_is_served_from_cache_with_identical_tokens(name, model_di
     got = [finals[f"s{i}"].outputs[0].token_ids for i in range(1, len(prompts))]
     assert got == expected[1:]
     assert all(finals[f"s{i}"].num_cached_tokens == 40 for i in range(1, len(prompts)))
-    assert engine.kv.stats().hit_tokens - hits_before == 3 * 40
+    assert engine.kv.stats().prefix_hit_tokens - hits_before == 3 * 40
     _assert_no_leak(engine)
 
 
@@ -118,6 +116,7 @@ def test_preempted_sequences_resume_with_identical_tokens(mode, model_dirs, refe
     prompts = _prompts(engine.model.vocab_size, [9, 13, 6, 11])
     assert _run(engine, prompts, GREEDY) == references("demo", prompts)
     assert engine.scheduler.num_preemptions > 0
+    assert (engine.scheduler.num_swaps > 0) == (mode == "swap")
     _assert_no_leak(engine)
 
 
