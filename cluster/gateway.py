@@ -1,0 +1,197 @@
+"""The OpenAI-compatible HTTP front: `create_app(backend, config)` builds the FastAPI app.
+
+Handlers here only validate, tokenize, admit and translate; generation belongs to the
+`Backend`, wire shapes to `openai_protocol`, statuses to `http_errors`, and the turning of
+engine outputs into OpenAI responses to `openai_serving`. Every route is declared with its
+response model and its error responses so /openapi.json states what the server does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from cluster.backend import Backend, ModelInfo
+from cluster.http_errors import (
+    ModelNotFound,
+    QueueFull,
+    ServiceUnavailable,
+    Unauthorized,
+    declared_errors,
+    install_error_handlers,
+)
+from cluster.metrics import CONTENT_TYPE, GatewayMetrics
+from cluster.openai_protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ClusterInfo,
+    CompletionRequest,
+    CompletionResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+)
+from cluster.openai_serving import ChatServing, CompletionServing, Generation
+
+_SSE_DOC = {"text/event-stream": {"schema": {"type": "string", "description": "with `stream: true`: `data: <chunk JSON>` events, then `data: [DONE]`"}}}
+_GENERATION_ERRORS = declared_errors(400, 401, 404, 408, 429, 503)
+
+
+@dataclass
+class GatewayConfig:
+    """What the operator decides about the HTTP front; the model's limits come from the backend."""
+
+    api_keys: frozenset[str] = field(default_factory=frozenset)
+    max_queue: int = 1024  # requests waiting for their first token before new ones get 429
+    retry_after_s: int = 1
+    request_timeout_s: float | None = 600.0
+    max_chat_tokens: int | None = None  # chat's default max_tokens; None: the rest of the context
+
+
+class Gateway:
+    """The state the routes share: backend, config, metrics, and the admission checks."""
+
+    def __init__(self, backend: Backend, config: GatewayConfig):
+        self.backend = backend
+        self.config = config
+        self.metrics = GatewayMetrics()
+
+    async def model(self, name: str) -> ModelInfo:
+        if not await self.backend.ready():
+            raise ServiceUnavailable("No node is ready to serve yet; retry shortly.")
+        served = await self.backend.models()
+        for info in served:
+            if info.name == name:
+                return info
+        raise ModelNotFound(name, [m.name for m in served])
+
+    async def admit(self, new_requests: int) -> None:
+        depth = await self.backend.queue_depth()
+        if depth + new_requests > self.config.max_queue:
+            raise QueueFull(depth, self.config.max_queue, self.config.retry_after_s)
+
+    def generation(self, info: ModelInfo, request: Request) -> Generation:
+        return Generation(self.backend, info, request, self.metrics, self.config.request_timeout_s)
+
+
+def _bearer_check(keys: frozenset[str]):
+    scheme = HTTPBearer(auto_error=False, description="one of the server's API keys")
+
+    async def require_key(credentials: HTTPAuthorizationCredentials | None = Depends(scheme)) -> None:
+        if credentials is None or credentials.credentials not in keys:
+            raise Unauthorized()
+
+    return require_key
+
+
+def _strip_422(app: FastAPI) -> None:
+    """FastAPI declares 422 for validation; this server answers 400, so say so."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            for item in schema.get("paths", {}).values():
+                for operation in item.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+class _CountRequests:
+    """ASGI middleware counting answered requests by endpoint and status (streams included)."""
+
+    def __init__(self, app, metrics: GatewayMetrics, endpoints: set[str]):
+        self.app, self.metrics, self.endpoints = app, metrics, endpoints
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_counted(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            path = scope.get("path", "")
+            self.metrics.count_request(path if path in self.endpoints else "other", status)
+
+
+def create_app(backend: Backend, config: GatewayConfig | None = None) -> FastAPI:
+    config = config or GatewayConfig()
+    gw = Gateway(backend, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        await backend.shutdown()
+
+    app = FastAPI(
+        title="mlx-orchard",
+        version="0.1.0",
+        description="OpenAI-compatible endpoint over a cluster of MLX engines.",
+        lifespan=lifespan,
+    )
+    app.state.gateway = gw
+    install_error_handlers(app)
+    auth = [Depends(_bearer_check(config.api_keys))] if config.api_keys else []
+    completions, chats = CompletionServing(gw), ChatServing(gw)
+
+    @app.post(
+        "/v1/completions", response_model=CompletionResponse, dependencies=auth,
+        responses={200: {"content": _SSE_DOC}, **_GENERATION_ERRORS},
+    )
+    async def create_completion(body: CompletionRequest, request: Request):
+        return await completions.serve(body, request)
+
+    @app.post(
+        "/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=auth,
+        responses={200: {"content": _SSE_DOC}, **_GENERATION_ERRORS},
+    )
+    async def create_chat_completion(body: ChatCompletionRequest, request: Request):
+        return await chats.serve(body, request)
+
+    @app.get("/v1/models", response_model=ModelList, dependencies=auth, responses=declared_errors(401))
+    async def list_models() -> ModelList:
+        served = await backend.models() if await backend.ready() else []
+        return ModelList(data=[ModelCard(id=m.name, max_model_len=m.max_model_len) for m in served])
+
+    @app.get("/v1/cluster", response_model=ClusterInfo, dependencies=auth, responses=declared_errors(401))
+    async def cluster_info() -> ClusterInfo:
+        return ClusterInfo.model_validate(await backend.cluster_info())
+
+    @app.get(
+        "/health", response_model=HealthResponse,
+        responses={503: {"model": HealthResponse, "description": "no model ready yet"}},
+    )
+    async def health():
+        if await backend.ready():
+            return HealthResponse(status="ok")
+        return JSONResponse(HealthResponse(status="starting").model_dump(), status_code=503)
+
+    @app.get(
+        "/metrics", response_class=Response,
+        responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}}, "description": "Prometheus text format"}},
+    )
+    async def metrics() -> Response:
+        info = await backend.cluster_info() if await backend.ready() else {"nodes": [], "queue_depth": 0}
+        return Response(gw.metrics.render(info), media_type=CONTENT_TYPE)
+
+    _strip_422(app)
+    endpoints = {route.path for route in app.routes}
+    app.add_middleware(_CountRequests, metrics=gw.metrics, endpoints=endpoints)
+    return app
+

@@ -1,0 +1,253 @@
+"""The OpenAI wire format the gateway speaks: request and response models.
+
+Requests forbid unknown fields, as OpenAI does ("Unrecognized request argument"), so a
+client never believes a parameter took effect when it was ignored. Ranges are declared on
+the fields so that /openapi.json states them and pydantic rejects bad values before any
+work starts; the engine's own `SamplingParams` checks remain the second line.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+StopField = Union[Annotated[str, Field(min_length=1)], Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)], None]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- errors ---------------------------------------------------------------------------
+
+
+class ErrorDetail(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorDetail
+
+
+# ---- shared ---------------------------------------------------------------------------
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class _SamplingFields(_Request):
+    """Parameters both endpoints share, with OpenAI's ranges (`n` capped by the engine)."""
+
+    model: str = Field(min_length=1)
+    n: int = Field(1, ge=1, le=64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: StopField = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: Seed | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    user: str | None = None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+# ---- /v1/completions ------------------------------------------------------------------
+
+PromptField = Union[
+    Annotated[str, Field(min_length=1)],
+    Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=64)],
+    Annotated[list[TokenId], Field(min_length=1)],
+    Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)],
+]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: PromptField
+    max_tokens: int | None = Field(None, ge=1, description="defaults to 16, as OpenAI's legacy endpoint")
+    logprobs: int | None = Field(None, ge=0, le=20, description="how many top alternatives to report per token")
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+# ---- /v1/chat/completions -------------------------------------------------------------
+
+
+class TextContentPart(_Request):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI in favour of max_completion_tokens")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="needs logprobs: true")
+
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+# ---- /v1/models, /health, /v1/cluster -------------------------------------------------
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "orchard"
+    max_model_len: int
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class HealthResponse(_Response):
+    status: Literal["ok", "starting", "draining"]
+
+
+class NodeInfo(BaseModel):
+    """One serving node as /v1/cluster reports it; backends may add fields."""
+
+    model_config = ConfigDict(extra="allow")
+
+    node: str
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    running: int = 0
+    waiting: int = 0
+
+
+class ClusterInfo(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    nodes: list[NodeInfo]
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    queue_depth: int = 0

@@ -1,0 +1,497 @@
+"""From a validated OpenAI request to engine jobs, and from engine outputs back to OpenAI.
+
+`Generation` owns the life of one HTTP request's jobs on the backend: it merges their
+outputs, measures latencies, and aborts every unfinished job the moment the request
+ends for any reason (client gone, timeout, error). Aborts run shielded from cancellation,
+because they run exactly when the surrounding task is being cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from cluster.backend import Backend, ModelInfo
+from cluster.chat_template import build_chat_prompt
+from cluster.http_errors import (
+    APIError,
+    ClientClosedRequest,
+    InvalidRequest,
+    PromptTooLong,
+    RequestTimedOut,
+    as_api_error,
+)
+from cluster.metrics import GatewayMetrics
+from cluster.openai_protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    TopLogprob,
+    Usage,
+)
+from node.types import RequestOutput, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from cluster.gateway import Gateway
+
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI reports impossible tokens with this value
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MAX_SEQUENCES_PER_REQUEST = 128
+
+
+@dataclass
+class Job:
+    request_id: str
+    prompt_token_ids: list[int]
+
+
+# ---- running jobs ---------------------------------------------------------------------
+
+
+async def _merge(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(iterator index, item) in arrival order; closes every iterator on exit."""
+    if len(iterators) == 1:
+        try:
+            async for item in iterators[0]:
+                yield 0, item
+        finally:
+            with anyio.CancelScope(shield=True):
+                await iterators[0].aclose()
+        return
+    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+                yield i, item
+    finally:
+        with anyio.CancelScope(shield=True):
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for it in iterators:
+                await it.aclose()
+
+
+async def wait_for_disconnect(request: Request) -> None:
+    """Returns when the client goes away (the server reports it once the body is read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class Generation:
+    """One HTTP request's jobs on the backend, ended (and aborted) together."""
+
+    def __init__(self, backend: Backend, info: ModelInfo, request: Request, metrics: GatewayMetrics, timeout_s: float | None):
+        self.backend, self.info, self.request = backend, info, request
+        self.metrics, self.timeout_s = metrics, timeout_s
+        self.started = time.perf_counter()
+        self._last_token_at: dict[int, float] = {}
+
+    async def outputs(self, jobs: list[Job], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+        iterators = [self.backend.generate(j.request_id, self.info.name, j.prompt_token_ids, params) for j in jobs]
+        finished: set[int] = set()
+        try:
+            async for i, out in _merge(iterators):
+                self._observe(i, out)
+                if out.finished:
+                    finished.add(i)
+                yield i, out
+        finally:
+            with anyio.CancelScope(shield=True):
+                for i, job in enumerate(jobs):
+                    if i not in finished:
+                        await self.backend.abort(job.request_id)
+
+    def _observe(self, job: int, out: RequestOutput) -> None:
+        if not any(c.token_ids_delta for c in out.outputs):
+            return
+        now = time.perf_counter()
+        node = str(getattr(out, "node", None) or "local")
+        last = self._last_token_at.get(job)
+        if last is None:
+            self.metrics.ttft.labels(node=node).observe(now - self.started)
+        else:
+            self.metrics.inter_token.labels(node=node).observe(now - last)
+        self._last_token_at[job] = now
+        self.metrics.tokens.inc(sum(len(c.token_ids_delta) for c in out.outputs))
+
+    async def collect(self, jobs: list[Job], params: SamplingParams, sink: Callable[[int, RequestOutput], None]) -> None:
+        """Run to the end, unless the client leaves or time runs out; then abort and raise."""
+
+        async def run() -> None:
+            async for i, out in self.outputs(jobs, params):
+                sink(i, out)
+
+        work = asyncio.ensure_future(run())
+        gone = asyncio.ensure_future(wait_for_disconnect(self.request))
+        try:
+            done, _ = await asyncio.wait({work, gone}, timeout=self.timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                await asyncio.gather(work, return_exceptions=True)
+        if work in done:
+            work.result()
+        elif gone in done:
+            raise ClientClosedRequest()
+        else:
+            raise RequestTimedOut(self.timeout_s)
+
+    async def stream(self, jobs: list[Job], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Like `outputs`, raising RequestTimedOut once the deadline passes."""
+        loop = asyncio.get_running_loop()
+        deadline = None if self.timeout_s is None else loop.time() + self.timeout_s
+        events = self.outputs(jobs, params)
+        try:
+            while True:
+                remaining = None if deadline is None else max(deadline - loop.time(), 0.0)
+                try:
+                    item = await asyncio.wait_for(anext(events), remaining)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    raise RequestTimedOut(self.timeout_s) from None
+                yield item
+        finally:
+            with anyio.CancelScope(shield=True):
+                await events.aclose()
+
+
+# ---- accumulating choices -------------------------------------------------------------
+
+
+@dataclass
+class ChoiceState:
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+class Choices:
+    """Every choice of a request: job j's continuation i is choice `j * n + i`."""
+
+    def __init__(self, n: int, num_jobs: int):
+        self.n = n
+        self.states = [ChoiceState() for _ in range(n * num_jobs)]
+
+    def index(self, job: int, completion_index: int) -> int:
+        return job * self.n + completion_index
+
+    def add(self, job: int, out: RequestOutput) -> None:
+        for c in out.outputs:
+            state = self.states[self.index(job, c.index)]
+            state.text = c.text
+            state.num_tokens = len(c.token_ids)
+            state.logprobs.extend(c.logprobs_delta)
+            state.finish_reason = c.finish_reason or state.finish_reason
+
+    def usage(self, prompts: list[list[int]]) -> Usage:
+        prompt_tokens = sum(len(p) for p in prompts)
+        completion_tokens = sum(s.num_tokens for s in self.states)
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+
+
+class TokenText:
+    """Text of single tokens, for logprobs; cached since the same ids recur."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
+
+
+def completion_logprobs(entries: list[TokenLogprob], text: TokenText, offset: int) -> CompletionLogprobs:
+    result = CompletionLogprobs()
+    for entry in entries:
+        token = text(entry.token_id)
+        top = {text(t): _finite(lp) for t, lp in entry.top}
+        top.setdefault(token, _finite(entry.logprob))
+        result.tokens.append(token)
+        result.token_logprobs.append(_finite(entry.logprob))
+        result.top_logprobs.append(top)
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result
+
+
+def chat_logprobs(entries: list[TokenLogprob], text: TokenText, k: int) -> ChatLogprobs:
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        token = text(token_id)
+        return TopLogprob(token=token, logprob=_finite(logprob), bytes=list(token.encode("utf-8")))
+
+    content = []
+    for entry in entries:
+        head = top(entry.token_id, entry.logprob)
+        alternatives = [top(t, lp) for t, lp in entry.top[:k]]
+        content.append(ChatTokenLogprob(**head.model_dump(), top_logprobs=alternatives))
+    return ChatLogprobs(content=content)
+
+
+# ---- request preparation shared by both endpoints -------------------------------------
+
+
+def _vocab_size(info: ModelInfo) -> int | None:
+    if info.vocab_size is not None:
+        return info.vocab_size
+    tok = info.tokenizer
+    for probe in (lambda: len(tok), lambda: len(tok.get_vocab()), lambda: int(tok.vocab_size)):
+        try:
+            return probe()
+        except (TypeError, AttributeError, ValueError):
+            continue
+    return None
+
+
+def check_token_ids(ids: list[int], info: ModelInfo) -> None:
+    vocab = _vocab_size(info)
+    if vocab is not None and ids and max(ids) >= vocab:
+        raise InvalidRequest(f"token id {max(ids)} is outside the model's vocabulary of {vocab} tokens", param="prompt")
+
+
+def token_budget(prompt_len: int, asked: int | None, default: int | None, info: ModelInfo, param: str) -> int:
+    """max_tokens for one prompt: what was asked if it fits, else PromptTooLong."""
+    room = info.max_model_len - prompt_len
+    if room < 1:
+        raise PromptTooLong(prompt_tokens=prompt_len, max_model_len=info.max_model_len, param=param)
+    if asked is None:
+        return room if default is None else min(default, room)
+    if asked > room:
+        raise PromptTooLong(prompt_tokens=prompt_len, max_model_len=info.max_model_len, completion_tokens=asked, param=param)
+    return asked
+
+
+def sampling_params(body: Any, max_tokens: int, logprobs: int | None, stop: list[str], stop_token_ids: list[int]) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        seed=body.seed,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        logprobs=logprobs,
+        n=body.n,
+    )
+
+
+def check_stream_options(body: Any) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true", param="stream_options")
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    return sse(json.dumps(as_api_error(exc).body()))
+
+
+SSE_DONE = sse("[DONE]")
+
+
+class _Serving:
+    """What both endpoints share: admission, running, streaming frame."""
+
+    id_prefix = "cmpl"
+
+    def __init__(self, gateway: "Gateway"):
+        self.gateway = gateway
+
+    def new_id(self) -> str:
+        return f"{self.id_prefix}-{uuid.uuid4().hex}"
+
+    def streaming_response(self, frames: AsyncIterator[str]) -> StreamingResponse:
+        return StreamingResponse(frames, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    async def frames(self, gen: Generation, jobs: list[Job], params: SamplingParams, render) -> AsyncIterator[str]:
+        """SSE frames: whatever `render` makes of each output; an error event if one occurs."""
+        try:
+            async for i, out in gen.stream(jobs, params):
+                for frame in render(i, out):
+                    yield frame
+        except APIError as exc:
+            yield sse_error(exc)
+        except Exception as exc:  # headers are sent: the stream is the only way left to tell
+            yield sse_error(exc)
+
+
+class CompletionServing(_Serving):
+    id_prefix = "cmpl"
+
+    def prompts(self, body: CompletionRequest, info: ModelInfo) -> list[list[int]]:
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            texts = [prompt]
+        elif all(isinstance(p, str) for p in prompt):
+            texts = list(prompt)
+        elif all(isinstance(p, int) for p in prompt):
+            texts, ids_list = None, [list(prompt)]
+        else:
+            texts, ids_list = None, [list(p) for p in prompt]
+        if texts is not None:
+            ids_list = [list(info.tokenizer.encode(t)) for t in texts]
+        for ids in ids_list:
+            if not ids:
+                raise InvalidRequest("the prompt encodes to no tokens", param="prompt")
+            check_token_ids(ids, info)
+        return ids_list
+
+    async def serve(self, body: CompletionRequest, request: Request):
+        gw = self.gateway
+        check_stream_options(body)
+        info = await gw.model(body.model)
+        prompts = self.prompts(body, info)
+        if len(prompts) * body.n > MAX_SEQUENCES_PER_REQUEST:
+            raise InvalidRequest(f"n times the number of prompts may be at most {MAX_SEQUENCES_PER_REQUEST}", param="n")
+        budgets = [token_budget(len(p), body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, info, "prompt") for p in prompts]
+        await gw.admit(len(prompts))
+        rid = self.new_id()
+        jobs = [Job(f"{rid}-{i}", ids) for i, ids in enumerate(prompts)]
+        params = sampling_params(body, min(budgets), body.logprobs, body.stop_list(), [])
+        gen = gw.generation(info, request)
+        choices = Choices(body.n, len(jobs))
+        text = TokenText(info.tokenizer)
+        if body.stream:
+            return self.streaming_response(self._stream(gen, jobs, params, body, rid, prompts, choices, text))
+        await gen.collect(jobs, params, choices.add)
+        return CompletionResponse(
+            id=rid, model=info.name, usage=choices.usage(prompts),
+            choices=[
+                CompletionChoice(
+                    index=i, text=s.text, finish_reason=s.finish_reason,
+                    logprobs=None if body.logprobs is None else completion_logprobs(s.logprobs, text, 0),
+                )
+                for i, s in enumerate(choices.states)
+            ],
+        )
+
+    async def _stream(self, gen, jobs, params, body, rid, prompts, choices: Choices, text: TokenText):
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        exclude = None if include_usage else {"usage"}
+        created = int(time.time())
+
+        def render(job: int, out: RequestOutput):
+            for c in out.outputs:
+                if not (c.token_ids_delta or c.text_delta or c.finished):
+                    continue
+                index = choices.index(job, c.index)
+                offset = max(len(choices.states[index].text) - len(c.text_delta), 0)
+                logprobs = None if body.logprobs is None else completion_logprobs(c.logprobs_delta, text, offset)
+                choice = CompletionChoice(index=index, text=c.text_delta, logprobs=logprobs, finish_reason=c.finish_reason)
+                chunk = CompletionResponse(id=rid, created=created, model=gen.info.name, choices=[choice])
+                yield sse(chunk.model_dump_json(exclude=exclude))
+
+        def render_tracked(job: int, out: RequestOutput):
+            choices.add(job, out)
+            yield from render(job, out)
+
+        async for frame in self.frames(gen, jobs, params, render_tracked):
+            yield frame
+        if include_usage:
+            final = CompletionResponse(id=rid, created=created, model=gen.info.name, choices=[], usage=choices.usage(prompts))
+            yield sse(final.model_dump_json())
+        yield SSE_DONE
+
+
+class ChatServing(_Serving):
+    id_prefix = "chatcmpl"
+
+    async def serve(self, body: ChatCompletionRequest, request: Request):
+        gw = self.gateway
+        check_stream_options(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
+        info = await gw.model(body.model)
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        prompt = build_chat_prompt(info.tokenizer, messages)
+        max_tokens = token_budget(len(prompt.token_ids), body.token_limit(), gw.config.max_chat_tokens, info, "messages")
+        await gw.admit(1)
+        rid = self.new_id()
+        jobs = [Job(rid, prompt.token_ids)]
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = sampling_params(body, max_tokens, logprobs, body.stop_list() + prompt.stop, prompt.stop_token_ids)
+        gen = gw.generation(info, request)
+        choices = Choices(body.n, 1)
+        text = TokenText(info.tokenizer)
+        k = body.top_logprobs or 0
+        if body.stream:
+            return self.streaming_response(self._stream(gen, jobs, params, body, rid, [prompt.token_ids], choices, text))
+        await gen.collect(jobs, params, choices.add)
+        return ChatCompletionResponse(
+            id=rid, model=info.name, usage=choices.usage([prompt.token_ids]),
+            choices=[
+                ChatChoice(
+                    index=i, message=AssistantMessage(content=s.text), finish_reason=s.finish_reason,
+                    logprobs=chat_logprobs(s.logprobs, text, k) if body.logprobs else None,
+                )
+                for i, s in enumerate(choices.states)
+            ],
+        )
+
+    async def _stream(self, gen, jobs, params, body, rid, prompts, choices: Choices, text: TokenText):
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        exclude = None if include_usage else {"usage"}
+        created = int(time.time())
+        k = body.top_logprobs or 0
+
+        def chunk(choice: ChatChunkChoice) -> str:
+            return sse(ChatCompletionChunk(id=rid, created=created, model=gen.info.name, choices=[choice]).model_dump_json(exclude=exclude))
+
+        for index in range(len(choices.states)):
+            yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")))
+
+        def render(job: int, out: RequestOutput):
+            choices.add(job, out)
+            for c in out.outputs:
+                if not (c.token_ids_delta or c.text_delta or c.finished):
+                    continue
+                logprobs = chat_logprobs(c.logprobs_delta, text, k) if body.logprobs else None
+                delta = ChatDelta(content=c.text_delta) if (c.text_delta or not c.finished) else ChatDelta()
+                yield chunk(ChatChunkChoice(index=choices.index(job, c.index), delta=delta, logprobs=logprobs, finish_reason=c.finish_reason))
+
+        async for frame in self.frames(gen, jobs, params, render):
+            yield frame
+        if include_usage:
+            final = ChatCompletionChunk(id=rid, created=created, model=gen.info.name, choices=[], usage=choices.usage(prompts))
+            yield sse(final.model_dump_json())
+        yield SSE_DONE

@@ -1,0 +1,66 @@
+"""Live gateway servers over one in-process engine, shared by the whole gateway suite."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from cluster.backend import LocalBackend
+from cluster.gateway import GatewayConfig, create_app
+from tests.gateway.live_server import LiveServer
+
+API_KEY = "test-key-123"
+
+
+def _engine():
+    from tests.gateway.fake_engine import FakeAsyncEngine
+
+    return FakeAsyncEngine(max_model_len=256)
+
+
+@pytest.fixture(scope="session")
+def engine():
+    eng = _engine()
+    yield eng
+    shutdown = getattr(eng, "shutdown", None)
+    if shutdown:
+        shutdown()
+
+
+class KeepEngine(LocalBackend):
+    """A LocalBackend whose shutdown leaves the shared engine running for later tests."""
+
+    async def shutdown(self) -> None:
+        self._closed = True
+
+
+def serve(engine, **config) -> LiveServer:
+    return LiveServer(create_app(KeepEngine(engine), GatewayConfig(**config)))
+
+
+@pytest.fixture(scope="session")
+def server(engine):
+    with serve(engine, request_timeout_s=60.0) as live:
+        yield live
+
+
+@pytest.fixture(scope="session")
+def model_name(engine) -> str:
+    return engine.model_name
+
+
+@pytest.fixture(scope="session")
+def tokenizer(engine):
+    return engine.tokenizer
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
