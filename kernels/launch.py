@@ -1,0 +1,156 @@
+"""Launch planning and the host side of the compiled decode kernel, shared by Metal and CUDA.
+
+The two backends differ only in how MLX compiles a kernel (`metal_kernel` or
+`cuda_kernel`); sizes, template constants, grids and the split-K decision live here so
+both launch the same kernel the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+import mlx.core as mx
+import numpy as np
+
+from kernels import source
+from kernels.errors import UnsupportedAttentionShape
+
+SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+WARP = 32
+#: float32 words of shared memory the warps' partial outputs may take (16 KiB, half of Metal's 32 KiB)
+SHARED_WORDS = 4096
+MAX_PER_LANE = 8
+MAX_HEADS_PER_TILE = 8
+
+#: compile(name, input_names, output_names, header, body) -> an MLX custom-kernel callable
+KernelCompiler = Callable[[str, list, list, str, str], Callable]
+
+
+@dataclass(frozen=True)
+class KernelTuning:
+    """Knobs measured on the H200 (see docs/benchmarks.md); the defaults are the fastest found."""
+
+    threads: int = 128
+    unroll: int = 4
+    partition_size: int = 512
+    reduce_threads: int = 128
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    lanes: int  # threads sharing one token's row
+    heads_per_tile: int  # query heads of one KV group handled by one threadgroup
+    num_partitions: int  # 1 means a single pass without the merge kernel
+
+    @property
+    def partitioned(self) -> bool:
+        return self.num_partitions > 1
+
+
+def lanes_for(head_dim: int) -> int:
+    """Fewest lanes (a power of two up to a warp) that split a row into at most MAX_PER_LANE elements."""
+    lanes = 1
+    while lanes <= WARP:
+        if head_dim % lanes == 0 and head_dim // lanes <= MAX_PER_LANE:
+            return lanes
+        lanes *= 2
+    raise UnsupportedAttentionShape(f"head_dim {head_dim} cannot be split over a power-of-two number of lanes")
+
+
+def heads_per_tile_for(group: int, head_dim: int, threads: int) -> int:
+    """Largest divisor of the GQA group whose per-warp partial outputs fit the shared-memory budget."""
+    budget = SHARED_WORDS // ((threads // WARP) * head_dim)
+    best = max((h for h in range(1, group + 1) if group % h == 0 and h <= min(budget, MAX_HEADS_PER_TILE)), default=0)
+    if best == 0:
+        raise UnsupportedAttentionShape(f"head_dim {head_dim} leaves no shared memory for {threads} threads")
+    return best
+
+
+def plan_decode(num_heads: int, num_kv_heads: int, head_dim: int, max_context: int, tuning: KernelTuning) -> DecodePlan:
+    partitions = -(-max_context // tuning.partition_size)
+    return DecodePlan(
+        lanes=lanes_for(head_dim),
+        heads_per_tile=heads_per_tile_for(num_heads // num_kv_heads, head_dim, tuning.threads),
+        num_partitions=max(partitions, 1),
+    )
+
+
+def context_bound(block_tables, context_lens, block_size: int) -> int:
+    """Longest context, read from host metadata when it is there, else the block tables' capacity."""
+    if isinstance(context_lens, np.ndarray) and context_lens.size:
+        return int(context_lens.max())
+    return block_tables.shape[1] * block_size
+
+
+def as_device_ints(values) -> mx.array:
+    array = values if isinstance(values, mx.array) else mx.array(np.asarray(values, dtype=np.int32))
+    return array if array.dtype == mx.int32 else array.astype(mx.int32)
+
+
+class PagedDecodeKernels:
+    """The decode, split-K decode and merge kernels of one dialect, compiled once each."""
+
+    def __init__(self, dialect: str, compile_kernel: KernelCompiler, tuning: KernelTuning = KernelTuning()):
+        self.dialect = dialect
+        self.compile_kernel = compile_kernel
+        self.tuning = tuning
+
+    @lru_cache(maxsize=None)
+    def _decode_kernel(self, partitioned: bool):
+        header, body = source.render_decode(self.dialect, partitioned)
+        outputs = source.PARTITION_OUTPUTS if partitioned else source.SINGLE_OUTPUTS
+        name = "orchard_paged_decode_split" if partitioned else "orchard_paged_decode"
+        return self.compile_kernel(name, source.DECODE_INPUTS, outputs, header, body)
+
+    @lru_cache(maxsize=None)
+    def _reduce_kernel(self):
+        header, body = source.render_reduce(self.dialect)
+        return self.compile_kernel("orchard_paged_reduce", source.REDUCE_INPUTS, source.REDUCE_OUTPUTS, header, body)
+
+    def __call__(self, queries, key_cache, value_cache, block_tables, context_lens, scale: float) -> mx.array:
+        num_seqs, num_heads, head_dim = queries.shape
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        if key_cache.dtype not in SUPPORTED_DTYPES or value_cache.dtype != key_cache.dtype:
+            raise UnsupportedAttentionShape(f"KV dtypes {key_cache.dtype}/{value_cache.dtype} are not supported")
+        if num_seqs == 0:
+            return mx.zeros(queries.shape, dtype=queries.dtype)
+        tuning = self.tuning
+        plan = plan_decode(num_heads, num_kv_heads, head_dim, context_bound(block_tables, context_lens, block_size), tuning)
+        tables = as_device_ints(block_tables)
+        lengths = as_device_ints(context_lens)
+        dims = mx.array([tables.shape[1], plan.num_partitions], dtype=mx.int32)
+        inputs = [
+            queries.astype(key_cache.dtype), key_cache, value_cache, tables, lengths,
+            mx.array([scale], dtype=mx.float32), dims,
+        ]
+        template = [
+            ("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),
+            ("NUM_KV_HEADS", num_kv_heads), ("GROUP", num_heads // num_kv_heads),
+            ("HEADS_PER_TILE", plan.heads_per_tile), ("LANES", plan.lanes), ("NUM_THREADS", tuning.threads),
+            ("UNROLL", tuning.unroll), ("PARTITION", tuning.partition_size),
+        ]
+        grid = (plan.num_partitions * tuning.threads, num_kv_heads * (num_heads // num_kv_heads // plan.heads_per_tile), num_seqs)
+        kernel = self._decode_kernel(plan.partitioned)
+        if not plan.partitioned:
+            (out,) = kernel(
+                inputs=inputs, template=template, grid=grid, threadgroup=(tuning.threads, 1, 1),
+                output_shapes=[queries.shape], output_dtypes=[key_cache.dtype],
+            )
+            return out.astype(queries.dtype)
+        states = (num_seqs, num_heads, plan.num_partitions)
+        part_out, part_max, part_sum = kernel(
+            inputs=inputs, template=template, grid=grid, threadgroup=(tuning.threads, 1, 1),
+            output_shapes=[(*states, head_dim), states, states], output_dtypes=[mx.float32] * 3,
+        )
+        (out,) = self._reduce_kernel()(
+            inputs=[part_out, part_max, part_sum, lengths, dims],
+            template=[
+                ("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("NUM_HEADS", num_heads),
+                ("PARTITION", tuning.partition_size), ("NUM_THREADS", tuning.reduce_threads),
+            ],
+            grid=(num_heads * tuning.reduce_threads, num_seqs, 1), threadgroup=(tuning.reduce_threads, 1, 1),
+            output_shapes=[queries.shape], output_dtypes=[key_cache.dtype],
+        )
+        return out.astype(queries.dtype)

@@ -1,0 +1,168 @@
+"""Run the shared kernel body (kernels/source.py) on the CPU: one std::thread per GPU thread.
+
+A third dialect for the same text: shared memory becomes function statics, barriers are
+std::barrier, a warp shuffle is a store / barrier / load through an exchange buffer. It
+lets CI check the algorithm that Metal and CUDA compile (float32 storage only), so the
+GPU machine is needed for speed, not for finding logic errors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from kernels import source
+
+COMPILER = shutil.which("g++")
+
+EMU_HEADER = r"""
+#include <barrier>
+#include <cmath>
+#include <cstddef>
+#include <memory>
+#include <thread>
+#include <vector>
+
+struct EmuDim3 { int x, y, z; };
+thread_local int emu_tid;
+thread_local EmuDim3 emu_block;
+static std::barrier<>* emu_group_barrier;
+static std::vector<std::unique_ptr<std::barrier<>>> emu_warp_barriers;
+static float emu_exchange[1024];
+
+static float emu_xor(float value, int mask) {
+  const int warp = emu_tid / 32, lane = emu_tid % 32;
+  emu_exchange[emu_tid] = value;
+  emu_warp_barriers[warp]->arrive_and_wait();
+  const float other = emu_exchange[warp * 32 + (lane ^ mask)];
+  emu_warp_barriers[warp]->arrive_and_wait();
+  return other;
+}
+
+template <typename F>
+static void emu_launch(int gx, int gy, int gz, int threads, F body) {
+  for (int z = 0; z < gz; ++z)
+    for (int y = 0; y < gy; ++y)
+      for (int x = 0; x < gx; ++x) {
+        std::barrier<> group(threads);
+        emu_group_barrier = &group;
+        emu_warp_barriers.clear();
+        for (int w = 0; w < threads / 32; ++w) emu_warp_barriers.push_back(std::make_unique<std::barrier<>>(32));
+        std::vector<std::thread> pool;
+        for (int t = 0; t < threads; ++t)
+          pool.emplace_back([=] { emu_tid = t; emu_block = EmuDim3{x, y, z}; body(); });
+        for (auto& th : pool) th.join();
+      }
+}
+
+#define GLOBAL_PTR(type) const type*
+#define SHARED static
+#define BARRIER() emu_group_barrier->arrive_and_wait()
+#define SIMD_XOR(value, mask) emu_xor((value), (mask))
+#define FEXP(x) std::exp(x)
+#define ROW_ALIGN alignas(16)
+#define LOAD_ROW(dst, src) for (int i_ = 0; i_ < PER_LANE; ++i_) { (dst)[i_] = (src)[i_]; }
+"""
+
+DECODE_PROLOGUE = """
+  const int tid = emu_tid;
+  const int part = emu_block.x;
+  const int head_tile = emu_block.y;
+  const int seq = emu_block.z;
+"""
+
+REDUCE_PROLOGUE = """
+  const int tid = emu_tid;
+  const int head = emu_block.x;
+  const int seq = emu_block.y;
+"""
+
+DECODE_ARGS = (
+    "const float* queries, const float* key_cache, const float* value_cache, "
+    "const int* block_tables, const int* context_lens, const float* scale, const int* dims"
+)
+
+
+def _constants(values: dict) -> str:
+    return "".join(f"  constexpr int {name} = {value};\n" for name, value in values.items())
+
+
+def emulator_source(constants: dict) -> str:
+    """Both decode variants and the merge kernel, with the template constants baked in."""
+    decode_consts = "  using T = float;\n" + _constants(constants)
+    reduce_consts = "  using T = float;\n" + _constants({
+        "HEAD_DIM": constants["HEAD_DIM"], "NUM_HEADS": constants["NUM_KV_HEADS"] * constants["GROUP"],
+        "PARTITION": constants["PARTITION"], "NUM_THREADS": constants["NUM_THREADS"],
+    })
+    single = source.render_decode("metal", False)[1].replace(source.METAL_DECODE_PROLOGUE, DECODE_PROLOGUE)
+    split = source.render_decode("metal", True)[1].replace(source.METAL_DECODE_PROLOGUE, DECODE_PROLOGUE)
+    reduce = source.REDUCE_BODY
+    return EMU_HEADER + f"""
+static void decode_single({DECODE_ARGS}, float* out) {{
+{decode_consts}{single}
+}}
+static void decode_split({DECODE_ARGS}, float* part_out, float* part_max, float* part_sum) {{
+{decode_consts}{split}
+}}
+static void merge(const float* part_out, const float* part_max, const float* part_sum,
+                  const int* context_lens, const int* dims, float* out) {{
+{reduce_consts}{REDUCE_PROLOGUE}{reduce}
+}}
+extern "C" void run_single({DECODE_ARGS}, float* out, int gx, int gy, int gz) {{
+  emu_launch(gx, gy, gz, {constants["NUM_THREADS"]}, [=] {{
+    decode_single(queries, key_cache, value_cache, block_tables, context_lens, scale, dims, out); }});
+}}
+extern "C" void run_split({DECODE_ARGS}, float* part_out, float* part_max, float* part_sum,
+                          float* out, int gx, int gy, int gz, int heads) {{
+  emu_launch(gx, gy, gz, {constants["NUM_THREADS"]}, [=] {{
+    decode_split(queries, key_cache, value_cache, block_tables, context_lens, scale, dims, part_out, part_max, part_sum); }});
+  emu_launch(heads, gz, 1, {constants["NUM_THREADS"]}, [=] {{
+    merge(part_out, part_max, part_sum, context_lens, dims, out); }});
+}}
+"""
+
+
+def build(constants: dict, workdir: Path | None = None) -> ctypes.CDLL:
+    text = emulator_source(constants)
+    workdir = Path(workdir or tempfile.mkdtemp(prefix="orchard-emu-"))
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    library = workdir / f"emu_{digest}.so"
+    if not library.exists():
+        (workdir / f"emu_{digest}.cpp").write_text(text)
+        subprocess.run(
+            [COMPILER, "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-o", str(library), str(workdir / f"emu_{digest}.cpp")],
+            check=True, capture_output=True, text=True,
+        )
+    return ctypes.CDLL(str(library))
+
+
+def _ptr(array: np.ndarray):
+    return array.ctypes.data_as(ctypes.c_void_p)
+
+
+def run_decode(library: ctypes.CDLL, constants: dict, queries, key_cache, value_cache, block_tables, context_lens,
+               scale: float, num_partitions: int) -> np.ndarray:
+    """Launch like kernels/launch.py does: grid (partitions, kv heads x tiles, seqs)."""
+    num_seqs, num_heads, head_dim = queries.shape
+    arrays = [np.ascontiguousarray(a, dtype=d) for a, d in (
+        (queries, np.float32), (key_cache, np.float32), (value_cache, np.float32),
+        (block_tables, np.int32), (context_lens, np.int32),
+        (np.array([scale]), np.float32), (np.array([block_tables.shape[1], num_partitions]), np.int32),
+    )]
+    out = np.zeros((num_seqs, num_heads, head_dim), dtype=np.float32)
+    tiles = num_heads // constants["HEADS_PER_TILE"]
+    ints = [ctypes.c_int(v) for v in (num_partitions, tiles, num_seqs)]
+    if num_partitions == 1:
+        library.run_single(*map(_ptr, arrays), _ptr(out), *ints)
+        return out
+    part_out = np.zeros((num_seqs, num_heads, num_partitions, head_dim), dtype=np.float32)
+    part_max = np.zeros((num_seqs, num_heads, num_partitions), dtype=np.float32)
+    part_sum = np.zeros_like(part_max)
+    library.run_split(*map(_ptr, arrays), _ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(out), *ints, ctypes.c_int(num_heads))
+    return out
