@@ -28,6 +28,10 @@ FINGERPRINT_EDGE_BYTES = 1 << 20
 _FINGERPRINT_VERSION = b"orchard-model-fingerprint-v1"
 
 
+class ModelNotFound(FileNotFoundError):
+    """Neither a local model folder nor a hub id that could be fetched."""
+
+
 class UnsupportedModel(ValueError):
     """The model's architecture or attention layout cannot run over the paged pool."""
 
@@ -163,7 +167,10 @@ def resolve_model_path(model: str | None) -> tuple[str, Path]:
         return model, local
     from mlx_lm.utils import _download  # hub download with mlx-lm's own file patterns
 
-    return model, Path(_download(model))
+    try:
+        return model, Path(_download(model))
+    except Exception as error:  # validation, network and auth errors all mean the same here
+        raise ModelNotFound(f"model {model!r} is not a local folder and could not be fetched from the hub: {error}") from error
 
 
 def read_config(path: Path) -> dict:

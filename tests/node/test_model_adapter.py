@@ -197,3 +197,18 @@ def test_forward_refuses_offsets_that_do_not_cover_the_tokens(demo_path):
                      block_tables=[[1]], query_start_loc=[0, 2], context_lens=[3])
     with pytest.raises(InvalidStep, match="query_start_loc"):
         runner.forward(step)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_models_get_a_pool_of_their_dtype_and_matching_logits(dtype, demo_path):
+    loaded = load_model(str(demo_path))
+    loaded.model.set_dtype(getattr(mx, dtype))
+    assert loaded.geometry(BLOCK_SIZE).dtype == dtype
+    h = Harness(loaded)
+    prompt = h.encode("a")
+    h.step({"a": prompt[:6]})
+    pairs = h.step({"a": prompt[6:]})
+    paged, reference = pairs["a"]
+    assert paged.dtype == getattr(mx, dtype)
+    np.testing.assert_allclose(np.array(paged.astype(mx.float32)), np.array(reference.astype(mx.float32)), atol=2e-2)
+    assert int(mx.argmax(paged)) == int(mx.argmax(reference))

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from node.demo_model import write_demo_model
-from node.models import DEMO_MODEL_NAME, UnsupportedModel, load_model, model_fingerprint, unsupported_reason
+from node.models import DEMO_MODEL_NAME, ModelNotFound, UnsupportedModel, load_model, model_fingerprint, unsupported_reason
 from tests.node.tiny_models import TINY_CONFIGS, write_tiny_model
 
 
@@ -91,3 +91,9 @@ def test_fingerprint_is_stable_across_copies_and_changes_with_config_or_weights(
     weights[-1] ^= 0x01  # one bit of the last tensor
     (copy / "model.safetensors").write_bytes(bytes(weights))
     assert model_fingerprint(copy) != model_fingerprint(demo_path)
+
+
+def test_a_missing_local_path_is_reported_as_not_found(tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(ModelNotFound, match="no-such-model"):
+        load_model(missing)
