@@ -47,7 +47,9 @@ class Backend(Protocol):
 
 
 def node_entry(node: str, stats: dict[str, Any]) -> dict[str, Any]:
-    """One node's figures for /v1/cluster, from an engine's `stats()` whatever its key names."""
+    """One node's figures for /v1/cluster, from an engine's `stats()` (its `kv` part flattened)."""
+    kv = stats.get("kv")
+    stats = {**kv, **stats} if isinstance(kv, dict) else stats
 
     def pick(*names: str) -> int:
         for name in names:
@@ -60,6 +62,7 @@ def node_entry(node: str, stats: dict[str, Any]) -> dict[str, Any]:
     return {
         "node": node,
         "kv_blocks_used": pick("kv_blocks_used", "num_used_blocks", "blocks_used", "used_blocks"),
+        "kv_blocks_cached": pick("kv_blocks_cached", "blocks_cached"),
         "kv_blocks_total": pick("kv_blocks_total", "num_total_blocks", "blocks_total", "num_blocks", "total_blocks"),
         "prefix_cache_hit_tokens": hit,
         "prefix_cache_query_tokens": query,

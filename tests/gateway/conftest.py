@@ -14,9 +14,11 @@ API_KEY = "test-key-123"
 
 
 def _engine():
-    from tests.gateway.fake_engine import FakeAsyncEngine
+    """The real engine on the bundled demo model, small enough for two shared cores."""
+    from node.async_engine import AsyncEngine
+    from node.engine import EngineConfig
 
-    return FakeAsyncEngine(max_model_len=256)
+    return AsyncEngine.from_config(EngineConfig(max_model_len=256, num_blocks=512, max_num_seqs=64))
 
 
 @pytest.fixture(scope="session")
