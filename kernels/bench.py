@@ -1,0 +1,204 @@
+"""`python -m kernels.bench`: paged attention against dense SDPA over the same tokens, one table.
+
+CPU: the reference backend's time over dense SDPA's (target: within 1.3x).
+CUDA (when MLX has a CUDA device): the compiled kernel's KV read bandwidth (bytes of K
+and V read / time) against a measured copy ceiling and against MLX's dense SDPA, at
+B=64, Hq=32, Hkv=8, D=128, fp16, T = 512, 4096 and 32768. `--sweep` also times the
+kernel's tuning knobs at T=4096.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import mlx.core as mx
+import numpy as np
+
+import kernels
+from kernels import dispatch, launch
+
+
+@dataclass(frozen=True)
+class Problem:
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    context: int
+    dtype: str
+    block_size: int = 16
+
+    @property
+    def kv_bytes(self) -> int:
+        itemsize = {"float16": 2, "bfloat16": 2, "float32": 4}[self.dtype]
+        return 2 * self.batch * self.context * self.num_kv_heads * self.head_dim * itemsize
+
+    def label(self) -> str:
+        return f"B={self.batch} Hq={self.num_heads} Hkv={self.num_kv_heads} D={self.head_dim} T={self.context} {self.dtype}"
+
+
+@dataclass
+class Row:
+    device: str
+    backend: str
+    problem: str
+    paged_ms: float
+    dense_ms: float
+    kv_tb_per_s: float
+    copy_tb_per_s: float | None
+
+    @property
+    def ratio(self) -> float:
+        return self.paged_ms / self.dense_ms
+
+
+@dataclass
+class Inputs:
+    queries: mx.array
+    key_cache: mx.array
+    value_cache: mx.array
+    block_tables: mx.array
+    context_lens: mx.array
+    dense_queries: mx.array
+    dense_keys: mx.array
+    dense_values: mx.array
+
+
+def build_inputs(problem: Problem, seed: int = 0) -> Inputs:
+    """A pool whose blocks are handed out shuffled, and the same tokens laid out densely."""
+    dtype = getattr(mx, problem.dtype)
+    blocks_per_seq = -(-problem.context // problem.block_size)
+    num_blocks = problem.batch * blocks_per_seq + 1
+    rng = np.random.default_rng(seed)
+    tables = (rng.permutation(num_blocks - 1) + 1).astype(np.int32).reshape(problem.batch, blocks_per_seq)
+    shape = (num_blocks, problem.block_size, problem.num_kv_heads, problem.head_dim)
+    key_cache = mx.random.normal(shape).astype(dtype)
+    value_cache = mx.random.normal(shape).astype(dtype)
+    queries = mx.random.normal((problem.batch, problem.num_heads, problem.head_dim)).astype(dtype)
+    lengths = np.full(problem.batch, problem.context, dtype=np.int32)
+    slots = mx.array((tables[:, :, None] * problem.block_size + np.arange(problem.block_size)).reshape(problem.batch, -1)[:, : problem.context])
+
+    def dense(cache):
+        flat = cache.reshape(-1, problem.num_kv_heads, problem.head_dim)
+        return mx.contiguous(mx.take(flat, slots, axis=0).transpose(0, 2, 1, 3))
+
+    inputs = Inputs(
+        queries, key_cache, value_cache, mx.array(tables), mx.array(lengths),
+        queries[:, :, None, :], dense(key_cache), dense(value_cache),
+    )
+    mx.eval(*asdict(inputs).values())
+    return inputs
+
+
+def seconds_per_call(fn, iters: int, repeats: int = 5) -> float:
+    """Median over repeats of `iters` calls queued together and evaluated once (no per-call sync)."""
+    mx.eval(fn())
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval([fn() for _ in range(iters)])
+        samples.append((time.perf_counter() - start) / iters)
+    return statistics.median(samples)
+
+
+def copy_ceiling_tb_per_s() -> float:
+    """An elementwise pass over 1 GiB of float32: bytes read plus written over time."""
+    x = mx.zeros((256 * 1024 * 1024,), dtype=mx.float32)
+    mx.eval(x)
+    return 2 * x.nbytes / seconds_per_call(lambda: x + 1.0, iters=10) / 1e12
+
+
+def measure(problem: Problem, backend: str, device: str, iters: int, copy_tb: float | None) -> Row:
+    inputs = build_inputs(problem)
+    scale = problem.head_dim ** -0.5
+
+    def paged():
+        return kernels.paged_attention(
+            inputs.queries, inputs.key_cache, inputs.value_cache, inputs.block_tables, inputs.context_lens,
+            scale=scale, backend=backend,
+        )
+
+    def dense():
+        return mx.fast.scaled_dot_product_attention(inputs.dense_queries, inputs.dense_keys, inputs.dense_values, scale=scale)
+
+    paged_s = seconds_per_call(paged, iters)
+    dense_s = seconds_per_call(dense, iters)
+    del inputs
+    return Row(device, backend, problem.label(), paged_s * 1e3, dense_s * 1e3, problem.kv_bytes / paged_s / 1e12, copy_tb)
+
+
+def openblas_in_use() -> bool:
+    return "openblas" in os.environ.get("LD_PRELOAD", "")
+
+
+def cpu_rows() -> list[Row]:
+    problem = Problem(batch=4, num_heads=32, num_kv_heads=8, head_dim=128, context=2048, dtype="float32")
+    with mx.stream(mx.cpu):
+        return [measure(problem, "reference", "cpu", iters=3, copy_tb=None)]
+
+
+def cuda_rows() -> list[Row]:
+    copy_tb = copy_ceiling_tb_per_s()
+    rows = []
+    for context, batch, iters in ((512, 64, 50), (4096, 64, 20), (32768, 64, 5)):
+        problem = Problem(batch=batch, num_heads=32, num_kv_heads=8, head_dim=128, context=context, dtype="float16")
+        rows.append(measure(problem, "cuda", "gpu", iters, copy_tb))
+        rows.append(measure(problem, "reference", "gpu", max(iters // 5, 2), copy_tb))
+    return rows
+
+
+def sweep_rows(context: int = 4096) -> list[Row]:
+    """Time each tuning of the compiled kernel on the headline problem."""
+    rows = []
+    default = dispatch.decode_function("cuda")
+    problem = Problem(batch=64, num_heads=32, num_kv_heads=8, head_dim=128, context=context, dtype="float16")
+    for threads in (64, 128, 256):
+        for unroll in (1, 2, 4):
+            for partition in (256, 512, 1024):
+                tuning = launch.KernelTuning(threads=threads, unroll=unroll, partition_size=partition)
+                default.tuning = tuning
+                rows.append(measure(problem, f"cuda t{threads} u{unroll} p{partition}", "gpu", 20, None))
+    default.tuning = launch.KernelTuning()
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    header = f"{'device':6} {'backend':22} {'problem':52} {'paged ms':>9} {'dense ms':>9} {'paged/dense':>11} {'KV TB/s':>8} {'of copy':>8}"
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        of_copy = f"{row.kv_tb_per_s / row.copy_tb_per_s:7.0%}" if row.copy_tb_per_s else "      -"
+        lines.append(
+            f"{row.device:6} {row.backend:22} {row.problem:52} {row.paged_ms:9.3f} {row.dense_ms:9.3f} "
+            f"{row.ratio:10.2f}x {row.kv_tb_per_s:8.3f} {of_copy:>8}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also time the CUDA kernel's tuning knobs")
+    parser.add_argument("--json", help="write the rows to this file as JSON")
+    args = parser.parse_args(argv)
+    rows = cpu_rows()
+    if dispatch.cuda_available():
+        rows += cuda_rows()
+        if args.sweep:
+            rows += sweep_rows()
+    copy = next((r.copy_tb_per_s for r in rows if r.copy_tb_per_s), None)
+    print(f"# mlx {mx.__version__}, {platform.machine()} {platform.system()}, OpenBLAS preloaded: {openblas_in_use()}"
+          + (f", copy ceiling {copy:.2f} TB/s (read+write)" if copy else ""))
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([dict(asdict(r), ratio=r.ratio) for r in rows], fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
