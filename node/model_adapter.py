@@ -108,7 +108,12 @@ def pack_step(chunks: Sequence[SequenceChunk], block_size: int) -> StepInput:
 @dataclass
 class StepContext:
     """A step's metadata, built once and read by every layer: device arrays for the
-    per-token ops, host arrays for the kernel's planning."""
+    per-token ops, host arrays for the kernel's planning.
+
+    A step of decode rows only (the steady state) takes the kernels' decode entry, with
+    its table and lengths as device arrays for compiled backends (checked by shape only,
+    so no host sync per layer) and as host arrays for the reference backend.
+    """
 
     pool: Any  # KVPool-like: `keys` / `values` lists of per-layer arrays
     positions: PackedPositions
@@ -116,15 +121,18 @@ class StepContext:
     block_tables: np.ndarray
     query_start_loc: np.ndarray
     context_lens: np.ndarray
-    backend: str | None = None
+    backend: str
+    decode_only: bool = False
+    decode_tables: Any = None
+    decode_lens: Any = None
 
     @classmethod
-    def build(cls, step: StepInput, pool: Any, backend: str | None = None) -> "StepContext":
+    def build(cls, step: StepInput, pool: Any, backend: str) -> "StepContext":
         starts = np.asarray(step.query_start_loc, dtype=np.int32)
         lengths = np.asarray(step.context_lens, dtype=np.int32)
         tables = np.asarray(step.block_tables, dtype=np.int32)
         _check_step(step, starts, lengths, tables)
-        return cls(
+        context = cls(
             pool=pool,
             positions=PackedPositions(mx.array(np.asarray(step.positions, dtype=np.int32))),
             slot_mapping=mx.array(np.asarray(step.slot_mapping, dtype=np.int32)),
@@ -133,6 +141,12 @@ class StepContext:
             context_lens=lengths,
             backend=backend,
         )
+        if step.num_tokens == step.num_seqs:
+            on_device = backend != "reference"
+            context.decode_only = True
+            context.decode_tables = mx.array(tables) if on_device else tables
+            context.decode_lens = mx.array(lengths) if on_device else lengths
+        return context
 
 
 def _check_step(step: StepInput, starts: np.ndarray, lengths: np.ndarray, tables: np.ndarray) -> None:
@@ -175,12 +189,17 @@ class PagedLayerCache:
     def attend(self, queries: mx.array, scale: float) -> mx.array:
         """Queries `[1, H_q, T, D]` over each sequence's paged context, same layout back."""
         ctx, layer = self.context, self.layer
-        out = kernels.paged_prefill_attention(
-            queries[0].transpose(1, 0, 2),
-            ctx.pool.keys[layer], ctx.pool.values[layer],
-            ctx.block_tables, ctx.query_start_loc, ctx.context_lens,
-            scale=scale, backend=ctx.backend,
-        )
+        packed = queries[0].transpose(1, 0, 2)
+        keys, values = ctx.pool.keys[layer], ctx.pool.values[layer]
+        if ctx.decode_only:
+            out = kernels.paged_attention(
+                packed, keys, values, ctx.decode_tables, ctx.decode_lens, scale=scale, backend=ctx.backend
+            )
+        else:
+            out = kernels.paged_prefill_attention(
+                packed, keys, values, ctx.block_tables, ctx.query_start_loc, ctx.context_lens,
+                scale=scale, backend=ctx.backend,
+            )
         return out.transpose(1, 0, 2)[None]
 
 
@@ -219,7 +238,7 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, pool: Any, *, attention_backend: str | None = None):
         self.loaded = loaded
         self.pool = pool
-        self.attention_backend = attention_backend
+        self.attention_backend = kernels.default_backend() if attention_backend is None else attention_backend
         install_positional_rope(loaded.model)
         install_paged_attention(loaded.model)
         self._head = _lm_head(loaded.model)

@@ -34,12 +34,11 @@ class PositionalRoPE(nn.Module):
     def __call__(self, x: mx.array, offset=0) -> mx.array:
         if not isinstance(offset, PackedPositions):
             return self.inner(x, offset=offset)
-        batch, heads, tokens, dim = x.shape
-        if batch != 1:
-            raise ValueError(f"packed positions need a batch of one row, got {batch}")
-        per_token = x[0].transpose(1, 0, 2)[:, :, None, :]  # [T, H, 1, D]
-        rotated = self.inner(per_token, offset=offset.array)
-        return rotated[:, :, 0, :].transpose(1, 0, 2)[None]
+        if x.shape[0] != 1:
+            raise ValueError(f"packed positions need a batch of one row, got {x.shape[0]}")
+        # Swapping the batch and token axes is one strided view each way: [1,H,T,D] <-> [T,H,1,D].
+        rotated = self.inner(mx.swapaxes(x, 0, 2), offset=offset.array)
+        return mx.swapaxes(rotated, 0, 2)
 
 
 def install_positional_rope(model: nn.Module) -> int:
