@@ -156,8 +156,12 @@ def _edges_digest(weight_file: Path) -> bytes:
 # ---------------------------------------------------------------- loading
 
 
-def resolve_model_path(model: str | None) -> tuple[str, Path]:
-    """(served name, local folder): None means the demo model, created in the cache if missing."""
+def resolve_model_path(model: str | None, *, config_only: bool = False) -> tuple[str, Path]:
+    """(served name, local folder): None means the demo model, created in the cache if missing.
+
+    A hub id is fetched with mlx-lm's own download; `config_only` fetches just the JSON
+    files, so an unsupported model is refused before gigabytes of weights arrive.
+    """
     if model is None:
         from node.demo_model import default_demo_model_path
 
@@ -165,10 +169,10 @@ def resolve_model_path(model: str | None) -> tuple[str, Path]:
     local = Path(model).expanduser()
     if local.exists():
         return model, local
-    from mlx_lm.utils import _download  # hub download with mlx-lm's own file patterns
+    from mlx_lm.utils import _download
 
     try:
-        return model, Path(_download(model))
+        return model, Path(_download(model, allow_patterns=["*.json"] if config_only else None))
     except Exception as error:  # validation, network and auth errors all mean the same here
         raise ModelNotFound(f"model {model!r} is not a local folder and could not be fetched from the hub: {error}") from error
 
@@ -184,8 +188,9 @@ def load_model(model: str | None = None) -> LoadedModel:
     """Load `model` (local path or hub id; None for the demo model) after checking it is servable."""
     from mlx_lm.utils import load
 
+    _, config_path = resolve_model_path(model, config_only=True)
+    check_supported(read_config(config_path))
     name, path = resolve_model_path(model)
-    check_supported(read_config(path))
     mlx_model, tokenizer, config = load(str(path), return_config=True)
     dtype = str(mlx_model.model.norm.weight.dtype).removeprefix("mlx.core.")
     if dtype not in DTYPE_SIZES:

@@ -97,3 +97,19 @@ def test_a_missing_local_path_is_reported_as_not_found(tmp_path):
     missing = str(tmp_path / "no-such-model")
     with pytest.raises(ModelNotFound, match="no-such-model"):
         load_model(missing)
+
+
+def test_a_hub_model_is_refused_after_fetching_only_its_json_files(monkeypatch, tmp_path):
+    import mlx_lm.utils
+
+    snapshot = write_config(tmp_path / "snapshot", model_type="mamba")
+    fetched = []
+
+    def fake_download(repo, revision=None, allow_patterns=None):
+        fetched.append((repo, allow_patterns))
+        return snapshot
+
+    monkeypatch.setattr(mlx_lm.utils, "_download", fake_download)
+    with pytest.raises(UnsupportedModel, match="mamba"):
+        load_model("someone/some-mamba")
+    assert fetched == [("someone/some-mamba", ["*.json"])]
