@@ -251,5 +251,7 @@ class ModelRunner:
         caches = [PagedLayerCache(layer, context) for layer in range(self._num_layers)]
         tokens = mx.array(np.asarray(step.token_ids, dtype=np.int32))[None]
         hidden = self.loaded.model.model(tokens, cache=caches)
+        if context.decode_only:  # every row is its sequence's last token
+            return self._head(hidden[0])
         last_rows = mx.array(context.query_start_loc[1:] - 1)
         return self._head(hidden[0][last_rows])
