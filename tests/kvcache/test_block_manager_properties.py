@@ -223,3 +223,169 @@ BlockManagerMachine.TestCase.settings = settings(
     max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 TestBlockManagerMachine = BlockManagerMachine.TestCase
+
+
+# ---------------------------------------------------------------------------------------
+# The same kind of run one level up: KVCache with a real pool and a small cold tier.
+# Every slot's KV is a function of the tokens up to and including it, so any slot that a
+# prefix hit, a cold restore, a swap-in or a copy-on-write filled wrongly is caught.
+
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+import numpy as np  # noqa: E402
+import xxhash  # noqa: E402
+
+from kvcache.cache import KVCache  # noqa: E402
+from kvcache.cold_tier import SlotLayout  # noqa: E402
+from kvcache.config import CacheConfig  # noqa: E402
+from kvcache.geometry import KVGeometry  # noqa: E402
+from kvcache.wire import decode_blocks  # noqa: E402
+
+GEOMETRY = KVGeometry("prop-model", num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, dtype="float32")
+COLD_SLOTS = 6
+
+
+def slot_kv(prefix) -> tuple[float, float, float, float]:
+    """K (2 values) and V (2 values) that the slot holding prefix[-1] gets; exact in float32."""
+    v = float(xxhash.xxh3_64_intdigest(np.asarray(prefix, dtype="<u4").tobytes()) % (1 << 20))
+    return v, v + 1, v + 2, v + 3
+
+
+class KVCacheMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="kvcache-prop-")
+        stride = SlotLayout.for_geometry(GEOMETRY, 1 << 20).stride
+        config = CacheConfig(block_size=BS, num_blocks=12, watermark=0.0, cold_tier_dir=self.dir,
+                             cold_tier_gb=COLD_SLOTS * stride / (1 << 30))
+        self.cache = KVCache(GEOMETRY, config)
+        self.tokens: dict[int, list[int]] = {}
+        self.swapped: dict[int, list[int]] = {}
+        self.next_id = 0
+
+    def _new_id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def _write(self, seq_id, start, end):
+        """Write the KV of slots [start, end) the way a forward pass would."""
+        if start == end:
+            return
+        table = self.cache.block_table(seq_id)
+        blocks = sorted({table[s // BS] for s in range(start, end)}, key=table.index)
+        keys, values = self.cache.pool.read_blocks(blocks)
+        for slot in range(start, end):
+            j, offset = blocks.index(table[slot // BS]), slot % BS
+            k0, k1, v0, v1 = slot_kv(self.tokens[seq_id][: slot + 1])
+            keys[0, j, offset, 0] = (k0, k1)
+            values[0, j, offset, 0] = (v0, v1)
+        self.cache.pool.write_blocks(blocks, keys, values)
+
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 1), min_size=1, max_size=6))
+    def allocate(self, data, tokens):
+        """Admit a prompt, preempting the oldest sequences to disk until it fits, then prefill."""
+        while not self.cache.can_allocate(tokens) and self.tokens:
+            self._swap_out(min(self.tokens))
+        if not self.cache.can_allocate(tokens):
+            return
+        seq_id = self._new_id()
+        self.tokens[seq_id] = list(tokens)
+        reused = self.cache.allocate(seq_id, tokens)
+        assert reused % BS == 0 and reused < len(tokens)
+        self._compute(seq_id, data, [])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 1), max_size=4))
+    def compute(self, data, extra):
+        self._compute(data.draw(st.sampled_from(sorted(self.tokens))), data, extra)
+
+    def _compute(self, seq_id, data, extra):
+        tokens = self.tokens[seq_id] + extra
+        if not self.cache.can_append(seq_id, len(tokens)):
+            return
+        self.cache.ensure_slots(seq_id, len(tokens))
+        self.tokens[seq_id] = tokens
+        done = self.cache.num_computed(seq_id)
+        target = data.draw(st.integers(done, len(tokens)))
+        self._write(seq_id, done, target)
+        self.cache.commit(seq_id, tokens, target)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), token=st.integers(0, 1))
+    def fork(self, data, token):
+        """Fork as n > 1 sampling does; the child then goes its own way by one token."""
+        parent = data.draw(st.sampled_from(sorted(self.tokens)))
+        child = self._new_id()
+        self.cache.fork(parent, child)
+        self.tokens[child] = list(self.tokens[parent])
+        self._compute(child, data, [token])
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def free(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        self.cache.free(seq_id)
+        del self.tokens[seq_id]
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        self._swap_out(data.draw(st.sampled_from(sorted(self.tokens))))
+
+    def _swap_out(self, seq_id):
+        assert self.cache.swap_out(seq_id, self.tokens[seq_id], self.cache.num_computed(seq_id))
+        self.swapped[seq_id] = self.tokens.pop(seq_id)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.swapped)))
+        tokens = self.swapped[seq_id]
+        if not self.cache.can_allocate(tokens):
+            return
+        del self.swapped[seq_id]
+        self.tokens[seq_id] = tokens
+        restored = self.cache.swap_in(seq_id, tokens)
+        assert restored == self.cache.num_computed(seq_id) < len(tokens)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def export(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.tokens)))
+        tokens = self.tokens[seq_id]
+        blocks = decode_blocks(self.cache.export_blocks(self.cache.block_hashes(tokens)), GEOMETRY)
+        for index, block in enumerate(blocks):
+            assert block.token_ids == tuple(tokens[index * BS : (index + 1) * BS])
+            for offset in range(BS):
+                k0, k1, v0, v1 = slot_kv(tokens[: index * BS + offset + 1])
+                assert tuple(block.keys[0, offset, 0]) == (k0, k1)
+                assert tuple(block.values[0, offset, 0]) == (v0, v1)
+
+    @invariant()
+    def every_computed_slot_holds_the_kv_of_its_prefix(self):
+        for seq_id, tokens in self.tokens.items():
+            table = self.cache.block_table(seq_id)
+            keys, values = self.cache.pool.read_blocks(table)
+            for slot in range(self.cache.num_computed(seq_id)):
+                k0, k1, v0, v1 = slot_kv(tokens[: slot + 1])
+                assert tuple(keys[0, slot // BS, slot % BS, 0]) == (k0, k1), f"seq {seq_id} slot {slot}"
+                assert tuple(values[0, slot // BS, slot % BS, 0]) == (v0, v1)
+
+    @invariant()
+    def counts_partition_the_pool(self):
+        stats = self.cache.stats()
+        assert stats.blocks_used + stats.blocks_cached + stats.blocks_free == stats.blocks_total
+
+    def teardown(self):
+        for seq_id in list(self.tokens):
+            self.cache.free(seq_id)
+        assert self.cache.stats().blocks_used == 0
+        self.cache.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+KVCacheMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+TestKVCacheMachine = KVCacheMachine.TestCase

@@ -338,6 +338,20 @@ def test_prefetch_asks_the_cold_tier_only_for_blocks_memory_lacks(make_cache, mo
     assert asked == [[a1]]
 
 
+def test_swap_in_ignores_a_partial_block_that_a_longer_cached_prefix_superseded(make_cache):
+    cache = make_cache(cold=True)
+    tokens = [0, 0, 0, 0, 0, 1]
+    cache.allocate("s", tokens)
+    keys, values = random_kv(cache, 2, seed=33)
+    cache.pool.write_blocks(cache.block_table("s"), keys, values)
+    assert cache.swap_out("s", tokens, 1)  # only slot 0 computed: a partial block under the swap key
+    prefill(cache, "o", [0, 0, 0, 0, 5], seed=34)  # caches the full block [0, 0, 0, 0]
+    cache.free("o")
+    assert cache.swap_in("s", tokens) == 4
+    assert cache.num_computed("s") == 4
+    cache.free("s")
+
+
 def test_swap_out_without_a_cold_tier_frees_and_reports_false(make_cache):
     cache = make_cache()
     prefill(cache, "s", list(range(6)), seed=9)
