@@ -80,7 +80,7 @@ class BlockManager:
         self._blocks = [Block(i) for i in range(num_blocks)]
         # Ref-0 blocks, least recently used first. An OrderedDict because eviction and
         # prefix hits remove from the middle, and both must stay O(1).
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(NULL_BLOCK + 1, num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self._seqs: dict[Hashable, _Sequence] = {}
         self._num_free_cached = 0  # ref-0 blocks that still hold a hash
