@@ -106,9 +106,13 @@ class Coordinator:
         request = RouteRequest(model, num_tokens, block_size, held, request_id)
         decision = self.router.route(request, candidates, self.membership.link_rate, policy)
         uncached = max(1, num_tokens - decision.cached_blocks * block_size)
-        self.membership.note_routed(decision.node_id, uncached)
+        self.membership.note_routed(decision.node_id, request_id or f"anonymous-{self._totals.requests}", uncached)
         self._count(decision, num_tokens, block_size)
         return decision
+
+    def prefill_done(self, node_id: NodeId, request_id: str) -> None:
+        """A routed request produced its first token (or ended): its prefill no longer waits."""
+        self.membership.prefill_done(node_id, request_id)
 
     def node_failed(self, node_id: NodeId, reason: str = "actor died") -> bool:
         """Someone saw the node die (a failed call, a lost stream): stop routing to it now."""

@@ -90,10 +90,26 @@ class NodeState:
     load: NodeLoad = field(default_factory=NodeLoad)
     prefill_s_per_token: MovingAverage = field(default_factory=MovingAverage)
     decode_s_per_token: MovingAverage = field(default_factory=MovingAverage)
-    # Work routed here since the last heartbeat, which the heartbeat cannot show yet.
-    pending_requests: int = 0
-    pending_prefill_tokens: int = 0
+    # Requests routed here whose prefill has not been seen to finish: request id ->
+    # (when routed, prompt tokens to prefill). Fresher than any heartbeat.
+    pending: dict[str, tuple[float, int]] = field(default_factory=dict)
+    # Prefill tokens seen done since the last heartbeat, which that heartbeat still counts as queued.
+    prefilled_since_heartbeat: int = 0
     death_reason: str | None = None
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """The node's prefill queue, from the fresher of the two views of it."""
+        reported = max(0, self.load.queued_prefill_tokens - self.prefilled_since_heartbeat)
+        return max(reported, self.pending_prefill_tokens)
+
+    @property
+    def pending_requests(self) -> int:
+        return len(self.pending)
+
+    @property
+    def pending_prefill_tokens(self) -> int:
+        return sum(tokens for _, tokens in self.pending.values())
 
     @property
     def model(self) -> str:
@@ -108,6 +124,8 @@ class NodeState:
 class MembershipConfig:
     dead_after_s: float = 5.0
     rate_alpha: float = 0.3
+    # Routed work whose prefill is not reported done within this long is assumed abandoned.
+    pending_ttl_s: float = 60.0
 
 
 class Membership:
@@ -142,19 +160,28 @@ class Membership:
             raise UnknownNode(node_id)
         state.last_heartbeat = self._clock()
         state.load = load
-        state.pending_requests = 0
-        state.pending_prefill_tokens = 0
+        state.prefilled_since_heartbeat = 0
+        self._expire_pending(state)
         if load.prefill_tokens_per_s:
             state.prefill_s_per_token.add(1.0 / load.prefill_tokens_per_s)
         if load.decode_tokens_per_s:
             state.decode_s_per_token.add(1.0 / load.decode_tokens_per_s)
         return state
 
-    def note_routed(self, node_id: NodeId, prefill_tokens: int) -> None:
-        """Count work sent to a node until its next heartbeat reports it."""
-        state = self.get(node_id)
-        state.pending_requests += 1
-        state.pending_prefill_tokens += prefill_tokens
+    def note_routed(self, node_id: NodeId, request_id: str, prefill_tokens: int) -> None:
+        """Count a request's prefill as work queued on the node until it is seen to finish."""
+        self.get(node_id).pending[request_id] = (self._clock(), prefill_tokens)
+
+    def prefill_done(self, node_id: NodeId, request_id: str) -> None:
+        state = self._nodes.get(node_id)
+        if state is not None and request_id in state.pending:
+            state.prefilled_since_heartbeat += state.pending.pop(request_id)[1]
+
+    def _expire_pending(self, state: NodeState) -> None:
+        """Forget entries nobody closed (a gateway that died mid-request)."""
+        expired = self._clock() - self.config.pending_ttl_s
+        for request_id in [r for r, (at, _) in state.pending.items() if at < expired]:
+            del state.pending[request_id]
 
     def record_link_rate(self, source: NodeId, target: NodeId, bytes_per_s: float) -> None:
         if bytes_per_s > 0:

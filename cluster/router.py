@@ -212,11 +212,12 @@ class Router:
 
 
 def _load_s(node: NodeState, rates: _Rates) -> float:
-    """Seconds of work already ahead of a new request on `node`."""
-    load = node.load
-    queued = load.queued_prefill_tokens + node.pending_prefill_tokens
-    running = load.running + node.pending_requests
-    return queued * rates.prefill + running * rates.decode
+    """Seconds of work already ahead of a new request on `node`.
+
+    The prefill queue comes from `NodeState.queued_prefill_tokens`, which reconciles the
+    last heartbeat with what was routed or finished since.
+    """
+    return node.queued_prefill_tokens * rates.prefill + node.load.running * rates.decode
 
 
 def _best_other_holder(held: dict[NodeId, int], exclude: NodeId) -> tuple[NodeId | None, int]:

@@ -48,16 +48,15 @@ def serve(coord, logs, node_id, hashes):
     return coord.kv_events(node_id, log.drain())
 
 
-def route(coord, policy=None, exclude=()):
-    return coord.route("demo", HASHES, len(PROMPT), BS, policy=policy, exclude=exclude)
+def route(coord, policy=None, exclude=(), request_id=""):
+    return coord.route("demo", HASHES, len(PROMPT), BS, request_id=request_id, policy=policy, exclude=exclude)
 
 
 def test_second_request_with_same_prefix_goes_to_the_node_that_served_the_first():
     coord, clock, logs = make("a", "b", "c")
-    first = route(coord)
+    first = route(coord, request_id="first")
     assert serve(coord, logs, first.node_id, HASHES)
-    for node_id in logs:
-        coord.heartbeat(node_id, LOAD)
+    coord.prefill_done(first.node_id, "first")
     second = route(coord)
     assert second.node_id == first.node_id
     assert second.cached_blocks == len(HASHES)
@@ -170,3 +169,33 @@ def test_set_policy_switches_router():
     serve(coord, logs, "b", HASHES)
     coord.set_policy("round_robin")
     assert [route(coord).node_id for _ in range(2)] == ["a", "b"]
+
+
+def test_routed_prefill_counts_as_load_until_reported_done():
+    coord, clock, logs = make("a", "b")
+    serve(coord, logs, "a", HASHES)
+    routed = [coord.route("demo", HASHES, 4000, BS, request_id=f"r{i}").node_id for i in range(3)]
+    assert routed == ["a", "b", "a"]  # long prompts: pending prefill outweighs the prefix
+    a = coord.membership.get("a")
+    assert a.pending_prefill_tokens == 2 * (4000 - 32)
+    coord.prefill_done("a", "r0")
+    coord.prefill_done("a", "r2")
+    assert a.pending_requests == 0
+    assert coord.route("demo", HASHES, 4000, BS, request_id="r3").node_id == "a"
+
+
+def test_prefill_reported_done_is_taken_off_a_stale_heartbeat():
+    coord, clock, logs = make("a", "b")
+    coord.route("demo", HASHES, 400, BS, request_id="r0")  # goes to a or b at random
+    node = coord.membership.get("a") if coord.membership.get("a").pending else coord.membership.get("b")
+    coord.heartbeat(node.node_id, {**LOAD, "queued_prefill_tokens": 400})  # sent while r0 waited
+    coord.prefill_done(node.node_id, "r0")
+    assert node.queued_prefill_tokens == 0
+
+
+def test_unclosed_routed_work_expires():
+    coord, clock, logs = make("a", dead_after_s=100.0)
+    route(coord)
+    clock.now += 61.0
+    coord.heartbeat("a", LOAD)
+    assert coord.membership.get("a").pending_requests == 0

@@ -56,6 +56,15 @@ def test_saturated_prefix_holder_loses_to_an_idle_node():
     assert decision.cached_blocks == 0
 
 
+def test_queued_prefill_counts_once_whether_seen_by_heartbeat_or_routing():
+    members = cluster("a", "b")
+    members.heartbeat("a", NodeLoad(queued_prefill_tokens=1000, prefill_tokens_per_s=1000.0, decode_tokens_per_s=100.0))
+    members.note_routed("a", "r1", 1000)  # the same request the heartbeat already counts
+    members.heartbeat("b", NodeLoad(queued_prefill_tokens=1500, prefill_tokens_per_s=1000.0, decode_tokens_per_s=100.0))
+    decision = Router().route(request({}), members.candidates("m"))
+    assert decision.node_id == "a"
+
+
 def test_running_decodes_count_as_load():
     members = cluster("a", "b")
     members.heartbeat("a", NodeLoad(running=50, prefill_tokens_per_s=1000.0, decode_tokens_per_s=100.0))
@@ -67,7 +76,7 @@ def test_work_routed_since_last_heartbeat_counts_as_load():
     members = cluster("a", "b")
     router = Router(RouterConfig(seed=1))
     first = router.route(request({}, num_tokens=4096), members.candidates("m"))
-    members.note_routed(first.node_id, 4096)
+    members.note_routed(first.node_id, "r1", 4096)
     second = router.route(request({}, num_tokens=4096), members.candidates("m"))
     assert second.node_id != first.node_id
 

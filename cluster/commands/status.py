@@ -1,0 +1,59 @@
+"""`orchard status`: the cluster as the coordinator sees it, one row per node."""
+
+from __future__ import annotations
+
+import json
+
+
+def register(sub) -> None:
+    p = sub.add_parser("status", help="show the cluster's nodes, KV use, hit rates and requests")
+    p.add_argument("--address", default="auto", help="Ray cluster address (default: the local cluster)")
+    p.add_argument("--json", action="store_true", help="print the coordinator's JSON instead of a table")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    import ray
+
+    from cluster.coordinator import COORDINATOR_NAME, NAMESPACE
+    from cluster.ray_cluster import connect
+
+    connect(args.address)
+    try:
+        coordinator = ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)
+    except ValueError:
+        print("no orchard coordinator in this Ray cluster (start one with `orchard head`)")
+        return 1
+    info = ray.get(coordinator.cluster_info.remote())
+    if args.json:
+        print(json.dumps(info, indent=2, default=_hex))
+    else:
+        print_table(info)
+    return 0
+
+
+def print_table(info: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"orchard cluster — router: {info['policy']}")
+    for column in ("node", "model", "status", "device", "KV used", "indexed", "hit rate", "requests", "run/wait"):
+        table.add_column(column)
+    for n in info["nodes"]:
+        total = n["kv_blocks_total"] or 0
+        used = f"{n['kv_blocks_used']}/{total}" + (f" ({n['kv_blocks_used'] / total:.0%})" if total else "")
+        table.add_row(
+            n["node_id"], n["model"], n["status"], n["device"], used, str(n["indexed_blocks"]),
+            f"{n['prefix_hit_rate']:.1%}", str(n["requests_total"]), f"{n['running']}/{n['waiting']}",
+        )
+    routing = info["routing"]
+    console = Console()
+    console.print(table)
+    console.print(
+        f"index: {info['index']['blocks']} blocks, {info['index']['entries']} entries; "
+        f"routed {routing['requests']} requests, routed hit rate {routing['routed_hit_rate']:.1%}"
+    )
+
+
+def _hex(value):
+    return value.hex() if isinstance(value, bytes) else str(value)

@@ -1,0 +1,322 @@
+"""The gateway's `Backend` over a Ray cluster: route with the coordinator, stream from a node.
+
+For each request the backend hashes the prompt's blocks exactly as the nodes do (same
+root: the model fingerprint and cache salt the nodes registered), asks the coordinator for
+a node, and streams `RequestOutput`s from that node's actor. If the node dies mid-stream
+(the actor crashes, its raylet is killed, or it stops heartbeating while the stream is
+silent), the request is routed again without that node and resumed from its prompt plus
+the tokens already streamed; outputs are rewritten so the client sees one stream of one
+request. Greedy output is therefore the same as without the fault.
+
+Everything here is awaited: no `ray.get` runs on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Any, AsyncIterator
+
+import ray
+import ray.exceptions as rex
+
+from cluster.backend import ModelInfo, node_entry, summarize_nodes
+from cluster.coordinator import COORDINATOR_NAME, NAMESPACE
+from cluster.ray_cluster import node_actor_name
+from kvcache.hashing import block_hashes, root_hash
+from node.types import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+#: Errors that mean "the node is gone", as opposed to the request being refused.
+NODE_LOST_ERRORS = (
+    rex.RayActorError,
+    rex.ObjectLostError,
+    rex.WorkerCrashedError,
+    rex.NodeDiedError,
+    rex.LocalRayletDiedError,
+)
+
+
+class NodeLost(RuntimeError):
+    """The node serving a stream went away."""
+
+
+class ResumeImpossible(RuntimeError):
+    """A stream lost its node and cannot be resumed elsewhere (retries spent, or n > 1 mid-stream)."""
+
+
+class UnknownModel(LookupError):
+    """No live node serves the requested model."""
+
+
+@dataclass(frozen=True)
+class RayBackendConfig:
+    address: str | None = None  # None: use the Ray connection this process already has
+    namespace: str = NAMESPACE
+    coordinator_name: str = COORDINATOR_NAME
+    policy: str | None = None  # None: the coordinator's configured policy
+    max_resumes: int = 3
+    stall_check_s: float = 1.0  # while a stream is silent, ask this often whether its node still lives
+
+
+@dataclass
+class _ModelSpec:
+    name: str
+    block_size: int
+    root: bytes
+    max_model_len: int
+    vocab_size: int | None
+    model_path: str
+    tokenizer: Any = None
+
+
+@dataclass
+class _Progress:
+    """What the client has received so far for one request (n = 1), and where this attempt began."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    base_ids: list[int] = field(default_factory=list)  # streamed before the current attempt
+    base_text: str = ""
+    unsent_text: str = ""  # text of base_ids the client has not seen yet; goes out first
+
+    def resume(self, tokenizer) -> None:
+        self.unsent_text = _held_back_text(tokenizer, self.token_ids, self.text)
+        self.base_ids = list(self.token_ids)
+        self.base_text = self.text + self.unsent_text
+
+
+class RayBackend:
+    def __init__(self, config: RayBackendConfig | None = None):
+        self.config = config or RayBackendConfig()
+        if not ray.is_initialized():
+            ray.init(address=self.config.address, namespace=self.config.namespace, log_to_driver=False)
+        self._coordinator = ray.get_actor(self.config.coordinator_name, namespace=self.config.namespace)
+        self._specs: dict[str, _ModelSpec] = {}
+        self._actors: dict[str, Any] = {}
+        self._active: dict[str, tuple[str, str]] = {}  # request id -> (node id, id on that node)
+        self._awaiting_first_output: set[str] = set()
+        self._closed = False
+
+    # ---- Backend protocol ----------------------------------------------------------
+    async def models(self) -> list[ModelInfo]:
+        await self._refresh_specs()
+        return [ModelInfo(s.name, s.max_model_len, await self._tokenizer(s), s.vocab_size) for s in self._specs.values()]
+
+    async def ready(self) -> bool:
+        if self._closed:
+            return False
+        try:
+            return bool(await self._coordinator.models.remote())
+        except rex.RayError:
+            return False
+
+    async def generate(
+        self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        spec = await self._spec(model)
+        hashes = block_hashes(prompt_token_ids, spec.block_size, spec.root)
+        progress = _Progress()
+        lost: list[str] = []
+        self._awaiting_first_output.add(request_id)
+        try:
+            while True:
+                attempt_prompt = list(prompt_token_ids) + progress.token_ids
+                attempt_hashes = hashes if not progress.token_ids else block_hashes(attempt_prompt, spec.block_size, spec.root)
+                decision = await self._coordinator.route.remote(
+                    model, attempt_hashes, len(attempt_prompt), spec.block_size, request_id, self.config.policy, lost
+                )
+                node_id = decision.node_id
+                try:
+                    async for out in self._attempt(node_id, request_id, len(lost), attempt_prompt, params, progress):
+                        self._awaiting_first_output.discard(request_id)
+                        yield self._rebase(out, request_id, prompt_token_ids, progress, spec)
+                        if out.finished:
+                            return
+                    return
+                except NodeLost as exc:
+                    await self._lose(node_id, str(exc))
+                    lost.append(node_id)
+                    self._check_resumable(request_id, params, progress, lost)
+                    progress.resume(spec.tokenizer)
+                    log.warning("request %s: node %s lost (%s); resuming after %d tokens",
+                                request_id, node_id, exc, len(progress.token_ids))
+        finally:
+            self._awaiting_first_output.discard(request_id)
+            self._active.pop(request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        active = self._active.get(request_id)
+        if active is None:
+            return
+        node_id, attempt_id = active
+        try:
+            await (await self._actor(node_id)).abort.remote(attempt_id)
+        except NODE_LOST_ERRORS:
+            pass
+
+    async def cluster_info(self) -> dict[str, Any]:
+        info = await self._coordinator.cluster_info.remote()
+        nodes = [{**node_entry(row["node_id"], row), **_node_extras(row)} for row in info["nodes"]]
+        summary = summarize_nodes(", ".join(info["models"]), nodes, await self.queue_depth())
+        summary["coordinator"] = {k: info[k] for k in ("policy", "index", "routing", "recent_decisions", "uptime_s")}
+        return summary
+
+    async def queue_depth(self) -> int:
+        return len(self._awaiting_first_output)
+
+    async def shutdown(self) -> None:
+        self._closed = True
+
+    # ---- one attempt on one node ---------------------------------------------------
+    async def _attempt(self, node_id, request_id, attempt, prompt, params, progress) -> AsyncIterator[RequestOutput]:
+        """Stream from one node, turning every sign of its death into NodeLost."""
+        attempt_id = request_id if attempt == 0 else f"{request_id}#resume{attempt}"
+        remaining = params.max_tokens - len(progress.token_ids)
+        attempt_params = replace(params, max_tokens=remaining) if progress.token_ids else params
+        self._active[request_id] = (node_id, attempt_id)
+        try:
+            actor = await self._actor(node_id)
+            stream = actor.generate.options(num_returns="streaming").remote(attempt_id, prompt, attempt_params)
+        except (ValueError, *NODE_LOST_ERRORS) as exc:  # ValueError: no actor by that name any more
+            raise NodeLost(repr(exc)) from exc
+        finished = prefilled = False
+        try:
+            while True:
+                out = await self._next(stream, node_id)
+                if out is None:
+                    return
+                if not prefilled:
+                    prefilled = True
+                    self._coordinator.prefill_done.remote(node_id, request_id)  # no need to wait
+                finished = out.finished
+                yield out
+        finally:
+            if not prefilled:
+                self._coordinator.prefill_done.remote(node_id, request_id)
+            if not finished:
+                _cancel(stream)
+
+    async def _next(self, stream, node_id: str) -> RequestOutput | None:
+        """The stream's next output, None at its end; NodeLost when its node is gone."""
+        task = asyncio.ensure_future(_next_value(stream))
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=self.config.stall_check_s)
+                if done:
+                    return task.result()
+                if await self._node_is_dead(node_id):
+                    raise NodeLost("node stopped heartbeating")
+        except NODE_LOST_ERRORS as exc:
+            raise NodeLost(repr(exc)) from exc
+        finally:
+            if not task.done():
+                task.cancel()
+
+    async def _node_is_dead(self, node_id: str) -> bool:
+        try:
+            return await self._coordinator.node_status.remote(node_id) in ("dead", None)
+        except rex.RayError:
+            return False  # the coordinator restarting says nothing about this node
+
+    # ---- resuming ------------------------------------------------------------------
+    def _check_resumable(self, request_id, params, progress, lost) -> None:
+        if len(lost) > self.config.max_resumes:
+            raise ResumeImpossible(f"request {request_id}: lost {len(lost)} nodes ({', '.join(lost)})")
+        if params.n > 1 and progress.token_ids:
+            raise ResumeImpossible(f"request {request_id}: n={params.n} cannot resume mid-stream")
+
+    def _rebase(self, out: RequestOutput, request_id, prompt, progress: _Progress, spec) -> RequestOutput:
+        """Make an output of a resumed attempt look like one of the original request."""
+        if progress.base_ids and out.outputs:
+            first = out.outputs[0]
+            merged = replace(
+                first,
+                token_ids=progress.base_ids + first.token_ids,
+                text=progress.base_text + first.text,
+                text_delta=progress.unsent_text + first.text_delta,
+            )
+            progress.unsent_text = ""
+            out = replace(out, outputs=[merged, *out.outputs[1:]])
+        out = replace(out, request_id=request_id, prompt_token_ids=list(prompt))
+        if len(out.outputs) == 1:
+            progress.token_ids = list(out.outputs[0].token_ids)
+            progress.text = out.outputs[0].text
+        return out
+
+    async def _lose(self, node_id: str, reason: str) -> None:
+        self._actors.pop(node_id, None)
+        try:
+            await self._coordinator.node_failed.remote(node_id, reason)
+        except rex.RayError as exc:
+            log.warning("could not report node %s lost: %s", node_id, exc)
+
+    # ---- models and handles --------------------------------------------------------
+    async def _refresh_specs(self) -> None:
+        for name, info in (await self._coordinator.model_specs.remote()).items():
+            if name in self._specs:
+                continue
+            self._specs[name] = _ModelSpec(
+                name=name,
+                block_size=info["block_size"],
+                root=root_hash(info["fingerprint"], info.get("cache_salt")),
+                max_model_len=info["max_model_len"],
+                vocab_size=info.get("vocab_size") or None,
+                model_path=info["model_path"],
+            )
+
+    async def _spec(self, model: str) -> _ModelSpec:
+        if model not in self._specs:
+            await self._refresh_specs()
+        if model not in self._specs:
+            raise UnknownModel(f"no node serves model {model!r}")
+        spec = self._specs[model]
+        if spec.tokenizer is None:
+            await self._tokenizer(spec)
+        return spec
+
+    async def _tokenizer(self, spec: _ModelSpec):
+        if spec.tokenizer is None:
+            from mlx_lm.utils import load_tokenizer
+
+            spec.tokenizer = await asyncio.to_thread(load_tokenizer, spec.model_path)
+        return spec.tokenizer
+
+    async def _actor(self, node_id: str):
+        if node_id not in self._actors:
+            name = node_actor_name(node_id)
+            self._actors[node_id] = await asyncio.to_thread(ray.get_actor, name, namespace=self.config.namespace)
+        return self._actors[node_id]
+
+
+def _cancel(stream) -> None:
+    """Stop a node's stream the client no longer reads (the node aborts the request)."""
+    try:
+        ray.cancel(stream)
+    except Exception as exc:  # the node may already be gone
+        log.debug("cancel failed: %s", exc)
+
+
+async def _next_value(stream) -> RequestOutput | None:
+    try:
+        ref = await stream.__anext__()
+    except StopAsyncIteration:
+        return None
+    return await ref
+
+
+def _held_back_text(tokenizer, token_ids: list[int], sent_text: str) -> str:
+    """Text of streamed tokens the client has not seen yet (held back while a stop string could match)."""
+    if tokenizer is None or not token_ids:
+        return ""
+    full = tokenizer.decode(token_ids)
+    return full[len(sent_text):] if full.startswith(sent_text) else ""
+
+
+def _node_extras(row: dict) -> dict:
+    keep = ("model", "status", "device", "hostname", "indexed_blocks", "requests_total",
+            "prefill_tokens_per_s", "decode_tokens_per_s", "death_reason")
+    return {k: row.get(k) for k in keep}
+

@@ -1,0 +1,210 @@
+"""Start or attach to Ray, deploy the coordinator, and pin one node actor to each serving machine.
+
+A machine serves when its raylet advertises the `orchard_node` custom resource; each node
+actor asks for one unit of it and is placed with hard node affinity on that raylet, so
+there is exactly one engine per machine and it never wanders. `LocalCluster` starts
+several real raylets on this machine (separate processes, each its own Ray node), which is
+how the multi-node tests and `orchard bench cluster` run without more hardware; it keeps
+Ray's temp dir private so no other Ray user on the machine can attach to it by accident.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from cluster.coordinator import COORDINATOR_NAME, NAMESPACE, CoordinatorActor, CoordinatorConfig
+
+NODE_RESOURCE = "orchard_node"
+NODE_ACTOR_PREFIX = "orchard-node-"
+
+
+def node_actor_name(node_id: str) -> str:
+    return NODE_ACTOR_PREFIX + node_id
+
+
+def default_node_id(ray_node_id: str) -> str:
+    """A short, stable name for the machine behind a Ray node id."""
+    return ray_node_id[:8]
+
+
+def connect(address: str | None = None) -> None:
+    """Join the cluster at `address` ("auto" for the local one) in the orchard namespace."""
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+
+
+def ensure_coordinator(config: CoordinatorConfig | None = None):
+    """The cluster's coordinator, created (detached, restarted by Ray on failure) if missing.
+
+    It prefers the caller's machine (the head, where `orchard head` runs) so that losing a
+    serving node does not take the coordinator with it.
+    """
+    here = ray.get_runtime_context().get_node_id()
+    return CoordinatorActor.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+        name=COORDINATOR_NAME,
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        max_restarts=-1,
+        num_cpus=0,
+    ).remote(config or CoordinatorConfig())
+
+
+def serving_ray_nodes() -> list[dict]:
+    """Live Ray nodes that advertise `orchard_node`."""
+    return [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(NODE_RESOURCE, 0) >= 1]
+
+
+def start_node_actor(ray_node_id: str, node_config, *, detached: bool = False):
+    """Create the node actor for one machine and wait until it has registered.
+
+    `node_config` is a `node.actor.NodeActorConfig`; the actor is named after its node id.
+    Unless `detached`, the actor lives only as long as the caller holds the returned handle.
+    """
+    from node.actor import NodeActorRemote
+
+    options = dict(
+        name=node_actor_name(node_config.node_id),
+        namespace=NAMESPACE,
+        num_cpus=0,
+        resources={NODE_RESOURCE: 1},
+        scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
+    )
+    if detached:
+        options["lifetime"] = "detached"
+    actor = NodeActorRemote.options(**options).remote(node_config)
+    ray.get(actor.start.remote())
+    return actor
+
+
+def node_actor_config(node_id: str, engine_config, **options):
+    from node.actor import NodeActorConfig
+
+    return NodeActorConfig(node_id, COORDINATOR_NAME, NAMESPACE, engine_config, **options)
+
+
+def place_node_actors(engine_config, *, detached: bool = False, **options) -> dict[str, object]:
+    """One node actor on every serving Ray node that has none yet; returns the new ones by node id."""
+    started = {}
+    for ray_node in serving_ray_nodes():
+        node_id = default_node_id(ray_node["NodeID"])
+        try:
+            ray.get_actor(node_actor_name(node_id), namespace=NAMESPACE)
+            continue
+        except ValueError:
+            pass
+        config = node_actor_config(node_id, engine_config, **options)
+        started[node_id] = start_node_actor(ray_node["NodeID"], config, detached=detached)
+    return started
+
+
+# Fast failure detection for local clusters: a killed raylet is noticed in ~2 s, not ~30 s.
+_LOCAL_SYSTEM_CONFIG = {
+    "health_check_initial_delay_ms": 0,
+    "health_check_period_ms": 500,
+    "health_check_failure_threshold": 4,
+}
+
+
+@dataclass
+class LocalCluster:
+    """Several raylets on this machine, each a separate Ray node with `orchard_node`.
+
+    The head raylet hosts the coordinator and (when `head_serves`) a node too. Use as a
+    context manager: everything it started is stopped on exit.
+    """
+
+    cpus_per_node: int = 1
+    head_serves: bool = True
+    object_store_mb: int = 80
+    _cluster: object = None
+    _workers: list = field(default_factory=list)
+    _tmpdir: str = ""
+    _saved_env: dict = field(default_factory=dict)
+
+    def start(self, extra_nodes: int) -> "LocalCluster":
+        from ray.cluster_utils import Cluster
+
+        self._isolate()
+        head_resources = {NODE_RESOURCE: 1} if self.head_serves else {}
+        self._cluster = Cluster(
+            initialize_head=True,
+            head_node_args=dict(
+                num_cpus=self.cpus_per_node,
+                resources=head_resources,
+                object_store_memory=self.object_store_mb << 20,
+                include_dashboard=False,
+                _system_config=_LOCAL_SYSTEM_CONFIG,
+            ),
+        )
+        for _ in range(extra_nodes):
+            self.add_node()
+        self._cluster.wait_for_nodes()
+        ray.init(address=self._cluster.address, namespace=NAMESPACE, log_to_driver=False)
+        return self
+
+    def add_node(self):
+        node = self._cluster.add_node(
+            num_cpus=self.cpus_per_node,
+            resources={NODE_RESOURCE: 1},
+            object_store_memory=self.object_store_mb << 20,
+        )
+        self._workers.append(node)
+        return node
+
+    def kill_node(self, node) -> None:
+        """Kill a worker raylet and everything on it, as a crashed machine would."""
+        self._cluster.remove_node(node, allow_graceful=False)
+        self._workers.remove(node)
+
+    @property
+    def head_ray_node_id(self) -> str:
+        return self._cluster.head_node.node_id
+
+    @property
+    def worker_nodes(self) -> list:
+        return list(self._workers)
+
+    @property
+    def address(self) -> str:
+        return self._cluster.address
+
+    def shutdown(self) -> None:
+        try:
+            if ray.is_initialized():
+                ray.shutdown()
+        finally:
+            if self._cluster is not None:
+                self._cluster.shutdown()
+                self._cluster = None
+            self._restore_env()
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _isolate(self) -> None:
+        """Private temp dir (short: raylet socket paths have a length limit) and no telemetry."""
+        self._tmpdir = tempfile.mkdtemp(prefix="orc-", dir="/tmp")
+        for key, value in {"RAY_TMPDIR": self._tmpdir, "RAY_USAGE_STATS_ENABLED": "0"}.items():
+            self._saved_env[key] = os.environ.get(key)
+            os.environ[key] = value
+
+    def _restore_env(self) -> None:
+        for key, value in self._saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        self._saved_env = {}

@@ -1,0 +1,207 @@
+"""The engine of one machine as a Ray actor: streams tokens out, tells the coordinator what it holds.
+
+The actor is asynchronous: `AsyncEngine` already runs `step()` on its own thread, so the
+actor's event loop only moves requests in and outputs out. Two duties beyond serving:
+
+- after every engine step, that step's KV events go to the coordinator in one call,
+  straight from the engine thread (calls from one caller reach the actor in order);
+- every `heartbeat_s`, the node's load and measured rates go to the coordinator, whose
+  reply may ask for a snapshot of the prefix cache or for the node to register again
+  (after a coordinator restart).
+
+The node never imports `cluster`: the coordinator is found by the name and namespace the
+cluster side hands over in `NodeActorConfig`, and spoken to in plain dicts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import ray
+
+from node.async_engine import AsyncEngine
+from node.engine import EngineConfig
+from node.types import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_SNAPSHOT_ATTEMPTS = 5
+
+
+@dataclass(frozen=True)
+class NodeActorConfig:
+    node_id: str
+    coordinator_name: str
+    namespace: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    model_name: str | None = None  # served name; the loaded model's own name when None
+    heartbeat_s: float = 1.0
+
+
+class NodeActor:
+    def __init__(self, config: NodeActorConfig):
+        self.config = config
+        self.node_id = config.node_id
+        self.engine = AsyncEngine.from_config(config.engine)
+        self.model_name = config.model_name or self.engine.model_name
+        self._coordinator = None
+        self._next_seq = 0  # one past the last KV event handed to the coordinator
+        self._queued_prompt_tokens = 0  # prompts accepted here whose prefill has not finished
+        self._requests_total = 0
+        self._heartbeat_task: asyncio.Task | None = None
+        self._started_at = time.time()
+        self.engine.add_kv_listener(self._push_kv_events)
+
+    # ---- lifecycle -----------------------------------------------------------------
+    async def start(self) -> dict:
+        """Register with the coordinator and start heartbeating; returns this node's info."""
+        await self._register()
+        if self._heartbeat_task is None:
+            self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+        return self.info()
+
+    def info(self) -> dict:
+        engine = self.engine.engine
+        geometry = engine.kv.geometry
+        return {
+            "model": self.model_name,
+            "block_size": geometry.block_size,
+            "bytes_per_block": geometry.bytes_per_block,
+            "fingerprint": geometry.model_fingerprint,
+            "cache_salt": self.config.engine.cache_salt,
+            "max_model_len": self.engine.max_model_len,
+            "model_path": str(engine.model.path),
+            "vocab_size": engine.model.vocab_size,
+            "device": _device_name(),
+            "hostname": socket.gethostname(),
+            "ray_node_id": ray.get_runtime_context().get_node_id(),
+            "kv_blocks_total": int(engine.stats()["kv"].get("blocks_total", 0)),
+        }
+
+    # ---- serving -------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs (call with `num_returns="streaming"`)."""
+        pending_prefill = len(prompt_token_ids)
+        self._queued_prompt_tokens += pending_prefill
+        self._requests_total += 1
+        try:
+            async for output in self.engine.generate(request_id, prompt_token_ids, params):
+                self._queued_prompt_tokens -= pending_prefill
+                pending_prefill = 0
+                yield output
+        finally:
+            self._queued_prompt_tokens -= pending_prefill
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    def stats(self) -> dict:
+        return {**self.engine.stats(), "node_id": self.node_id, "model": self.model_name}
+
+    def health(self) -> dict:
+        return {
+            "node_id": self.node_id,
+            "ok": self.engine._thread.is_alive(),
+            "uptime_s": time.time() - self._started_at,
+        }
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    # ---- talking to the coordinator ------------------------------------------------
+    def _coord(self):
+        if self._coordinator is None:
+            self._coordinator = ray.get_actor(self.config.coordinator_name, namespace=self.config.namespace)
+        return self._coordinator
+
+    def _push_kv_events(self, events) -> None:
+        """Engine thread, once per step: hand the step's events over without waiting."""
+        if not events:
+            return
+        self._next_seq = events[-1].seq + 1
+        try:
+            self._coord().kv_events.remote(self.node_id, list(events))
+        except Exception as exc:  # coordinator away: the gap makes it ask for a snapshot later
+            log.warning("node %s: KV events not delivered: %s", self.node_id, exc)
+            self._coordinator = None
+
+    async def _register(self) -> None:
+        reply = await self._coord().register_node.remote(self.node_id, self._register_info())
+        if reply.get("snapshot"):
+            await self._send_snapshot()
+
+    def _register_info(self) -> dict:
+        return {k: v for k, v in self.info().items() if isinstance(v, (str, int, type(None)))}
+
+    async def _send_snapshot(self) -> None:
+        seq, blocks = self._snapshot()
+        await self._coord().kv_snapshot.remote(self.node_id, seq, blocks)
+
+    def _snapshot(self) -> tuple[int, list]:
+        """Read the prefix cache from the event loop while the engine thread may change it.
+
+        The snapshot's seq is read before its blocks, and applying events is idempotent,
+        so anything that changes during the read is corrected by the events that follow.
+        """
+        for _ in range(_SNAPSHOT_ATTEMPTS):
+            try:
+                stored = self.engine.engine.kv_snapshot()
+                break
+            except RuntimeError:  # the cache dict changed size under us; read again
+                continue
+        else:
+            stored = []
+        seq = stored[0].seq if stored else self._next_seq
+        return seq, [(event.block_hash, event.tier) for event in stored]
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            try:
+                reply = await self._coord().heartbeat.remote(self.node_id, self._load())
+                if not reply.get("known", True):
+                    await self._register()
+                elif reply.get("snapshot"):
+                    await self._send_snapshot()
+            except Exception as exc:  # the coordinator may be restarting; try again next beat
+                log.warning("node %s: heartbeat failed: %s", self.node_id, exc)
+                self._coordinator = None
+            await asyncio.sleep(self.config.heartbeat_s)
+
+    def _load(self) -> dict:
+        stats = self.engine.stats()
+        kv = stats.get("kv", {})
+        return {
+            "waiting": stats.get("waiting", 0),
+            "running": stats.get("running", 0),
+            "queued_prefill_tokens": max(0, self._queued_prompt_tokens),
+            "kv_blocks_used": kv.get("blocks_used", 0),
+            "kv_blocks_total": kv.get("blocks_total", 0),
+            "prefill_tokens_per_s": _per_second(stats.get("prefill_s_per_token")),
+            "decode_tokens_per_s": _per_second(stats.get("decode_s_per_token")),
+            "prefix_hit_tokens": kv.get("prefix_hit_tokens", 0),
+            "prefix_query_tokens": kv.get("prefix_query_tokens", 0),
+            "requests_total": self._requests_total,
+        }
+
+
+def _per_second(seconds_per_token: float | None) -> float | None:
+    return 1.0 / seconds_per_token if seconds_per_token else None
+
+
+def _device_name() -> str:
+    try:
+        import mlx.core as mx
+
+        return str(mx.default_device())
+    except Exception:  # pragma: no cover - a node without MLX cannot serve anyway
+        return "unknown"
+
+
+NodeActorRemote = ray.remote(NodeActor)

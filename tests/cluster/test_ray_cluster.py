@@ -1,0 +1,148 @@
+"""Across real, separate Ray nodes on this machine: routing follows the prefix, and
+requests survive the loss of a node's actor and of a whole raylet mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from cluster.coordinator import CoordinatorConfig  # noqa: E402
+from cluster.membership import MembershipConfig  # noqa: E402
+from cluster.ray_backend import RayBackend, RayBackendConfig  # noqa: E402
+from cluster.ray_cluster import (  # noqa: E402
+    LocalCluster,
+    ensure_coordinator,
+    node_actor_config,
+    node_actor_name,
+    start_node_actor,
+)
+from node.engine import EngineConfig  # noqa: E402
+from node.types import SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+MODEL = "orchard-demo"
+BLOCK = 16
+ENGINE = EngineConfig(block_size=BLOCK, num_blocks=96, max_num_seqs=16, max_num_batched_tokens=256)
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Three raylets (head + two workers), one node actor each, and the coordinator."""
+    local = LocalCluster(cpus_per_node=1).start(extra_nodes=2)
+    try:
+        ensure_coordinator(CoordinatorConfig(membership=MembershipConfig(dead_after_s=3.0)))
+        nodes, handles = {}, []  # non-detached actors live as long as a handle does
+        ray_ids = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+        for i, ray_node_id in enumerate(sorted(ray_ids, key=lambda r: r != local.head_ray_node_id)):
+            node_id = "head" if i == 0 else f"w{i}"
+            nodes[node_id] = ray_node_id
+            handles.append(start_node_actor(ray_node_id, node_actor_config(node_id, ENGINE, heartbeat_s=0.5)))
+        yield local, nodes
+    finally:
+        local.shutdown()
+
+
+def coordinator():
+    return ray.get_actor("orchard-coordinator", namespace="orchard")
+
+
+def prompt(i: int, length: int = 40) -> list[int]:
+    return [(i * 37 + j * 11) % 2000 + 10 for j in range(length)]
+
+
+async def collect(backend, request_id, tokens, params=GREEDY, on_output=None):
+    ids: list[int] = []
+    async for out in backend.generate(request_id, MODEL, tokens, params):
+        ids.extend(out.outputs[0].token_ids_delta)
+        if on_output:
+            await on_output(request_id, out)
+        if out.finished:
+            assert out.outputs[0].token_ids == ids
+    return ids
+
+
+async def run_all(backend, prompts, on_output=None):
+    tasks = [collect(backend, f"req-{i}", p, on_output=on_output) for i, p in enumerate(prompts)]
+    return await asyncio.gather(*tasks)
+
+
+def wait_for(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_second_request_with_a_prefix_goes_to_the_node_holding_it(cluster):
+    backend = RayBackend()
+    shared = prompt(1000, 64)  # four full blocks
+    asyncio.run(collect(backend, "first", shared + [5, 6, 7]))
+    first = ray.get(coordinator().recent_decisions.remote(1))[0]
+    holder = first["node_id"]
+    from kvcache.hashing import block_hashes, root_hash
+
+    spec = ray.get(coordinator().model_specs.remote())[MODEL]
+    hashes = block_hashes(shared, BLOCK, root_hash(spec["fingerprint"], spec["cache_salt"]))
+    assert wait_for(lambda: ray.get(coordinator().match.remote(hashes)) == {holder: 4})
+    asyncio.run(collect(backend, "second", shared + [8, 9, 10]))
+    second = ray.get(coordinator().recent_decisions.remote(1))[0]
+    assert (second["node_id"], second["cached_blocks"], second["reason"]) == (holder, 4, "prefix-hit"), (
+        second, ray.get(coordinator().nodes.remote()))
+
+
+def test_round_robin_ignores_the_prefix(cluster):
+    backend = RayBackend(RayBackendConfig(policy="round_robin"))
+    shared = prompt(2000, 64)
+    for i in range(3):
+        asyncio.run(collect(backend, f"rr-{i}", shared + [i + 1]))
+    decisions = ray.get(coordinator().recent_decisions.remote(3))
+    assert sorted(d["node_id"] for d in decisions) == ["head", "w1", "w2"]
+
+
+def _fault_run(kill, victim: str):
+    """16 streaming requests; `kill()` fires once a request on `victim` has streamed 3 tokens."""
+    backend = RayBackend(RayBackendConfig(policy="round_robin", stall_check_s=0.5))
+    prompts = [prompt(i) for i in range(16)]
+    reference = asyncio.run(run_all(backend, prompts))
+    fired = asyncio.Event()
+    streamed = {}
+
+    async def on_output(request_id, out):
+        streamed[request_id] = len(out.outputs[0].token_ids)
+        node = backend._active.get(request_id, ("", ""))[0]
+        if not fired.is_set() and node == victim and streamed[request_id] >= 3:
+            fired.set()
+            await asyncio.to_thread(kill)
+
+    faulted = asyncio.run(run_all(backend, prompts, on_output))
+    return reference, faulted, fired.is_set()
+
+
+def test_requests_survive_a_node_actor_crash(cluster):
+    local, nodes = cluster
+    victim = ray.get_actor(node_actor_name("w1"), namespace="orchard")
+    reference, faulted, fired = _fault_run(lambda: ray.kill(victim, no_restart=True), "w1")
+    assert fired
+    assert faulted == reference
+    assert all(len(ids) == GREEDY.max_tokens for ids in faulted)
+    status = {n["node_id"]: n["status"] for n in ray.get(coordinator().nodes.remote())}
+    assert status["w1"] == "dead"
+
+
+def test_requests_survive_a_raylet_being_killed(cluster):
+    local, nodes = cluster
+    raylet = next(n for n in local.worker_nodes if n.node_id == nodes["w2"])
+    reference, faulted, fired = _fault_run(lambda: local.kill_node(raylet), "w2")
+    assert fired
+    assert faulted == reference
+    status = {n["node_id"]: n["status"] for n in ray.get(coordinator().nodes.remote())}
+    assert status["w2"] == "dead"
+    assert ray.get(coordinator().indexed_blocks.remote("w2")) == 0
