@@ -99,6 +99,7 @@ class RayBackend:
         self._active: dict[str, tuple[str, str]] = {}  # request id -> (node id, id on that node)
         self._awaiting_first_output: set[str] = set()
         self._closed = False
+        self.resumed_mid_stream = 0  # requests that lost a node after streaming some tokens
 
     # ---- Backend protocol ----------------------------------------------------------
     async def models(self) -> list[ModelInfo]:
@@ -141,6 +142,7 @@ class RayBackend:
                     lost.append(node_id)
                     self._check_resumable(request_id, params, progress, lost)
                     progress.resume(spec.tokenizer)
+                    self.resumed_mid_stream += bool(progress.token_ids)
                     log.warning("request %s: node %s lost (%s); resuming after %d tokens",
                                 request_id, node_id, exc, len(progress.token_ids))
         finally:
@@ -162,6 +164,7 @@ class RayBackend:
         nodes = [{**node_entry(row["node_id"], row), **_node_extras(row)} for row in info["nodes"]]
         summary = summarize_nodes(", ".join(info["models"]), nodes, await self.queue_depth())
         summary["coordinator"] = {k: info[k] for k in ("policy", "index", "routing", "recent_decisions", "uptime_s")}
+        summary["resumed_mid_stream"] = self.resumed_mid_stream
         return summary
 
     async def queue_depth(self) -> int:

@@ -56,7 +56,7 @@ def prompt(i: int, length: int = 40) -> list[int]:
     return [(i * 37 + j * 11) % 2000 + 10 for j in range(length)]
 
 
-async def collect(backend, request_id, tokens, params=GREEDY, on_output=None):
+async def collect(backend, request_id, tokens, params, on_output=None):
     ids: list[int] = []
     async for out in backend.generate(request_id, MODEL, tokens, params):
         ids.extend(out.outputs[0].token_ids_delta)
@@ -67,8 +67,8 @@ async def collect(backend, request_id, tokens, params=GREEDY, on_output=None):
     return ids
 
 
-async def run_all(backend, prompts, on_output=None):
-    tasks = [collect(backend, f"req-{i}", p, on_output=on_output) for i, p in enumerate(prompts)]
+async def run_all(backend, prompts, params, on_output=None):
+    tasks = [collect(backend, f"req-{i}", p, params, on_output) for i, p in enumerate(prompts)]
     return await asyncio.gather(*tasks)
 
 
@@ -84,7 +84,7 @@ def wait_for(predicate, timeout=20.0):
 def test_second_request_with_a_prefix_goes_to_the_node_holding_it(cluster):
     backend = RayBackend()
     shared = prompt(1000, 64)  # four full blocks
-    asyncio.run(collect(backend, "first", shared + [5, 6, 7]))
+    asyncio.run(collect(backend, "first", shared + [5, 6, 7], GREEDY))
     first = ray.get(coordinator().recent_decisions.remote(1))[0]
     holder = first["node_id"]
     from kvcache.hashing import block_hashes, root_hash
@@ -92,7 +92,7 @@ def test_second_request_with_a_prefix_goes_to_the_node_holding_it(cluster):
     spec = ray.get(coordinator().model_specs.remote())[MODEL]
     hashes = block_hashes(shared, BLOCK, root_hash(spec["fingerprint"], spec["cache_salt"]))
     assert wait_for(lambda: ray.get(coordinator().match.remote(hashes)) == {holder: 4})
-    asyncio.run(collect(backend, "second", shared + [8, 9, 10]))
+    asyncio.run(collect(backend, "second", shared + [8, 9, 10], GREEDY))
     second = ray.get(coordinator().recent_decisions.remote(1))[0]
     assert (second["node_id"], second["cached_blocks"], second["reason"]) == (holder, 4, "prefix-hit"), (
         second, ray.get(coordinator().nodes.remote()))
@@ -102,16 +102,16 @@ def test_round_robin_ignores_the_prefix(cluster):
     backend = RayBackend(RayBackendConfig(policy="round_robin"))
     shared = prompt(2000, 64)
     for i in range(3):
-        asyncio.run(collect(backend, f"rr-{i}", shared + [i + 1]))
+        asyncio.run(collect(backend, f"rr-{i}", shared + [i + 1], GREEDY))
     decisions = ray.get(coordinator().recent_decisions.remote(3))
     assert sorted(d["node_id"] for d in decisions) == ["head", "w1", "w2"]
 
 
-def _fault_run(kill, victim: str):
+def _fault_run(kill, victim: str, params=GREEDY):
     """16 streaming requests; `kill()` fires once a request on `victim` has streamed 3 tokens."""
     backend = RayBackend(RayBackendConfig(policy="round_robin", stall_check_s=0.5))
     prompts = [prompt(i) for i in range(16)]
-    reference = asyncio.run(run_all(backend, prompts))
+    reference = asyncio.run(run_all(backend, prompts, params))
     fired = asyncio.Event()
     streamed = {}
 
@@ -122,7 +122,8 @@ def _fault_run(kill, victim: str):
             fired.set()
             await asyncio.to_thread(kill)
 
-    faulted = asyncio.run(run_all(backend, prompts, on_output))
+    faulted = asyncio.run(run_all(backend, prompts, params, on_output))
+    assert backend.resumed_mid_stream >= 1
     return reference, faulted, fired.is_set()
 
 
@@ -140,7 +141,9 @@ def test_requests_survive_a_node_actor_crash(cluster):
 def test_requests_survive_a_raylet_being_killed(cluster):
     local, nodes = cluster
     raylet = next(n for n in local.worker_nodes if n.node_id == nodes["w2"])
-    reference, faulted, fired = _fault_run(lambda: local.kill_node(raylet), "w2")
+    # A killed raylet's workers notice only after a moment, so streams must outlast that.
+    longer = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    reference, faulted, fired = _fault_run(lambda: local.kill_node(raylet), "w2", longer)
     assert fired
     assert faulted == reference
     status = {n["node_id"]: n["status"] for n in ray.get(coordinator().nodes.remote())}
