@@ -72,6 +72,7 @@ class KVCache:
         )
         self._disk_blocks: dict[BlockHash, tuple[BlockHash | None, tuple[int, ...]]] = {}
         self._swap_keys: set[bytes] = set()
+        self._adopt_recovered_cold_blocks()
         self._cold_hits = 0
         self._cold_spills = 0
 
@@ -243,6 +244,22 @@ class KVCache:
         self.close()
 
     # ----------------------------------------------------------------- internals
+
+    def _adopt_recovered_cold_blocks(self) -> None:
+        """Announce the blocks a reopened cold-tier file still holds; drop stale swap blocks.
+
+        Only blocks whose key is the chained hash of their parent and full token list are
+        prefix blocks; anything else is a partial block a previous process swapped out for
+        a sequence that no longer exists.
+        """
+        if self.cold is None:
+            return
+        for key, parent, tokens in self.cold.entries():
+            if parent is not None and len(tokens) == self.block_size and hash_block(parent, tokens) == key:
+                self._disk_blocks[key] = (parent, tuple(tokens))
+                self.events.stored(key, parent, tokens, DISK)
+            else:
+                self.cold.discard(key)
 
     def _hold_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Pin the longest reusable prefix, restoring from disk what memory lacks."""

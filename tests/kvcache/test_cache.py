@@ -253,6 +253,24 @@ def test_a_restarted_cache_finds_its_cold_blocks_on_disk(make_cache, tmp_path):
     second.free("a")
 
 
+def test_a_restarted_cache_announces_its_disk_blocks_and_drops_stale_swap_blocks(make_cache, tmp_path):
+    first = make_cache(num_blocks=4, cold=True, cold_dir=tmp_path / "shared")
+    prefill(first, "a", list(range(8)), seed=23)
+    first.free("a")
+    b_tokens = list(range(100, 110))
+    prefill(first, "b", b_tokens, seed=24)  # 3 blocks: evicts and spills both of a's
+    assert first.swap_out("b", b_tokens + [9], 10) is True  # 2 full blocks and a partial one
+    swap_slots = len(first.cold)
+    first.close()
+    second = make_cache(num_blocks=4, cold=True, cold_dir=tmp_path / "shared")
+    announced = [e for e in second.drain_events() if e.tier == "disk"]
+    expected = second.block_hashes(list(range(8))) + second.block_hashes(b_tokens)
+    assert sorted(e.block_hash for e in announced) == sorted(expected)
+    assert {e.block_hash for e in second.snapshot()} == set(expected)
+    assert swap_slots == len(expected) + 1
+    assert len(second.cold) == len(expected)  # the swapped partial block of "b" is gone
+
+
 def test_cold_hit_continues_a_prefix_found_partly_in_memory(make_cache):
     cache = make_cache(num_blocks=5, cold=True)  # 4 usable
     prompt = list(range(12))
