@@ -15,6 +15,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic.json_schema import models_json_schema
 
 from cluster.backend import Backend, ModelInfo
 from cluster.http_errors import (
@@ -27,18 +28,34 @@ from cluster.http_errors import (
 )
 from cluster.metrics import CONTENT_TYPE, GatewayMetrics
 from cluster.openai_protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ClusterInfo,
     CompletionRequest,
     CompletionResponse,
+    ErrorResponse,
     HealthResponse,
     ModelCard,
     ModelList,
 )
 from cluster.openai_serving import ChatServing, CompletionServing, Generation
 
-_SSE_DOC = {"text/event-stream": {"schema": {"type": "string", "description": "with `stream: true`: `data: <chunk JSON>` events, then `data: [DONE]`"}}}
+
+
+def _sse_doc(chunk_model: type) -> dict:
+    """One server-sent event of a stream: a chunk, an error, or the final `[DONE]`."""
+    payload = {"anyOf": [{"$ref": f"#/components/schemas/{chunk_model.__name__}"}, {"$ref": "#/components/schemas/ErrorResponse"}]}
+    data = {"type": "string", "anyOf": [{"const": "[DONE]"}, {"contentMediaType": "application/json", "contentSchema": payload}]}
+    event = {
+        "type": "object", "required": ["data"], "properties": {"data": data},
+        "description": "with `stream: true`, each `data:` event holds a chunk (or an error); the last is `[DONE]`",
+    }
+    return {"text/event-stream": {"schema": event}}
+
+
+#: Models that appear only inside event streams, so FastAPI would not list them itself.
+_STREAM_ONLY_MODELS = (ChatCompletionChunk, ErrorResponse)
 _GENERATION_ERRORS = declared_errors(400, 401, 404, 408, 429, 503)
 
 
@@ -89,8 +106,9 @@ def _bearer_check(keys: frozenset[str]):
     return require_key
 
 
-def _strip_422(app: FastAPI) -> None:
-    """FastAPI declares 422 for validation; this server answers 400, so say so."""
+def _truthful_openapi(app: FastAPI) -> None:
+    """FastAPI declares 422 for validation; this server answers 400, so say so. It also
+    lists the stream-only models that the event-stream schemas refer to."""
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -98,8 +116,14 @@ def _strip_422(app: FastAPI) -> None:
             for item in schema.get("paths", {}).values():
                 for operation in item.values():
                     operation.get("responses", {}).pop("422", None)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
+                components.pop(name, None)
+            _, extra = models_json_schema(
+                [(m, "serialization") for m in _STREAM_ONLY_MODELS], ref_template="#/components/schemas/{model}"
+            )
+            for name, definition in extra.get("$defs", {}).items():
+                components.setdefault(name, definition)
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -152,14 +176,14 @@ def create_app(backend: Backend, config: GatewayConfig | None = None) -> FastAPI
 
     @app.post(
         "/v1/completions", response_model=CompletionResponse, dependencies=auth,
-        responses={200: {"content": _SSE_DOC}, **_GENERATION_ERRORS},
+        responses={200: {"content": _sse_doc(CompletionResponse)}, **_GENERATION_ERRORS},
     )
     async def create_completion(body: CompletionRequest, request: Request):
         return await completions.serve(body, request)
 
     @app.post(
         "/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=auth,
-        responses={200: {"content": _SSE_DOC}, **_GENERATION_ERRORS},
+        responses={200: {"content": _sse_doc(ChatCompletionChunk)}, **_GENERATION_ERRORS},
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         return await chats.serve(body, request)
@@ -190,7 +214,7 @@ def create_app(backend: Backend, config: GatewayConfig | None = None) -> FastAPI
         info = await backend.cluster_info() if await backend.ready() else {"nodes": [], "queue_depth": 0}
         return Response(gw.metrics.render(info), media_type=CONTENT_TYPE)
 
-    _strip_422(app)
+    _truthful_openapi(app)
     endpoints = {route.path for route in app.routes}
     app.add_middleware(_CountRequests, metrics=gw.metrics, endpoints=endpoints)
     return app

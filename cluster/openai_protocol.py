@@ -15,7 +15,16 @@ from pydantic import BaseModel, ConfigDict, Field
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 StopField = Union[Annotated[str, Field(min_length=1)], Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)], None]
-Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+
+# Cross-field rules, stated in the schema so clients (and fuzzers) can see them.
+_STREAM_OPTIONS_NEED_STREAM = {
+    "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+    "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+}
+_TOP_LOGPROBS_NEED_LOGPROBS = {
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
+}
 
 
 class _Request(BaseModel):
@@ -63,7 +72,7 @@ class _SamplingFields(_Request):
     stop: StopField = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: Seed | None = None
+    seed: int | None = Field(None, description="any integer; the same seed repeats a sampled completion")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     user: str | None = None
@@ -85,6 +94,8 @@ PromptField = Union[
 
 
 class CompletionRequest(_SamplingFields):
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM]})
+
     prompt: PromptField
     max_tokens: int | None = Field(None, ge=1, description="defaults to 16, as OpenAI's legacy endpoint")
     logprobs: int | None = Field(None, ge=0, le=20, description="how many top alternatives to report per token")
@@ -136,6 +147,10 @@ class ChatMessage(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS]}
+    )
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated by OpenAI in favour of max_completion_tokens")
     max_completion_tokens: int | None = Field(None, ge=1)
