@@ -32,7 +32,7 @@ def orchard(demo_model_path, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("orchard_serve") / "serve.log"
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(demo_model_path),
-           "--host", "127.0.0.1", "--port", str(port)]
+           "--host", "127.0.0.1", "--port", str(port), "--no-ray"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
