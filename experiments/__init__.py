@@ -1,0 +1,1 @@
+"""Experiments behind docs/uma-kv-design.md: one script per design question."""
