@@ -249,20 +249,54 @@ class JoinAgent:
 
     def _stop_child(self) -> None:
         child, self._child = self._child, None
-        if child is None or child.poll() is not None:
-            return
-        child.terminate()  # `ray start --block` stops the processes it started on SIGTERM
-        try:
-            child.wait(timeout=self.config.stop_grace_s)
-        except subprocess.TimeoutExpired:
-            log.warning("Ray node did not stop within %.0fs; killing it", self.config.stop_grace_s)
-            _kill_group(child)
-            child.wait()
+        if child is not None:
+            stop_process_group(child, self.config.stop_grace_s)
 
     def _schedule_retry(self) -> None:
         self._retry_at = self._clock() + self._backoff_s
         self._backoff_s = min(self._backoff_s * 2, self.config.backoff_max_s)
 
+
+
+def stop_process_group(child: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM a child started in its own session and wait until its whole process group is
+    gone (Ray's daemons outlive `ray start --block` by a moment, and a new head on the same
+    port is refused while the old GCS process exists); SIGKILL what is left after `grace_s`."""
+    deadline = time.monotonic() + grace_s
+    if child.poll() is None:
+        child.terminate()  # `ray start --block` stops the processes it started on SIGTERM
+        try:
+            child.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    while _group_alive(child.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if child.poll() is None or _group_alive(child.pid):
+        log.warning("Ray processes did not stop within %.0fs; killing them", grace_s)
+        _kill_group(child)
+        child.wait()
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any live (non-zombie) process is still in the group. Zombies count as gone:
+    in a container without an init that reaps, they linger until their namespace ends."""
+    proc = Path("/proc")
+    if not proc.is_dir():  # macOS: launchd reaps orphans, so the kernel's answer is enough
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
 
 def _kill_group(child: subprocess.Popen) -> None:
     try:

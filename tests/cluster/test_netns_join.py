@@ -1,0 +1,283 @@
+"""Several "hosts" on one machine: Linux network namespaces on a private bridge.
+
+The test builds its own network: a switch namespace holding a bridge, and one namespace
+per host (head, node, rogue) wired to it by a veth pair, addressed in 10.213.0.0/24.
+Nothing is routed anywhere else and nothing touches the machine's own namespace; every
+process started in those namespaces is killed and the namespaces deleted afterwards,
+whatever happened. Needs root (`ip netns add`); skipped otherwise.
+
+Phases, each a real `orchard head` / `orchard join` process:
+1. the head creates a token; the node, holding a copy, finds and joins it within 20 s;
+   a rogue in a third namespace advertises the same cluster name signed with another
+   token and is never contacted;
+2. the head restarts (new head id); the node joins the new head by itself;
+3. the node is stopped with SIGTERM; the head's Ray sees it gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+SUBNET = "10.213.0"
+HOSTS = {"head": f"{SUBNET}.2", "node": f"{SUBNET}.3", "rogue": f"{SUBNET}.4"}
+CLUSTER = "netns"
+JOIN_DEADLINE_S = 20.0
+
+
+def _netns_unavailable() -> str | None:
+    if sys.platform != "linux":
+        return "network namespaces are Linux-only"
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces (ip netns add)"
+    if shutil.which("ip") is None:
+        return "iproute2 (`ip`) is not installed"
+    probe = f"orjprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True)
+    if made.returncode != 0:
+        return f"ip netns add failed: {made.stderr.decode().strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+class NetLab:
+    """Namespaces, a bridge and the processes started in them; `close` undoes everything."""
+
+    def __init__(self, workdir: Path):
+        self.tag = uuid.uuid4().hex[:6]
+        self.workdir = workdir
+        self.namespaces: list[str] = []
+        self.procs: list[subprocess.Popen] = []
+
+    def ns(self, role: str) -> str:
+        return f"orj{self.tag}{role}"
+
+    def build(self, hosts: dict[str, str]) -> None:
+        switch = self._add_ns("sw")
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge", "mcast_snooping", "0")
+        _ip("-n", switch, "link", "set", "br0", "up")
+        for i, (role, address) in enumerate(hosts.items()):
+            host = self._add_ns(role)
+            _ip("link", "add", f"p{i}", "netns", switch, "type", "veth", "peer", "name", "eth0", "netns", host)
+            _ip("-n", switch, "link", "set", f"p{i}", "master", "br0", "up")
+            _ip("-n", host, "addr", "add", f"{address}/24", "dev", "eth0")
+            _ip("-n", host, "link", "set", "eth0", "up")
+            _ip("-n", host, "link", "set", "lo", "up")
+
+    def start(self, role: str, argv: list[str], env: dict[str, str], log_name: str) -> subprocess.Popen:
+        log = open(self.workdir / log_name, "ab")
+        proc = subprocess.Popen(["ip", "netns", "exec", self.ns(role), *argv], env=env, cwd=ROOT, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, role: str, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        return subprocess.run(["ip", "netns", "exec", self.ns(role), *argv], env=env, cwd=ROOT, capture_output=True,
+                              text=True, timeout=timeout)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            _stop(proc, grace_s=15)
+        for ns in self.namespaces:  # stragglers (Ray daemons in their own sessions), by pid
+            for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for ns in reversed(self.namespaces):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def _add_ns(self, role: str) -> str:
+        name = self.ns(role)
+        _ip("netns", "add", name)
+        self.namespaces.append(name)
+        return name
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def _stop(proc: subprocess.Popen, grace_s: float) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+# Lists the Ray nodes the GCS knows, as JSON, without starting a driver (about 1 s).
+_PROBE = textwrap.dedent("""
+    import json, sys, time
+    from ray._raylet import GcsClient
+    from ray.core.generated.gcs_pb2 import GcsNodeInfo
+    address, want, ip, deadline = sys.argv[1], sys.argv[2], sys.argv[3], time.time() + float(sys.argv[4])
+    while True:
+        try:
+            nodes = [dict(ip=n.node_manager_address, alive=n.state == GcsNodeInfo.ALIVE,
+                          resources=dict(n.resources_total), labels=dict(n.labels))
+                     for n in GcsClient(address=address).get_all_node_info(timeout=5).values()]
+        except Exception as exc:
+            nodes = None
+        if nodes is not None:
+            serving = [n for n in nodes if n["alive"] and n["ip"] == ip and n["resources"].get("orchard_node")]
+            if (want == "joined") == bool(serving) or time.time() > deadline:
+                print(json.dumps(nodes)); break
+        elif time.time() > deadline:
+            print("null"); break
+        time.sleep(0.5)
+""")
+
+
+@pytest.fixture
+def lab(tmp_path):
+    reason = _netns_unavailable()
+    if reason:
+        pytest.skip(reason)
+    net = NetLab(tmp_path)
+    try:
+        net.build(HOSTS)
+        yield net
+    finally:
+        net.close()
+
+
+def _env(config_dir: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "ORCHARD_"))}
+    env.update(ORCHARD_CONFIG_DIR=str(config_dir), RAY_USAGE_STATS_ENABLED="0", PYTHONPATH=str(ROOT), **extra)
+    return env
+
+
+def _orchard(*args: str) -> list[str]:
+    return [PYTHON, "-m", "cluster.cli", *args]
+
+
+def _head_argv(tmp: Path) -> list[str]:
+    return _orchard("head", "--cluster", CLUSTER, "--bind", HOSTS["head"], "--ray-only", "--num-cpus", "1",
+                    "--object-store-mb", "80", "--ray-temp-dir", f"/tmp/orj-{tmp.name[-6:]}-h")
+
+
+def _wait_for(predicate, timeout_s: float, what: str, log: str = ""):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout_s:.0f}s waiting for {what}\n{log[-3000:]}")
+
+
+def _probe(lab: NetLab, ray_token: str, want: str, timeout_s: float) -> list[dict]:
+    env = _env(lab.workdir, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=ray_token)
+    out = lab.run("head", [PYTHON, "-c", _PROBE, f"{HOSTS['head']}:6379", want, HOSTS["node"], str(timeout_s)],
+                  env, timeout=timeout_s + 30)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _serving_node(nodes: list[dict] | None) -> dict | None:
+    alive = [n for n in nodes or [] if n["alive"] and n["ip"] == HOSTS["node"] and n["resources"].get("orchard_node")]
+    return alive[0] if alive else None
+
+
+def _log(lab: NetLab, name: str) -> str:
+    path = lab.workdir / name
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def test_node_joins_by_itself_ignores_a_rogue_rejoins_a_restarted_head_and_leaves(lab, tmp_path):
+    from cluster import cluster_token as ct
+
+    head_cfg, node_cfg, rogue_cfg = (tmp_path / f"{r}-cfg" for r in ("head", "node", "rogue"))
+
+    # The rogue claims our cluster name with a token of its own and listens where it points.
+    rogue = lab.start("rogue", [PYTHON, "-c", _ROGUE, HOSTS["rogue"], str(tmp_path / "rogue-contacts")],
+                      _env(rogue_cfg), "rogue.log")
+
+    head = lab.start("head", _head_argv(tmp_path), _env(head_cfg), "head-1.log")
+    _wait_for(lambda: "Ray at" in _log(lab, "head-1.log"), 90, "the head to start", _log(lab, "head-1.log"))
+    head_log = _log(lab, "head-1.log")
+    token = ct.load_token_file(head_cfg / f"{CLUSTER}.token")
+    assert head_log.count(token) == 1, "the new token is printed exactly once"
+    ray_token = ct.ray_auth_token(token)
+
+    node_cfg.mkdir(mode=0o700)
+    (node_cfg / f"{CLUSTER}.token").write_text(token)
+    os.chmod(node_cfg / f"{CLUSTER}.token", 0o600)
+    started = time.monotonic()
+    node = lab.start("node", _orchard("join", "--cluster", CLUSTER, "--num-cpus", "1", "--object-store-mb", "80",
+                                      "--ray-temp-dir", f"/tmp/orj-{tmp_path.name[-6:]}-n",
+                                      "--label", "orchard/rack=ns-2", "--drain-timeout", "2"),
+                     _env(node_cfg), "node.log")
+
+    # 1. joined within 20 s, with its resource and labels; the rogue was never contacted.
+    joined = _serving_node(_probe(lab, ray_token, "joined", JOIN_DEADLINE_S))
+    join_s = time.monotonic() - started
+    assert joined is not None, _log(lab, "node.log")[-3000:]
+    assert join_s < JOIN_DEADLINE_S + 5  # the probe's own start is inside the margin
+    assert joined["labels"]["orchard/rack"] == "ns-2"
+    assert joined["labels"]["orchard/mlx-device"] in {"cpu", "cuda", "metal"}
+    assert joined["resources"]["orchard_node"] == 1
+    print(f"node joined in {join_s:.1f}s")
+    _wait_for(lambda: "bad-signature" in _log(lab, "node.log") or "HMAC" in _log(lab, "node.log"), 15,
+              "the rogue's advertisement to be rejected")
+    assert HOSTS["rogue"] not in _joined_addresses(_log(lab, "node.log"))
+    assert rogue.poll() is None and not (tmp_path / "rogue-contacts").exists()
+
+    # 2. the head restarts; the node notices the new head id and joins again.
+    assert _stop(head, grace_s=30) == 0
+    lab.start("head", _head_argv(tmp_path), _env(head_cfg), "head-2.log")
+    _wait_for(lambda: "Ray at" in _log(lab, "head-2.log"), 90, "the head to restart")
+    assert token not in _log(lab, "head-2.log"), "an existing token is never printed again"
+    rejoined = _serving_node(_probe(lab, ray_token, "joined", 60))
+    assert rejoined is not None, _log(lab, "node.log")[-3000:]
+    assert _joined_addresses(_log(lab, "node.log")) == [f"{HOSTS['head']}:6379"] * 2
+
+    # 3. SIGTERM: the node leaves cleanly and the head's Ray sees it go.
+    assert _stop(node, grace_s=30) == 0
+    after = _probe(lab, ray_token, "left", 30)
+    assert after is not None and _serving_node(after) is None
+    assert not (tmp_path / "rogue-contacts").exists()
+
+
+def _joined_addresses(node_log: str) -> list[str]:
+    """The --address of every `ray start` the agent ran, from its log."""
+    out = []
+    for line in node_log.splitlines():
+        if "joining:" in line and "--address" in line:
+            words = line.split()
+            out.append(words[words.index("--address") + 1])
+    return out
+
+
+# A stranger: advertises cluster "netns" with its own token; records anyone who connects.
+_ROGUE = textwrap.dedent("""
+    import socket, sys, threading, time
+    from cluster import cluster_token as ct
+    from cluster.discovery import Advertisement, Advertiser
+    address, contacts = sys.argv[1], sys.argv[2]
+    advert = Advertisement("netns", f"{address}:6379", f"http://{address}:8000", "0.1.0", "badbadbadbad", time.time())
+    Advertiser(advert, ct.advert_key(ct.new_token()), address, refresh_s=2).start()
+    server = socket.create_server((address, 6379))
+    while True:
+        conn, peer = server.accept()
+        open(contacts, "a").write(f"{peer}\\n")
+        conn.close()
+""")
