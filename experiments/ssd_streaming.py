@@ -75,7 +75,7 @@ def bound(bandwidth_gb_s: float, context: int, bytes_per_token: int) -> float:
 
 
 def plot(contexts: list[int], bandwidths: dict[str, float], measured_decode: list[tuple[int, float]]) -> str:
-    fig, ax = new_figure(7.0, 4.4)
+    fig, ax = new_figure(9.5, 4.6)
     shapes = [s for s in PUBLIC_SHAPES if s.name in ("Llama-3.1-8B", "Llama-3.1-70B")] + [DEMO_LARGE]
     colors = {"Llama-3.1-8B": "tab:blue", "Llama-3.1-70B": "tab:red", DEMO_LARGE.name: "tab:green"}
     styles = ["-", "--", ":", "-."]
@@ -91,7 +91,7 @@ def plot(contexts: list[int], bandwidths: dict[str, float], measured_decode: lis
     ax.set_ylabel("tokens/s the KV stream allows (all sequences)")
     ax.set_title("Decode rate if every step streams the KV from disk")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=6, loc="lower left", ncol=1)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     return str(save_figure(fig, "ssd_streaming"))
 
 
