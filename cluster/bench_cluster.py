@@ -112,7 +112,7 @@ class Request:
     prompt: list[int]
 
 
-def build_workload(cfg: WorkloadConfig, vocab: int = 3000) -> list[Request]:
+def build_workload(cfg: WorkloadConfig, vocab: int = 2500) -> list[Request]:
     """Tenants' turns interleaved at random; each turn's prompt extends that tenant's last one."""
     rng = random.Random(cfg.seed)
     systems = [[rng.randrange(10, vocab) for _ in range(cfg.system_tokens)] for _ in range(cfg.tenants)]

@@ -23,6 +23,10 @@ from cluster.coordinator import COORDINATOR_NAME, NAMESPACE, CoordinatorActor, C
 NODE_RESOURCE = "orchard_node"
 NODE_ACTOR_PREFIX = "orchard-node-"
 
+# Handles of the node actors this process started: a non-detached actor lives only while
+# some handle to it does, and callers should not have to remember that.
+_started_actors: dict[str, object] = {}
+
 
 def node_actor_name(node_id: str) -> str:
     return NODE_ACTOR_PREFIX + node_id
@@ -67,7 +71,7 @@ def start_node_actor(ray_node_id: str, node_config, *, detached: bool = False):
     """Create the node actor for one machine and wait until it has registered.
 
     `node_config` is a `node.actor.NodeActorConfig`; the actor is named after its node id.
-    Unless `detached`, the actor lives only as long as the caller holds the returned handle.
+    Unless `detached`, it lives as long as this process (which keeps a handle to it).
     """
     from node.actor import NodeActorRemote
 
@@ -82,6 +86,7 @@ def start_node_actor(ray_node_id: str, node_config, *, detached: bool = False):
         options["lifetime"] = "detached"
     actor = NodeActorRemote.options(**options).remote(node_config)
     ray.get(actor.start.remote())
+    _started_actors[node_config.node_id] = actor
     return actor
 
 
@@ -178,6 +183,7 @@ class LocalCluster:
         return self._cluster.address
 
     def shutdown(self) -> None:
+        _started_actors.clear()
         try:
             if ray.is_initialized():
                 ray.shutdown()

@@ -107,6 +107,28 @@ def test_round_robin_ignores_the_prefix(cluster):
     assert sorted(d["node_id"] for d in decisions) == ["head", "w1", "w2"]
 
 
+def test_restarted_coordinator_rebuilds_the_index_from_node_snapshots(cluster):
+    backend = RayBackend()
+    shared = prompt(3000, 48)  # three full blocks
+    asyncio.run(collect(backend, "before-restart", shared + [1], GREEDY))
+    holder = ray.get(coordinator().recent_decisions.remote(1))[0]["node_id"]
+    spec = ray.get(coordinator().model_specs.remote())[MODEL]
+    from kvcache.hashing import block_hashes, root_hash
+
+    hashes = block_hashes(shared, BLOCK, root_hash(spec["fingerprint"], spec["cache_salt"]))
+    assert wait_for(lambda: ray.get(coordinator().match.remote(hashes)).get(holder) == 3)
+    ray.kill(coordinator(), no_restart=False)  # Ray restarts it empty
+
+    def rebuilt():
+        try:
+            return ray.get(coordinator().match.remote(hashes)).get(holder) == 3
+        except ray.exceptions.RayActorError:
+            return False
+
+    assert wait_for(rebuilt)
+    assert sorted(ray.get(coordinator().models.remote())) == [MODEL]
+
+
 def _fault_run(kill, victim: str, params=GREEDY):
     """16 streaming requests; `kill()` fires once a request on `victim` has streamed 3 tokens."""
     backend = RayBackend(RayBackendConfig(policy="round_robin", stall_check_s=0.5))
