@@ -56,7 +56,6 @@ def _sse_doc(chunk_model: type) -> dict:
 
 #: Models that appear only inside event streams, so FastAPI would not list them itself.
 _STREAM_ONLY_MODELS = (ChatCompletionChunk, ErrorResponse)
-_GENERATION_ERRORS = declared_errors(400, 401, 404, 408, 429, 503)
 
 
 @dataclass
@@ -172,28 +171,30 @@ def create_app(backend: Backend, config: GatewayConfig | None = None) -> FastAPI
     app.state.gateway = gw
     install_error_handlers(app)
     auth = [Depends(_bearer_check(config.api_keys))] if config.api_keys else []
+    auth_errors = (401,) if config.api_keys else ()
+    generation_errors = declared_errors(400, *auth_errors, 404, 408, 429, 503)
     completions, chats = CompletionServing(gw), ChatServing(gw)
 
     @app.post(
         "/v1/completions", response_model=CompletionResponse, dependencies=auth,
-        responses={200: {"content": _sse_doc(CompletionResponse)}, **_GENERATION_ERRORS},
+        responses={200: {"content": _sse_doc(CompletionResponse)}, **generation_errors},
     )
     async def create_completion(body: CompletionRequest, request: Request):
         return await completions.serve(body, request)
 
     @app.post(
         "/v1/chat/completions", response_model=ChatCompletionResponse, dependencies=auth,
-        responses={200: {"content": _sse_doc(ChatCompletionChunk)}, **_GENERATION_ERRORS},
+        responses={200: {"content": _sse_doc(ChatCompletionChunk)}, **generation_errors},
     )
     async def create_chat_completion(body: ChatCompletionRequest, request: Request):
         return await chats.serve(body, request)
 
-    @app.get("/v1/models", response_model=ModelList, dependencies=auth, responses=declared_errors(401))
+    @app.get("/v1/models", response_model=ModelList, dependencies=auth, responses=declared_errors(*auth_errors))
     async def list_models() -> ModelList:
         served = await backend.models() if await backend.ready() else []
         return ModelList(data=[ModelCard(id=m.name, max_model_len=m.max_model_len) for m in served])
 
-    @app.get("/v1/cluster", response_model=ClusterInfo, dependencies=auth, responses=declared_errors(401))
+    @app.get("/v1/cluster", response_model=ClusterInfo, dependencies=auth, responses=declared_errors(*auth_errors))
     async def cluster_info() -> ClusterInfo:
         return ClusterInfo.model_validate(await backend.cluster_info())
 

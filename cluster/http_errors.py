@@ -18,6 +18,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.chat_template import ChatTemplateError
 from cluster.openai_protocol import ErrorResponse
+from node.errors import InvalidPrompt
+from node.errors import PromptTooLong as EnginePromptTooLong
 from node.types import InvalidSamplingParams
 
 log = logging.getLogger("orchard.gateway")
@@ -84,6 +86,17 @@ class ModelNotFound(APIError):
         super().__init__(f"The model '{model}' does not exist; this server serves {available}.", param="model")
 
 
+class ModelNotServed(APIError):
+    """The model was known but no node serves it any more."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+    def __init__(self, message: str):
+        super().__init__(message, param="model")
+
+
 class RequestTimedOut(APIError):
     status = 408
     type = "timeout_error"
@@ -137,8 +150,22 @@ def as_api_error(exc: BaseException) -> APIError:
         return InvalidRequest(str(exc), param=exc.param)
     if isinstance(exc, ChatTemplateError):
         return InvalidRequest(str(exc), param="messages")
+    if isinstance(exc, EnginePromptTooLong):
+        return PromptTooLong(prompt_tokens=exc.prompt_tokens, max_model_len=exc.max_model_len, param="prompt")
+    if isinstance(exc, InvalidPrompt):
+        return InvalidRequest(str(exc), param="prompt")
+    for cls in type(exc).__mro__:  # errors of the Ray side, known by name so Ray stays unimported here
+        if cls.__name__ in _BY_NAME:
+            return _BY_NAME[cls.__name__](str(exc))
     log.exception("unexpected error while serving a request", exc_info=exc)
     return APIError("The server had an error while processing the request.")
+
+
+#: Cluster-side errors (which may arrive wrapped in a Ray task error) and what a client sees.
+_BY_NAME = {
+    "NoNodeAvailable": lambda message: ServiceUnavailable(f"No node can serve the request now ({message}); retry shortly."),
+    "UnknownModel": lambda message: ModelNotServed(message),
+}
 
 
 def _validation_param(loc: tuple) -> str | None:
@@ -174,7 +201,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(validation_error(exc))
 
-    async def on_sampling(_: Request, exc: InvalidSamplingParams) -> JSONResponse:
+    async def on_known(_: Request, exc: Exception) -> JSONResponse:
         return error_response(as_api_error(exc))
 
     async def on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -187,8 +214,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(InvalidSamplingParams, on_sampling)
-    app.add_exception_handler(ChatTemplateError, on_sampling)
+    app.add_exception_handler(InvalidSamplingParams, on_known)
+    app.add_exception_handler(ChatTemplateError, on_known)
     app.add_exception_handler(StarletteHTTPException, on_http)
     app.add_exception_handler(Exception, on_unexpected)
 

@@ -239,7 +239,7 @@ class ModelList(_Response):
 
 
 class HealthResponse(_Response):
-    status: Literal["ok", "starting", "draining"]
+    status: Literal["ok", "starting"]
 
 
 class NodeInfo(BaseModel):

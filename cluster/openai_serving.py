@@ -185,6 +185,44 @@ class Generation:
                 await events.aclose()
 
 
+    async def open_stream(self, jobs: list[Job], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """`stream`, once its first output is in: errors before it (no node, a refusal,
+        the deadline) still get their HTTP status instead of a 200 that carries an error."""
+        events = self.stream(jobs, params)
+        first = asyncio.ensure_future(anext(events))
+        gone = asyncio.ensure_future(wait_for_disconnect(self.request))
+        try:
+            await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not first.done():
+                first.cancel()
+                await asyncio.gather(first, return_exceptions=True)
+        if first.cancelled():
+            await events.aclose()
+            raise ClientClosedRequest()
+        try:
+            head = first.result()
+        except StopAsyncIteration:
+            return _replay([], events)
+        except BaseException:
+            await events.aclose()
+            raise
+        return _replay([head], events)
+
+
+async def _replay(head: list, rest: AsyncIterator) -> AsyncIterator:
+    """`head`'s items, then `rest`'s; closes `rest` on exit."""
+    try:
+        for item in head:
+            yield item
+        async for item in rest:
+            yield item
+    finally:
+        with anyio.CancelScope(shield=True):
+            await rest.aclose()
+
+
 # ---- accumulating choices -------------------------------------------------------------
 
 
@@ -343,10 +381,10 @@ class _Serving:
     def streaming_response(self, frames: AsyncIterator[str]) -> StreamingResponse:
         return StreamingResponse(frames, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
-    async def frames(self, gen: Generation, jobs: list[Job], params: SamplingParams, render) -> AsyncIterator[str]:
+    async def frames(self, events: AsyncIterator[tuple[int, RequestOutput]], render) -> AsyncIterator[str]:
         """SSE frames: whatever `render` makes of each output; an error event if one occurs."""
         try:
-            async for i, out in gen.stream(jobs, params):
+            async for i, out in events:
                 for frame in render(i, out):
                     yield frame
         except APIError as exc:
@@ -392,7 +430,8 @@ class CompletionServing(_Serving):
         choices = Choices(body.n, len(jobs))
         text = TokenText(info.tokenizer)
         if body.stream:
-            return self.streaming_response(self._stream(gen, jobs, params, body, rid, prompts, choices, text))
+            events = await gen.open_stream(jobs, params)
+            return self.streaming_response(self._stream(gen, events, body, rid, prompts, choices, text))
         await gen.collect(jobs, params, choices.add)
         return CompletionResponse(
             id=rid, model=info.name, usage=choices.usage(prompts),
@@ -405,7 +444,7 @@ class CompletionServing(_Serving):
             ],
         )
 
-    async def _stream(self, gen, jobs, params, body, rid, prompts, choices: Choices, text: TokenText):
+    async def _stream(self, gen, events, body, rid, prompts, choices: Choices, text: TokenText):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         exclude = None if include_usage else {"usage"}
         created = int(time.time())
@@ -425,7 +464,7 @@ class CompletionServing(_Serving):
             choices.add(job, out)
             yield from render(job, out)
 
-        async for frame in self.frames(gen, jobs, params, render_tracked):
+        async for frame in self.frames(events, render_tracked):
             yield frame
         if include_usage:
             final = CompletionResponse(id=rid, created=created, model=gen.info.name, choices=[], usage=choices.usage(prompts))
@@ -455,7 +494,8 @@ class ChatServing(_Serving):
         text = TokenText(info.tokenizer)
         k = body.top_logprobs or 0
         if body.stream:
-            return self.streaming_response(self._stream(gen, jobs, params, body, rid, [prompt.token_ids], choices, text))
+            events = await gen.open_stream(jobs, params)
+            return self.streaming_response(self._stream(gen, events, body, rid, [prompt.token_ids], choices, text))
         await gen.collect(jobs, params, choices.add)
         return ChatCompletionResponse(
             id=rid, model=info.name, usage=choices.usage([prompt.token_ids]),
@@ -468,7 +508,7 @@ class ChatServing(_Serving):
             ],
         )
 
-    async def _stream(self, gen, jobs, params, body, rid, prompts, choices: Choices, text: TokenText):
+    async def _stream(self, gen, events, body, rid, prompts, choices: Choices, text: TokenText):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         exclude = None if include_usage else {"usage"}
         created = int(time.time())
@@ -489,7 +529,7 @@ class ChatServing(_Serving):
                 delta = ChatDelta(content=c.text_delta) if (c.text_delta or not c.finished) else ChatDelta()
                 yield chunk(ChatChunkChoice(index=choices.index(job, c.index), delta=delta, logprobs=logprobs, finish_reason=c.finish_reason))
 
-        async for frame in self.frames(gen, jobs, params, render):
+        async for frame in self.frames(events, render):
             yield frame
         if include_usage:
             final = ChatCompletionChunk(id=rid, created=created, model=gen.info.name, choices=[], usage=choices.usage(prompts))

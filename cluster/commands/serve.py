@@ -10,8 +10,11 @@ seconds, then stops the engines.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
 import os
+import signal
 import socket
 import sys
 from collections.abc import Callable
@@ -20,6 +23,7 @@ from dataclasses import dataclass
 DEFAULT_PORT = 8000
 API_KEYS_ENV = "ORCHARD_API_KEYS"
 WARMUP_PROMPT = "Hello"
+WARMUP_PATIENCE_S = 120.0
 
 
 class InsecureBind(ValueError):
@@ -133,21 +137,36 @@ def start_ray(args, step) -> Started:
     return Started(backend, "", stop)
 
 
-async def warm_up(backend) -> str:
-    """One short generation, so compilation and first allocations happen before any client."""
+async def warm_up(backend, patience_s: float = WARMUP_PATIENCE_S) -> str:
+    """One short generation, so compilation and first allocations happen before any client.
+
+    Nodes register before they can take requests, so a refusal is retried until
+    `patience_s` runs out; then the last error stands.
+    """
     from node.types import SamplingParams
 
-    info = (await backend.models())[0]
-    prompt = list(info.tokenizer.encode(WARMUP_PROMPT))
-    async for _ in backend.generate("orchard-warmup", info.name, prompt, SamplingParams(max_tokens=4, temperature=0.0)):
-        pass
-    return info.name
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + patience_s
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            if not await backend.ready():
+                raise RuntimeError("no node is ready")
+            info = (await backend.models())[0]
+            prompt = list(info.tokenizer.encode(WARMUP_PROMPT))
+            params = SamplingParams(max_tokens=4, temperature=0.0)
+            async for _ in backend.generate(f"orchard-warmup-{attempt}", info.name, prompt, params):
+                pass
+            return info.name
+        except Exception:
+            if loop.time() > deadline:
+                raise
+            await asyncio.sleep(0.5)
 
 
 def start_backend(args) -> Started:
     """Start everything behind the gateway under a progress display."""
-    import asyncio
-
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -194,7 +213,12 @@ def run(args) -> int:
         return 1
     sock.close()  # checked early; bound again after the (possible) re-exec below
     reexec_with_openblas()
-    return serve(args, keys)
+    code = serve(args, keys)
+    # Everything is stopped by now; skipping interpreter teardown avoids an abort that MLX's
+    # native threads sometimes cause there ("terminate called without an active exception").
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def serve(args, keys: frozenset[str]) -> int:
@@ -214,7 +238,20 @@ def serve(args, keys: frozenset[str]) -> int:
         host = f"[{args.host}]" if ":" in args.host else args.host
         auth = "API key required" if keys else "no API key"
         print(f"orchard: serving {started.model} at http://{host}:{port}/v1 ({auth}; Ctrl-C to stop)", flush=True)
-        server.run(sockets=[sock])
+        with _stop_signals_end_quietly():
+            server.run(sockets=[sock])
     finally:
         started.stop()
     return 0
+
+
+@contextlib.contextmanager
+def _stop_signals_end_quietly():
+    """uvicorn drains on SIGTERM/SIGINT, then raises the signal again once it is done; a
+    no-op handler here lets that re-raise return, so the nodes are stopped and we exit 0."""
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
