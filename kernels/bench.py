@@ -114,7 +114,7 @@ def copy_ceiling_tb_per_s() -> float:
     return 2 * x.nbytes / seconds_per_call(lambda: x + 1.0, iters=10) / 1e12
 
 
-def measure(problem: Problem, backend: str, device: str, iters: int, copy_tb: float | None) -> Row:
+def measure(problem: Problem, backend: str, device: str, iters: int, copy_tb: float | None, label: str | None = None) -> Row:
     inputs = build_inputs(problem)
     scale = problem.head_dim ** -0.5
 
@@ -130,7 +130,9 @@ def measure(problem: Problem, backend: str, device: str, iters: int, copy_tb: fl
     paged_s = seconds_per_call(paged, iters)
     dense_s = seconds_per_call(dense, iters)
     del inputs
-    return Row(device, backend, problem.label(), paged_s * 1e3, dense_s * 1e3, problem.kv_bytes / paged_s / 1e12, copy_tb)
+    row = Row(device, label or backend, problem.label(), paged_s * 1e3, dense_s * 1e3, problem.kv_bytes / paged_s / 1e12, copy_tb)
+    print(format_table([row]).splitlines()[-1], flush=True)
+    return row
 
 
 def openblas_in_use() -> bool:
@@ -153,17 +155,18 @@ def cuda_rows() -> list[Row]:
     return rows
 
 
-def sweep_rows(context: int = 4096) -> list[Row]:
+def sweep_rows(context: int, iters: int) -> list[Row]:
     """Time each tuning of the compiled kernel on the headline problem."""
     rows = []
     default = dispatch.decode_function("cuda")
     problem = Problem(batch=64, num_heads=32, num_kv_heads=8, head_dim=128, context=context, dtype="float16")
-    for threads in (64, 128, 256):
-        for unroll in (1, 2, 4):
-            for partition in (256, 512, 1024):
-                tuning = launch.KernelTuning(threads=threads, unroll=unroll, partition_size=partition)
-                default.tuning = tuning
-                rows.append(measure(problem, f"cuda t{threads} u{unroll} p{partition}", "gpu", 20, None))
+    variants = [dict(threads=t, unroll=u) for t in (64, 128) for u in (4, 6, 8)]
+    variants += [dict(partition_size=p, min_partition_size=p) for p in (512, 2048)]
+    variants += [dict(max_per_lane=16, unroll=2), dict(target_threadgroups=4096)]
+    for variant in variants:
+        default.tuning = launch.KernelTuning(**variant)
+        label = "cuda " + " ".join(f"{k.split('_')[0][:4]}={v}" for k, v in variant.items())
+        rows.append(measure(problem, "cuda", "gpu", iters, None, label=label))
     default.tuning = launch.KernelTuning()
     return rows
 
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     if dispatch.cuda_available():
         rows += cuda_rows()
         if args.sweep:
-            rows += sweep_rows()
+            rows += sweep_rows(4096, 20) + sweep_rows(32768, 5)
     copy = next((r.copy_tb_per_s for r in rows if r.copy_tb_per_s), None)
     print(f"# mlx {mx.__version__}, {platform.machine()} {platform.system()}, OpenBLAS preloaded: {openblas_in_use()}"
           + (f", copy ceiling {copy:.2f} TB/s (read+write)" if copy else ""))

@@ -21,7 +21,6 @@ SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 WARP = 32
 #: float32 words of shared memory the warps' partial outputs may take (16 KiB, half of Metal's 32 KiB)
 SHARED_WORDS = 4096
-MAX_PER_LANE = 8
 MAX_HEADS_PER_TILE = 8
 
 #: compile(name, input_names, output_names, header, body) -> an MLX custom-kernel callable
@@ -34,14 +33,18 @@ class KernelTuning:
 
     threads: int = 128
     unroll: int = 4
-    partition_size: int = 512
+    partition_size: int = 1024  # tokens per threadgroup for long contexts
+    min_partition_size: int = 256  # short batches split down to this to fill the GPU
+    target_threadgroups: int = 2048  # enough to keep every multiprocessor of a large GPU busy
     reduce_threads: int = 128
+    max_per_lane: int = 8  # elements of a row per lane: more means fewer shuffles, more registers
 
 
 @dataclass(frozen=True)
 class DecodePlan:
     lanes: int  # threads sharing one token's row
     heads_per_tile: int  # query heads of one KV group handled by one threadgroup
+    partition_size: int  # tokens one threadgroup reads
     num_partitions: int  # 1 means a single pass without the merge kernel
 
     @property
@@ -49,11 +52,11 @@ class DecodePlan:
         return self.num_partitions > 1
 
 
-def lanes_for(head_dim: int) -> int:
-    """Fewest lanes (a power of two up to a warp) that split a row into at most MAX_PER_LANE elements."""
+def lanes_for(head_dim: int, max_per_lane: int = 8) -> int:
+    """Fewest lanes (a power of two up to a warp) that split a row into at most max_per_lane elements."""
     lanes = 1
     while lanes <= WARP:
-        if head_dim % lanes == 0 and head_dim // lanes <= MAX_PER_LANE:
+        if head_dim % lanes == 0 and head_dim // lanes <= max_per_lane:
             return lanes
         lanes *= 2
     raise UnsupportedAttentionShape(f"head_dim {head_dim} cannot be split over a power-of-two number of lanes")
@@ -68,12 +71,20 @@ def heads_per_tile_for(group: int, head_dim: int, threads: int) -> int:
     return best
 
 
-def plan_decode(num_heads: int, num_kv_heads: int, head_dim: int, max_context: int, tuning: KernelTuning) -> DecodePlan:
-    partitions = -(-max_context // tuning.partition_size)
+def plan_decode(
+    num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_context: int, tuning: KernelTuning
+) -> DecodePlan:
+    """Split long contexts into partitions; halve the partition while the grid is too small to fill the GPU."""
+    heads_per_tile = heads_per_tile_for(num_heads // num_kv_heads, head_dim, tuning.threads)
+    groups = num_seqs * num_heads // heads_per_tile
+    size = tuning.partition_size
+    while size > tuning.min_partition_size and groups * -(-max_context // size) < tuning.target_threadgroups:
+        size //= 2
     return DecodePlan(
-        lanes=lanes_for(head_dim),
-        heads_per_tile=heads_per_tile_for(num_heads // num_kv_heads, head_dim, tuning.threads),
-        num_partitions=max(partitions, 1),
+        lanes=lanes_for(head_dim, tuning.max_per_lane),
+        heads_per_tile=heads_per_tile,
+        partition_size=size,
+        num_partitions=max(-(-max_context // size), 1),
     )
 
 
@@ -117,7 +128,7 @@ class PagedDecodeKernels:
         if num_seqs == 0:
             return mx.zeros(queries.shape, dtype=queries.dtype)
         tuning = self.tuning
-        plan = plan_decode(num_heads, num_kv_heads, head_dim, context_bound(block_tables, context_lens, block_size), tuning)
+        plan = plan_decode(num_seqs, num_heads, num_kv_heads, head_dim, context_bound(block_tables, context_lens, block_size), tuning)
         tables = as_device_ints(block_tables)
         lengths = as_device_ints(context_lens)
         dims = mx.array([tables.shape[1], plan.num_partitions], dtype=mx.int32)
@@ -129,7 +140,7 @@ class PagedDecodeKernels:
             ("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),
             ("NUM_KV_HEADS", num_kv_heads), ("GROUP", num_heads // num_kv_heads),
             ("HEADS_PER_TILE", plan.heads_per_tile), ("LANES", plan.lanes), ("NUM_THREADS", tuning.threads),
-            ("UNROLL", tuning.unroll), ("PARTITION", tuning.partition_size),
+            ("UNROLL", tuning.unroll), ("PARTITION", plan.partition_size),
         ]
         grid = (plan.num_partitions * tuning.threads, num_kv_heads * (num_heads // num_kv_heads // plan.heads_per_tile), num_seqs)
         kernel = self._decode_kernel(plan.partitioned)
@@ -148,7 +159,7 @@ class PagedDecodeKernels:
             inputs=[part_out, part_max, part_sum, lengths, dims],
             template=[
                 ("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("NUM_HEADS", num_heads),
-                ("PARTITION", tuning.partition_size), ("NUM_THREADS", tuning.reduce_threads),
+                ("PARTITION", plan.partition_size), ("NUM_THREADS", tuning.reduce_threads),
             ],
             grid=(num_heads * tuning.reduce_threads, num_seqs, 1), threadgroup=(tuning.reduce_threads, 1, 1),
             output_shapes=[queries.shape], output_dtypes=[key_cache.dtype],

@@ -14,6 +14,7 @@ partition of the context):
 - Tokens are looked up through the block table directly (no gather); each warp keeps an
   online softmax (running max, sum and weighted V) per query head, UNROLL tokens a step
   so several loads are in flight.
+- Scores live in base 2 (log2(e) folded into the scale): exp2 is a single hardware op.
 - Warps merge their states by shuffles, then through shared memory. Long contexts are
   split into partitions (split-K); a second kernel merges the partitions by their maxima
   and sums. Softmax runs in float32 whatever the storage dtype.
@@ -32,7 +33,7 @@ CUDA_HEADER = r"""
 #define SHARED __shared__
 #define BARRIER() __syncthreads()
 #define SIMD_XOR(value, mask) __shfl_xor_sync(0xffffffffu, (value), (mask))
-#define FEXP(x) expf(x)
+#define FEXP2(x) exp2f(x)
 #define ROW_ALIGN alignas(16)
 
 // Rows are PER_LANE elements; when that is a whole number of 16-byte words the
@@ -59,7 +60,7 @@ METAL_HEADER = r"""
 #define SHARED threadgroup
 #define BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define SIMD_XOR(value, mask) simd_shuffle_xor((value), (ushort)(mask))
-#define FEXP(x) metal::exp(x)
+#define FEXP2(x) metal::exp2(x)
 #define ROW_ALIGN
 #define LOAD_ROW(dst, src) for (int i_ = 0; i_ < PER_LANE; ++i_) { (dst)[i_] = (src)[i_]; }
 """
@@ -118,7 +119,8 @@ DECODE_BODY = r"""
   float run_max[HEADS_PER_TILE];
   float run_sum[HEADS_PER_TILE];
   float acc[HEADS_PER_TILE][PER_LANE];
-  const float softmax_scale = scale[0];
+  // Scores are kept in base 2 (scale folded with log2(e)) so every exponential is one exp2.
+  const float softmax_scale = scale[0] * 1.4426950408889634f;
   for (int g = 0; g < HEADS_PER_TILE; ++g) {
     const size_t q_row = (size_t(seq) * NUM_HEADS + first_head + g) * HEAD_DIM + lane_in_token * PER_LANE;
     for (int i = 0; i < PER_LANE; ++i) {
@@ -164,13 +166,13 @@ DECODE_BODY = r"""
         score[u] = dot;
         step_max = (valid[u] && dot > step_max) ? dot : step_max;
       }
-      const float correction = FEXP(run_max[g] - step_max);
+      const float correction = FEXP2(run_max[g] - step_max);
       run_sum[g] *= correction;
       for (int i = 0; i < PER_LANE; ++i) {
         acc[g][i] *= correction;
       }
       for (int u = 0; u < UNROLL; ++u) {
-        const float p = valid[u] ? FEXP(score[u] - step_max) : 0.0f;
+        const float p = valid[u] ? FEXP2(score[u] - step_max) : 0.0f;
         run_sum[g] += p;
         for (int i = 0; i < PER_LANE; ++i) {
           acc[g][i] += p * static_cast<float>(v_row[u][i]);
@@ -186,8 +188,8 @@ DECODE_BODY = r"""
       const float other_max = SIMD_XOR(run_max[g], mask);
       const float other_sum = SIMD_XOR(run_sum[g], mask);
       const float merged = other_max > run_max[g] ? other_max : run_max[g];
-      const float mine_w = FEXP(run_max[g] - merged);
-      const float other_w = FEXP(other_max - merged);
+      const float mine_w = FEXP2(run_max[g] - merged);
+      const float other_w = FEXP2(other_max - merged);
       run_sum[g] = run_sum[g] * mine_w + other_sum * other_w;
       for (int i = 0; i < PER_LANE; ++i) {
         const float other_acc = SIMD_XOR(acc[g][i], mask);
@@ -220,7 +222,7 @@ DECODE_BODY = r"""
     float total = 0.0f;
     float weighted = 0.0f;
     for (int w = 0; w < NUM_WARPS; ++w) {
-      const float c = FEXP(warp_max[w][g] - block_max);
+      const float c = FEXP2(warp_max[w][g] - block_max);
       total += warp_sum[w][g] * c;
       weighted += warp_acc[w][g][d] * c;
     }
@@ -255,12 +257,12 @@ REDUCE_BODY = r"""
   }
   float total = 0.0f;
   for (int p = 0; p < used; ++p) {
-    total += part_sum[r0 + p] * FEXP(part_max[r0 + p] - global_max);
+    total += part_sum[r0 + p] * FEXP2(part_max[r0 + p] - global_max);
   }
   for (int d = tid; d < HEAD_DIM; d += NUM_THREADS) {
     float weighted = 0.0f;
     for (int p = 0; p < used; ++p) {
-      weighted += part_out[(r0 + p) * HEAD_DIM + d] * part_sum[r0 + p] * FEXP(part_max[r0 + p] - global_max);
+      weighted += part_out[(r0 + p) * HEAD_DIM + d] * part_sum[r0 + p] * FEXP2(part_max[r0 + p] - global_max);
     }
     out[(size_t(seq) * NUM_HEADS + head) * HEAD_DIM + d] = static_cast<T>(weighted / total);
   }

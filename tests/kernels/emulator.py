@@ -65,7 +65,7 @@ static void emu_launch(int gx, int gy, int gz, int threads, F body) {
 #define SHARED static
 #define BARRIER() emu_group_barrier->arrive_and_wait()
 #define SIMD_XOR(value, mask) emu_xor((value), (mask))
-#define FEXP(x) std::exp(x)
+#define FEXP2(x) std::exp2(x)
 #define ROW_ALIGN alignas(16)
 #define LOAD_ROW(dst, src) for (int i_ = 0; i_ < PER_LANE; ++i_) { (dst)[i_] = (src)[i_]; }
 """

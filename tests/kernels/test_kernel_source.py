@@ -42,10 +42,20 @@ def test_heads_per_tile_divides_the_group_within_shared_memory(group, head_dim, 
 
 
 def test_long_contexts_are_split_and_short_ones_are_not():
-    tuning = launch.KernelTuning(partition_size=512)
-    assert launch.plan_decode(32, 8, 128, 512, tuning).num_partitions == 1
-    assert launch.plan_decode(32, 8, 128, 513, tuning).num_partitions == 2
-    assert launch.plan_decode(32, 8, 128, 32768, tuning).num_partitions == 64
+    tuning = launch.KernelTuning(partition_size=512, target_threadgroups=1)
+    assert launch.plan_decode(64, 32, 8, 128, 512, tuning).num_partitions == 1
+    assert launch.plan_decode(64, 32, 8, 128, 513, tuning).num_partitions == 2
+    assert launch.plan_decode(64, 32, 8, 128, 32768, tuning).num_partitions == 64
+
+
+def test_small_batches_get_smaller_partitions_until_the_grid_fills():
+    tuning = launch.KernelTuning(partition_size=1024, min_partition_size=256, target_threadgroups=2048)
+    # 64 seqs x 8 tiles = 512 groups: T=4096 already gives 4 x 512 = 2048 threadgroups
+    assert launch.plan_decode(64, 32, 8, 128, 4096, tuning).partition_size == 1024
+    # T=512 would be a single wave of 512; halving stops at the 256-token floor
+    plan = launch.plan_decode(64, 32, 8, 128, 512, tuning)
+    assert (plan.partition_size, plan.num_partitions) == (256, 2)
+    assert launch.plan_decode(1, 32, 8, 128, 4096, tuning).partition_size == 256
 
 
 def test_context_bound_reads_host_lengths_else_table_capacity():
