@@ -1,0 +1,34 @@
+"""Smoke tests for the experiment scripts' own logic (tiny sizes; the figures come from the scripts)."""
+
+import argparse
+
+import numpy as np
+
+from experiments import isolation, paged_vs_contiguous, ssd_streaming
+from experiments.models import PUBLIC_SHAPES
+
+
+def test_llama8b_shape_holds_128_kib_of_kv_per_token():
+    llama = next(s for s in PUBLIC_SHAPES if s.name == "Llama-3.1-8B")
+    assert llama.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2 == 131072
+
+
+def test_streaming_bound_divides_bandwidth_by_bytes_per_step():
+    assert ssd_streaming.bound(1.0, 1000, 1000) == 1000.0
+
+
+def test_paged_waste_is_the_unfilled_tail_of_each_last_block():
+    rows = paged_vs_contiguous.waste_rows(np.array([17, 32]), batch=2)
+    assert rows[1][:2] == ["paged, block 16", f"{100 * 15 / 64:.1f} %"]
+
+
+def test_storm_in_one_model_leaves_the_other_models_blocks_but_a_shared_pool_loses_them(tmp_path):
+    args = argparse.Namespace(quota_mib=1, cold_mib=2, prefix_tokens=64, storm_sequences=40, storm_tokens=128)
+    iso = isolation.isolated(args, tmp_path)
+    assert iso["b_after"] == iso["b_before"]
+    assert iso["b_after"]["hit_tokens"] == 4 * 64
+    assert iso["a_evictions"] > 0 and iso["second_pool_for_A"].startswith("QuotaExceeded")
+    assert len(iso["files"]) == 2
+    shared = isolation.shared(args)
+    assert shared["b_before"]["hit_tokens"] == 4 * 64
+    assert shared["b_after"]["hit_tokens"] == 0
