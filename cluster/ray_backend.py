@@ -53,7 +53,7 @@ class UnknownModel(LookupError):
 
 @dataclass(frozen=True)
 class RayBackendConfig:
-    address: str | None = None  # None: use the Ray connection this process already has
+    address: str | None = None  # used only when this process is not connected yet; None means "auto"
     namespace: str = NAMESPACE
     coordinator_name: str = COORDINATOR_NAME
     policy: str | None = None  # None: the coordinator's configured policy
@@ -92,7 +92,7 @@ class RayBackend:
     def __init__(self, config: RayBackendConfig | None = None):
         self.config = config or RayBackendConfig()
         if not ray.is_initialized():
-            ray.init(address=self.config.address, namespace=self.config.namespace, log_to_driver=False)
+            ray.init(address=self.config.address or "auto", namespace=self.config.namespace, log_to_driver=False)
         self._coordinator = ray.get_actor(self.config.coordinator_name, namespace=self.config.namespace)
         self._specs: dict[str, _ModelSpec] = {}
         self._actors: dict[str, Any] = {}
