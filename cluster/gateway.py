@@ -39,7 +39,8 @@ from cluster.openai_protocol import (
     ModelCard,
     ModelList,
 )
-from cluster.openai_serving import ChatServing, CompletionServing, Generation
+from cluster.gateway_jobs import Generation
+from cluster.openai_serving import ChatServing, CompletionServing
 
 
 

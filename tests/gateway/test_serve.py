@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import httpx
