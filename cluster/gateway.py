@@ -9,6 +9,7 @@ response model and its error responses so /openapi.json states what the server d
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
@@ -42,6 +43,8 @@ from cluster.openai_protocol import (
 from cluster.gateway_jobs import Generation
 from cluster.openai_serving import ChatServing, CompletionServing
 
+
+log = logging.getLogger("orchard.gateway")
 
 
 def _sse_doc(chunk_model: type) -> dict:
@@ -91,6 +94,16 @@ class Gateway:
         depth = await self.backend.queue_depth()
         if depth + new_requests > self.config.max_queue:
             raise QueueFull(depth, self.config.max_queue, self.config.retry_after_s)
+
+    async def cluster_snapshot(self) -> dict:
+        """The backend's cluster view, or ServiceUnavailable when it cannot give one."""
+        if not await self.backend.ready():
+            raise ServiceUnavailable("No node is ready yet; the cluster has nothing to report.")
+        try:
+            return await self.backend.cluster_info()
+        except Exception as exc:  # a coordinator that is restarting or unreachable
+            log.warning("cluster info unavailable: %s", exc)
+            raise ServiceUnavailable("The cluster's state is unavailable right now; retry shortly.") from exc
 
     def generation(self, info: ModelInfo, request: Request) -> Generation:
         return Generation(self.backend, info, request, self.metrics, self.config.request_timeout_s)
@@ -195,9 +208,9 @@ def create_app(backend: Backend, config: GatewayConfig | None = None) -> FastAPI
         served = await backend.models() if await backend.ready() else []
         return ModelList(data=[ModelCard(id=m.name, max_model_len=m.max_model_len) for m in served])
 
-    @app.get("/v1/cluster", response_model=ClusterInfo, dependencies=auth, responses=declared_errors(*auth_errors))
+    @app.get("/v1/cluster", response_model=ClusterInfo, dependencies=auth, responses=declared_errors(*auth_errors, 503))
     async def cluster_info() -> ClusterInfo:
-        return ClusterInfo.model_validate(await backend.cluster_info())
+        return ClusterInfo.model_validate(await gw.cluster_snapshot())
 
     @app.get(
         "/health", response_model=HealthResponse,
@@ -213,7 +226,10 @@ def create_app(backend: Backend, config: GatewayConfig | None = None) -> FastAPI
         responses={200: {"content": {CONTENT_TYPE.split(";")[0]: {"schema": {"type": "string"}}}, "description": "Prometheus text format"}},
     )
     async def metrics() -> Response:
-        info = await backend.cluster_info() if await backend.ready() else {"nodes": [], "queue_depth": 0}
+        try:
+            info = await gw.cluster_snapshot()
+        except ServiceUnavailable:
+            info = {"nodes": [], "queue_depth": 0}  # the gateway's own figures still count
         return Response(gw.metrics.render(info), media_type=CONTENT_TYPE)
 
     _truthful_openapi(app)

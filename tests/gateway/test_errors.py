@@ -107,8 +107,12 @@ def test_no_node_ready_is_503_and_health_says_so(engine, model_name):
     with LiveServer(create_app(NotReady(engine), GatewayConfig())) as live:
         r = httpx.post(live.url + "/v1/chat/completions", json={"model": model_name, "messages": [{"role": "user", "content": "x"}]})
         health = httpx.get(live.url + "/health")
+        cluster = httpx.get(live.url + "/v1/cluster")
+        metrics = httpx.get(live.url + "/metrics")
     assert_error(r, 503, None, "no_node_ready")
+    assert_error(cluster, 503, None, "no_node_ready")
     assert health.status_code == 503 and health.json() == {"status": "starting"}
+    assert metrics.status_code == 200 and "orchard_requests_total" in metrics.text
 
 
 def test_health_is_200_when_ready(http):
