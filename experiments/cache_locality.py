@@ -19,7 +19,7 @@ import os
 import mlx.core as mx
 import numpy as np
 
-from experiments.common import (gigabytes_per_s, markdown_table, median_time, new_figure, print_header,
+from experiments.common import (gigabytes_per_s, markdown_table, best_time, new_figure, print_header,
                                 save_figure, save_results)
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128  # one layer of a Llama-3.1-8B-shaped model
@@ -116,8 +116,8 @@ def sweep(working_sets: list[int], block_sizes: list[int], dtype, repeats: int) 
         for layout in LAYOUTS:
             for bs in (block_sizes if layout != "dense" else [block_sizes[0]]):
                 work = PagedWorkload(batch, context, bs, layout, dtype)
-                seconds = median_time(work.step, repeats=repeats, warmup=2)
-                gather = median_time(work.gather_only, repeats=repeats, warmup=1)
+                seconds = best_time(work.step, repeats=repeats, warmup=2)
+                gather = best_time(work.gather_only, repeats=repeats, warmup=1)
                 rows.append({"working_set": work.kv_bytes, "batch": batch, "context": context, "layout": layout,
                              "block_size": bs if layout != "dense" else None, "step_s": seconds,
                              "kv_gb_s": gigabytes_per_s(work.kv_bytes, seconds), "gather_s": gather,

@@ -59,6 +59,14 @@ def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> floa
     return statistics.median(timed(fn) for _ in range(repeats))
 
 
+def best_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Fastest of `repeats` calls: on a CPU shared with other jobs, the least disturbed run
+    is the closest estimate of the work's own cost (used where the doc says "best of")."""
+    for _ in range(warmup):
+        fn()
+    return min(timed(fn) for _ in range(repeats))
+
+
 def sync() -> None:
     """Wait for MLX's queued work, so a timer measures the work and not its queueing."""
     import mlx.core as mx
