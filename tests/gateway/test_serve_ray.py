@@ -1,0 +1,65 @@
+"""`orchard serve` with its default Ray backend: a local Ray, the coordinator, one node."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+pytest.importorskip("cluster.ray_backend", reason="the Ray backend is not part of this build")
+
+ORCHARD = Path(sys.executable).with_name("orchard")
+
+
+@pytest.fixture(scope="module")
+def ray_served():
+    proc = subprocess.Popen(
+        [str(ORCHARD), "serve", "--port", "0", "--max-model-len", "256", "--kv-memory", "0.05", "--grace", "10"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**__import__("os").environ, "RAY_USAGE_STATS_ENABLED": "0"},
+    )
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"serving (\S+) at (http://\S+)/v1", line)
+        assert match, (line, proc.stderr.read()[-3000:] if proc.poll() is not None else "")
+        yield proc, match.group(1), match.group(2)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ray_served_stream_matches_the_whole_answer_and_disconnects_free_blocks(ray_served):
+    proc, model, url = ray_served
+    client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=60)
+    whole = client.completions.create(model=model, prompt="over ray", max_tokens=10, temperature=0)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model=model, prompt="over ray", max_tokens=10, temperature=0, stream=True))
+    assert streamed == whole.choices[0].text
+    assert whole.usage.prompt_tokens > 0 and whole.usage.completion_tokens >= 1
+
+    info = httpx.get(url + "/v1/cluster").json()
+    assert len(info["nodes"]) == 1 and info["model"] == model
+
+    body = {"model": model, "prompt": "a long one", "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+    deadline = time.monotonic() + 10
+    while httpx.get(url + "/v1/cluster").json()["kv_blocks_used"] != 0:
+        assert time.monotonic() < deadline, "blocks still held after the client left"
+        time.sleep(0.1)
+
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
