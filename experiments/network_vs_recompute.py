@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from experiments.common import gigabytes_per_s, markdown_table, median_time, print_header, save_results
+from experiments.common import best_time, gigabytes_per_s, markdown_table, print_header, save_results
 from experiments.models import DEMO_LARGE, PUBLIC_SHAPES, load_demo, prefill_seconds
 from kvcache import CacheConfig, KVCache
 from kvcache.hashing import block_hashes, root_hash
@@ -69,7 +69,7 @@ def loopback_gb_s(total: int, chunk: int = 1 << 20) -> float:
 
 
 def wire_costs(shape, n_blocks: int, repeats: int) -> dict:
-    """Seconds per block to encode, decode, and import (decode + pool write) a payload of `n_blocks`."""
+    """Best-of seconds per block to encode, decode, and import (decode + pool write) a payload of `n_blocks`."""
     g = shape.geometry()
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 30000, size=n_blocks * g.block_size).tolist()
@@ -82,8 +82,8 @@ def wire_costs(shape, n_blocks: int, repeats: int) -> dict:
             if dtype == np.uint16 else rng.standard_normal((2, g.num_layers, *g.block_shape)).astype(dtype)
         blocks.append(KVBlockData(h, hashes[i - 1] if i else root, tuple(tokens[i * 16:(i + 1) * 16]), kv[0], kv[1]))
     payload = encode_blocks(g, blocks)
-    encode = median_time(lambda: encode_blocks(g, blocks), repeats)
-    decode = median_time(lambda: decode_blocks(payload, g), repeats)
+    encode = best_time(lambda: encode_blocks(g, blocks), repeats)
+    decode = best_time(lambda: decode_blocks(payload, g), repeats)
     kv = KVCache(g, CacheConfig(block_size=g.block_size, num_blocks=n_blocks + 2, watermark=0.0))
 
     def import_once():
@@ -91,8 +91,8 @@ def wire_costs(shape, n_blocks: int, repeats: int) -> dict:
         kv.manager.allocate("flush", list(range(10**8, 10**8 + (n_blocks + 1) * g.block_size)))  # evict them again
         kv.manager.free("flush")
 
-    import_s = median_time(import_once, repeats)
-    flush = median_time(lambda: (kv.manager.allocate("f", list(range(10**8, 10**8 + (n_blocks + 1) * g.block_size))),
+    import_s = best_time(import_once, repeats)
+    flush = best_time(lambda: (kv.manager.allocate("f", list(range(10**8, 10**8 + (n_blocks + 1) * g.block_size))),
                                  kv.manager.free("f")), repeats)
     kv.close()
     return {"model": shape.name, "block_bytes": g.bytes_per_block, "payload_bytes": len(payload),
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--blocks", type=int, default=4, help="blocks per wire payload for the per-block costs")
     ap.add_argument("--payload-sweep", default="1,4,8,16", help="2 MiB blocks per payload for the size sweep")
     ap.add_argument("--prefill-tokens", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="best of this many runs per timing")
     ap.add_argument("--ssd-gb-s", type=float, default=None,
                     help="cold-tier read rate for the SSD row (default: experiments/results/ssd_streaming.json, else 1.0)")
     args = ap.parse_args(argv)
