@@ -144,7 +144,6 @@ class Generation:
             with anyio.CancelScope(shield=True):
                 await events.aclose()
 
-
     async def open_stream(self, jobs: list[Job], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
         """`stream`, once its first output is in: errors before it (no node, a refusal,
         the deadline) still get their HTTP status instead of a 200 that carries an error."""

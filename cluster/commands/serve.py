@@ -52,12 +52,21 @@ def register(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="context length cap (default: the model's)")
     p.add_argument("--nodes", type=int, default=1, help="engine nodes to start on this machine (default 1)")
     p.add_argument("--address", default=None, help="attach to this Ray cluster instead of starting one")
-    p.add_argument("--router", default=None, help="routing policy of the coordinator (default: its own)")
+    p.add_argument("--router", default=None, choices=_router_policies(),
+                   help="routing policy (default: the coordinator's, prefix-aware)")
     p.add_argument("--no-ray", action="store_true", help="one in-process engine, no Ray")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S", help="abort requests running longer")
     p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before new ones get 429")
     p.add_argument("--grace", type=float, default=30.0, metavar="S", help="on SIGTERM, time left to in-flight requests")
     p.set_defaults(func=run)
+
+
+def _router_policies() -> tuple[str, ...] | None:
+    try:
+        from cluster.router import POLICIES
+    except ImportError:
+        return None
+    return POLICIES
 
 
 def api_keys(flags: list[str], environ: dict[str, str]) -> frozenset[str]:
