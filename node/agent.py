@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -35,6 +36,7 @@ ORCHARD_NODE_RESOURCE = "orchard_node"
 LABEL_CHIP = "orchard/chip"
 LABEL_MEMORY = "orchard/memory-gib"
 LABEL_DEVICE = "orchard/mlx-device"
+LABEL_AGENT = "orchard/agent"  # random per agent: lets it find its own Ray node among many
 STATIC_HEAD_ID = "static"
 
 log = logging.getLogger("orchard.agent")
@@ -155,6 +157,9 @@ def ray_environment(ray_token: str | None, base: dict[str, str] | None = None) -
     """The child's environment: Ray token authentication on when there is a token."""
     env = dict(os.environ if base is None else base)
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray's own drain on SIGTERM waits for every lease to return, which a node actor never
+    # does; orchard drains through the coordinator before it stops Ray instead.
+    env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
     if ray_token:
         env["RAY_AUTH_MODE"] = "token"
         env["RAY_AUTH_TOKEN"] = ray_token
@@ -182,6 +187,7 @@ class JoinAgent:
         self._backoff_s = config.backoff_initial_s
         self._retry_at = 0.0
         self._started_at = 0.0
+        self.instance_id = secrets.token_hex(6)
         self.joins = 0  # how many times a Ray node was started, for status and tests
 
     # ---- called by whoever finds the head (any thread) ------------------------------
@@ -239,7 +245,7 @@ class JoinAgent:
         self._stop_child()
 
     def _start_child(self, head: HeadSighting) -> None:
-        cmd = ray_start_command(self.config, head, self._labels)
+        cmd = ray_start_command(self.config, head, {**self._labels, LABEL_AGENT: self.instance_id})
         log.info("joining: %s", " ".join(cmd))
         # Its own process group, so a kill on escalation reaches the Ray processes it spawned.
         self._child = self._spawn(cmd, env=self._env, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -262,6 +268,8 @@ def stop_process_group(child: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM a child started in its own session and wait until its whole process group is
     gone (Ray's daemons outlive `ray start --block` by a moment, and a new head on the same
     port is refused while the old GCS process exists); SIGKILL what is left after `grace_s`."""
+    if child.pid <= 1:  # never a group of ours: killpg(0) would hit the caller's own group
+        raise ValueError(f"refusing to stop process group {child.pid}")
     deadline = time.monotonic() + grace_s
     if child.poll() is None:
         child.terminate()  # `ray start --block` stops the processes it started on SIGTERM

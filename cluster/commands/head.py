@@ -9,6 +9,7 @@ not advertised, since no other machine could reach it.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import ipaddress
 import logging
@@ -84,14 +85,41 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+# `orchard serve` options that also make sense for a head (not its own Ray or bind choices).
+SHARED_SERVE_OPTIONS = ("model", "api_key", "kv_memory", "block_size", "max_num_seqs", "max_model_len", "router",
+                        "request_timeout", "max_queue", "grace")
+
+
 def _add_serve_options(p) -> None:
-    """The model options of `orchard serve`, when that command offers them to share."""
+    """Borrow `orchard serve`'s own model and gateway options, so the two never disagree."""
+    actions = shared_serve_actions()
+    if not actions:
+        return
+    group = p.add_argument_group("model and gateway (as in `orchard serve`)")
+    for action in actions:
+        group._add_action(action)  # what argparse's `parents=` does
+
+
+def shared_serve_actions() -> list[argparse.Action]:
     serve = _serve_module()
     if serve is None:
-        return
-    add = getattr(serve, "add_model_arguments", None)
-    if add is not None:
-        add(p)
+        return []
+    holder = argparse.ArgumentParser(add_help=False)
+    sub = holder.add_subparsers()
+    serve.register(sub)
+    return [a for a in sub.choices["serve"]._actions if a.dest in SHARED_SERVE_OPTIONS]
+
+
+def serve_argv(args, config: HeadConfig) -> list[str]:
+    """`orchard serve` attached to this head's Ray, with the shared options the user set."""
+    argv = ["serve", "--address", config.ray_address, "--host", config.bind, "--port", str(config.gateway_port)]
+    for action in shared_serve_actions():
+        value = getattr(args, action.dest, action.default)
+        if value == action.default or value is None:
+            continue
+        for item in value if isinstance(value, list) else [value]:
+            argv += [action.option_strings[0], str(item)]
+    return argv
 
 
 def _serve_module():
@@ -126,12 +154,21 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
         config = config_from_args(args)
+        if not args.ray_only:
+            check_gateway_bind(args, config)
         token = _head_token(args, config.cluster)
     except (ct.ClusterTokenError, ValueError) as exc:
         print(f"orchard head: {exc}", file=sys.stderr)
         return 2
     stop = _stop_on_signals()
     return Head(config, token).run(stop, args)
+
+
+def check_gateway_bind(args, config: HeadConfig) -> None:
+    """The gateway's own rule, checked before Ray starts: no API key, no listening beyond loopback."""
+    serve = _serve_module()
+    if serve is not None:
+        serve.check_bind(config.bind, serve.api_keys(getattr(args, "api_key", []), dict(os.environ)))
 
 
 def _head_token(args, cluster: str) -> str:
@@ -189,6 +226,9 @@ class Head:
             while not stop.wait(0.5):
                 if self._ray.poll() is not None:
                     log.error("the Ray head exited with status %s", self._ray.returncode)
+                    return 1
+                if self._serving is not None and self._serving.exited is not None:
+                    log.error("`orchard serve` exited with status %s", self._serving.exited)
                     return 1
             return 0
         except HeadStartFailed as exc:
@@ -277,21 +317,101 @@ def wait_until_listening(host: str, port: int, child: subprocess.Popen, timeout_
     raise HeadStartFailed(f"Ray did not listen on {host}:{port} within {timeout_s:.0f}s")
 
 
-def start_serving(args, config: HeadConfig):
-    """The coordinator and gateway, attached to the Ray this head started, via `orchard serve`."""
-    serve = _serve_module()
-    if serve is None:
+class Serving:
+    """`orchard serve --address` as a child process (coordinator, first node actors, gateway),
+    and a placer process that gives every machine joining later its node actor. Both are
+    Ray drivers in processes of their own, so neither Ray's signal handling nor a driver
+    losing its head can take the head process down."""
+
+    def __init__(self, args, config: HeadConfig):
+        self._argv = serve_argv(args, config)
+        self._config = config
+        self._grace_s = float(getattr(args, "grace", 30.0))
+        self._serve: subprocess.Popen | None = None
+        self._placer: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float) -> None:
+        cmd = [sys.executable, "-m", "cluster.cli", *self._argv]
+        log.info("starting the coordinator and gateway: %s", " ".join(cmd))
+        self._serve = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
+        wait_until_healthy(self._config.gateway_url, self._serve, timeout_s)
+        placer = [sys.executable, "-m", "cluster.commands.head", "place", *self._argv]
+        self._placer = subprocess.Popen(placer, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def stop(self) -> None:
+        from node.agent import stop_process_group
+
+        if self._placer is not None:
+            stop_process_group(self._placer, grace_s=10)
+            self._placer = None
+        if self._serve is not None:
+            stop_process_group(self._serve, grace_s=self._grace_s + 15)
+            self._serve = None
+
+    @property
+    def exited(self) -> int | None:
+        for child in (self._serve, self._placer):
+            if child is not None and child.poll() is not None:
+                return child.returncode
+        return None
+
+
+PLACE_EVERY_S = 2.0
+
+
+def place_forever(serve_args) -> None:
+    """Every few seconds, a node actor on each serving Ray node that has none (detached, so
+    it does not depend on this process). Runs until SIGTERM."""
+    from cluster.ray_cluster import connect, place_node_actors
+
+    engine = _serve_module().engine_config(serve_args)
+    connect(serve_args.address)
+    last_error = ""
+    while True:
+        try:
+            for node_id in place_node_actors(engine, detached=True):
+                log.info("node %s joined: its node actor is serving", node_id)
+            last_error = ""
+        except Exception as exc:  # e.g. a node that left mid-placement; try again next round
+            if str(exc) != last_error:
+                log.warning("placing node actors failed: %s", exc)
+            last_error = str(exc)
+        time.sleep(PLACE_EVERY_S)
+
+
+def wait_until_healthy(url: str, child: subprocess.Popen, timeout_s: float) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if child.poll() is not None:
+            raise HeadStartFailed(f"`orchard serve` exited with status {child.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise HeadStartFailed(f"the gateway at {url} was not healthy within {timeout_s:.0f}s")
+
+
+def start_serving(args, config: HeadConfig) -> Serving:
+    if _serve_module() is None:
         raise HeadStartFailed("`orchard serve` is not available in this installation; use --ray-only")
-    attach = getattr(serve, "start_attached", None)
-    if attach is None:
-        raise HeadStartFailed("`orchard serve` cannot attach to an existing Ray yet; use --ray-only")
-    return attach(args, ray_address=config.ray_address, host=config.bind, port=config.gateway_port)
+    serving = Serving(args, config)
+    try:
+        serving.start(timeout_s=SERVE_START_TIMEOUT_S)
+    except BaseException:
+        serving.stop()
+        raise
+    return serving
 
 
-def stop_serving(serving) -> None:
-    stop = getattr(serving, "stop", None)
-    if stop is not None:
-        stop()
+SERVE_START_TIMEOUT_S = 600.0
+
+
+def stop_serving(serving: Serving) -> None:
+    serving.stop()
 
 
 def _stop_on_signals() -> threading.Event:
@@ -304,3 +424,19 @@ def _stop_on_signals() -> threading.Event:
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
     return stop
+
+
+def _main(argv: list[str]) -> int:
+    """`python -m cluster.commands.head place <orchard serve argv>`: the placer process."""
+    if not argv or argv[0] != "place":
+        print("usage: python -m cluster.commands.head place serve --address ADDRESS [serve options]", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    holder = argparse.ArgumentParser(prog="orchard-placer")
+    _serve_module().register(holder.add_subparsers())
+    place_forever(holder.parse_args(argv[1:]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

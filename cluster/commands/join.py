@@ -119,25 +119,26 @@ def _watch_head(args, agent, key: bytes):
 def drain_this_node(agent, timeout_s: float) -> None:
     """Ask the coordinator to stop routing here and wait until this node is idle.
 
-    Connects to the cluster as a short-lived driver on this machine's own Ray node, finds
-    the coordinator's row for it by Ray node id, and drains it.
+    Connects to the cluster as a short-lived driver, finds this agent's Ray node by the
+    label only it carries, and drains the coordinator's rows for that node.
     """
     import ray
 
     from cluster.coordinator import COORDINATOR_NAME, NAMESPACE
+    from node.agent import LABEL_AGENT
 
     joined = agent.joined
     if joined is None or timeout_s <= 0:
         return
     ray.init(address=joined.ray_address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
     try:
-        here = ray.get_runtime_context().get_node_id()
         try:
             coordinator = ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)
         except ValueError:
             log.info("no coordinator in the cluster; nothing to drain")
             return
-        mine = [n["node_id"] for n in ray.get(coordinator.nodes.remote(), timeout=10) if n["ray_node_id"] == here]
+        here = {n["NodeID"] for n in ray.nodes() if n["Alive"] and n.get("Labels", {}).get(LABEL_AGENT) == agent.instance_id}
+        mine = [n["node_id"] for n in ray.get(coordinator.nodes.remote(), timeout=10) if n["ray_node_id"] in here]
         for node_id in mine:
             ray.get(coordinator.drain.remote(node_id), timeout=10)
             log.info("draining %s", node_id)

@@ -246,7 +246,7 @@ class FakeRay:
             self.cmd, self.env = cmd, env
             self.returncode = None
             self.terminated = False
-            self.pid = 0
+            self.pid = 2**22 + len(cmd)  # above Linux's default pid_max: no real group has it
 
         def poll(self):
             return self.returncode
@@ -419,3 +419,25 @@ def test_real_process_is_stopped_with_its_group(tmp_path):
     child = agent._child
     agent.leave()
     assert child.returncode == -15
+
+
+def test_stopping_refuses_a_group_that_is_not_a_child_session():
+    from node.agent import stop_process_group
+
+    class NotOurs:
+        pid = 0
+
+    with pytest.raises(ValueError, match="process group 0"):
+        stop_process_group(NotOurs(), grace_s=1)
+
+
+def test_stopping_waits_for_grandchildren_and_kills_those_that_ignore_sigterm(tmp_path):
+    from node.agent import _group_alive, stop_process_group
+
+    child = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 30 & wait"], start_new_session=True)
+    import time
+
+    time.sleep(0.3)
+    assert _group_alive(child.pid)
+    stop_process_group(child, grace_s=1)
+    assert not _group_alive(child.pid) and child.returncode is not None

@@ -281,3 +281,118 @@ _ROGUE = textwrap.dedent("""
         open(contacts, "a").write(f"{peer}\\n")
         conn.close()
 """)
+
+
+# ---- the whole stack: `orchard head` serving, `orchard join`, the coordinator's view ----
+API_KEY = "netns-test-key"
+
+# Runs in the head's namespace as a Ray driver: asks the coordinator, drains, or sends a request.
+_CLUSTER_PROBE = textwrap.dedent("""
+    import json, sys, time
+    import httpx, ray
+    address, action, arg, timeout = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+    ray.init(address=address, namespace="orchard", log_to_driver=False, logging_level="ERROR")
+    coordinator = ray.get_actor("orchard-coordinator", namespace="orchard")
+    nodes = lambda: ray.get(coordinator.nodes.remote())
+    deadline = time.time() + timeout
+    if action == "wait-alive":  # arg: Ray node id that must have an alive row
+        while not any(n["ray_node_id"] == arg and n["status"] == "alive" for n in nodes()) and time.time() < deadline:
+            time.sleep(0.3)
+    elif action == "wait-gone":
+        while any(n["ray_node_id"] == arg and n["status"] == "alive" for n in nodes()) and time.time() < deadline:
+            time.sleep(0.3)
+    elif action == "drain-others":  # only the node `arg` keeps taking work
+        for n in nodes():
+            if n["ray_node_id"] != arg:
+                ray.get(coordinator.drain.remote(n["node_id"]))
+    elif action == "complete":
+        auth = {"Authorization": "Bearer netns-test-key"}
+        model = httpx.get(arg + "/v1/models", headers=auth, timeout=timeout).json()["data"][0]["id"]
+        r = httpx.post(arg + "/v1/completions", timeout=timeout, headers=auth,
+                       json={"model": model, "prompt": "hello orchard", "max_tokens": 4, "temperature": 0})
+        print("RESPONSE " + json.dumps({"status": r.status_code, "body": r.json()}))
+        decisions = ray.get(coordinator.recent_decisions.remote())
+        print("DECISIONS " + json.dumps(decisions))
+        served = lambda: [n["requests_total"] for n in nodes() if n["node_id"] == decisions[-1]["node_id"]]
+        while served() == [0] and time.time() < deadline:
+            time.sleep(0.3)  # served counts arrive with the next heartbeat
+    print("NODES " + json.dumps(nodes()))
+""")
+
+
+def _cluster(lab: NetLab, ray_token: str, action: str, arg: str, timeout_s: float) -> tuple[list[dict], dict | None]:
+    env = _env(lab.workdir, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=ray_token)
+    out = lab.run("head", [PYTHON, "-c", _CLUSTER_PROBE, f"{HOSTS['head']}:6379", action, arg, str(timeout_s)], env,
+                  timeout=timeout_s + 60)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in out.stdout.splitlines()
+             if line.startswith(("NODES ", "RESPONSE ", "DECISIONS "))}
+    if "DECISIONS" in lines:
+        lines["RESPONSE"]["decisions"] = lines["DECISIONS"]
+    return lines["NODES"], lines.get("RESPONSE")
+
+
+def _full_head_argv(tmp: Path) -> list[str]:
+    return _orchard("head", "--cluster", CLUSTER, "--bind", HOSTS["head"], "--num-cpus", "1", "--object-store-mb", "80",
+                    "--ray-temp-dir", f"/tmp/orj-{tmp.name[-6:]}-h", "--api-key", API_KEY, "--max-num-seqs", "4",
+                    "--kv-memory", "0.05", "--grace", "5")
+
+
+def _row(nodes: list[dict], ray_node_id: str) -> dict | None:
+    rows = [n for n in nodes if n["ray_node_id"] == ray_node_id]
+    return rows[-1] if rows else None
+
+
+def test_orchard_head_and_join_make_one_serving_cluster(lab, tmp_path):
+    from cluster import cluster_token as ct
+
+    head_cfg, node_cfg = tmp_path / "head-cfg", tmp_path / "node-cfg"
+    rogue = lab.start("rogue", [PYTHON, "-c", _ROGUE, HOSTS["rogue"], str(tmp_path / "rogue-contacts")],
+                      _env(tmp_path / "rogue-cfg"), "rogue.log")
+    head = lab.start("head", _full_head_argv(tmp_path), _env(head_cfg), "head-1.log")
+    _wait_for(lambda: "gateway at" in _log(lab, "head-1.log") or head.poll() is not None, 300, "the head to serve")
+    assert head.poll() is None, _log(lab, "head-1.log")[-3000:]
+    token = ct.load_token_file(head_cfg / f"{CLUSTER}.token")
+    ray_token = ct.ray_auth_token(token)
+    node_cfg.mkdir(mode=0o700)
+    (node_cfg / f"{CLUSTER}.token").write_text(token)
+    os.chmod(node_cfg / f"{CLUSTER}.token", 0o600)
+
+    started = time.monotonic()
+    node = lab.start("node", _orchard("join", "--cluster", CLUSTER, "--num-cpus", "1", "--object-store-mb", "80",
+                                      "--ray-temp-dir", f"/tmp/orj-{tmp_path.name[-6:]}-n", "--drain-timeout", "5"),
+                     _env(node_cfg), "node.log")
+    ray_node = _serving_node(_probe(lab, ray_token, "joined", JOIN_DEADLINE_S))
+    assert ray_node is not None, _log(lab, "node.log")[-3000:]
+    node_id = ray_node["labels"]["ray.io/node-id"]
+    nodes, _ = _cluster(lab, ray_token, "wait-alive", node_id, JOIN_DEADLINE_S)
+    appeared_s = time.monotonic() - started
+    assert _row(nodes, node_id) is not None and _row(nodes, node_id)["status"] == "alive", (
+        nodes, _log(lab, "head-1.log")[-3000:])
+    print(f"node in the coordinator's membership {appeared_s:.1f}s after `orchard join` started")
+    assert appeared_s < JOIN_DEADLINE_S + 10  # the probes' own Ray drivers start inside the margin
+
+    # A request with every other node drained must be served by the joined node.
+    _cluster(lab, ray_token, "drain-others", node_id, 30)
+    nodes, response = _cluster(lab, ray_token, "complete", f"http://{HOSTS['head']}:8000", 120)
+    assert response["status"] == 200, response
+    assert response["body"]["usage"]["completion_tokens"] == 4
+    assert response["decisions"][-1]["node_id"] == _row(nodes, node_id)["node_id"]  # earlier: the warm-up
+    assert _row(nodes, node_id)["requests_total"] == 1
+    assert rogue.poll() is None and not (tmp_path / "rogue-contacts").exists()
+
+    # The head restarts: the node joins the new head and the new coordinator lists it.
+    assert _stop(head, grace_s=60) == 0
+    lab.start("head", _full_head_argv(tmp_path), _env(head_cfg), "head-2.log")
+    _wait_for(lambda: "gateway at" in _log(lab, "head-2.log"), 300, "the head to serve again", _log(lab, "head-2.log"))
+    ray_node = _serving_node(_probe(lab, ray_token, "joined", 60))
+    assert ray_node is not None, _log(lab, "node.log")[-3000:]
+    node_id = ray_node["labels"]["ray.io/node-id"]
+    nodes, _ = _cluster(lab, ray_token, "wait-alive", node_id, 60)
+    assert _row(nodes, node_id)["status"] == "alive"
+
+    # The node leaves (SIGTERM drains it first); the coordinator stops counting it as alive.
+    assert _stop(node, grace_s=60) == 0
+    nodes, _ = _cluster(lab, ray_token, "wait-gone", node_id, 30)
+    assert _row(nodes, node_id) is None or _row(nodes, node_id)["status"] != "alive"
+    assert "draining" in _log(lab, "node.log")
