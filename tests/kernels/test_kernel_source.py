@@ -49,13 +49,14 @@ def test_long_contexts_are_split_and_short_ones_are_not():
 
 
 def test_small_batches_get_smaller_partitions_until_the_grid_fills():
-    tuning = launch.KernelTuning(partition_size=1024, min_partition_size=256, target_threadgroups=2048)
-    # 64 seqs x 8 tiles = 512 groups: T=4096 already gives 4 x 512 = 2048 threadgroups
+    tuning = launch.KernelTuning(partition_size=1024, min_partition_size=256, target_threadgroups=512)
+    # 64 seqs x 8 tiles = 512 groups: enough already, even unsplit at T=512
     assert launch.plan_decode(64, 32, 8, 128, 4096, tuning).partition_size == 1024
-    # T=512 would be a single wave of 512; halving stops at the 256-token floor
-    plan = launch.plan_decode(64, 32, 8, 128, 512, tuning)
-    assert (plan.partition_size, plan.num_partitions) == (256, 2)
-    assert launch.plan_decode(1, 32, 8, 128, 4096, tuning).partition_size == 256
+    assert launch.plan_decode(64, 32, 8, 128, 512, tuning).num_partitions == 1
+    # one sequence: 8 groups; halving stops at the 256-token floor
+    plan = launch.plan_decode(1, 32, 8, 128, 4096, tuning)
+    assert (plan.partition_size, plan.num_partitions) == (256, 16)
+    assert launch.plan_decode(2, 32, 8, 128, 16384, tuning).partition_size == 512
 
 
 def test_context_bound_reads_host_lengths_else_table_capacity():
