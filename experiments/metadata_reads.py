@@ -117,7 +117,7 @@ def plot(rows: list[dict], context: int) -> str:
         bottom += values
     ax.set_xlabel("decoding sequences in the step")
     ax.set_ylabel("µs per sequence per step")
-    ax.set_title(f"Scheduler metadata cost per decode step (context {context} tokens, block 16)")
+    ax.set_title(f"Metadata cost per decode step (context {context}, block 16)", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
     return str(save_figure(fig, "metadata_per_step"))
