@@ -76,6 +76,12 @@ class _SamplingFields(_Request):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     user: str | None = None
+    # Extensions that vLLM also accepts; OpenAI's own clients send them through `extra_body`.
+    top_k: int | None = Field(None, ge=0, description="orchard/vLLM extension: sample from the k likeliest; 0 disables")
+    min_p: float | None = Field(None, ge=0.0, le=1.0, description="orchard/vLLM extension")
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0, description="orchard/vLLM extension")
+    ignore_eos: bool = Field(False, description="orchard/vLLM extension: generate max_tokens whatever the model says")
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=64, description="orchard/vLLM extension")
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

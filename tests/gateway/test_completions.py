@@ -89,3 +89,15 @@ def test_models_lists_the_served_model(client, model_name, engine):
     models = client.models.list()
     assert [m.id for m in models.data] == [model_name]
     assert models.data[0].max_model_len == engine.max_model_len
+
+
+def test_ignore_eos_generates_exactly_max_tokens(client, model_name):
+    for prompt in ("one", "two words", "and three more"):
+        out = client.completions.create(model=model_name, prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 12 and out.choices[0].finish_reason == "length"
+
+
+def test_top_k_of_one_samples_the_greedy_text(client, model_name):
+    sampled = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=8, temperature=1.0, seed=5, extra_body={"top_k": 1})
+    assert sampled.choices[0].text == greedy(client, model_name, max_tokens=8).choices[0].text
+
