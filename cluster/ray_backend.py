@@ -24,10 +24,13 @@ import ray.exceptions as rex
 from cluster.backend import ModelInfo, node_entry, summarize_nodes
 from cluster.coordinator import COORDINATOR_NAME, NAMESPACE
 from cluster.ray_cluster import node_actor_name
+from cluster.router import NoNodeAvailable
 from kvcache.hashing import block_hashes, root_hash
 from node.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
+
+_RETRY_S = 0.25
 
 #: Errors that mean "the node is gone", as opposed to the request being refused.
 NODE_LOST_ERRORS = (
@@ -59,6 +62,8 @@ class RayBackendConfig:
     policy: str | None = None  # None: the coordinator's configured policy
     max_resumes: int = 3
     stall_check_s: float = 1.0  # while a stream is silent, ask this often whether its node still lives
+    # How long to ride out a coordinator restart (or nodes not registered yet) before failing.
+    coordinator_wait_s: float = 10.0
 
 
 @dataclass
@@ -126,8 +131,8 @@ class RayBackend:
             while True:
                 attempt_prompt = list(prompt_token_ids) + progress.token_ids
                 attempt_hashes = hashes if not progress.token_ids else block_hashes(attempt_prompt, spec.block_size, spec.root)
-                decision = await self._coordinator.route.remote(
-                    model, attempt_hashes, len(attempt_prompt), spec.block_size, request_id, self.config.policy, lost
+                decision = await self._ask(
+                    "route", model, attempt_hashes, len(attempt_prompt), spec.block_size, request_id, self.config.policy, lost
                 )
                 node_id = decision.node_id
                 try:
@@ -218,6 +223,18 @@ class RayBackend:
             if not task.done():
                 task.cancel()
 
+    async def _ask(self, method: str, *args):
+        """Call the coordinator, riding out its restart and the moments before nodes re-register."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.coordinator_wait_s
+        while True:
+            try:
+                return await getattr(self._coordinator, method).remote(*args)
+            except (rex.RayActorError, NoNodeAvailable):
+                if loop.time() >= deadline:
+                    raise
+                await asyncio.sleep(_RETRY_S)
+
     async def _node_is_dead(self, node_id: str) -> bool:
         try:
             return await self._coordinator.node_status.remote(node_id) in ("dead", None)
@@ -258,7 +275,7 @@ class RayBackend:
 
     # ---- models and handles --------------------------------------------------------
     async def _refresh_specs(self) -> None:
-        for name, info in (await self._coordinator.model_specs.remote()).items():
+        for name, info in (await self._ask("model_specs")).items():
             if name in self._specs:
                 continue
             self._specs[name] = _ModelSpec(
@@ -271,10 +288,14 @@ class RayBackend:
             )
 
     async def _spec(self, model: str) -> _ModelSpec:
-        if model not in self._specs:
+        deadline = asyncio.get_running_loop().time() + self.config.coordinator_wait_s
+        while model not in self._specs:
             await self._refresh_specs()
-        if model not in self._specs:
-            raise UnknownModel(f"no node serves model {model!r}")
+            if model in self._specs:
+                break
+            if asyncio.get_running_loop().time() >= deadline:
+                raise UnknownModel(f"no node serves model {model!r}")
+            await asyncio.sleep(_RETRY_S)
         spec = self._specs[model]
         if spec.tokenizer is None:
             await self._tokenizer(spec)

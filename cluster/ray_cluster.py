@@ -47,12 +47,13 @@ def connect(address: str | None = None) -> None:
 def ensure_coordinator(config: CoordinatorConfig | None = None):
     """The cluster's coordinator, created (detached, restarted by Ray on failure) if missing.
 
-    It prefers the caller's machine (the head, where `orchard head` runs) so that losing a
-    serving node does not take the coordinator with it.
+    It lives on the head (whose loss ends the cluster anyway), also across restarts, so
+    that losing a serving node never takes the coordinator and the index with it.
     """
-    here = ray.get_runtime_context().get_node_id()
+    head = _head_ray_node_id()
+    placement = NodeAffinitySchedulingStrategy(head, soft=False) if head else None
     return CoordinatorActor.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True),
+        scheduling_strategy=placement,
         name=COORDINATOR_NAME,
         namespace=NAMESPACE,
         lifetime="detached",
@@ -60,6 +61,13 @@ def ensure_coordinator(config: CoordinatorConfig | None = None):
         max_restarts=-1,
         num_cpus=0,
     ).remote(config or CoordinatorConfig())
+
+
+def _head_ray_node_id() -> str | None:
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return node["NodeID"]
+    return None
 
 
 def serving_ray_nodes() -> list[dict]:
