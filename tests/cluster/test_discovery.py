@@ -441,3 +441,85 @@ def test_stopping_waits_for_grandchildren_and_kills_those_that_ignore_sigterm(tm
     assert _group_alive(child.pid)
     stop_process_group(child, grace_s=1)
     assert not _group_alive(child.pid) and child.returncode is not None
+
+
+# ---- `orchard head` pieces ----------------------------------------------------------
+def _head_args(*argv: str):
+    from cluster.cli import build_parser
+
+    return build_parser().parse_args(["head", *argv])
+
+
+def test_head_defaults_to_loopback_and_then_does_not_advertise(caplog):
+    from cluster.commands.head import Head, config_from_args
+
+    config = config_from_args(_head_args())
+    assert (config.bind, config.ray_address, config.loopback) == ("127.0.0.1", "127.0.0.1:6379", True)
+    head = Head(config, TOKEN)
+    with caplog.at_level("WARNING"):
+        head._advertise()
+    assert head._advertiser is None and "not advertising" in caplog.text
+
+
+def test_head_refuses_a_lan_bind_without_api_key_before_starting_ray(config_dir, capsys, monkeypatch):
+    from cluster.commands import head
+
+    monkeypatch.delenv("ORCHARD_API_KEYS", raising=False)
+    monkeypatch.setattr(head.Head, "run", lambda *a: pytest.fail("Ray must not start"))
+    assert head.run(_head_args("--bind", "10.213.0.2")) == 2
+    assert "API key" in capsys.readouterr().err
+    assert not (config_dir / "orchard.token").exists()
+
+
+def test_head_ray_command_binds_as_asked_and_offers_orchard_node():
+    from cluster.commands.head import config_from_args, ray_head_command
+
+    cmd = ray_head_command(config_from_args(_head_args("--bind", "10.213.0.2", "--ray-port", "6380", "--num-cpus",
+                                                       "1", "--ray-only")), ray="ray")
+    assert cmd[cmd.index("--node-ip-address") + 1] == "10.213.0.2"
+    assert cmd[cmd.index("--port") + 1] == "6380"
+    assert json.loads(cmd[cmd.index("--resources") + 1]) == {"orchard_node": 1}
+    assert "--include-dashboard=false" in cmd
+    no_serve = ray_head_command(config_from_args(_head_args("--no-serve-here")), ray="ray")
+    assert "--resources" not in no_serve
+
+
+def test_serve_child_gets_the_head_address_and_only_the_options_set():
+    from cluster.commands.head import config_from_args, serve_argv
+
+    args = _head_args("--bind", "10.213.0.2", "--port", "8100", "--api-key", "k1", "--api-key", "k2",
+                      "--max-num-seqs", "4")
+    assert serve_argv(args, config_from_args(args)) == [
+        "serve", "--address", "10.213.0.2:6379", "--host", "10.213.0.2", "--port", "8100",
+        "--api-key", "k1", "--api-key", "k2", "--max-num-seqs", "4",
+    ]
+
+
+def test_stale_ray_address_file_is_removed_only_when_nothing_listens(tmp_path):
+    from cluster.commands.head import HeadConfig, clear_stale_ray_address
+
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    config = HeadConfig(ray_port=port, ray_temp_dir=str(tmp_path))
+    address_file = tmp_path / "ray_current_cluster"
+    address_file.write_text(f"127.0.0.1:{port}")
+    clear_stale_ray_address(config)
+    assert address_file.exists()  # a live listener: leave it for Ray to report
+    server.close()
+    clear_stale_ray_address(config)
+    assert not address_file.exists()
+    address_file.write_text("10.0.0.9:6379")  # another cluster's: never ours to remove
+    clear_stale_ray_address(config)
+    assert address_file.read_text() == "10.0.0.9:6379"
+
+
+def test_join_labels_and_static_head_address():
+    from cluster.commands.join import parse_labels, static_head_address
+
+    assert parse_labels(["orchard/rack=a", "x=y=z"]) == {"orchard/rack": "a", "x": "y=z"}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        parse_labels(["novalue"])
+    assert static_head_address("10.213.0.2") == "10.213.0.2:6379"
+    assert static_head_address("10.213.0.2:7000") == "10.213.0.2:7000"

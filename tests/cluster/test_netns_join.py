@@ -240,6 +240,10 @@ def test_node_joins_by_itself_ignores_a_rogue_rejoins_a_restarted_head_and_leave
               "the rogue's advertisement to be rejected")
     assert HOSTS["rogue"] not in _joined_addresses(_log(lab, "node.log"))
     assert rogue.poll() is None and not (tmp_path / "rogue-contacts").exists()
+    # Ray itself refuses a client from the rogue's namespace that holds another token.
+    refused = lab.run("rogue", [PYTHON, "-c", _WRONG_TOKEN_CLIENT, f"{HOSTS['head']}:6379"],
+                      _env(tmp_path, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=ct.ray_auth_token(ct.new_token())), 60)
+    assert "REFUSED" in refused.stdout and "InvalidAuthToken" in refused.stdout, refused.stdout + refused.stderr[-2000:]
 
     # 2. the head restarts; the node notices the new head id and joins again.
     assert _stop(head, grace_s=30) == 0
@@ -265,6 +269,17 @@ def _joined_addresses(node_log: str) -> list[str]:
             words = line.split()
             out.append(words[words.index("--address") + 1])
     return out
+
+
+_WRONG_TOKEN_CLIENT = textwrap.dedent("""
+    import sys
+    from ray._raylet import GcsClient
+    try:
+        GcsClient(address=sys.argv[1]).get_all_node_info(timeout=5)
+        print("ADMITTED")
+    except Exception as exc:
+        print("REFUSED", type(exc).__name__, exc)
+""")
 
 
 # A stranger: advertises cluster "netns" with its own token; records anyone who connects.
@@ -370,6 +385,11 @@ def test_orchard_head_and_join_make_one_serving_cluster(lab, tmp_path):
     assert _row(nodes, node_id) is not None and _row(nodes, node_id)["status"] == "alive", (
         nodes, _log(lab, "head-1.log")[-3000:])
     print(f"node in the coordinator's membership {appeared_s:.1f}s after `orchard join` started")
+    status = lab.run("head", _orchard("status", "--address", f"{HOSTS['head']}:6379", "--json"),
+                     _env(lab.workdir, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=ray_token), 60)
+    assert status.returncode == 0, status.stderr[-2000:]
+    status_rows = {n["ray_node_id"]: n["status"] for n in json.loads(status.stdout)["nodes"]}
+    assert status_rows[node_id] == "alive"
     assert appeared_s < JOIN_DEADLINE_S + 10  # the probes' own Ray drivers start inside the margin
 
     # A request with every other node drained must be served by the joined node.
