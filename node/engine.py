@@ -20,6 +20,7 @@ from node.errors import DuplicateRequest, InvalidPrompt, PromptTooLong
 from node.model_adapter import ModelRunner, SequenceChunk, StepInput, pack_step
 from node.models import LoadedModel, load_model
 from node.rates import NodeRates
+from node.residency import wire_model_and_pool
 from node.sampling import SampleRow, sample
 from node.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from node.sequence import Request, Sequence, Status
@@ -80,6 +81,7 @@ class LLMEngine:
         geometry = self.model.geometry(self.config.block_size, self.config.dtype)
         self.kv = KVCache(geometry, self.config.cache_config())
         self.runner = ModelRunner(self.model, self.kv.pool)
+        wire_model_and_pool(self.model.model, self.kv.pool.nbytes)
         self.max_model_len = min(self.config.max_model_len or self.model.max_context_length, self.model.max_context_length)
         self.eos_token_ids = set(self.model.eos_token_ids)
         self.rates = NodeRates.new()

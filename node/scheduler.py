@@ -91,7 +91,19 @@ class Scheduler:
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._admit_waiting(out, budget)
+        self._prefetch_swapped()
         return out
+
+    def _prefetch_swapped(self, lookahead: int = 4) -> None:
+        """Ask the cold tier to fault in what the next admissions will restore.
+
+        Issued a step ahead, the page-ins overlap this step's forward pass instead of
+        stalling the step that resumes the sequence.
+        """
+        for seq in self.waiting[:lookahead]:
+            if seq.swapped and not seq.prefetched:
+                self.kv.prefetch(self.kv.block_hashes(seq.token_ids))
+                seq.prefetched = True
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         for seq in list(self.running):
@@ -127,6 +139,7 @@ class Scheduler:
         else:
             self.kv.free(seq.seq_id)
         seq.swapped = swapped
+        seq.prefetched = False
         seq.num_computed = 0
         self.num_preemptions += 1
         self.num_swaps += swapped

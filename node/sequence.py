@@ -35,6 +35,7 @@ class Sequence:
     num_computed: int = 0
     status: Status = Status.WAITING
     swapped: bool = False  # blocks live in the cold tier, resume by copy
+    prefetched: bool = False  # the cold tier was asked to fault its blocks in
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""  # accepted text, stop strings cut off
