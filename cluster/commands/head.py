@@ -212,14 +212,16 @@ class Head:
         self._ray_token = ct.ray_auth_token(token)
         self._advert_key = ct.advert_key(token)
         self._ray: subprocess.Popen | None = None
+        self._stop = threading.Event()
         self._serving = None
         self._advertiser = None
 
     def run(self, stop: threading.Event, args) -> int:
+        self._stop = stop
         try:
             self._start_ray()
             if not args.ray_only:
-                self._serving = start_serving(args, self.config)
+                self._serving = start_serving(args, self.config, stop)
             self._advertise()
             print(f"orchard head {self.head_id}: Ray at {self.config.ray_address}"
                   + ("" if args.ray_only else f", gateway at {self.config.gateway_url}"), flush=True)
@@ -242,7 +244,7 @@ class Head:
             self._advertiser.close()  # goodbye first: nodes stop trusting this head at once
             self._advertiser = None
         if self._serving is not None:
-            stop_serving(self._serving)
+            self._serving.stop()
             self._serving = None
         if self._ray is not None:
             from node.agent import stop_process_group
@@ -261,7 +263,7 @@ class Head:
         cmd = ray_head_command(self.config, ray_executable())
         log.info("starting Ray: %s", " ".join(cmd))
         self._ray = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True)
-        wait_until_listening(self.config.bind, self.config.ray_port, self._ray, self.config.start_timeout_s)
+        wait_until_listening(self.config.bind, self.config.ray_port, self._ray, self.config.start_timeout_s, self._stop)
 
     def _advertise(self) -> None:
         from cluster.discovery import Advertisement, Advertiser, orchard_version
@@ -303,10 +305,11 @@ def clear_stale_ray_address(config: HeadConfig) -> None:
     path.unlink(missing_ok=True)
 
 
-def wait_until_listening(host: str, port: int, child: subprocess.Popen, timeout_s: float) -> None:
+def wait_until_listening(host: str, port: int, child: subprocess.Popen, timeout_s: float,
+                         stop: threading.Event) -> None:
     """Until the Ray head accepts TCP connections; HeadStartFailed if it dies or times out."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stop.is_set():
         if child.poll() is not None:
             raise HeadStartFailed(f"`ray start --head` exited with status {child.returncode}")
         try:
@@ -314,7 +317,8 @@ def wait_until_listening(host: str, port: int, child: subprocess.Popen, timeout_
                 return
         except OSError:
             time.sleep(0.5)
-    raise HeadStartFailed(f"Ray did not listen on {host}:{port} within {timeout_s:.0f}s")
+    raise HeadStartFailed("stopped while starting" if stop.is_set() else
+                          f"Ray did not listen on {host}:{port} within {timeout_s:.0f}s")
 
 
 class Serving:
@@ -330,11 +334,11 @@ class Serving:
         self._serve: subprocess.Popen | None = None
         self._placer: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float) -> None:
+    def start(self, timeout_s: float, stop: threading.Event) -> None:
         cmd = [sys.executable, "-m", "cluster.cli", *self._argv]
         log.info("starting the coordinator and gateway: %s", " ".join(cmd))
         self._serve = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True)
-        wait_until_healthy(self._config.gateway_url, self._serve, timeout_s)
+        wait_until_healthy(self._config.gateway_url, self._serve, timeout_s, stop)
         placer = [sys.executable, "-m", "cluster.commands.head", "place", *self._argv]
         self._placer = subprocess.Popen(placer, stdin=subprocess.DEVNULL, start_new_session=True)
 
@@ -379,11 +383,11 @@ def place_forever(serve_args) -> None:
         time.sleep(PLACE_EVERY_S)
 
 
-def wait_until_healthy(url: str, child: subprocess.Popen, timeout_s: float) -> None:
+def wait_until_healthy(url: str, child: subprocess.Popen, timeout_s: float, stop: threading.Event) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and not stop.is_set():
         if child.poll() is not None:
             raise HeadStartFailed(f"`orchard serve` exited with status {child.returncode}")
         try:
@@ -392,15 +396,16 @@ def wait_until_healthy(url: str, child: subprocess.Popen, timeout_s: float) -> N
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise HeadStartFailed(f"the gateway at {url} was not healthy within {timeout_s:.0f}s")
+    raise HeadStartFailed("stopped while starting" if stop.is_set() else
+                          f"the gateway at {url} was not healthy within {timeout_s:.0f}s")
 
 
-def start_serving(args, config: HeadConfig) -> Serving:
+def start_serving(args, config: HeadConfig, stop: threading.Event) -> Serving:
     if _serve_module() is None:
         raise HeadStartFailed("`orchard serve` is not available in this installation; use --ray-only")
     serving = Serving(args, config)
     try:
-        serving.start(timeout_s=SERVE_START_TIMEOUT_S)
+        serving.start(SERVE_START_TIMEOUT_S, stop)
     except BaseException:
         serving.stop()
         raise
@@ -408,10 +413,6 @@ def start_serving(args, config: HeadConfig) -> Serving:
 
 
 SERVE_START_TIMEOUT_S = 600.0
-
-
-def stop_serving(serving: Serving) -> None:
-    serving.stop()
 
 
 def _stop_on_signals() -> threading.Event:
