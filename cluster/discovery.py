@@ -22,6 +22,7 @@ import math
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -262,7 +263,7 @@ class AdvertBrowser:
         self._zc = None
         self._browser = None
         self._logged: set[tuple[str, str]] = set()
-        self.rejected: list[tuple[str, str]] = []  # (instance, reason), for status and tests
+        self.rejected: deque[tuple[str, str]] = deque(maxlen=256)  # (instance, reason), newest last
 
     def start(self) -> None:
         from zeroconf import IPVersion, ServiceBrowser, Zeroconf
@@ -297,6 +298,8 @@ class AdvertBrowser:
         self.rejected.append((name, exc.reason))
         if (name, exc.reason) in self._logged:
             return
+        if len(self._logged) >= 1024:  # a flood of made-up names must not grow memory forever
+            self._logged.clear()
         self._logged.add((name, exc.reason))
         level = logging.INFO if isinstance(exc, OtherCluster) else logging.WARNING
         log.log(level, "ignoring advertisement %s: %s", name, exc)

@@ -523,3 +523,34 @@ def test_join_labels_and_static_head_address():
         parse_labels(["novalue"])
     assert static_head_address("10.213.0.2") == "10.213.0.2:6379"
     assert static_head_address("10.213.0.2:7000") == "10.213.0.2:7000"
+
+
+def test_browser_logs_each_rejection_once_per_instance_and_reason(caplog):
+    from cluster.discovery import AdvertBrowser
+
+    class Info:
+        def __init__(self, properties):
+            self.properties = properties
+
+    class FakeZeroconf:
+        def __init__(self, txt):
+            self.txt = txt
+
+        def get_service_info(self, service_type, name, timeout):
+            return Info(self.txt[name])
+
+    from zeroconf import ServiceStateChange
+
+    good = txt_bytes(signed_txt(advert(), KEY))
+    forged = txt_bytes(signed_txt(advert(ray_address="10.213.0.4:6379"), ct.advert_key("x" * 40)))
+    seen, gone = [], []
+    browser = AdvertBrowser(verifier(), seen.append, gone.append)
+    zc = FakeZeroconf({"rogue": forged, "head": good})
+    with caplog.at_level("INFO", logger="orchard.discovery"):
+        for _ in range(3):
+            browser._on_change(zc, "_orchard._tcp.local.", "rogue", ServiceStateChange.Updated)
+        browser._on_change(zc, "_orchard._tcp.local.", "head", ServiceStateChange.Added)
+        browser._on_change(zc, "_orchard._tcp.local.", "head", ServiceStateChange.Removed)
+    assert [a.ray_address for a in seen] == ["10.213.0.2:6379"] and gone == ["head"]
+    assert list(browser.rejected) == [("rogue", "bad-signature")] * 3
+    assert caplog.text.count("ignoring advertisement rogue") == 1
