@@ -1,7 +1,7 @@
 """One paged-decode kernel, written once and rendered for two dialects: Metal and CUDA (NVRTC).
 
-The body below uses a handful of macros (shuffles, barriers, shared memory, global
-pointers, exp, row loads) that each dialect's header defines, plus a short prologue that
+The body below uses a handful of macros (shuffles, barriers, shared memory, exp2,
+row loads) that each dialect's header defines, plus a short prologue that
 names the thread and threadgroup indices the way that dialect spells them. Everything
 else, the algorithm included, is the same text, so what is verified on CUDA is what
 runs on Metal.
@@ -29,7 +29,6 @@ REDUCE_INPUTS = ["part_out", "part_max", "part_sum", "context_lens", "dims"]
 REDUCE_OUTPUTS = ["out"]
 
 CUDA_HEADER = r"""
-#define GLOBAL_PTR(type) const type*
 #define SHARED __shared__
 #define BARRIER() __syncthreads()
 #define SIMD_XOR(value, mask) __shfl_xor_sync(0xffffffffu, (value), (mask))
@@ -56,7 +55,6 @@ __device__ __forceinline__ void load_row(const U* src, U* dst) {
 """
 
 METAL_HEADER = r"""
-#define GLOBAL_PTR(type) const device type*
 #define SHARED threadgroup
 #define BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define SIMD_XOR(value, mask) simd_shuffle_xor((value), (ushort)(mask))
@@ -131,7 +129,8 @@ DECODE_BODY = r"""
     run_sum[g] = 0.0f;
   }
 
-  GLOBAL_PTR(int) table = block_tables + size_t(seq) * max_blocks;
+  // auto: Metal binds inputs of under 8 elements (a short block table) in `constant`, not `device`.
+  const auto table = block_tables + size_t(seq) * max_blocks;
   const size_t lane_offset = size_t(kv_head) * HEAD_DIM + lane_in_token * PER_LANE;
   for (int base = start; base < end; base += TOKENS_PER_STEP) {
     ROW_ALIGN T k_row[UNROLL][PER_LANE];

@@ -61,7 +61,6 @@ static void emu_launch(int gx, int gy, int gz, int threads, F body) {
       }
 }
 
-#define GLOBAL_PTR(type) const type*
 #define SHARED static
 #define BARRIER() emu_group_barrier->arrive_and_wait()
 #define SIMD_XOR(value, mask) emu_xor((value), (mask))

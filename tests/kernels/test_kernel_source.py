@@ -21,6 +21,11 @@ def test_dialects_share_the_kernel_body_and_differ_only_in_prologue(partitioned)
     assert "threadgroup_position_in_grid" in metal_body and "blockIdx" in cuda_body
 
 
+def test_metal_body_binds_no_device_pointer_so_small_constant_inputs_compile():
+    _, body = source.render_decode("metal", False)
+    assert "device " not in body.replace(source.METAL_DECODE_PROLOGUE, "")
+
+
 def test_partitioned_variant_writes_partition_states_not_the_output():
     _, body = source.render_decode("cuda", True)
     assert "part_max[r]" in body and "out[" not in body.replace("part_out[", "")
