@@ -9,14 +9,23 @@ A consumer that stops iterating (a client gone) aborts its request at once.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import logging
 import queue
 import threading
 from typing import AsyncIterator
+
+import mlx.core as mx
 
 from node.engine import EngineConfig, LLMEngine
 from node.types import RequestOutput, SamplingParams
 
 _IDLE_WAIT_S = 0.05
+log = logging.getLogger(__name__)
+
+
+class EngineStepFailed(RuntimeError):
+    """The engine raised inside a step; the requests it held were aborted."""
 
 
 class AsyncEngine:
@@ -29,6 +38,7 @@ class AsyncEngine:
         self._kv_listeners: list = []
         self._thread = threading.Thread(target=self._run, name="orchard-engine", daemon=True)
         self._thread.start()
+        atexit.register(self.shutdown)  # a live MLX thread at interpreter exit aborts the process
 
     @classmethod
     def from_config(cls, config: EngineConfig | None = None) -> "AsyncEngine":
@@ -64,6 +74,8 @@ class AsyncEngine:
             await accepted
             while True:
                 out = await outputs.get()
+                if isinstance(out, Exception):
+                    raise out
                 yield out
                 if out.finished:
                     finished = True
@@ -75,6 +87,17 @@ class AsyncEngine:
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    async def run_on_engine(self, fn):
+        """`fn(engine)` on the engine thread between two steps (KV export/import for migration).
+
+        The engine owns its KV cache outright, so this is the only safe way to touch it
+        from outside; whatever `fn` raises is raised here.
+        """
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._commands.put(("call", fn, done, loop))
+        return await done
 
     def stats(self) -> dict:
         """The last stats the engine thread published (safe from any thread)."""
@@ -88,16 +111,45 @@ class AsyncEngine:
     # -- engine thread ---------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            mx.synchronize()  # MLX asks each thread to release its streams before it ends
+            mx.clear_streams()
+
+    def _loop(self) -> None:
         while not self._stopped.is_set():
             self._apply_commands(block=not self.engine.has_unfinished)
             if not self.engine.has_unfinished:
                 continue
-            for out in self.engine.step():
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a broken step must not leave its callers waiting forever
+                self._fail_all(exc)
+                continue
+            for out in outputs:
                 self._deliver(out)
             events = self.engine.drain_kv_events()
             for listener in self._kv_listeners:
                 listener(events)
             self._stats = self.engine.stats()
+
+    def _fail_all(self, exc: Exception) -> None:
+        """Abort every request in the engine and hand `exc` to each waiting stream."""
+        log.exception("engine step failed; aborting %d requests", len(self.engine.requests))
+        for request_id in list(self.engine.requests):
+            self.engine.abort(request_id)
+            self._deliver_error(request_id, EngineStepFailed(f"engine step failed: {exc!r}"))
+        try:
+            self.engine.step()  # drain the abort outputs nobody will read
+        except Exception:
+            log.exception("engine step failed again after aborting every request")
+
+    def _deliver_error(self, request_id: str, exc: Exception) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, q = stream
+            loop.call_soon_threadsafe(q.put_nowait, exc)
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -123,6 +175,20 @@ class AsyncEngine:
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])  # its final output comes with the next step
             self._stats = self.engine.stats()
+        elif cmd[0] == "call":
+            self._call(*cmd[1:])
+
+    def _call(self, fn, done: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            result = fn(self.engine)
+        except Exception as exc:  # e.g. a refused KV payload: the caller decides what follows
+            loop.call_soon_threadsafe(_set_exception, done, exc)
+            return
+        events = self.engine.drain_kv_events()  # an idle engine runs no step that would send them
+        for listener in self._kv_listeners:
+            listener(events)
+        self._stats = self.engine.stats()
+        loop.call_soon_threadsafe(_set_result, done, result)
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)

@@ -1,0 +1,98 @@
+"""The asyncio front: streaming, aborts on a vanished consumer, failures surfaced, clean exit."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from node.async_engine import AsyncEngine, EngineStepFailed
+from node.engine import EngineConfig, LLMEngine
+from node.errors import PromptTooLong
+from node.types import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture
+def engine(demo_model_dir):
+    eng = AsyncEngine(LLMEngine(EngineConfig(model=str(demo_model_dir), num_blocks=64)))
+    yield eng
+    eng.shutdown()
+
+
+async def _collect(eng: AsyncEngine, request_id: str, prompt, params=GREEDY):
+    return [out async for out in eng.generate(request_id, prompt, params)]
+
+
+def test_stream_deltas_add_up_to_the_offline_result(engine, demo_model_dir):
+    outs = asyncio.run(_collect(engine, "a", [5, 6, 7, 8]))
+    streamed = [t for o in outs for t in o.outputs[0].token_ids_delta]
+    offline = LLMEngine(EngineConfig(model=str(demo_model_dir), num_blocks=64))
+    offline.add_request("a", [5, 6, 7, 8], GREEDY)
+    while offline.has_unfinished:
+        final = offline.step()
+    assert outs[-1].finished and streamed == final[0].outputs[0].token_ids
+
+
+def test_refused_request_raises_its_named_error(engine):
+    with pytest.raises(PromptTooLong):
+        asyncio.run(_collect(engine, "long", list(range(3, 3 + engine.max_model_len))))
+
+
+def test_a_consumer_that_stops_early_aborts_and_frees_blocks(engine):
+    async def take_two():
+        agen = engine.generate("b", list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+        async for _ in agen:
+            break
+        await agen.aclose()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if engine.stats()["kv"]["blocks_used"] == 0 and engine.stats()["aborted_requests"] == 1:
+                return True
+        return False
+
+    assert asyncio.run(take_two())
+
+
+def test_a_failing_step_fails_its_streams_and_the_engine_keeps_serving(engine, monkeypatch):
+    runner = engine.engine.runner
+    real_forward = runner.forward
+    calls = {"n": 0}
+
+    def flaky(step):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("device lost")
+        return real_forward(step)
+
+    monkeypatch.setattr(runner, "forward", flaky)
+    with pytest.raises(EngineStepFailed, match="device lost"):
+        asyncio.run(_collect(engine, "c", [5, 6, 7]))
+    outs = asyncio.run(_collect(engine, "d", [5, 6, 7]))
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
+    assert engine.engine.kv.stats().blocks_used == 0
+
+
+def test_process_exits_cleanly_without_an_explicit_shutdown(demo_model_dir):
+    script = textwrap.dedent(
+        f"""
+        import asyncio
+        from node.async_engine import AsyncEngine
+        from node.engine import EngineConfig
+        from node.types import SamplingParams
+        eng = AsyncEngine.from_config(EngineConfig(model={str(demo_model_dir)!r}, num_blocks=32))
+        async def main():
+            async for _ in eng.generate("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4)):
+                pass
+        asyncio.run(main())
+        print("ok")
+        """
+    )
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
+        assert done.stdout.strip() == "ok"
