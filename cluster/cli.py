@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        from node.openblas import reexec_with_openblas
+
+        reexec_with_openblas()  # MLX's Linux CPU wheel is ~40x slower at matmul without it
     args = build_parser().parse_args(argv)
     if not getattr(args, "func", None):
         build_parser().print_help()
