@@ -27,15 +27,20 @@ def _reference(model_dir, prompts, max_tokens=MAX_TOKENS) -> list[list[int]]:
     return outs
 
 
-def _run(engine: LLMEngine, prompts, params) -> list[list[int]]:
+def _finish(engine: LLMEngine, prompts, params, prefix: str = "r") -> list:
+    """Run `prompts` to completion; their final outputs in order."""
     for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(f"{prefix}{i}", prompt, params)
     finals = {}
     while engine.has_unfinished:
         for out in engine.step():
             if out.finished:
                 finals[out.request_id] = out
-    return [finals[f"r{i}"].outputs[0].token_ids for i in range(len(prompts))]
+    return [finals[f"{prefix}{i}"] for i in range(len(prompts))]
+
+
+def _run(engine: LLMEngine, prompts, params) -> list[list[int]]:
+    return [out.outputs[0].token_ids for out in _finish(engine, prompts, params)]
 
 
 def _assert_no_leak(engine: LLMEngine) -> None:
@@ -78,16 +83,9 @@ def test_shared_prefix_is_served_from_cache_with_identical_tokens(name, model_di
     expected = references(name, prompts)
     assert _run(engine, prompts[:1], GREEDY) == expected[:1]
     hits_before = engine.kv.stats().prefix_hit_tokens
-    for i, prompt in enumerate(prompts[1:], start=1):
-        engine.add_request(f"s{i}", prompt, GREEDY)
-    finals = {}
-    while engine.has_unfinished:
-        for out in engine.step():
-            if out.finished:
-                finals[out.request_id] = out
-    got = [finals[f"s{i}"].outputs[0].token_ids for i in range(1, len(prompts))]
-    assert got == expected[1:]
-    assert all(finals[f"s{i}"].num_cached_tokens == 40 for i in range(1, len(prompts)))
+    finals = _finish(engine, prompts[1:], GREEDY, prefix="s")
+    assert [out.outputs[0].token_ids for out in finals] == expected[1:]
+    assert all(out.num_cached_tokens == 40 for out in finals)
     assert engine.kv.stats().prefix_hit_tokens - hits_before == 3 * 40
     _assert_no_leak(engine)
 
