@@ -8,7 +8,10 @@ runs them one at a time, so the state needs no locks.
 Conversation with a node: `register_node` (the reply asks for a snapshot, so a node that
 registers again after a coordinator restart refills the index at once), then per engine
 step `kv_events` (False means "send a snapshot"), and `heartbeat` with its load (the reply
-says whether the coordinator still knows the node, wants a snapshot, or drains it).
+says whether the coordinator still knows the node, wants a snapshot, or drains it, and
+carries block moves the node should hand to other nodes: hot-prefix copies and drain).
+Migrations report back with `migration_report` (counters, and the measured link rate);
+a joining node asks `link_peers` whom to probe.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import ray
 
 from cluster.membership import Membership, MembershipConfig, NodeId, NodeInfo, NodeLoad, NodeStatus, UnknownNode
 from cluster.prefix_index import PrefixIndex
+from cluster.replication import BlockMove, NodeLoadView, ReplicationConfig, ReplicationPlanner
 from cluster.router import RouteDecision, Router, RouterConfig, RouteRequest
 from kvcache.events import KVEvent
 from kvcache.hashing import BlockHash
@@ -33,6 +37,7 @@ NAMESPACE = "orchard"
 class CoordinatorConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
+    replication: ReplicationConfig = field(default_factory=ReplicationConfig)
 
 
 @dataclass
@@ -41,6 +46,15 @@ class _RoutingTotals:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # tokens the chosen node already held when routed
     migrations: int = 0
+    block_moves: int = 0  # hot-prefix copies and drain moves handed to nodes
+
+
+@dataclass
+class _MigrationCounts:
+    """Per target node: blocks it imported from other nodes, and pulls that broke off."""
+
+    blocks: int = 0
+    failures: int = 0
 
 
 class Coordinator:
@@ -49,15 +63,23 @@ class Coordinator:
         self.membership = Membership(self.config.membership, clock)
         self.index = PrefixIndex()
         self.router = Router(self.config.router)
+        self.replication = ReplicationPlanner(self.config.replication)
+        self._clock = clock
         self._totals = _RoutingTotals()
         self._started = time.time()
+        self._actor_names: dict[NodeId, str] = {}
+        self._moves: dict[NodeId, list[dict]] = {}  # source node -> moves for its next heartbeat
+        self._migrated: dict[NodeId, _MigrationCounts] = {}
 
     # ---- nodes talking to the coordinator ------------------------------------------
     def register_node(self, node_id: NodeId, info: NodeInfo | dict) -> dict:
         """Add (or reset) a node; its index entries come only from the snapshot it sends next."""
         if isinstance(info, dict):
+            if info.get("actor_name"):
+                self._actor_names[node_id] = info["actor_name"]
             info = NodeInfo.from_dict(info)
         self.membership.register(node_id, info)
+        self._moves.pop(node_id, None)
         self.index.require_snapshot(node_id)
         return {"snapshot": True}
 
@@ -73,6 +95,7 @@ class Coordinator:
             "known": True,
             "snapshot": self.index.needs_snapshot(node_id),
             "draining": state.status is NodeStatus.DRAINING,
+            "moves": self._moves.pop(node_id, []),
         }
 
     def kv_events(self, node_id: NodeId, events: Sequence[KVEvent]) -> bool:
@@ -87,6 +110,32 @@ class Coordinator:
 
     def record_link_rate(self, source: NodeId, target: NodeId, bytes_per_s: float) -> None:
         self.membership.record_link_rate(source, target, bytes_per_s)
+
+    def migration_report(self, target: NodeId, report: dict) -> None:
+        """A node's pull finished: count it, and fold its effective rate into the link's average."""
+        counts = self._migrated.setdefault(target, _MigrationCounts())
+        counts.blocks += int(report.get("imported", 0))
+        counts.failures += not report.get("ok", True)
+        if report.get("ok", True) and report.get("bytes_per_s") and report.get("source"):
+            self.membership.record_link_rate(report["source"], target, float(report["bytes_per_s"]))
+
+    def migration_failed(self, target: NodeId, source: NodeId, reason: str) -> None:
+        """A pull that could not report itself (the call to the target failed)."""
+        self._migrated.setdefault(target, _MigrationCounts()).failures += 1
+
+    def link_peers(self, node_id: NodeId) -> list[dict]:
+        """Live nodes of the same model that `node_id` should probe the link with."""
+        if node_id not in self.membership:
+            return []
+        model = self.membership.get(node_id).model
+        return [
+            {"node_id": peer.node_id, "actor_name": self._actor_names[peer.node_id]}
+            for peer in self.membership.candidates(model)
+            if peer.node_id != node_id and peer.node_id in self._actor_names
+        ]
+
+    def link_rate(self, source: NodeId, target: NodeId) -> float | None:
+        return self.membership.link_rate(source, target)
 
     # ---- the gateway asking --------------------------------------------------------
     def route(
@@ -108,6 +157,9 @@ class Coordinator:
         uncached = max(1, num_tokens - decision.cached_blocks * block_size)
         self.membership.note_routed(decision.node_id, request_id or f"anonymous-{self._totals.requests}", uncached)
         self._count(decision, num_tokens, block_size)
+        move = self.replication.on_arrival(block_hashes, held, self._load_views(candidates), block_size, self._clock())
+        if move is not None:
+            self._queue_move(move)
         return decision
 
     def prefill_done(self, node_id: NodeId, request_id: str) -> None:
@@ -119,10 +171,19 @@ class Coordinator:
         return self._declare_dead(node_id, reason)
 
     def drain(self, node_id: NodeId) -> dict:
-        return _node_row(self.membership.drain(node_id), self.index)
+        """Stop routing to the node and hand its most-used prefixes to the others."""
+        state = self.membership.drain(node_id)
+        targets = self._load_views(self.membership.candidates(state.model))
+        for move in self.replication.evacuate(node_id, self.index.match, targets):
+            self._queue_move(move)
+        return self._row(state)
 
     def undrain(self, node_id: NodeId) -> dict:
-        return _node_row(self.membership.undrain(node_id), self.index)
+        return self._row(self.membership.undrain(node_id))
+
+    def pending_moves(self, node_id: NodeId) -> list[dict]:
+        """Moves waiting for the node's next heartbeat (without taking them)."""
+        return list(self._moves.get(node_id, []))
 
     def set_policy(self, policy: str) -> None:
         self.router = Router(RouterConfig(**{**self.router.config.__dict__, "policy": policy}))
@@ -159,7 +220,7 @@ class Coordinator:
 
     def nodes(self) -> list[dict]:
         self.reap()
-        return [_node_row(state, self.index) for state in self.membership.nodes()]
+        return [self._row(state) for state in self.membership.nodes()]
 
     def recent_decisions(self, limit: int = 50) -> list[dict]:
         return [d.to_dict() for d in list(self.router.recent)[-limit:]]
@@ -180,6 +241,7 @@ class Coordinator:
                 "routed_cached_tokens": totals.cached_tokens,
                 "routed_hit_rate": totals.cached_tokens / totals.prompt_tokens if totals.prompt_tokens else 0.0,
                 "migrations": totals.migrations,
+                "block_moves": totals.block_moves,
             },
             "recent_decisions": self.recent_decisions(20),
         }
@@ -195,6 +257,22 @@ class Coordinator:
         changed = self.membership.mark_dead(node_id, reason)
         self.index.remove_node(node_id)
         return changed
+
+    def _load_views(self, candidates) -> list[NodeLoadView]:
+        return [NodeLoadView(n, load, prefill) for n, (load, prefill) in self.router.load_seconds(candidates).items()]
+
+    def _queue_move(self, move: BlockMove) -> None:
+        target_actor = self._actor_names.get(move.target)
+        if target_actor is None:
+            return  # the target cannot be reached by name (not a Ray node actor)
+        self._moves.setdefault(move.source, []).append(
+            {"target": move.target, "target_actor": target_actor, "hashes": list(move.hashes), "reason": move.reason}
+        )
+        self._totals.block_moves += 1
+
+    def _row(self, state) -> dict:
+        counts = self._migrated.get(state.node_id, _MigrationCounts())
+        return {**_node_row(state, self.index), "kv_migrated_blocks": counts.blocks, "kv_migration_failures": counts.failures}
 
     def _count(self, decision: RouteDecision, num_tokens: int, block_size: int) -> None:
         self._totals.requests += 1

@@ -26,6 +26,7 @@ _NODE_FIGURES = [
     ("orchard_prefix_cache_hit_tokens", "prefix_cache_hit_tokens", "prompt tokens served from cached KV", True),
     ("orchard_prefix_cache_query_tokens", "prefix_cache_query_tokens", "prompt tokens looked up in the prefix cache", True),
     ("orchard_kv_migrated_blocks", "kv_migrated_blocks", "KV blocks pulled from another node", True),
+    ("orchard_kv_migration_failures", "kv_migration_failures", "KV pulls refused or broken off (recomputed instead)", True),
     ("orchard_preemptions", "preemptions", "sequences preempted for lack of KV blocks", True),
     ("orchard_requests_running", "running", "requests in the running batch", False),
     ("orchard_requests_waiting", "waiting", "requests waiting for admission", False),

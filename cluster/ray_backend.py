@@ -8,6 +8,9 @@ silent), the request is routed again without that node and resumed from its prom
 the tokens already streamed; outputs are rewritten so the client sees one stream of one
 request. Greedy output is therefore the same as without the fault.
 
+When the route carries a migration plan, the target node first pulls those blocks from
+the source node (`cluster.migration`); any failure there only means the target recomputes.
+
 Everything here is awaited: no `ray.get` runs on the event loop.
 """
 
@@ -23,6 +26,7 @@ import ray.exceptions as rex
 
 from cluster.backend import ModelInfo, node_entry, summarize_nodes
 from cluster.coordinator import COORDINATOR_NAME, NAMESPACE
+from cluster.migration import MigrationOutcome, MigrationPolicy, migration_hashes, pull_for_request
 from cluster.ray_cluster import node_actor_name
 from cluster.router import NoNodeAvailable
 from kvcache.hashing import block_hashes, root_hash
@@ -64,6 +68,7 @@ class RayBackendConfig:
     stall_check_s: float = 1.0  # while a stream is silent, ask this often whether its node still lives
     # How long to ride out a coordinator restart (or nodes not registered yet) before failing.
     coordinator_wait_s: float = 10.0
+    migration: MigrationPolicy = field(default_factory=MigrationPolicy)
 
 
 @dataclass
@@ -105,6 +110,7 @@ class RayBackend:
         self._awaiting_first_output: set[str] = set()
         self._closed = False
         self.resumed_mid_stream = 0  # requests that lost a node after streaming some tokens
+        self.last_migration: MigrationOutcome | None = None
 
     # ---- Backend protocol ----------------------------------------------------------
     async def models(self) -> list[ModelInfo]:
@@ -135,6 +141,8 @@ class RayBackend:
                     "route", model, attempt_hashes, len(attempt_prompt), spec.block_size, request_id, self.config.policy, lost
                 )
                 node_id = decision.node_id
+                if decision.migration is not None:
+                    await self._migrate(decision, attempt_hashes)
                 try:
                     async for out in self._attempt(node_id, request_id, len(lost), attempt_prompt, params, progress):
                         self._awaiting_first_output.discard(request_id)
@@ -241,6 +249,21 @@ class RayBackend:
         except rex.RayError:
             return False  # the coordinator restarting says nothing about this node
 
+    async def _migrate(self, decision, hashes) -> MigrationOutcome:
+        """Have the chosen node pull the plan's blocks before it is asked to generate."""
+        plan = decision.migration
+        wanted = migration_hashes(plan, decision.cached_blocks, hashes)
+        try:
+            target, source = await self._actor(decision.node_id), await self._actor(plan.source)
+        except (ValueError, *NODE_LOST_ERRORS) as exc:  # the source left since the index saw it
+            self._coordinator.migration_failed.remote(decision.node_id, plan.source, repr(exc))
+            self.last_migration = MigrationOutcome(ok=False, requested=len(wanted), error=repr(exc), reported=False)
+            return self.last_migration
+        self.last_migration = await pull_for_request(
+            self._coordinator, target, decision.node_id, source, plan.source, wanted, self.config.migration.wait_s(plan)
+        )
+        return self.last_migration
+
     # ---- resuming ------------------------------------------------------------------
     def _check_resumable(self, request_id, params, progress, lost) -> None:
         if len(lost) > self.config.max_resumes:
@@ -341,6 +364,6 @@ def _held_back_text(tokenizer, token_ids: list[int], sent_text: str) -> str:
 
 def _node_extras(row: dict) -> dict:
     keep = ("model", "status", "device", "hostname", "indexed_blocks", "requests_total",
-            "prefill_tokens_per_s", "decode_tokens_per_s", "death_reason")
+            "prefill_tokens_per_s", "decode_tokens_per_s", "death_reason", "kv_migration_failures")
     return {k: row.get(k) for k in keep}
 

@@ -137,15 +137,20 @@ class Router:
         self.recent.append(decision)
         return decision
 
+    def load_seconds(self, candidates: Sequence[NodeState]) -> dict[NodeId, tuple[float, float]]:
+        """Per candidate: (seconds of work queued ahead of a new request, prefill s/token)."""
+        rates = self._rates(candidates)
+        return {n.node_id: (_load_s(n, rates[n.node_id]), rates[n.node_id].prefill) for n in candidates}
+
     # ---- prefix policy -------------------------------------------------------------
     def _by_cost(self, request, candidates, rates, link_rate) -> RouteDecision:
         costed = [self._cost(request, node, rates[node.node_id], link_rate) for node in candidates]
         best = min(c.cost for c in costed)
         winner = self._rng.choice([c for c in costed if c.cost <= best])
-        if len(candidates) == 1:
-            reason = "only-node"
-        elif winner.migration:
+        if winner.migration:
             reason = "migrate"
+        elif len(candidates) == 1:
+            reason = "only-node"
         elif winner.own_blocks:
             reason = "prefix-hit"
         else:

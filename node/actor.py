@@ -7,7 +7,10 @@ actor's event loop only moves requests in and outputs out. Two duties beyond ser
   straight from the engine thread (calls from one caller reach the actor in order);
 - every `heartbeat_s`, the node's load and measured rates go to the coordinator, whose
   reply may ask for a snapshot of the prefix cache or for the node to register again
-  (after a coordinator restart).
+  (after a coordinator restart), or hand over block moves (hot-prefix copies, drain);
+- KV migration (`node.migration`): a target pulls blocks from a source with
+  `pull_blocks`; the payload goes from the source's object store straight to the target.
+  On joining, a node probes the link to each peer so migration can be costed at all.
 
 The node never imports `cluster`: the coordinator is found by the name and namespace the
 cluster side hands over in `NodeActorConfig`, and spoken to in plain dicts.
@@ -26,6 +29,7 @@ import ray
 
 from node.async_engine import AsyncEngine
 from node.engine import EngineConfig
+from node.migration import BlockMover, PullResult
 from node.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -55,6 +59,8 @@ class NodeActor:
         self._requests_total = 0
         self._heartbeat_task: asyncio.Task | None = None
         self._started_at = time.time()
+        self.mover = BlockMover(self.engine)
+        self._background: set[asyncio.Task] = set()
         self.engine.add_kv_listener(self._push_kv_events)
 
     # ---- lifecycle -----------------------------------------------------------------
@@ -63,6 +69,7 @@ class NodeActor:
         await self._register()
         if self._heartbeat_task is None:
             self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+            self._spawn(self._probe_peers())
         return self.info()
 
     def info(self) -> dict:
@@ -81,6 +88,7 @@ class NodeActor:
             "hostname": socket.gethostname(),
             "ray_node_id": ray.get_runtime_context().get_node_id(),
             "kv_blocks_total": int(engine.stats()["kv"].get("blocks_total", 0)),
+            "actor_name": ray.get_runtime_context().get_actor_name(),
         }
 
     # ---- serving -------------------------------------------------------------------
@@ -103,7 +111,37 @@ class NodeActor:
         await self.engine.abort(request_id)
 
     def stats(self) -> dict:
-        return {**self.engine.stats(), "node_id": self.node_id, "model": self.model_name}
+        counters = self.mover.counters
+        return {
+            **self.engine.stats(),
+            "node_id": self.node_id,
+            "model": self.model_name,
+            "kv_migrated_blocks": counters.migrated_blocks,
+            "kv_migration_failures": counters.migration_failures,
+        }
+
+    # ---- KV migration --------------------------------------------------------------
+    async def export_blocks(self, hashes: list[bytes]) -> bytes:
+        """Payload of the leading `hashes` held here; a caller that passes the ref on moves no bytes."""
+        return await self.mover.export(hashes)
+
+    async def import_blocks(self, payload_refs: list, source_id: str = "") -> dict:
+        """Import payloads given as ObjectRefs (in a list, so Ray hands them over unresolved)."""
+        return self._report(await self.mover.import_payloads(payload_refs, source_id))
+
+    async def pull_blocks(self, source, source_id: str, hashes: list[bytes]) -> dict:
+        """Fetch the blocks of `hashes` this node lacks from the `source` actor and import them."""
+        return self._report(await self.mover.pull(lambda chunk: source.export_blocks.remote(chunk), source_id, hashes))
+
+    async def probe_payload(self) -> bytes:
+        return self.mover.make_probe()
+
+    async def probe_link(self, source, source_id: str) -> float | None:
+        """Measure the link from `source` to here with a probe payload and tell the coordinator."""
+        rate = await self.mover.probe(source.probe_payload.remote())
+        if rate:
+            await self._coord().record_link_rate.remote(source_id, self.node_id, rate)
+        return rate
 
     def health(self) -> dict:
         return {
@@ -114,6 +152,39 @@ class NodeActor:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+    def _report(self, result: PullResult) -> dict:
+        report = result.to_dict()
+        try:
+            self._coord().migration_report.remote(self.node_id, report)
+        except Exception as exc:  # the counters are kept here too
+            log.warning("node %s: migration report not delivered: %s", self.node_id, exc)
+        return report
+
+    async def _probe_peers(self) -> None:
+        """Seed link rates both ways with every peer, so the router can ever choose to migrate."""
+        me = ray.get_runtime_context().current_actor
+        for peer in await self._coord().link_peers.remote(self.node_id):
+            try:
+                handle = await asyncio.to_thread(ray.get_actor, peer["actor_name"], namespace=self.config.namespace)
+                await self.probe_link(handle, peer["node_id"])
+                await handle.probe_link.remote(me, self.node_id)
+            except Exception as exc:  # a peer that went away meanwhile
+                log.info("node %s: link probe with %s failed: %s", self.node_id, peer["node_id"], exc)
+
+    async def _hand_over(self, move: dict) -> None:
+        """Ask another node to pull blocks from here (hot-prefix copy or drain)."""
+        try:
+            target = await asyncio.to_thread(ray.get_actor, move["target_actor"], namespace=self.config.namespace)
+            me = ray.get_runtime_context().current_actor
+            await target.pull_blocks.remote(me, self.node_id, move["hashes"])
+        except Exception as exc:
+            log.info("node %s: moving blocks to %s failed: %s", self.node_id, move.get("target"), exc)
+
+    def _spawn(self, coroutine) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     # ---- talking to the coordinator ------------------------------------------------
     def _coord(self):
@@ -169,6 +240,8 @@ class NodeActor:
                     await self._register()
                 elif reply.get("snapshot"):
                     await self._send_snapshot()
+                for move in reply.get("moves", ()):
+                    self._spawn(self._hand_over(move))
             except Exception as exc:  # the coordinator may be restarting; try again next beat
                 log.warning("node %s: heartbeat failed: %s", self.node_id, exc)
                 self._coordinator = None

@@ -303,6 +303,12 @@ class LLMEngine:
         recompute = tokens * self.rates.prefill_s_per_token.get(float("inf"))
         return restore < recompute
 
+    def export_blocks(self, hashes) -> bytes:
+        return self.kv.export_blocks(hashes)
+
+    def import_blocks(self, payload: bytes) -> int:
+        return self.kv.import_blocks(payload)
+
     def drain_kv_events(self):
         return self.kv.drain_events()
 
