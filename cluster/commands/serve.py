@@ -231,11 +231,19 @@ def run(args) -> int:
 
 
 def serve(args, keys: frozenset[str]) -> int:
+    return serve_started(start_backend(args), args, keys)
+
+
+def serve_started(started: Started, args, keys: frozenset[str]) -> int:
+    """Run the gateway over a started backend until SIGTERM/Ctrl-C, then stop what it started.
+
+    Split from `serve` so that a driver on an existing Ray cluster (deploy/serve.py) can do
+    its own work between starting the backend and serving.
+    """
     import uvicorn
 
     from cluster.gateway import GatewayConfig, create_app
 
-    started = start_backend(args)
     try:
         config = GatewayConfig(api_keys=keys, max_queue=args.max_queue, request_timeout_s=args.request_timeout)
         app = create_app(started.backend, config)
