@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Sequence
 
 import ray
 
+from cluster.migration import LinkCostFit
 from cluster.membership import Membership, MembershipConfig, NodeId, NodeInfo, NodeLoad, NodeStatus, UnknownNode
 from cluster.prefix_index import PrefixIndex
 from cluster.replication import BlockMove, NodeLoadView, ReplicationConfig, ReplicationPlanner
@@ -70,6 +71,7 @@ class Coordinator:
         self._actor_names: dict[NodeId, str] = {}
         self._moves: dict[NodeId, list[dict]] = {}  # source node -> moves for its next heartbeat
         self._migrated: dict[NodeId, _MigrationCounts] = {}
+        self._links: dict[tuple[NodeId, NodeId], LinkCostFit] = {}  # (source, target) -> cost line
 
     # ---- nodes talking to the coordinator ------------------------------------------
     def register_node(self, node_id: NodeId, info: NodeInfo | dict) -> dict:
@@ -117,7 +119,13 @@ class Coordinator:
         counts.blocks += int(report.get("imported", 0))
         counts.failures += not report.get("ok", True)
         if report.get("ok", True) and report.get("bytes_per_s") and report.get("source"):
-            self.membership.record_link_rate(report["source"], target, float(report["bytes_per_s"]))
+            self.record_transfer(report["source"], target, float(report["bytes"]), float(report["seconds"]))
+
+    def record_transfer(self, source: NodeId, target: NodeId, nbytes: float, seconds: float) -> None:
+        """One measured move of `nbytes` (a pull or a probe): feeds the link's rate and latency."""
+        if nbytes > 0 and seconds > 0:
+            self.membership.record_link_rate(source, target, nbytes / seconds)
+            self._links.setdefault((source, target), LinkCostFit()).add(nbytes, seconds)
 
     def migration_failed(self, target: NodeId, source: NodeId, reason: str) -> None:
         """A pull that could not report itself (the call to the target failed)."""
@@ -135,7 +143,15 @@ class Coordinator:
         ]
 
     def link_rate(self, source: NodeId, target: NodeId) -> float | None:
+        """Bytes/s of the link's fitted cost line, else the plain average of reported rates."""
+        fit = self._links.get((source, target))
+        if fit is not None and self.membership.link_rate(source, target) is not None:
+            return fit.bytes_per_s
         return self.membership.link_rate(source, target)
+
+    def link_latency(self, source: NodeId, target: NodeId) -> float:
+        fit = self._links.get((source, target))
+        return fit.latency_s if fit is not None and self.membership.link_rate(source, target) is not None else 0.0
 
     # ---- the gateway asking --------------------------------------------------------
     def route(
@@ -153,7 +169,7 @@ class Coordinator:
         candidates = [n for n in self.membership.candidates(model) if n.node_id not in exclude]
         held = self.index.match(block_hashes)
         request = RouteRequest(model, num_tokens, block_size, held, request_id)
-        decision = self.router.route(request, candidates, self.membership.link_rate, policy)
+        decision = self.router.route(request, candidates, self.link_rate, policy, self.link_latency)
         uncached = max(1, num_tokens - decision.cached_blocks * block_size)
         self.membership.note_routed(decision.node_id, request_id or f"anonymous-{self._totals.requests}", uncached)
         self._count(decision, num_tokens, block_size)

@@ -26,6 +26,53 @@ from kvcache.hashing import BlockHash
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class LinkCostFit:
+    """`seconds = latency + bytes / rate` for one link, fitted to recent transfers.
+
+    A pull pays a fixed cost (round trips, two engine-thread hand-offs) besides its bytes;
+    a rate alone would make a two-block pull look nearly free. Exponentially weighted
+    moments give a least-squares line that follows the link as it changes. Until
+    transfers of different sizes were seen, the line goes through the origin.
+    """
+
+    alpha: float = 0.3
+    samples: int = 0
+    mean_bytes: float = 0.0
+    mean_seconds: float = 0.0
+    mean_bytes_sq: float = 0.0
+    mean_bytes_seconds: float = 0.0
+
+    def add(self, nbytes: float, seconds: float) -> None:
+        if nbytes <= 0 or seconds <= 0:
+            return
+        w = 1.0 if self.samples == 0 else self.alpha
+        self.mean_bytes += w * (nbytes - self.mean_bytes)
+        self.mean_seconds += w * (seconds - self.mean_seconds)
+        self.mean_bytes_sq += w * (nbytes * nbytes - self.mean_bytes_sq)
+        self.mean_bytes_seconds += w * (nbytes * seconds - self.mean_bytes_seconds)
+        self.samples += 1
+
+    @property
+    def _slope(self) -> float:
+        """Seconds per byte."""
+        spread = self.mean_bytes_sq - self.mean_bytes**2
+        covariance = self.mean_bytes_seconds - self.mean_bytes * self.mean_seconds
+        if spread > (0.05 * self.mean_bytes) ** 2 and covariance > 0:
+            slope = covariance / spread
+            if self.mean_seconds - slope * self.mean_bytes >= 0:
+                return slope
+        return self.mean_seconds / self.mean_bytes
+
+    @property
+    def bytes_per_s(self) -> float | None:
+        return 1.0 / self._slope if self.samples else None
+
+    @property
+    def latency_s(self) -> float:
+        return max(0.0, self.mean_seconds - self._slope * self.mean_bytes) if self.samples else 0.0
+
+
 @dataclass(frozen=True)
 class MigrationPolicy:
     """How long a request waits for its pull before it gives up and recomputes."""

@@ -28,6 +28,8 @@ from cluster.membership import NodeId, NodeState
 POLICIES = ("prefix", "round_robin", "least_loaded", "random")
 
 LinkRate = Callable[[NodeId, NodeId], "float | None"]
+#: Fixed seconds one pull costs on a link besides its bytes (round trips, hand-offs).
+LinkLatency = Callable[[NodeId, NodeId], float]
 
 
 class NoNodeAvailable(LookupError):
@@ -121,6 +123,7 @@ class Router:
         candidates: Sequence[NodeState],
         link_rate: LinkRate = lambda source, target: None,
         policy: str | None = None,
+        link_latency: LinkLatency = lambda source, target: 0.0,
     ) -> RouteDecision:
         started = time.perf_counter()
         policy = policy or self.config.policy
@@ -130,7 +133,7 @@ class Router:
             raise NoNodeAvailable(request.model)
         rates = self._rates(candidates)
         if policy == "prefix":
-            decision = self._by_cost(request, candidates, rates, link_rate)
+            decision = self._by_cost(request, candidates, rates, (link_rate, link_latency))
         else:
             decision = self._by_policy(policy, request, candidates, rates)
         decision = _stamp(decision, request.request_id, started)
@@ -143,8 +146,8 @@ class Router:
         return {n.node_id: (_load_s(n, rates[n.node_id]), rates[n.node_id].prefill) for n in candidates}
 
     # ---- prefix policy -------------------------------------------------------------
-    def _by_cost(self, request, candidates, rates, link_rate) -> RouteDecision:
-        costed = [self._cost(request, node, rates[node.node_id], link_rate) for node in candidates]
+    def _by_cost(self, request, candidates, rates, link) -> RouteDecision:
+        costed = [self._cost(request, node, rates[node.node_id], link) for node in candidates]
         best = min(c.cost for c in costed)
         winner = self._rng.choice([c for c in costed if c.cost <= best])
         if winner.migration:
@@ -159,11 +162,11 @@ class Router:
             winner.node.node_id, winner.own_blocks, reason, "prefix", winner.cost, len(candidates), winner.migration
         )
 
-    def _cost(self, request: RouteRequest, node: NodeState, rates: _Rates, link_rate: LinkRate) -> _Costed:
+    def _cost(self, request: RouteRequest, node: NodeState, rates: _Rates, link: tuple) -> _Costed:
         bs = request.block_size
         prompt_blocks = request.num_tokens // bs
         own = min(request.held.get(node.node_id, 0), prompt_blocks)
-        migration = self._migration(request, node, own, rates, link_rate)
+        migration = self._migration(request, node, own, rates, link)
         covered = own + (migration.num_blocks if migration else 0)
         fill = migration.est_transfer_s if migration else 0.0
         # The last prompt token is always computed: its logits start decoding.
@@ -171,8 +174,9 @@ class Router:
         cost = fill + uncached * rates.prefill + _load_s(node, rates)
         return _Costed(node, cost, own, migration)
 
-    def _migration(self, request, node, own, rates, link_rate) -> MigrationPlan | None:
+    def _migration(self, request, node, own, rates, link) -> MigrationPlan | None:
         """Pull from the best other holder when the measured link beats recomputing."""
+        link_rate, link_latency = link
         prompt_blocks = request.num_tokens // request.block_size
         source, source_blocks = _best_other_holder(request.held, node.node_id)
         extra = min(source_blocks, prompt_blocks) - own
@@ -181,7 +185,7 @@ class Router:
         bytes_per_s = link_rate(source, node.node_id)
         if not bytes_per_s:
             return None
-        transfer_s = extra * node.info.bytes_per_block / bytes_per_s
+        transfer_s = link_latency(source, node.node_id) + extra * node.info.bytes_per_block / bytes_per_s
         recompute_s = extra * request.block_size * rates.prefill
         if transfer_s >= recompute_s:
             return None

@@ -133,15 +133,16 @@ class NodeActor:
         """Fetch the blocks of `hashes` this node lacks from the `source` actor and import them."""
         return self._report(await self.mover.pull(lambda chunk: source.export_blocks.remote(chunk), source_id, hashes))
 
-    async def probe_payload(self) -> bytes:
-        return self.mover.make_probe()
+    async def probe_payload(self, nbytes: int) -> bytes:
+        return self.mover.make_probe(nbytes)
 
-    async def probe_link(self, source, source_id: str) -> float | None:
-        """Measure the link from `source` to here with a probe payload and tell the coordinator."""
-        rate = await self.mover.probe(source.probe_payload.remote())
-        if rate:
-            await self._coord().record_link_rate.remote(source_id, self.node_id, rate)
-        return rate
+    async def probe_link(self, source, source_id: str) -> list[tuple[int, float]]:
+        """Measure the link from `source` to here with a small and a large probe; tell the coordinator."""
+        measured = []
+        for nbytes in self.mover.probe_sizes():
+            measured.append(await self.mover.probe(source.probe_payload.remote(nbytes)))
+            await self._coord().record_transfer.remote(source_id, self.node_id, *measured[-1])
+        return measured
 
     def health(self) -> dict:
         return {

@@ -144,16 +144,19 @@ class BlockMover:
         pending = [asyncio.ensure_future(p) for p in payloads]
         return await self._import_in_order(pending, [None] * len(pending), result, time.perf_counter())
 
-    async def probe(self, payload: Awaitable[bytes]) -> float | None:
-        """Bytes per second of fetching and decoding a probe payload from a peer."""
+    async def probe(self, payload: Awaitable[bytes]) -> tuple[int, float]:
+        """(bytes, seconds) of fetching and decoding a probe payload from a peer."""
         started = time.perf_counter()
         data = await payload
         decode_blocks(data, self.geometry)
-        seconds = time.perf_counter() - started
-        return len(data) / seconds if seconds > 0 else None
+        return len(data), time.perf_counter() - started
 
-    def make_probe(self) -> bytes:
-        return probe_payload(self.geometry, self.config.probe_bytes)
+    def probe_sizes(self) -> tuple[int, int]:
+        """One block (the fixed cost shows) and `probe_bytes` (the rate shows)."""
+        return self.geometry.bytes_per_block, max(self.config.probe_bytes, 2 * self.geometry.bytes_per_block)
+
+    def make_probe(self, nbytes: int) -> bytes:
+        return probe_payload(self.geometry, nbytes)
 
     # ---- internals -----------------------------------------------------------------
     async def _import_in_order(self, pending, sizes, result: PullResult, started: float) -> PullResult:

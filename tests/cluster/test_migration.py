@@ -22,6 +22,7 @@ from kvcache.geometry import KVGeometry  # noqa: E402
 from kvcache.hashing import block_hashes, root_hash  # noqa: E402
 from kvcache.wire import decode_blocks, encode_blocks  # noqa: E402
 from node.engine import EngineConfig  # noqa: E402
+from node.models import load_model  # noqa: E402
 from node.types import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -83,14 +84,10 @@ def wait_for(predicate, timeout: float = 20.0) -> bool:
 
 
 def geometry_of(actor) -> KVGeometry:
-    info = ray.get(actor.info.remote())
-    blocks = decode_blocks(ray.get(actor.probe_payload.remote()), _any_geometry(info))
-    return _any_geometry(info) if blocks else None
-
-
-def _any_geometry(info: dict) -> KVGeometry:
-    # The demo model's KV layout; the probe payload decoding against it checks it is right.
-    return KVGeometry(info["fingerprint"], 4, 2, 64, info["block_size"], "float32")
+    """The KV layout the node's model has, as this process computes it from the same model."""
+    geometry = load_model(ray.get(actor.info.remote())["model_path"]).geometry(BLOCK, None)
+    assert geometry.bytes_per_block == ray.get(actor.info.remote())["bytes_per_block"]
+    return geometry
 
 
 def test_joining_nodes_probe_the_link_both_ways(cluster):

@@ -11,7 +11,7 @@ import pytest
 
 from cluster.coordinator import Coordinator, CoordinatorConfig
 from cluster.membership import NodeInfo, NodeLoad
-from cluster.migration import MigrationPolicy, migration_hashes, pull_for_request
+from cluster.migration import LinkCostFit, MigrationPolicy, migration_hashes, pull_for_request
 from cluster.replication import NodeLoadView, ReplicationConfig, ReplicationPlanner
 from cluster.router import MigrationPlan, Router, RouteRequest
 from kvcache.wire import decode_blocks, encode_blocks
@@ -290,13 +290,42 @@ def coordinator_with(*node_ids, prefill_tps=1000.0, bytes_per_block=4096) -> tup
 
 def test_migration_reports_count_blocks_and_failures_and_feed_the_link_rate():
     coord, _ = coordinator_with("a", "b")
-    coord.migration_report("b", {"source": "a", "ok": True, "imported": 5, "bytes_per_s": 2e9})
+    coord.migration_report("b", {"source": "a", "ok": True, "imported": 5, "bytes": 2e7, "seconds": 0.01,
+                                 "bytes_per_s": 2e9})
     coord.migration_report("b", {"source": "a", "ok": False, "imported": 1, "error": "CorruptKVPayload"})
     coord.migration_failed("b", "a", "timeout")
     row = {r["node_id"]: r for r in coord.nodes()}["b"]
     assert (row["kv_migrated_blocks"], row["kv_migration_failures"]) == (6, 2)
-    assert coord.link_rate("a", "b") == 2e9
+    assert coord.link_rate("a", "b") == pytest.approx(2e9)
     assert coord.link_rate("b", "a") is None
+
+
+def test_link_fit_separates_fixed_latency_from_rate():
+    fit = LinkCostFit()
+    for _ in range(3):
+        fit.add(1e6, 0.020 + 1e6 / 1e9)
+        fit.add(1e8, 0.020 + 1e8 / 1e9)
+    assert fit.latency_s == pytest.approx(0.020, rel=1e-6)
+    assert fit.bytes_per_s == pytest.approx(1e9, rel=1e-6)
+
+
+def test_link_fit_of_one_size_goes_through_the_origin():
+    fit = LinkCostFit()
+    fit.add(1e6, 0.01)
+    assert (fit.latency_s, fit.bytes_per_s) == (0.0, pytest.approx(1e8))
+
+
+def test_a_pull_whose_fixed_cost_exceeds_the_prefill_is_not_planned():
+    coord, _ = coordinator_with("a", "b", prefill_tps=1000.0, bytes_per_block=65536)
+    hashes = [bytes([i]) * 16 for i in range(2)]
+    coord.index.load_snapshot("a", 0, [(h, "memory") for h in hashes])
+    coord.membership.get("a").load = NodeLoad(queued_prefill_tokens=100_000)
+    coord.record_transfer("a", "b", 65536, 0.040 + 65536 / 1e9)  # 40 ms per pull, then 1 GB/s
+    coord.record_transfer("a", "b", 8 << 20, 0.040 + (8 << 20) / 1e9)
+    assert coord.route("m", hashes, 2 * BS + 1, BS).migration is None  # 32 tokens take 32 ms here
+    many = [bytes([i]) * 16 for i in range(64)]
+    coord.index.load_snapshot("a", 0, [(h, "memory") for h in many])
+    assert coord.route("m", many, 64 * BS + 1, BS).migration.num_blocks == 64
 
 
 def test_a_joining_node_is_told_its_peers_to_probe():

@@ -1,0 +1,322 @@
+"""`orchard bench migration`: KV block migration between two Ray nodes, against the alternatives.
+
+One run, two raylets on this machine (loopback; separate network namespaces are not used
+here), one node actor on each (node "a" on the head, node "b" on the worker):
+
+1. raw TCP throughput of the loopback link with plain sockets, the ceiling to compare with;
+2. migration throughput of a cached prefix from a to b: `pull_blocks` end to end (export on
+   a, object-store transfer, checks and import on b) and, for payloads already exported,
+   transfer plus import alone;
+3. time to first token on b of a request whose prefix a holds: migrated first vs recomputed,
+   per model (the demo model and the large demo model);
+4. per case (model x prefix length), the router's choice for b (coordinator `route` with a
+   excluded) against which of the two measured TTFTs was lower.
+
+    python -m cluster.bench_migration [--prefix-tokens 2048] [--sizes small,large]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+DEFAULT_LENGTHS = {"small": (32, 256, 2048), "large": (256, 2048)}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    prefix_tokens: int = 2048
+    sizes: tuple[str, ...] = ("small", "large")
+    tcp_mib: int = 256
+    block_size: int = 16
+    lengths: dict = field(default_factory=lambda: dict(DEFAULT_LENGTHS))
+
+
+@dataclass
+class Case:
+    model: str
+    tokens: int
+    migrate_ttft_s: float
+    recompute_ttft_s: float
+    router_migrates: bool
+    est_transfer_s: float | None
+
+    @property
+    def router_was_right(self) -> bool:
+        return self.router_migrates == (self.migrate_ttft_s < self.recompute_ttft_s)
+
+
+# ---- raw TCP ------------------------------------------------------------------------
+
+
+def tcp_throughput(nbytes: int, chunk: int = 4 << 20) -> float:
+    """Bytes per second through a loopback TCP connection, plain sockets, one stream."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    received = [0]
+
+    def receive() -> None:
+        conn, _ = server.accept()
+        buffer = bytearray(chunk)
+        with conn:
+            while received[0] < nbytes:
+                n = conn.recv_into(buffer)
+                if not n:
+                    break
+                received[0] += n
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    payload = memoryview(os.urandom(chunk))
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        started = time.perf_counter()
+        sent = 0
+        while sent < nbytes:
+            client.sendall(payload)
+            sent += chunk
+        thread.join()
+        seconds = time.perf_counter() - started
+    server.close()
+    return received[0] / seconds
+
+
+# ---- the two nodes --------------------------------------------------------------------
+
+
+class NodePair:
+    """Node actors "a" and "b" serving one demo model, and the calls the bench makes on them."""
+
+    def __init__(self, local, size: str, config: BenchConfig, num_blocks: int):
+        import ray
+
+        from cluster.ray_cluster import node_actor_config, start_node_actor
+        from node.demo_model import default_demo_model_path
+        from node.engine import EngineConfig
+
+        self.ray = ray
+        self.model = f"demo-{size}"
+        self.size = size
+        self.block_size = config.block_size
+        engine = EngineConfig(model=str(default_demo_model_path(size)), block_size=config.block_size,
+                              num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=512)
+        options = dict(heartbeat_s=0.5, model_name=self.model)
+        self.a = start_node_actor(local.head_ray_node_id, node_actor_config(f"a-{size}", engine, **options))
+        self.b = start_node_actor(local.worker_nodes[0].node_id, node_actor_config(f"b-{size}", engine, **options))
+        self.a_id, self.b_id = f"a-{size}", f"b-{size}"
+        self.coordinator = ray.get_actor("orchard-coordinator", namespace="orchard")
+        self._seed = 0
+
+    def close(self) -> None:
+        for actor in (self.a, self.b):
+            self.ray.get(actor.shutdown.remote())
+            self.ray.kill(actor)
+
+    def fresh_prompt(self, prefix_tokens: int) -> list[int]:
+        """A prompt whose full prefix no node holds yet, plus one partial block to compute."""
+        self._seed += 1
+        seed = self._seed * 7919 + len(self.model)
+        return [(seed + j * 13 + (j * j) % 97) % 1500 + 20 for j in range(prefix_tokens + self.block_size // 2)]
+
+    def hashes(self, tokens: list[int]) -> list[bytes]:
+        from kvcache.hashing import block_hashes, root_hash
+
+        spec = self.ray.get(self.coordinator.model_specs.remote())[self.model]
+        return block_hashes(tokens, self.block_size, root_hash(spec["fingerprint"], spec["cache_salt"]))
+
+    def first_token_s(self, actor, request_id: str, tokens: list[int]) -> float:
+        from node.types import SamplingParams
+
+        started = time.perf_counter()
+        stream = actor.generate.options(num_returns="streaming").remote(
+            request_id, tokens, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        first = None
+        for ref in stream:
+            self.ray.get(ref)
+            first = first or time.perf_counter() - started
+        return first
+
+    def cache_on_a(self, tokens: list[int]) -> list[bytes]:
+        self.first_token_s(self.a, f"cache-{self._seed}", tokens)
+        hashes = self.hashes(tokens)
+        deadline = time.monotonic() + 30
+        while self.ray.get(self.coordinator.match.remote(hashes)).get(self.a_id, 0) < len(hashes):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the coordinator never indexed the cached prefix")
+            time.sleep(0.1)
+        return hashes
+
+    def pull(self, hashes: list[bytes]) -> dict:
+        return self.ray.get(self.b.pull_blocks.remote(self.a, self.a_id, hashes))
+
+    def import_ready(self, hashes: list[bytes], chunk_blocks: int) -> dict:
+        """Export first, wait until the payloads sit in a's object store, then time b's import."""
+        refs = [self.a.export_blocks.remote(hashes[i : i + chunk_blocks]) for i in range(0, len(hashes), chunk_blocks)]
+        self.ray.wait(refs, num_returns=len(refs), fetch_local=False)
+        return self.ray.get(self.b.import_blocks.remote(refs, self.a_id))
+
+    def transfer_only(self, hashes: list[bytes], chunk_blocks: int) -> float:
+        """Bytes/s of moving exported payloads from a's object store into b's, nothing else."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        refs = [self.a.export_blocks.remote(hashes[i : i + chunk_blocks]) for i in range(0, len(hashes), chunk_blocks)]
+        self.ray.wait(refs, num_returns=len(refs), fetch_local=False)
+        worker = self.ray.get(self.b.info.remote())["ray_node_id"]
+        on_b = _fetch_timed.options(scheduling_strategy=NodeAffinitySchedulingStrategy(worker, soft=False))
+        nbytes, seconds = self.ray.get(on_b.remote(refs))
+        return nbytes / seconds
+
+    def migrated_ttft(self, tokens: list[int], hashes: list[bytes]) -> float:
+        started = time.perf_counter()
+        report = self.pull(hashes)
+        if not report["ok"] or report["imported"] != len(hashes):
+            raise RuntimeError(f"migration fell short: {report}")
+        return time.perf_counter() - started + self.first_token_s(self.b, f"migrated-{self._seed}", tokens)
+
+    def router_choice(self, tokens: list[int], hashes: list[bytes]) -> tuple[bool, float | None]:
+        """Whether the router, sending this prompt to b, would pull the prefix from a."""
+        request_id = f"route-{self._seed}"
+        decision = self.ray.get(self.coordinator.route.remote(
+            self.model, hashes, len(tokens), self.block_size, request_id, None, [self.a_id]))
+        self.coordinator.prefill_done.remote(decision.node_id, request_id)
+        plan = decision.migration
+        latency = self.ray.get(self.coordinator.link_latency.remote(self.a_id, self.b_id))
+        rate = self.ray.get(self.coordinator.link_rate.remote(self.a_id, self.b_id))
+        info = self.ray.get(self.b.info.remote())
+        estimate = latency + len(hashes) * info["bytes_per_block"] / rate if rate else None
+        return plan is not None, estimate
+
+
+def _fetch_timed_body(refs: list) -> tuple[int, float]:
+    import ray
+
+    started = time.perf_counter()
+    payloads = ray.get(refs)
+    return sum(len(p) for p in payloads), time.perf_counter() - started
+
+
+_fetch_timed_remote = None
+
+
+def _fetch_timed_task():
+    global _fetch_timed_remote
+    if _fetch_timed_remote is None:
+        import ray
+
+        _fetch_timed_remote = ray.remote(num_cpus=0)(_fetch_timed_body)
+    return _fetch_timed_remote
+
+
+class _FetchTimed:
+    def options(self, **kwargs):
+        return _fetch_timed_task().options(**kwargs)
+
+
+_fetch_timed = _FetchTimed()
+
+
+# ---- the run --------------------------------------------------------------------------
+
+
+def run_case(pair: NodePair, tokens_len: int) -> Case:
+    migrated_prompt = pair.fresh_prompt(tokens_len)
+    hashes = pair.cache_on_a(migrated_prompt)
+    migrates, estimate = pair.router_choice(migrated_prompt, hashes)
+    migrate_s = pair.migrated_ttft(migrated_prompt, hashes)
+    recompute_prompt = pair.fresh_prompt(tokens_len)
+    recompute_s = pair.first_token_s(pair.b, f"recompute-{pair._seed}", recompute_prompt)
+    return Case(pair.model, tokens_len, migrate_s, recompute_s, migrates, estimate)
+
+
+def throughput(pair: NodePair, config: BenchConfig) -> dict:
+    from node.migration import MigrationConfig
+
+    pair.pull(pair.cache_on_a(pair.fresh_prompt(4 * config.block_size)))  # warm: connections, workers
+    prompt = pair.fresh_prompt(config.prefix_tokens)
+    hashes = pair.cache_on_a(prompt)
+    pulled = pair.pull(hashes)
+    other = pair.fresh_prompt(config.prefix_tokens)
+    other_hashes = pair.cache_on_a(other)
+    info = pair.ray.get(pair.a.info.remote())
+    chunk_blocks = max(1, MigrationConfig().chunk_bytes // info["bytes_per_block"])
+    ready = pair.import_ready(other_hashes, chunk_blocks)
+    transfer = max(pair.transfer_only(other_hashes, chunk_blocks) for _ in range(3))
+    return {"pull_Bps": pulled["bytes_per_s"], "ready_Bps": ready["bytes_per_s"], "bytes": pulled["bytes"],
+            "transfer_Bps": transfer}
+
+
+def num_blocks_for(config: BenchConfig, size: str) -> int:
+    """Room for every prefix the run caches on one node, so nothing is evicted mid-run."""
+    tokens = 2 * config.prefix_tokens + 2 * sum(config.lengths.get(size, ())) + 256
+    return tokens // config.block_size + 64
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    from node.openblas import openblas_in_use, reexec_with_openblas
+
+    reexec_with_openblas()
+    from cluster.coordinator import CoordinatorConfig
+    from cluster.ray_cluster import LocalCluster, ensure_coordinator
+
+    tcp_Bps = tcp_throughput(config.tcp_mib << 20)
+    rows, cases = [], []
+    with LocalCluster(cpus_per_node=1, object_store_mb=400).start(extra_nodes=1) as local:
+        ensure_coordinator(CoordinatorConfig())
+        for size in config.sizes:
+            pair = NodePair(local, size, config, num_blocks_for(config, size))
+            try:
+                rates = throughput(pair, config)
+                size_cases = [run_case(pair, n) for n in config.lengths.get(size, (config.prefix_tokens,))]
+            finally:
+                pair.close()
+            rows.append((size, rates, next(c for c in size_cases if c.tokens == max(c.tokens for c in size_cases))))
+            cases += size_cases
+    print_report(config, tcp_Bps, rows, cases, openblas_in_use())
+    return 0
+
+
+def parse_args(argv) -> BenchConfig:
+    p = argparse.ArgumentParser(prog="orchard bench migration", description=__doc__.split("\n\n")[0])
+    p.add_argument("--prefix-tokens", type=int, default=2048, help="prefix moved for throughput and the TTFT row")
+    p.add_argument("--sizes", default="small,large", help="demo model sizes, comma separated")
+    p.add_argument("--tcp-mib", type=int, default=256, help="MiB sent through the raw TCP socket")
+    args = p.parse_args(argv)
+    sizes = tuple(s for s in args.sizes.split(",") if s)
+    lengths = {s: tuple(sorted(set(DEFAULT_LENGTHS.get(s, ())) | {args.prefix_tokens})) for s in sizes}
+    return BenchConfig(prefix_tokens=args.prefix_tokens, sizes=sizes, tcp_mib=args.tcp_mib, lengths=lengths)
+
+
+def print_report(config: BenchConfig, tcp_Bps: float, rows, cases: list[Case], openblas: bool) -> None:
+    gb = 1e9
+    print(f"KV migration, two raylets on loopback (no network namespaces); OpenBLAS preloaded: {openblas}")
+    print(f"raw TCP, plain sockets, one stream: {tcp_Bps / gb:.2f} GB/s")
+    print()
+    header = f"{'model':<12}{'prefix':>7}{'MiB':>7}{'transfer GB/s':>14}{'% TCP':>7}{'pull GB/s':>10}{'% TCP':>7}" \
+             f"{'ready GB/s':>11}{'% TCP':>7}{'TTFT migr s':>12}{'TTFT recomp s':>14}{'speed-up':>9}"
+    print(header)
+    for size, rates, case in rows:
+        print(f"{'demo-' + size:<12}{case.tokens:>7}{rates['bytes'] / 2**20:>7.1f}"
+              f"{rates['transfer_Bps'] / gb:>14.2f}{100 * rates['transfer_Bps'] / tcp_Bps:>6.0f}%"
+              f"{rates['pull_Bps'] / gb:>10.2f}{100 * rates['pull_Bps'] / tcp_Bps:>6.0f}%"
+              f"{rates['ready_Bps'] / gb:>11.2f}{100 * rates['ready_Bps'] / tcp_Bps:>6.0f}%"
+              f"{case.migrate_ttft_s:>12.3f}{case.recompute_ttft_s:>14.3f}"
+              f"{case.recompute_ttft_s / case.migrate_ttft_s:>8.1f}x")
+    print()
+    print(f"{'model':<12}{'prefix':>7}{'TTFT migr s':>12}{'TTFT recomp s':>14}{'est pull s':>11}{'faster':>10}"
+          f"{'router':>10}{'right':>7}")
+    for c in cases:
+        faster = "migrate" if c.migrate_ttft_s < c.recompute_ttft_s else "recompute"
+        choice = "migrate" if c.router_migrates else "recompute"
+        estimate = f"{c.est_transfer_s:.3f}" if c.est_transfer_s is not None else "-"
+        print(f"{c.model:<12}{c.tokens:>7}{c.migrate_ttft_s:>12.3f}{c.recompute_ttft_s:>14.3f}{estimate:>11}"
+              f"{faster:>10}{choice:>10}{'yes' if c.router_was_right else 'no':>7}")
+    right = sum(c.router_was_right for c in cases)
+    print(f"router's migrate-or-recompute choice was the faster one in {right} of {len(cases)} cases")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
