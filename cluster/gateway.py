@@ -19,6 +19,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic.json_schema import models_json_schema
 
 from cluster.backend import Backend, ModelInfo
+from cluster.dashboard import install_dashboard
 from cluster.http_errors import (
     ModelNotFound,
     QueueFull,
@@ -232,6 +233,7 @@ def create_app(backend: Backend, config: GatewayConfig | None = None) -> FastAPI
             info = {"nodes": [], "queue_depth": 0}  # the gateway's own figures still count
         return Response(gw.metrics.render(info), media_type=CONTENT_TYPE)
 
+    install_dashboard(app, gw, auth, declared_errors(*auth_errors, 503))
     _truthful_openapi(app)
     endpoints = {route.path for route in app.routes}
     app.add_middleware(_CountRequests, metrics=gw.metrics, endpoints=endpoints)
