@@ -1,0 +1,108 @@
+"""The dashboard in headless Chromium against a live `orchard serve --nodes 2` that needs a key.
+
+The page gets the key once through `?key=`, shows one row per node, and after a
+completion shows it: the request counter moves and the routing decision for that request
+appears with its reason. A screenshot goes to docs/img/dashboard.png for a person to see.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.dashboard.browser import Chromium, find_chromium
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+CHROMIUM = find_chromium()
+ORCHARD = Path(sys.executable).with_name("orchard")
+SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "img" / "dashboard.png"
+KEY = "dashboard-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+SHARED_PREFIX = "the orchard keeps its prefix blocks where the last request left them " * 3
+
+if CHROMIUM is None:
+    pytest.skip("no Chromium here (Debian: apt-get install chromium)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def served():
+    cmd = [str(ORCHARD), "serve", "--nodes", "2", "--port", "0", "--api-key", KEY, "--max-model-len", "256",
+           "--kv-memory", "0.05", "--grace", "5"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"serving (\S+) at (http://\S+)/v1", line)
+        assert match, (line, proc.stderr.read()[-3000:] if proc.poll() is not None else "")
+        yield match.group(1), match.group(2)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def complete(url: str, model: str, prompt: str) -> str:
+    body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    resp = httpx.post(url + "/v1/completions", json=body, headers=AUTH, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["id"]
+
+
+ROWS = "document.querySelectorAll('#nodes tbody tr').length"
+NODE_IDS = "[...document.querySelectorAll('#nodes tbody tr')].map(r => r.dataset.node).sort()"
+REQUESTS = "Number(document.getElementById('sum-requests').textContent.replace(/,/g, ''))"
+NODE_REQUESTS = ("[...document.querySelectorAll('#nodes tbody td.requests')]"
+                 ".reduce((sum, td) => sum + (Number(td.textContent) || 0), 0)")
+DECISIONS = ("[...document.querySelectorAll('#decisions tbody tr')]"
+             ".map(r => [r.cells[1].textContent, r.cells[2].textContent, r.cells[3].textContent])")
+
+
+def test_dashboard_shows_both_nodes_and_updates_after_a_request(served):
+    model, url = served
+    nodes = sorted(n["node"] for n in httpx.get(url + "/v1/cluster", headers=AUTH, timeout=30).json()["nodes"])
+    assert len(nodes) == 2
+    with Chromium(CHROMIUM) as page:
+        page.open(f"{url}/dashboard?key={KEY}&every=400")
+        page.wait_for(f"document.body.dataset.state === 'live' && {ROWS} === 2", timeout_s=90)
+        assert page.evaluate(NODE_IDS) == nodes
+        assert page.evaluate("location.search") == "?every=400"  # the key left the address bar
+        assert page.evaluate("sessionStorage.getItem('orchard-api-key')") == KEY
+        before = page.evaluate(REQUESTS)
+
+        request_id = complete(url, model, SHARED_PREFIX + "first")
+        page.wait_for(f"{REQUESTS} === {before + 1}", timeout_s=60)
+        decisions = page.wait_for(
+            f"{DECISIONS}.filter(d => d[0].startsWith('{request_id}'))", timeout_s=60)
+        assert len(decisions) == 1
+        assert decisions[0][1] in nodes
+        assert decisions[0][2] in ("prefix-hit", "load", "migrate")
+
+        complete(url, model, SHARED_PREFIX + "second")
+        page.wait_for(f"{REQUESTS} === {before + 2}", timeout_s=60)
+        # The node table follows the nodes' heartbeats: warm-up plus the two completions.
+        page.wait_for(f"{NODE_REQUESTS} === 3", timeout_s=30)
+        assert page.evaluate(ROWS) == 2
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        assert page.screenshot(str(SCREENSHOT)) > 10_000
+    assert SCREENSHOT.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_dashboard_without_a_key_asks_for_one(served):
+    _, url = served
+    with Chromium(CHROMIUM) as page:
+        page.open(f"{url}/dashboard")
+        page.wait_for("document.body.dataset.state === 'needs-key'", timeout_s=60)
+        assert page.evaluate("document.getElementById('key-form').hidden") is False
+        assert page.evaluate(ROWS) == 0
