@@ -156,17 +156,35 @@ def test_export_racing_evictions_is_whole_or_stops_cleanly(cluster):
     tokens = prompt(4)
     reference, _ = generate_on(cluster["a"], "cache-4", tokens)
     hashes = hashes_of(tokens)
+    before = cluster["a"].export_blocks.remote(hashes)
     flood = [cluster["a"].generate.options(num_returns="streaming").remote(f"flood-{i}", prompt(50 + i, 90), GREEDY)
-             for i in range(6)]  # 36 blocks against a 39-block pool: the prefix gets evicted meanwhile
-    exports = [cluster["a"].export_blocks.remote(hashes) for _ in range(3)]
+             for i in range(8)]  # 48 blocks through a 39-block pool: every older cached block is evicted
+    racing = cluster["a"].export_blocks.remote(hashes)
     for stream in flood:
         for ref in stream:
             ray.get(ref)
+    after = cluster["a"].export_blocks.remote(hashes)
     geometry = geometry_of(cluster["a"])
-    runs = [[b.block_hash for b in decode_blocks(ray.get(ref), geometry)] for ref in exports]
-    assert all(run == hashes[: len(run)] for run in runs)
-    report = ray.get(cluster["b"].import_blocks.remote([exports[-1]], "a"))
-    assert report["ok"] and report["imported"] <= 4
+    runs = [[b.block_hash for b in decode_blocks(ray.get(ref), geometry)] for ref in (before, racing, after)]
+    assert all(run == hashes[: len(run)] for run in runs)  # whole blocks of a prefix run, never a gap
+    assert (len(runs[0]), len(runs[2])) == (4, 0)
+    report = ray.get(cluster["b"].import_blocks.remote([racing], "a"))
+    assert report["ok"] and report["imported"] == len(runs[1])
     tokens_b, hit = generate_on(cluster["b"], "after-race", tokens)
     assert tokens_b == reference
     assert hit == report["imported"] * BLOCK
+
+
+def test_draining_a_node_moves_its_used_prefix_to_the_other(cluster):
+    tokens = prompt(5)
+    generate_on(cluster["a"], "cache-5", tokens)
+    hashes = hashes_of(tokens)
+    assert wait_for(lambda: ray.get(coordinator().match.remote(hashes)) == {"a": 4})
+    for i in range(2):  # the coordinator learns the prefix is in use
+        decision = ray.get(coordinator().route.remote(MODEL, hashes, len(tokens), BLOCK, f"use-{i}"))
+        ray.get(coordinator().prefill_done.remote(decision.node_id, f"use-{i}"))
+    ray.get(coordinator().drain.remote("a"))
+    try:
+        assert wait_for(lambda: ray.get(coordinator().match.remote(hashes)) == {"a": 4, "b": 4})
+    finally:
+        ray.get(coordinator().undrain.remote("a"))
