@@ -97,18 +97,28 @@ def gather_heads_major(cache: mx.array, slots: np.ndarray, stream: mx.Stream | N
         return mx.take(flat, mx.array(rows), axis=0)
 
 
-def paged_decode_reference(
-    queries: mx.array,
-    key_cache: mx.array,
-    value_cache: mx.array,
-    block_tables: np.ndarray,
-    context_lens: np.ndarray,
-    scale: float,
-) -> mx.array:
-    """One query per sequence against its whole paged context; lengths may differ."""
-    num_seqs = queries.shape[0]
-    if num_seqs == 0:
-        return mx.zeros(queries.shape, dtype=queries.dtype)
+def length_groups(context_lens: np.ndarray, max_padding: float = 0.25) -> list[np.ndarray]:
+    """Split sequences into groups whose padded width wastes at most `max_padding` of their reads.
+
+    A batched decode pads every sequence to the longest one; with mixed lengths that
+    gathers and attends over up to twice the tokens that exist. Groups are cut from the
+    lengths sorted longest first, so each group's width is its first member's length.
+    """
+    order = np.argsort(-context_lens, kind="stable")
+    groups: list[list[int]] = []
+    width = total = 0
+    for seq in order.tolist():
+        length = int(context_lens[seq])
+        if groups and width * (len(groups[-1]) + 1) <= (1 + max_padding) * (total + length):
+            groups[-1].append(seq)
+            total += length
+        else:
+            groups.append([seq])
+            width = total = length
+    return [np.asarray(g, dtype=np.int64) for g in groups]
+
+
+def _decode_group(queries, key_cache, value_cache, block_tables, context_lens, scale) -> mx.array:
     width = int(context_lens.max())
     slots = token_slots(block_tables, context_lens, key_cache.shape[1], width)
     keys = gather_heads_major(key_cache, slots)
@@ -119,6 +129,35 @@ def paged_decode_reference(
     q = queries.astype(key_cache.dtype)[:, :, None, :]
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     return out[:, :, 0, :].astype(queries.dtype)
+
+
+def paged_decode_reference(
+    queries: mx.array,
+    key_cache: mx.array,
+    value_cache: mx.array,
+    block_tables: np.ndarray,
+    context_lens: np.ndarray,
+    scale: float,
+) -> mx.array:
+    """One query per sequence against its whole paged context; lengths may differ.
+
+    Sequences are decoded in groups of similar length (see `length_groups`), then put
+    back in their order.
+    """
+    num_seqs = queries.shape[0]
+    if num_seqs == 0:
+        return mx.zeros(queries.shape, dtype=queries.dtype)
+    groups = length_groups(context_lens)
+    if len(groups) == 1:
+        return _decode_group(queries, key_cache, value_cache, block_tables, context_lens, scale)
+    pieces = [
+        _decode_group(queries[mx.array(g)], key_cache, value_cache, block_tables[g], context_lens[g], scale)
+        for g in groups
+    ]
+    order = np.concatenate(groups)
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(num_seqs)
+    return mx.take(mx.concatenate(pieces, axis=0), mx.array(inverse), axis=0)
 
 
 def chunk_attention_reference(
