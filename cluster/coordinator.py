@@ -24,6 +24,7 @@ import ray
 
 from cluster.migration import LinkCostFit
 from cluster.membership import Membership, MembershipConfig, NodeId, NodeInfo, NodeLoad, NodeStatus, UnknownNode
+from cluster.pending_prefixes import PendingPrefixes
 from cluster.prefix_index import PrefixIndex
 from cluster.replication import BlockMove, NodeLoadView, ReplicationConfig, ReplicationPlanner
 from cluster.router import RouteDecision, Router, RouterConfig, RouteRequest
@@ -39,6 +40,7 @@ class CoordinatorConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
+    pending_prefix_ttl_s: float = 30.0  # how long a routed prefix counts as held before its node reports it
 
 
 @dataclass
@@ -63,6 +65,7 @@ class Coordinator:
         self.config = config or CoordinatorConfig()
         self.membership = Membership(self.config.membership, clock)
         self.index = PrefixIndex()
+        self.pending = PendingPrefixes(self.config.pending_prefix_ttl_s, clock)
         self.router = Router(self.config.router)
         self.replication = ReplicationPlanner(self.config.replication)
         self._clock = clock
@@ -167,9 +170,10 @@ class Coordinator:
         """Choose a node for a prompt; `exclude` skips nodes a resumed request just lost."""
         self.reap()
         candidates = [n for n in self.membership.candidates(model) if n.node_id not in exclude]
-        held = self.index.match(block_hashes)
+        held = self.pending.extend(self.index.match(block_hashes), block_hashes, self._index_holds)
         request = RouteRequest(model, num_tokens, block_size, held, request_id)
         decision = self.router.route(request, candidates, self.link_rate, policy, self.link_latency)
+        self.pending.note(decision.node_id, block_hashes)
         uncached = max(1, num_tokens - decision.cached_blocks * block_size)
         self.membership.note_routed(decision.node_id, request_id or f"anonymous-{self._totals.requests}", uncached)
         self._count(decision, num_tokens, block_size)
@@ -208,6 +212,7 @@ class Coordinator:
         dead = self.membership.reap()
         for node_id in dead:
             self.index.remove_node(node_id)
+            self.pending.forget_node(node_id)
         return dead
 
     # ---- looking -------------------------------------------------------------------
@@ -272,7 +277,11 @@ class Coordinator:
     def _declare_dead(self, node_id: NodeId, reason: str) -> bool:
         changed = self.membership.mark_dead(node_id, reason)
         self.index.remove_node(node_id)
+        self.pending.forget_node(node_id)
         return changed
+
+    def _index_holds(self, node_id: NodeId, block_hash: BlockHash) -> bool:
+        return node_id in self.index.holders(block_hash)
 
     def _load_views(self, candidates) -> list[NodeLoadView]:
         return [NodeLoadView(n, load, prefill) for n, (load, prefill) in self.router.load_seconds(candidates).items()]

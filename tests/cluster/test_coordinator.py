@@ -199,3 +199,23 @@ def test_unclosed_routed_work_expires():
     clock.now += 61.0
     coord.heartbeat("a", LOAD)
     assert coord.membership.get("a").pending_requests == 0
+
+
+def test_a_prefix_routed_but_not_yet_reported_counts_as_held_there_until_it_expires():
+    coord, clock, logs = make("a", "b", "c", dead_after_s=1000.0)
+    first = route(coord, request_id="first")
+    coord.prefill_done(first.node_id, "first")  # its blocks are not reported yet
+    second = route(coord, request_id="second")
+    assert second.node_id == first.node_id and second.cached_blocks == len(HASHES)
+    assert coord.index.match(HASHES) == {}  # the index itself still knows only events
+    coord.prefill_done(first.node_id, "second")
+    clock.now += CoordinatorConfig().pending_prefix_ttl_s + 1
+    assert route(coord).cached_blocks == 0
+
+
+def test_pending_prefixes_vanish_with_their_node():
+    coord, clock, logs = make("a", "b")
+    first = route(coord, request_id="first")
+    coord.node_failed(first.node_id)
+    assert len(coord.pending) == 0
+    assert route(coord).node_id != first.node_id

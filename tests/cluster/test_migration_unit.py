@@ -279,7 +279,9 @@ class Clock:
 
 def coordinator_with(*node_ids, prefill_tps=1000.0, bytes_per_block=4096) -> tuple[Coordinator, Clock]:
     clock = Clock()
-    coord = Coordinator(CoordinatorConfig(replication=ReplicationConfig(hot_arrivals=3)), clock)
+    # Routes here probe the cost model one at a time, so none may count as a prefix in flight.
+    config = CoordinatorConfig(replication=ReplicationConfig(hot_arrivals=3), pending_prefix_ttl_s=0.0)
+    coord = Coordinator(config, clock)
     for node_id in node_ids:
         info = {"model": "m", "block_size": BS, "bytes_per_block": bytes_per_block, "actor_name": f"actor-{node_id}"}
         coord.register_node(node_id, info)
