@@ -165,10 +165,17 @@ def main(argv: list[str] | None = None) -> int:
     if "capacity" in only:
         eng = engine(kv_memory_gb=args.kv_budget_mb / 1024)
         w = make_workload(vocab, args.num_requests, args.scale)
-        max_len = int(1024 * args.scale) + int(256 * args.scale)
-        contiguous = int(args.kv_budget_mb * 2**20 // (max_len * eng.kv.geometry.bytes_per_token))
+        per_token = eng.kv.geometry.bytes_per_token
+        budget = args.kv_budget_mb * 2**20
+        workload_max = max(len(p) + m for p, m in zip(w.prompts, w.max_tokens))
         ours = run_engine(eng, w)
-        table.add_row("capacity @ %.0f MB KV" % args.kv_budget_mb, f"paged peak {ours['peak_running']} seqs", f"contiguous {contiguous} seqs", f"{ours['peak_running'] / max(contiguous, 1):.2f}x", "", "")
+        for label, max_len in (("workload max", workload_max), ("model context", eng.max_model_len)):
+            contiguous = int(budget // (max_len * per_token))
+            table.add_row(
+                f"capacity @ {args.kv_budget_mb:.0f} MB KV vs contiguous to {label} ({max_len})",
+                f"paged peak {ours['peak_running']} seqs", f"contiguous {contiguous} seqs",
+                f"{ours['peak_running'] / max(contiguous, 1):.2f}x", "", "",
+            )
     if "overhead" in only:
         share = step_overhead(engine(kv_memory_gb=2.0), 32, args.scale)
         table.add_row("step time outside forward @ batch 32", f"{share * 100:.1f}%", "", "target < 10%", "", "")
