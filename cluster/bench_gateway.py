@@ -1,0 +1,351 @@
+"""What the HTTP front costs and what it delivers: `python -m cluster.bench_gateway`.
+
+One run on one model measures, in order:
+
+1. TTFT of single requests (one at a time, distinct prompts of the same length) by calling
+   an in-process engine directly, then the same prompts as token ids through `orchard serve`
+   (gateway + coordinator + one Ray node actor) over streaming HTTP. The difference of the
+   medians is what the gateway and Ray add (target: under 5 ms).
+2. Output tokens/s with `--clients` concurrent streaming clients through `orchard serve`,
+   then through `mlx_lm.server` on the same model, with `orchard bench serve`'s load
+   generator and the same seeded workload (target: 1.5x).
+
+The servers run one after another, never together, so they do not share the CPU. On Linux
+the whole run (servers included) has OpenBLAS preloaded when it exists; the table says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+TTFT_TARGET_MS = 5.0
+THROUGHPUT_TARGET = 1.5
+
+
+@dataclass(frozen=True)
+class GatewayBenchConfig:
+    model: str | None = None  # None: the bundled demo model
+    ttft_samples: int = 200
+    ttft_warmup: int = 10
+    ttft_prompt_tokens: int = 64
+    clients: int = 32
+    requests: int = 96
+    input_tokens: int = 128
+    output_tokens: int = 64
+    max_model_len: int = 512
+    kv_memory_gb: float = 0.25
+    max_num_seqs: int = 64
+    peer: bool = True  # also measure mlx_lm.server
+    start_timeout_s: float = 600.0
+    seed: int = 0
+
+
+class ServerDidNotStart(RuntimeError):
+    """A server process exited or did not answer in time."""
+
+
+# ---- prompts ---------------------------------------------------------------------------
+def ttft_prompts(tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
+    """`count` prompts of exactly `length` tokens whose first blocks all differ (no prefix hits)."""
+    from node.demo_model import corpus_text
+
+    words = corpus_text().split()
+    rng = random.Random(seed)
+    prompts, seen = [], set()
+    while len(prompts) < count:
+        start = rng.randrange(0, max(1, len(words) - 4 * length))
+        ids = list(tokenizer.encode(" ".join(words[start:start + 4 * length])))[:length]
+        if len(ids) == length and tuple(ids[:16]) not in seen:
+            seen.add(tuple(ids[:16]))
+            prompts.append(ids)
+    return prompts
+
+
+# ---- 1. TTFT: the engine called directly, then through HTTP ------------------------------
+def engine_config(cfg: GatewayBenchConfig):
+    from node.engine import EngineConfig
+
+    return EngineConfig(model=cfg.model, max_model_len=cfg.max_model_len, kv_memory_gb=cfg.kv_memory_gb,
+                        max_num_seqs=cfg.max_num_seqs)
+
+
+async def _engine_ttft(engine, prompts: list[list[int]]) -> list[float]:
+    from node.types import SamplingParams
+
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    samples = []
+    for i, prompt in enumerate(prompts):
+        t0 = time.perf_counter()
+        first = None
+        async for out in engine.generate(f"ttft-{i}", prompt, params):
+            if first is None and out.outputs and out.outputs[0].token_ids_delta:
+                first = time.perf_counter() - t0
+        samples.append(first)
+    return samples
+
+
+def start_engine(cfg: GatewayBenchConfig):
+    from node.async_engine import AsyncEngine
+
+    return AsyncEngine.from_config(engine_config(cfg))
+
+
+def direct_ttft(engine, prompts: list[list[int]]) -> list[float]:
+    return asyncio.run(_engine_ttft(engine, prompts))
+
+
+def http_ttft(base_url: str, model: str, prompts: list[list[int]]) -> list[float]:
+    """TTFT of each prompt (token ids) sent alone to /v1/completions, streamed."""
+    samples = []
+    with httpx.Client(timeout=120) as http:
+        for prompt in prompts:
+            body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+                    "stream": True}
+            t0 = time.perf_counter()
+            first = None
+            with http.stream("POST", base_url + "/v1/completions", json=body) as resp:
+                resp.raise_for_status()
+                for line in resp.iter_lines():
+                    if first is None and line.startswith("data:") and '"text"' in line and "[DONE]" not in line:
+                        first = time.perf_counter() - t0
+            samples.append(first)
+    return samples
+
+
+# ---- 2. throughput under concurrent streaming clients ------------------------------------
+def throughput(base_url: str, model: str, tokenizer_path: str, cfg: GatewayBenchConfig) -> dict:
+    """`orchard bench serve`'s summary of one burst of `requests` at `clients` concurrency."""
+    from cluster.loadgen import DatasetConfig, EndpointConfig, LengthRange, LoadConfig, ServeBenchConfig, run_bench
+
+    bench = ServeBenchConfig(
+        endpoint=EndpointConfig(base_url, model, ignore_eos=True),
+        dataset=DatasetConfig("random", LengthRange(cfg.input_tokens), LengthRange(cfg.output_tokens), seed=cfg.seed),
+        load=LoadConfig(max_concurrency=cfg.clients, num_prompts=cfg.requests, seed=cfg.seed),
+        tokenizer=tokenizer_path,
+        progress=False,
+    )
+    return run_bench(bench)["runs"][0]["summary"]
+
+
+# ---- servers -----------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A server in its own session, ready once `ready_path` answers 200; stopped with SIGTERM."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, ready_path: str, timeout_s: float):
+        self.name, self.cmd, self.port, self.ready_path, self.timeout_s = name, cmd, port, ready_path, timeout_s
+        self.url = f"http://127.0.0.1:{port}"
+        self._proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "ServerProcess":
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        self._proc = subprocess.Popen(self.cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE, text=True, start_new_session=True)
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise ServerDidNotStart(f"{self.name} exited with {self._proc.returncode}: {self._proc.stderr.read()[-2000:]}")
+            try:
+                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.__exit__()
+        raise ServerDidNotStart(f"{self.name} did not answer {self.ready_path} within {self.timeout_s:.0f}s")
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        self._proc.send_signal(signal.SIGTERM)
+        try:
+            self._proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait()
+
+
+def orchard_server(cfg: GatewayBenchConfig, ray: bool = True) -> ServerProcess:
+    port = free_port()
+    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--max-model-len", str(cfg.max_model_len),
+           "--kv-memory", str(cfg.kv_memory_gb), "--max-num-seqs", str(cfg.max_num_seqs), "--grace", "5"]
+    if not ray:
+        cmd.append("--no-ray")
+    if cfg.model:
+        cmd += ["--model", cfg.model]
+    return ServerProcess("orchard serve" + ("" if ray else " --no-ray"), cmd, port, "/health", cfg.start_timeout_s)
+
+
+def mlx_lm_server(cfg: GatewayBenchConfig, model_path: str) -> ServerProcess:
+    port = free_port()
+    cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model_path, "--port", str(port),
+           "--decode-concurrency", str(cfg.clients), "--log-level", "WARNING"]
+    return ServerProcess("mlx_lm.server", cmd, port, "/v1/models", cfg.start_timeout_s)
+
+
+# ---- the run -----------------------------------------------------------------------------
+def p50_ms(samples: list[float | None]) -> float:
+    return 1000.0 * statistics.median(s for s in samples if s is not None)
+
+
+def interleaved_ttft(engine, urls: list[str], model: str, prompts: list[list[int]], warmup: int) -> list[list]:
+    """TTFT of each prompt by every path (the engine called directly, then each URL), path
+    after path request by request, so a change in the machine's load during the run shifts
+    every series alike. Each path has its own prefix cache and sees each prompt once."""
+    paths = [lambda ps: direct_ttft(engine, ps)] + [lambda ps, url=url: http_ttft(url, model, ps) for url in urls]
+    for path in paths:
+        path(prompts[:warmup])
+    series: list[list] = [[] for _ in paths]
+    for prompt in prompts[warmup:]:
+        for samples, path in zip(series, paths):
+            samples += path([prompt])
+    return series
+
+
+def run(cfg: GatewayBenchConfig, say=print) -> dict:
+    say("loading the engine in this process")
+    engine = start_engine(cfg)
+    model, model_path = engine.model_name, str(engine.engine.model.path)
+    prompts = ttft_prompts(engine.tokenizer, cfg.ttft_warmup + cfg.ttft_samples, cfg.ttft_prompt_tokens, cfg.seed)
+    try:
+        with orchard_server(cfg) as orchard, orchard_server(cfg, ray=False) as gateway_only:
+            say("1/4 TTFT: engine called directly, through orchard serve --no-ray (HTTP only) and through "
+                "orchard serve (HTTP, coordinator, Ray node actor), alternating")
+            direct, http_only, http = interleaved_ttft(
+                engine, [gateway_only.url, orchard.url], model, prompts, cfg.ttft_warmup)
+            engine.shutdown()
+            say(f"2/4 {cfg.clients} streaming clients through orchard serve")
+            ours = throughput(orchard.url, model, model_path, cfg)
+            say(f"3/4 {cfg.clients} streaming clients through orchard serve --no-ray")
+            ours_no_ray = throughput(gateway_only.url, model, model_path, cfg)
+    finally:
+        engine.shutdown()
+    peer = None
+    if cfg.peer:
+        with mlx_lm_server(cfg, model_path) as server:
+            say(f"4/4 {cfg.clients} streaming clients through mlx_lm.server")
+            peer = throughput(server.url, model_path, model_path, cfg)
+    ms = lambda samples: [1000 * s for s in samples if s is not None]  # noqa: E731
+    return {
+        "config": asdict(cfg),
+        "model": model,
+        "machine": machine(),
+        "ttft_direct_ms": ms(direct),
+        "ttft_http_no_ray_ms": ms(http_only),
+        "ttft_http_ms": ms(http),
+        "ttft_direct_p50_ms": p50_ms(direct),
+        "ttft_http_no_ray_p50_ms": p50_ms(http_only),
+        "ttft_http_p50_ms": p50_ms(http),
+        "orchard": ours,
+        "orchard_no_ray": ours_no_ray,
+        "mlx_lm_server": peer,
+    }
+
+
+def machine() -> dict:
+    from node.openblas import openblas_in_use
+
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "openblas": openblas_in_use(),
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+
+
+def table(result: dict) -> str:
+    cfg = result["config"]
+    added = result["ttft_http_p50_ms"] - result["ttft_direct_p50_ms"]
+    rows = [
+        ("TTFT p50, one request at a time", f"{result['ttft_http_p50_ms']:.1f} ms (HTTP)",
+         f"{result['ttft_direct_p50_ms']:.1f} ms (engine direct)",
+         f"{added:+.1f} ms", f"< {TTFT_TARGET_MS:.0f} ms: {'met' if added < TTFT_TARGET_MS else 'missed'}"),
+        ("  the same, HTTP gateway alone (--no-ray)", f"{result['ttft_http_no_ray_p50_ms']:.1f} ms (HTTP)",
+         f"{result['ttft_direct_p50_ms']:.1f} ms (engine direct)",
+         f"{result['ttft_http_no_ray_p50_ms'] - result['ttft_direct_p50_ms']:+.1f} ms", ""),
+    ]
+    ours, peer = result["orchard"], result["mlx_lm_server"]
+    if peer:
+        ratio = ours["output_throughput"] / peer["output_throughput"] if peer["output_throughput"] else float("inf")
+        rows.append((f"output tok/s, {cfg['clients']} streaming clients", f"{ours['output_throughput']:.1f} (orchard)",
+                     f"{peer['output_throughput']:.1f} (mlx_lm.server)", f"{ratio:.2f}x",
+                     f">= {THROUGHPUT_TARGET}x: {'met' if ratio >= THROUGHPUT_TARGET else 'missed'}"))
+        no_ray = result["orchard_no_ray"]
+        rows.append(("  the same, orchard serve --no-ray", f"{no_ray['output_throughput']:.1f} (orchard --no-ray)",
+                     f"{peer['output_throughput']:.1f} (mlx_lm.server)",
+                     f"{no_ray['output_throughput'] / peer['output_throughput']:.2f}x" if peer["output_throughput"] else "",
+                     ""))
+        rows.append((f"TTFT p50 under that load", f"{ours['ttft_ms']['p50']:.0f} ms", f"{peer['ttft_ms']['p50']:.0f} ms",
+                     "", ""))
+        rows.append(("TPOT p50 under that load", f"{ours['tpot_ms']['p50']:.1f} ms", f"{peer['tpot_ms']['p50']:.1f} ms",
+                     "", ""))
+        rows.append(("completed / failed", f"{ours['completed']} / {ours['failed']}",
+                     f"{peer['completed']} / {peer['failed']}", "", ""))
+    else:
+        rows.append((f"output tok/s, {cfg['clients']} streaming clients", f"{ours['output_throughput']:.1f} (orchard)",
+                     "not measured", "", ""))
+    header = ("metric", "orchard serve", "reference", "difference", "target")
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> tuple[GatewayBenchConfig, str | None]:
+    d = GatewayBenchConfig()
+    p = argparse.ArgumentParser(prog="python -m cluster.bench_gateway", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=d.model, help="mlx-lm model path (default: the bundled demo model)")
+    p.add_argument("--ttft-samples", type=int, default=d.ttft_samples)
+    p.add_argument("--ttft-prompt-tokens", type=int, default=d.ttft_prompt_tokens)
+    p.add_argument("--clients", type=int, default=d.clients, help="concurrent streaming clients")
+    p.add_argument("--requests", type=int, default=d.requests, help="requests in the throughput run")
+    p.add_argument("--input-tokens", type=int, default=d.input_tokens)
+    p.add_argument("--output-tokens", type=int, default=d.output_tokens)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--kv-memory", type=float, default=d.kv_memory_gb, metavar="GB")
+    p.add_argument("--no-peer", action="store_true", help="skip mlx_lm.server")
+    p.add_argument("--json", metavar="PATH", help="also write the full result here")
+    a = p.parse_args(argv)
+    cfg = GatewayBenchConfig(
+        model=a.model, ttft_samples=a.ttft_samples, ttft_prompt_tokens=a.ttft_prompt_tokens, clients=a.clients,
+        requests=a.requests, input_tokens=a.input_tokens, output_tokens=a.output_tokens,
+        max_model_len=a.max_model_len, kv_memory_gb=a.kv_memory, max_num_seqs=max(d.max_num_seqs, a.clients),
+        peer=not a.no_peer,
+    )
+    return cfg, a.json
+
+
+def main(argv: list[str] | None = None) -> int:
+    from node.openblas import reexec_with_openblas
+
+    reexec_with_openblas()
+    cfg, json_path = parse_args(argv)
+    result = run(cfg, say=lambda what: print(what, file=sys.stderr, flush=True))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=2))
+    m = result["machine"]
+    print(f"model {result['model']}; {m['platform']}, {m['cpus']} CPUs, OpenBLAS preloaded: "
+          f"{'yes' if m['openblas'] else 'no'}, load average {m['load_average']}")
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # MLX's native threads can abort interpreter teardown
