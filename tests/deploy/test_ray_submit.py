@@ -89,9 +89,8 @@ def launched():
     with SSHServer(free_port(), str(VENV_BIN), {"RAY_USAGE_STATS_ENABLED": "0"}) as ssh:
         # Ray keeps the session's temp dir, and the launcher its state file, under the server's folder.
         ssh_env = ray_env(RAY_TMPDIR=str(ssh.root / "rt"))
-        ssh.env["RAY_TMPDIR"] = str(ssh.root / "rt")
-        (ssh.home / ".bashrc").write_text((ssh.home / ".bashrc").read_text()
-                                           + f'export RAY_TMPDIR="{ssh.root / "rt"}"\n')
+        with open(ssh.home / ".bashrc", "a") as bashrc:  # the sessions' Ray finds the same folder
+            bashrc.write(f'export RAY_TMPDIR="{ssh.root / "rt"}"\n')
         (ssh.root / "rt").mkdir()
         config_path = ssh.root / "cluster.yaml"
         config_path.write_text(yaml.safe_dump(launcher_config(ssh, free_port())))
