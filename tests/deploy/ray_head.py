@@ -47,6 +47,7 @@ class RayHead:
     dashboard_port: int = 0
     _proc: subprocess.Popen | None = None
     _log: object = None
+    _workers: list = field(default_factory=list)
 
     @property
     def address(self) -> str:
@@ -86,6 +87,19 @@ class RayHead:
             raise
         return self
 
+    def add_worker(self, num_cpus: int = 1) -> None:
+        """Another raylet on this machine joining the head, as a second machine would, with `orchard_node`."""
+        ports = {flag: free_port() for flag in (
+            "--node-manager-port", "--object-manager-port", "--metrics-export-port", "--runtime-env-agent-port",
+            "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port")}
+        cmd = [str(RAY), "start", "--block", "--address", self.address, "--node-ip-address", "127.0.0.1",
+               "--num-cpus", str(num_cpus), "--resources", json.dumps(self.resources),
+               "--object-store-memory", str(80 << 20)]
+        for flag, port in ports.items():
+            cmd += [flag, str(port)]
+        self._workers.append(subprocess.Popen(cmd, env=ray_env(RAY_TMPDIR=self.temp_dir), stdin=subprocess.DEVNULL,
+                                              stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True))
+
     def _wait_for_job_server(self) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
@@ -106,6 +120,8 @@ class RayHead:
             return ""
 
     def stop(self) -> None:
+        while self._workers:
+            stop_process_group(self._workers.pop(), grace_s=10)
         if self._proc is not None:
             stop_process_group(self._proc, grace_s=10)
             self._proc = None

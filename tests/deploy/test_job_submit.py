@@ -50,10 +50,14 @@ def head():
         started.stop()
 
 
-def test_job_submit_brings_up_a_gateway_that_answers_health_and_a_completion(head):
+def alive_nodes(url: str) -> int:
+    return sum(n["status"] == "alive" for n in httpx.get(url + "/v1/cluster", timeout=10).json()["nodes"])
+
+
+def test_job_submit_brings_up_a_gateway_that_answers_health_and_a_completion_and_serves_a_late_joiner(head):
     port = free_port()
     submitted = ray_job(head, "submit", "--no-wait", "--submission-id", JOB_ID, "--",
-                        sys.executable, str(DRIVER), "--port", str(port), *SMALL)
+                        sys.executable, str(DRIVER), "--port", str(port), "--place-every", "1", *SMALL)
     assert submitted.returncode == 0, submitted.stderr[-3000:]
     url = f"http://127.0.0.1:{port}"
     try:
@@ -64,8 +68,14 @@ def test_job_submit_brings_up_a_gateway_that_answers_health_and_a_completion(hea
         reply = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
         assert reply["usage"]["completion_tokens"] == 6
         assert reply["choices"][0]["finish_reason"] == "length"
-        cluster = httpx.get(url + "/v1/cluster", timeout=10).json()
-        assert [n["status"] for n in cluster["nodes"]] == ["alive"]
+        assert alive_nodes(url) == 1
+
+        head.add_worker()  # a machine joining after the driver started gets its node actor
+        deadline = time.monotonic() + 120
+        while alive_nodes(url) < 2:
+            assert time.monotonic() < deadline, "the late joiner got no node actor"
+            time.sleep(1)
+        assert alive_nodes(url) == 2
     finally:
         stopped = ray_job(head, "stop", JOB_ID, timeout=120)
     assert stopped.returncode == 0, stopped.stderr[-2000:]
