@@ -59,8 +59,12 @@ class Chromium:
         os.close(to_browser_r)
         os.close(from_browser_w)
         threading.Thread(target=self._read, daemon=True).start()
-        target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
-        self._session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        try:
+            target = self.send("Target.createTarget", {"url": "about:blank"})["targetId"]
+            self._session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
@@ -74,7 +78,10 @@ class Chromium:
             except subprocess.TimeoutExpired:
                 os.killpg(self._proc.pid, 9)
                 self._proc.wait()
-        os.close(self._to_browser)
+        try:
+            os.close(self._to_browser)
+        except OSError:
+            pass
         shutil.rmtree(self._profile, ignore_errors=True)
 
     # ---- protocol ------------------------------------------------------------------
