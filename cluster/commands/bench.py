@@ -21,6 +21,7 @@ DELEGATED = {
     "engine": ("node.bench", "one node's engine, offline"),
     "cluster": ("cluster.bench_cluster", "routing across nodes"),
     "migration": ("cluster.bench_migration", "KV block migration between nodes"),
+    "gateway": ("cluster.bench_gateway", "HTTP front vs engine; orchard serve vs mlx_lm.server"),
 }
 
 
