@@ -54,7 +54,9 @@ class Chromium:
         # bash (dash takes single-digit fds only) puts the pipe ends on fds 3 and 4, where Chromium expects them.
         script = f'exec "$@" 3<&{to_browser_r} 4>&{from_browser_w}'
         cmd = ["bash", "-c", script, "bash", self.binary, *FLAGS, f"--user-data-dir={self._profile}", "about:blank"]
-        self._proc = subprocess.Popen(cmd, pass_fds=(to_browser_r, from_browser_w), stdin=subprocess.DEVNULL,
+        # The test run may preload OpenBLAS for MLX; Chromium's renderers must not inherit it.
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+        self._proc = subprocess.Popen(cmd, pass_fds=(to_browser_r, from_browser_w), stdin=subprocess.DEVNULL, env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         os.close(to_browser_r)
         os.close(from_browser_w)

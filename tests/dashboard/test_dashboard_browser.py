@@ -11,6 +11,8 @@ import os
 import re
 import signal
 import subprocess
+import tempfile
+import threading
 import sys
 from pathlib import Path
 
@@ -36,12 +38,18 @@ if CHROMIUM is None:
 def served():
     cmd = [str(ORCHARD), "serve", "--nodes", "2", "--port", "0", "--api-key", KEY, "--max-model-len", "256",
            "--kv-memory", "0.05", "--grace", "5"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    # The server's logs go to a file: a pipe nobody drains fills up and blocks the server.
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
                             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
     try:
         line = proc.stdout.readline()
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        if not re.search(r"serving (\S+) at (http://\S+)/v1", line):
+            proc.wait(timeout=5) if proc.poll() is None else None
+            log.seek(0)
+            pytest.fail(f"orchard serve did not start: {line!r}\n{log.read()[-3000:]}")
         match = re.search(r"serving (\S+) at (http://\S+)/v1", line)
-        assert match, (line, proc.stderr.read()[-3000:] if proc.poll() is not None else "")
         yield match.group(1), match.group(2)
     finally:
         if proc.poll() is None:
