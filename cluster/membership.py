@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
+from node.rates import Ewma
+
 NodeId = str
 
 
@@ -69,18 +71,6 @@ class NodeLoad:
 
 
 @dataclass
-class MovingAverage:
-    """Exponential moving average that starts at its first sample."""
-
-    alpha: float = 0.3
-    value: float | None = None
-
-    def add(self, sample: float) -> float:
-        self.value = sample if self.value is None else self.alpha * sample + (1 - self.alpha) * self.value
-        return self.value
-
-
-@dataclass
 class NodeState:
     node_id: NodeId
     info: NodeInfo
@@ -88,8 +78,8 @@ class NodeState:
     last_heartbeat: float
     status: NodeStatus = NodeStatus.ALIVE
     load: NodeLoad = field(default_factory=NodeLoad)
-    prefill_s_per_token: MovingAverage = field(default_factory=MovingAverage)
-    decode_s_per_token: MovingAverage = field(default_factory=MovingAverage)
+    prefill_s_per_token: Ewma = field(default_factory=Ewma)
+    decode_s_per_token: Ewma = field(default_factory=Ewma)
     # Requests routed here whose prefill has not been seen to finish: request id ->
     # (when routed, prompt tokens to prefill). Fresher than any heartbeat.
     pending: dict[str, tuple[float, int]] = field(default_factory=dict)
@@ -136,7 +126,7 @@ class Membership:
         self._clock = clock
         self._nodes: dict[NodeId, NodeState] = {}
         # (source, target) -> bytes per second moved between them.
-        self._links: dict[tuple[NodeId, NodeId], MovingAverage] = {}
+        self._links: dict[tuple[NodeId, NodeId], Ewma] = {}
 
     def register(self, node_id: NodeId, info: NodeInfo) -> NodeState:
         """Add a node, or reset one that comes back: a rejoining node starts with no history."""
@@ -147,8 +137,8 @@ class Membership:
             info,
             registered_at=now,
             last_heartbeat=now,
-            prefill_s_per_token=MovingAverage(alpha),
-            decode_s_per_token=MovingAverage(alpha),
+            prefill_s_per_token=Ewma(alpha),
+            decode_s_per_token=Ewma(alpha),
         )
         self._nodes[node_id] = state
         return state
@@ -163,9 +153,9 @@ class Membership:
         state.prefilled_since_heartbeat = 0
         self._expire_pending(state)
         if load.prefill_tokens_per_s:
-            state.prefill_s_per_token.add(1.0 / load.prefill_tokens_per_s)
+            state.prefill_s_per_token.update(1.0 / load.prefill_tokens_per_s)
         if load.decode_tokens_per_s:
-            state.decode_s_per_token.add(1.0 / load.decode_tokens_per_s)
+            state.decode_s_per_token.update(1.0 / load.decode_tokens_per_s)
         return state
 
     def note_routed(self, node_id: NodeId, request_id: str, prefill_tokens: int) -> None:
@@ -185,7 +175,7 @@ class Membership:
 
     def record_link_rate(self, source: NodeId, target: NodeId, bytes_per_s: float) -> None:
         if bytes_per_s > 0:
-            self._links.setdefault((source, target), MovingAverage(self.config.rate_alpha)).add(bytes_per_s)
+            self._links.setdefault((source, target), Ewma(self.config.rate_alpha)).update(bytes_per_s)
 
     def link_rate(self, source: NodeId, target: NodeId) -> float | None:
         """Measured bytes/s from source to target, or None if never measured."""
