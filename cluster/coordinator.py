@@ -314,6 +314,8 @@ def _node_row(state, index: PrefixIndex) -> dict:
         "model": state.model,
         "status": state.status.value,
         "device": state.info.device,
+        "chip": state.info.chip,
+        "memory_bytes": state.info.memory_bytes,
         "hostname": state.info.hostname,
         "ray_node_id": state.info.ray_node_id,
         "waiting": load.waiting,

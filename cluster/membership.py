@@ -44,6 +44,8 @@ class NodeInfo:
     hostname: str = ""
     ray_node_id: str = ""
     kv_blocks_total: int = 0
+    chip: str = ""
+    memory_bytes: int = 0
 
     @classmethod
     def from_dict(cls, d: dict) -> "NodeInfo":

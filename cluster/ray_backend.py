@@ -363,7 +363,7 @@ def _held_back_text(tokenizer, token_ids: list[int], sent_text: str) -> str:
 
 
 def _node_extras(row: dict) -> dict:
-    keep = ("model", "status", "device", "hostname", "indexed_blocks", "requests_total",
+    keep = ("model", "status", "device", "chip", "memory_bytes", "hostname", "indexed_blocks", "requests_total",
             "prefill_tokens_per_s", "decode_tokens_per_s", "death_reason", "kv_migration_failures")
     return {k: row.get(k) for k in keep}
 

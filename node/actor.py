@@ -27,7 +27,9 @@ from typing import AsyncIterator
 
 import ray
 
+
 from node.async_engine import AsyncEngine
+from node.hardware import describe_machine
 from node.engine import EngineConfig
 from node.migration import BlockMover, PullResult
 from node.types import RequestOutput, SamplingParams
@@ -89,6 +91,7 @@ class NodeActor:
             "ray_node_id": ray.get_runtime_context().get_node_id(),
             "kv_blocks_total": int(engine.stats()["kv"].get("blocks_total", 0)),
             "actor_name": ray.get_runtime_context().get_actor_name(),
+            **describe_machine(),
         }
 
     # ---- serving -------------------------------------------------------------------

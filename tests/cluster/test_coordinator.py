@@ -219,3 +219,10 @@ def test_pending_prefixes_vanish_with_their_node():
     coord.node_failed(first.node_id)
     assert len(coord.pending) == 0
     assert route(coord).node_id != first.node_id
+
+
+def test_node_rows_carry_the_chip_and_memory_a_node_registered_with():
+    coord = Coordinator(CoordinatorConfig(), clock=Clock())
+    coord.register_node("m1", {"model": "demo", "block_size": BS, "chip": "Apple M4 Max", "memory_bytes": 128 << 30})
+    (row,) = coord.cluster_info()["nodes"]
+    assert (row["chip"], row["memory_bytes"]) == ("Apple M4 Max", 128 << 30)
