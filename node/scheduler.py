@@ -9,6 +9,9 @@ only what is left of the budget after the decodes, in chunks, and never stalls t
 When a running sequence cannot get a slot, the lowest-priority running sequence is
 preempted (its blocks swapped to the cold tier or dropped for recompute) and goes back to
 the front of the waiting queue; its prefix usually hits the cache when it returns.
+A waiting sequence whose next uncached block is being computed right now by a running
+sequence waits for it rather than computing the same prefix a second time: a burst of
+requests sharing a system prompt then prefills that prompt once, not once per request.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by _key
         self.num_preemptions = 0
         self.num_swaps = 0  # preemptions that kept their KV in the cold tier
+        self._inflight: dict = {}  # block hash -> running sequences computing that block now
+        self._computing: dict[Sequence, tuple[list, int]] = {}  # sequence -> (hashes it put in _inflight, tokens they cover)
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
@@ -78,6 +83,7 @@ class Scheduler:
 
     def remove(self, seq: Sequence) -> None:
         """Forget a finished or aborted sequence; the caller frees its blocks."""
+        self._stop_computing(seq)
         for queue in (self.running, self.waiting):
             if seq in queue:
                 queue.remove(seq)
@@ -87,6 +93,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
+        self._retire_computed()
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
@@ -133,6 +140,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._stop_computing(seq)
         swapped = False
         if seq.num_computed and self.should_swap(seq):
             swapped = self.kv.swap_out(seq.seq_id, seq.token_ids, seq.num_computed)
@@ -146,11 +154,14 @@ class Scheduler:
         self.add(seq)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if self._prefix_in_flight(seq):
+                continue  # its next block is being computed: admit it once that block is cached
             if not self.kv.can_allocate(seq.token_ids):
-                break  # head-of-line: keep priority order rather than starve big prompts
-            self.waiting.pop(0)
+                return  # head-of-line: keep priority order rather than starve big prompts
+            self.waiting.remove(seq)
             if seq.swapped:
                 seq.num_computed = self.kv.swap_in(seq.seq_id, seq.token_ids)
                 seq.swapped = False
@@ -160,6 +171,46 @@ class Scheduler:
                     seq.request.num_cached_tokens = seq.num_computed
             seq.status = Status.RUNNING
             bisect.insort(self.running, seq, key=_key)
+            self._start_computing(seq)
             n = min(seq.num_pending, budget)
             out.chunks.append(ScheduledChunk(seq, n))
             budget -= n
+
+    # -- prefixes being computed --------------------------------------------------------
+
+    def _full_block_hashes(self, seq: Sequence) -> list:
+        cached = seq.block_hashes
+        if cached is None or cached[0] != len(seq.token_ids):
+            cached = seq.block_hashes = (len(seq.token_ids), self.kv.block_hashes(seq.token_ids))
+        return cached[1]
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """True when the first block of `seq` missing from the cache is being computed now."""
+        if not self._inflight or seq.swapped:
+            return False
+        for block_hash in self._full_block_hashes(seq):
+            if self.kv.manager.cached_block(block_hash) is None:
+                return block_hash in self._inflight
+        return False
+
+    def _start_computing(self, seq: Sequence) -> None:
+        full = self._full_block_hashes(seq)
+        hashes = full[seq.num_computed // self.kv.block_size :]
+        if hashes:
+            self._computing[seq] = (hashes, len(full) * self.kv.block_size)
+            for block_hash in hashes:
+                self._inflight[block_hash] = self._inflight.get(block_hash, 0) + 1
+
+    def _stop_computing(self, seq: Sequence) -> None:
+        hashes, _ = self._computing.pop(seq, ((), 0))
+        for block_hash in hashes:
+            left = self._inflight[block_hash] - 1
+            if left:
+                self._inflight[block_hash] = left
+            else:
+                del self._inflight[block_hash]
+
+    def _retire_computed(self) -> None:
+        """Sequences whose announced blocks now all hold KV stop counting as computing them."""
+        for seq in [s for s, (_, end) in self._computing.items() if s.num_computed >= end]:
+            self._stop_computing(seq)

@@ -36,6 +36,7 @@ class Sequence:
     status: Status = Status.WAITING
     swapped: bool = False  # blocks live in the cold tier, resume by copy
     prefetched: bool = False  # the cold tier was asked to fault its blocks in
+    block_hashes: tuple | None = None  # (token count, full-block hashes) cached for admission checks
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     text: str = ""  # accepted text, stop strings cut off

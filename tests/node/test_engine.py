@@ -90,6 +90,17 @@ def test_shared_prefix_is_served_from_cache_with_identical_tokens(name, model_di
     _assert_no_leak(engine)
 
 
+def test_a_burst_sharing_a_prefix_computes_it_once_with_identical_tokens(model_dirs, references):
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["demo"]), num_blocks=64, block_size=8))
+    vocab = engine.model.vocab_size
+    system = _prompts(vocab, [40], offset=5)[0]
+    prompts = [system + tail for tail in _prompts(vocab, [3, 9, 16, 1])]
+    finals = _finish(engine, prompts, GREEDY, prefix="b")  # all four arrive before the first step
+    assert [out.outputs[0].token_ids for out in finals] == references("demo", prompts)
+    assert [out.num_cached_tokens for out in finals] == [0, 40, 40, 40]
+    _assert_no_leak(engine)
+
+
 def test_prefill_chunks_smaller_than_prompts_give_identical_tokens(model_dirs, references):
     engine = LLMEngine(
         EngineConfig(model=str(model_dirs["demo"]), num_blocks=64, block_size=16, max_num_batched_tokens=7)
