@@ -291,7 +291,7 @@ def table(result: dict) -> str:
                      f"{peer['output_throughput']:.1f} (mlx_lm.server)",
                      f"{no_ray['output_throughput'] / peer['output_throughput']:.2f}x" if peer["output_throughput"] else "",
                      ""))
-        rows.append((f"TTFT p50 under that load", f"{ours['ttft_ms']['p50']:.0f} ms", f"{peer['ttft_ms']['p50']:.0f} ms",
+        rows.append(("TTFT p50 under that load", f"{ours['ttft_ms']['p50']:.0f} ms", f"{peer['ttft_ms']['p50']:.0f} ms",
                      "", ""))
         rows.append(("TPOT p50 under that load", f"{ours['tpot_ms']['p50']:.1f} ms", f"{peer['tpot_ms']['p50']:.1f} ms",
                      "", ""))

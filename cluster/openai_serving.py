@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 
 from cluster.backend import ModelInfo
 from cluster.chat_template import build_chat_prompt
-from cluster.gateway_jobs import Generation, Job
+from cluster.gateway_jobs import Job
 from cluster.http_errors import APIError, InvalidRequest, PromptTooLong, as_api_error
 from cluster.openai_protocol import (
     AssistantMessage,

@@ -15,7 +15,6 @@ import ipaddress
 import logging
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from cluster.commands.lifecycle import stop_on_signals
 
 DEFAULT_CLUSTER = "orchard"
 DEFAULT_RAY_PORT = 6379
@@ -160,7 +161,7 @@ def run(args) -> int:
     except (ct.ClusterTokenError, ValueError) as exc:
         print(f"orchard head: {exc}", file=sys.stderr)
         return 2
-    stop = _stop_on_signals()
+    stop = stop_on_signals("stopping the head")
     return Head(config, token).run(stop, args)
 
 
@@ -413,18 +414,6 @@ def start_serving(args, config: HeadConfig, stop: threading.Event) -> Serving:
 
 
 SERVE_START_TIMEOUT_S = 600.0
-
-
-def _stop_on_signals() -> threading.Event:
-    stop = threading.Event()
-
-    def handler(signum, frame) -> None:
-        log.info("%s: stopping the head", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return stop
 
 
 def _main(argv: list[str]) -> int:

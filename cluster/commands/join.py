@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from pathlib import Path
+
+from cluster.commands.lifecycle import stop_on_signals
 
 DEFAULT_CLUSTER = "orchard"
 DEFAULT_RAY_PORT = 6379
@@ -69,7 +69,7 @@ def run(args) -> int:
     os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=ray_token)
     os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
     agent = JoinAgent(config, ray_token, drain=lambda: drain_this_node(agent, args.drain_timeout))
-    stop = _stop_on_signals()
+    stop = stop_on_signals("leaving the cluster")
     watcher = _watch_head(args, agent, ct.advert_key(token))
     try:
         return agent.run(stop)
@@ -158,18 +158,6 @@ def _wait_idle(coordinator, node_ids: set[str], timeout_s: float) -> None:
         time.sleep(0.5)
     if node_ids:
         log.warning("node still busy after %.0fs; leaving anyway", timeout_s)
-
-
-def _stop_on_signals() -> threading.Event:
-    stop = threading.Event()
-
-    def handler(signum, frame) -> None:
-        log.info("%s: leaving the cluster", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return stop
 
 
 def _setup_logging() -> None:
