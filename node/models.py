@@ -188,6 +188,8 @@ def load_model(model: str | None = None) -> LoadedModel:
     """Load `model` (local path or hub id; None for the demo model) after checking it is servable."""
     from mlx_lm.utils import load
 
+    from node.fingerprint import model_fingerprint as checkpoint_fingerprint
+
     _, config_path = resolve_model_path(model, config_only=True)
     check_supported(read_config(config_path))
     name, path = resolve_model_path(model)
@@ -202,7 +204,7 @@ def load_model(model: str | None = None) -> LoadedModel:
         tokenizer=tokenizer,
         config=config,
         model_type=config["model_type"],
-        fingerprint=model_fingerprint(path),
+        fingerprint=checkpoint_fingerprint(path),
         eos_token_ids=frozenset(int(t) for t in tokenizer.eos_token_ids),
         max_context_length=int(getattr(mlx_model.args, "max_position_embeddings", None) or DEFAULT_MAX_CONTEXT),
     )

@@ -8,7 +8,8 @@ import shutil
 import pytest
 
 from node.demo_model import write_demo_model
-from node.models import DEMO_MODEL_NAME, ModelNotFound, UnsupportedModel, load_model, model_fingerprint, unsupported_reason
+from node.fingerprint import model_fingerprint
+from node.models import DEMO_MODEL_NAME, ModelNotFound, UnsupportedModel, load_model, unsupported_reason
 from tests.node.tiny_models import TINY_CONFIGS, write_tiny_model
 
 
