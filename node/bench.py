@@ -23,7 +23,7 @@ from rich.table import Table
 from node.engine import EngineConfig, LLMEngine
 from node.types import SamplingParams
 
-console = Console()
+console = Console(width=160)
 
 
 @dataclass
@@ -47,6 +47,28 @@ def make_workload(vocab: int, n: int, scale: float, *, shared_prefix: int = 0, r
     return Workload([[int(t) for t in p] for p in prompts], [int(o) for o in outs], arrivals)
 
 
+def _arrive(w: Workload, pending: list[int], start: float) -> list[int]:
+    now = time.perf_counter() - start
+    ready = []
+    while pending and w.arrivals[pending[0]] <= now:
+        ready.append(pending.pop(0))
+    return ready
+
+
+def _summary(w: Workload, elapsed: float, first: dict, all_first_at: float | None, end: float) -> dict:
+    ttfts = np.array(list(first.values()))
+    decode_tokens = w.output_tokens - len(w.prompts)
+    decode_s = end - all_first_at if all_first_at is not None else float("nan")
+    return {
+        "seconds": elapsed,
+        "tok_s": w.output_tokens / elapsed,
+        "prompt_tok_s": sum(map(len, w.prompts)) / elapsed,
+        "decode_tok_s": decode_tokens / decode_s if decode_s > 0 else float("nan"),
+        "ttft_p50": float(np.median(ttfts)),
+        "ttft_p99": float(np.percentile(ttfts, 99)),
+    }
+
+
 def run_engine(engine: LLMEngine, w: Workload) -> dict:
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in w.max_tokens]
     start = time.perf_counter()
@@ -55,22 +77,23 @@ def run_engine(engine: LLMEngine, w: Workload) -> dict:
     added: dict[str, float] = {}
     done = 0
     peak_running = 0
+    all_first_at = None
     while done < len(w.prompts):
-        now = time.perf_counter() - start
-        while pending and w.arrivals[pending[0]] <= now:
-            i = pending.pop(0)
+        for i in _arrive(w, pending, start):
             engine.add_request(f"b{i}", w.prompts[i], params[i])
             added[f"b{i}"] = time.perf_counter()
         if not engine.has_unfinished:
-            time.sleep(max(0.0, w.arrivals[pending[0]] - now))
+            time.sleep(max(0.0, w.arrivals[pending[0]] - (time.perf_counter() - start)))
             continue
         for out in engine.step():
-            if out.request_id not in first_token and out.outputs[0].token_ids:
+            if out.request_id not in first_token and out.outputs[0].token_ids_delta:
                 first_token[out.request_id] = time.perf_counter() - added[out.request_id]
             done += out.finished
+        if all_first_at is None and len(first_token) == len(w.prompts):
+            all_first_at = time.perf_counter()
         peak_running = max(peak_running, len(engine.scheduler.running))
-    elapsed = time.perf_counter() - start
-    return {"seconds": elapsed, "tok_s": w.output_tokens / elapsed, "ttft_p50": float(np.median(list(first_token.values()))), "peak_running": peak_running}
+    end = time.perf_counter()
+    return {**_summary(w, end - start, first_token, all_first_at, end), "peak_running": peak_running}
 
 
 def run_mlx_lm(model, w: Workload, batch: int) -> dict:
@@ -82,17 +105,15 @@ def run_mlx_lm(model, w: Workload, batch: int) -> dict:
     added: dict[int, float] = {}
     first: dict[int, float] = {}
     done = active = 0
+    all_first_at = None
     while done < len(w.prompts):
-        now = time.perf_counter() - start
-        ready = []
-        while pending and w.arrivals[pending[0]] <= now:
-            ready.append(pending.pop(0))
+        ready = _arrive(w, pending, start)
         if ready:
             uids = gen.insert([w.prompts[i] for i in ready], [w.max_tokens[i] for i in ready])
             added.update({uid: time.perf_counter() for uid in uids})
             active += len(ready)
         if active == 0:
-            time.sleep(max(0.0, w.arrivals[pending[0]] - now))
+            time.sleep(max(0.0, w.arrivals[pending[0]] - (time.perf_counter() - start)))
             continue
         _, responses = gen.next()
         for r in responses:
@@ -100,9 +121,11 @@ def run_mlx_lm(model, w: Workload, batch: int) -> dict:
             if r.finish_reason is not None:
                 done += 1
                 active -= 1
+        if all_first_at is None and len(first) == len(w.prompts):
+            all_first_at = time.perf_counter()
     gen.close()
-    elapsed = time.perf_counter() - start
-    return {"seconds": elapsed, "tok_s": w.output_tokens / elapsed, "ttft_p50": float(np.median(list(first.values())))}
+    end = time.perf_counter()
+    return _summary(w, end - start, first, all_first_at, end)
 
 
 def step_overhead(engine: LLMEngine, batch: int, scale: float) -> float:
@@ -123,45 +146,97 @@ def step_overhead(engine: LLMEngine, batch: int, scale: float) -> float:
     return 1.0 - fwd / total
 
 
+def phase_workload(name: str, vocab: int, scale: float, seed: int = 1) -> Workload:
+    """prefill: 16 prompts of 1,024 tokens, one output token each; decode: 64 short prompts, 256 tokens each."""
+    rng = np.random.default_rng(seed)
+    n, prompt, out = (16, 1024, 1) if name == "prefill" else (64, 32, 256)
+    prompt, out = max(1, int(prompt * scale)), max(2 if name == "decode" else 1, int(out * scale))
+    prompts = [[int(t) for t in rng.integers(3, vocab - 8, size=prompt)] for _ in range(n)]
+    return Workload(prompts, [out] * n, [0.0] * n)
+
+
+def profile_row(engine: LLMEngine) -> str:
+    """Where the engine's step time went: shares of scheduling, packing, graph building, device wait, the rest."""
+    c = engine.counters
+    parts = {"schedule": c.schedule_seconds, "pack": c.pack_seconds, "graph": c.graph_seconds, "device": c.device_seconds}
+    rest = c.step_seconds - sum(parts.values())
+    total = c.step_seconds or 1.0
+    shares = ", ".join(f"{k} {v / total * 100:.0f}%" for k, v in {**parts, "sample+rest": rest}.items())
+    return f"{c.steps} steps, {c.step_seconds / max(c.steps, 1) * 1e3:.2f} ms/step: {shares}"
+
+
+SCENARIOS = {
+    "burst": lambda vocab, args: make_workload(vocab, args.num_requests, args.scale),
+    "poisson": lambda vocab, args: make_workload(vocab, args.num_requests, args.scale, rate=args.rate),
+    "prefix": lambda vocab, args: make_workload(vocab, args.num_requests, args.scale, shared_prefix=512),
+    "prefill": lambda vocab, args: phase_workload("prefill", vocab, args.scale),
+    "decode": lambda vocab, args: phase_workload("decode", vocab, args.scale),
+}
+
+
+def load_bench_model(args):
+    """(LoadedModel, label): a random model of a real shape, or a checkpoint on disk (the large demo model by default)."""
+    if args.shape:
+        from node.bench_shapes import random_llama
+
+        dtype = getattr(mx, args.dtype)
+        return random_llama(args.shape, dtype=dtype, num_layers=args.num_layers), f"random Llama {args.shape} shape, {args.dtype}"
+    from node.demo_model import default_demo_model_path
+    from node.models import load_model
+
+    path = args.model or str(default_demo_model_path("large"))
+    return load_model(path), path
+
+
+def _free(engine) -> None:
+    import gc
+
+    del engine
+    gc.collect()
+    mx.clear_cache()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="orchard bench engine", description=__doc__)
     ap.add_argument("--model", default=None, help="model path; default: the large demo model")
+    ap.add_argument("--shape", choices=("1b", "3b", "8b"), default=None, help="random-weight Llama of this real shape instead of --model")
+    ap.add_argument("--dtype", default="bfloat16", help="weights dtype for --shape")
+    ap.add_argument("--num-layers", type=int, default=None, help="fewer layers for --shape (quick checks of the code path)")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--scale", type=float, default=1.0, help="multiply prompt/output lengths (1.0 = the issue's workload)")
     ap.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second")
-    ap.add_argument("--kv-budget-mb", type=float, default=256.0)
-    ap.add_argument("--only", default="burst,poisson,prefix,capacity,overhead")
+    ap.add_argument("--kv-budget-mb", type=float, default=256.0, help="KV budget of the capacity scenario")
+    ap.add_argument("--kv-memory-gb", type=float, default=4.0, help="KV pool of the throughput scenarios")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine token budget per step (default: the device's)")
+    ap.add_argument("--only", default="burst,poisson,prefix,prefill,decode,capacity,overhead")
     args = ap.parse_args(argv)
-    from mlx_lm import load
-
-    from node.demo_model import default_demo_model_path
-
-    path = args.model or str(default_demo_model_path("large"))
-    console.print(f"model {path}; OpenBLAS preloaded: {'openblas' in os.environ.get('LD_PRELOAD', '')}; device {mx.default_device()}")
-    model, _ = load(path)
-    only = set(args.only.split(","))
-    rows = []
+    loaded, label = load_bench_model(args)
+    console.print(f"model {label}; OpenBLAS preloaded: {'openblas' in os.environ.get('LD_PRELOAD', '')}; device {mx.default_device()}")
+    only = args.only.split(",")
+    vocab = loaded.vocab_size
 
     def engine(**kw) -> LLMEngine:
-        return LLMEngine(EngineConfig(model=path, max_num_seqs=args.num_requests, **kw))
+        budget = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
+        return LLMEngine(EngineConfig(max_num_seqs=args.num_requests, **budget, **kw), loaded=loaded)
 
-    base = engine(kv_memory_gb=2.0)
-    vocab = base.model.vocab_size
-    scenarios = [("burst", {}), ("poisson", {"rate": args.rate}), ("prefix", {"shared_prefix": 512})]
-    for name, kw in scenarios:
-        if name not in only:
-            continue
-        w = make_workload(vocab, args.num_requests, args.scale, **kw)
-        console.print(f"[bold]{name}[/]: {len(w.prompts)} requests, {sum(map(len, w.prompts))} prompt tokens, {w.output_tokens} output tokens")
-        ours = run_engine(engine(kv_memory_gb=2.0), w)
-        peer = run_mlx_lm(model, w, batch=args.num_requests)
-        rows.append((name, ours, peer))
-        console.print(f"  orchard {ours['tok_s']:.1f} tok/s, mlx-lm {peer['tok_s']:.1f} tok/s")
-    table = Table(title="orchard bench engine")
-    for col in ("scenario", "orchard tok/s", "mlx-lm tok/s", "ratio", "orchard TTFT p50 s", "mlx-lm TTFT p50 s"):
+    table = Table(title=f"orchard bench engine: {label}, {mx.default_device()}")
+    for col in ("scenario", "orchard", "mlx-lm", "ratio", "TTFT p50 s orchard / mlx-lm", "TTFT p99 s orchard / mlx-lm"):
         table.add_column(col)
-    for name, ours, peer in rows:
-        table.add_row(name, f"{ours['tok_s']:.1f}", f"{peer['tok_s']:.1f}", f"{ours['tok_s'] / peer['tok_s']:.2f}x", f"{ours['ttft_p50']:.2f}", f"{peer['ttft_p50']:.2f}")
+    for name in [n for n in only if n in SCENARIOS]:
+        w = SCENARIOS[name](vocab, args)
+        console.print(f"[bold]{name}[/]: {len(w.prompts)} requests, {sum(map(len, w.prompts))} prompt tokens, {w.output_tokens} output tokens")
+        eng = engine(kv_memory_gb=args.kv_memory_gb)
+        run_engine(eng, Workload(w.prompts[:2], [2, 2], [0.0, 0.0]))  # warm-up: compile kernels outside the timing
+        ours = run_engine(eng, w)
+        console.print(f"  orchard profile: {profile_row(eng)}")
+        _free(eng)
+        peer = run_mlx_lm(loaded.model, w, batch=args.num_requests)
+        key, unit = {"prefill": ("prompt_tok_s", "prompt tok/s"), "decode": ("decode_tok_s", "decode tok/s")}.get(name, ("tok_s", "tok/s"))
+        console.print(f"  orchard {ours[key]:.1f} {unit}, mlx-lm {peer[key]:.1f} {unit}")
+        table.add_row(
+            name, f"{ours[key]:.1f} {unit}", f"{peer[key]:.1f}", f"{ours[key] / peer[key]:.2f}x",
+            f"{ours['ttft_p50']:.2f} / {peer['ttft_p50']:.2f}", f"{ours['ttft_p99']:.2f} / {peer['ttft_p99']:.2f}",
+        )
     if "capacity" in only:
         eng = engine(kv_memory_gb=args.kv_budget_mb / 1024)
         w = make_workload(vocab, args.num_requests, args.scale)
@@ -169,16 +244,20 @@ def main(argv: list[str] | None = None) -> int:
         budget = args.kv_budget_mb * 2**20
         workload_max = max(len(p) + m for p, m in zip(w.prompts, w.max_tokens))
         ours = run_engine(eng, w)
-        for label, max_len in (("workload max", workload_max), ("model context", eng.max_model_len)):
+        for cap_label, max_len in (("workload max", workload_max), ("model context", eng.max_model_len)):
             contiguous = int(budget // (max_len * per_token))
             table.add_row(
-                f"capacity @ {args.kv_budget_mb:.0f} MB KV vs contiguous to {label} ({max_len})",
+                f"capacity @ {args.kv_budget_mb:.0f} MB KV vs contiguous to {cap_label} ({max_len})",
                 f"paged peak {ours['peak_running']} seqs", f"contiguous {contiguous} seqs",
                 f"{ours['peak_running'] / max(contiguous, 1):.2f}x", "", "",
             )
+        _free(eng)
     if "overhead" in only:
-        share = step_overhead(engine(kv_memory_gb=2.0), 32, args.scale)
-        table.add_row("step time outside forward @ batch 32", f"{share * 100:.1f}%", "", "target < 10%", "", "")
+        eng = engine(kv_memory_gb=args.kv_memory_gb)
+        share = step_overhead(eng, 32, args.scale)
+        table.add_row("step time outside forward @ batch 32", f"{share * 100:.1f}%", "", "target < 5%", "", "")
+        console.print(f"  overhead profile: {profile_row(eng)}")
+        _free(eng)
     console.print(table)
     console.print(f"machine: {platform.platform()}, {os.cpu_count()} cores; date {time.strftime('%Y-%m-%d')}")
     return 0

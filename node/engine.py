@@ -71,6 +71,12 @@ class _StepCounters:
     step_seconds: float = 0.0
     finished_requests: int = 0
     aborted_requests: int = 0
+    # Where step time goes (host scheduling, packing the step, building the lazy graph,
+    # waiting for the device, sampling + bookkeeping): the profile behind step overhead.
+    schedule_seconds: float = 0.0
+    pack_seconds: float = 0.0
+    graph_seconds: float = 0.0
+    device_seconds: float = 0.0
 
 
 class LLMEngine:
@@ -160,6 +166,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         outputs, self._aborted = self._aborted, []
         sched = self.scheduler.schedule()
+        self.counters.schedule_seconds += time.perf_counter() - t0
         if not sched.chunks:
             return outputs
         logits = self._forward(sched)
@@ -174,13 +181,19 @@ class LLMEngine:
         return outputs
 
     def _forward(self, sched: SchedulerOutput) -> mx.array:
+        t_pack = time.perf_counter()
         step = build_step_input(sched.chunks, self.kv, self.config.block_size)
         t0 = time.perf_counter()
         logits = self.runner.forward(step)
         rows = [i for i, c in enumerate(sched.chunks) if c.completes]
         logits = logits[mx.array(rows)] if rows and len(rows) < len(sched.chunks) else logits
+        t_graph = time.perf_counter()
         mx.eval(logits)
-        seconds = time.perf_counter() - t0
+        t_end = time.perf_counter()
+        seconds = t_end - t0
+        self.counters.pack_seconds += t0 - t_pack
+        self.counters.graph_seconds += t_graph - t0
+        self.counters.device_seconds += t_end - t_graph
         self.counters.forward_seconds += seconds
         decode = sum(1 for c in sched.chunks if c.num_tokens == 1 and c.seq.num_computed >= c.seq.num_prompt_tokens)
         self.rates.observe_step(seconds, sched.num_tokens - decode, decode)

@@ -1,0 +1,77 @@
+"""Random-weight Llamas of real shapes, built in memory, for benchmarks on an accelerator.
+
+Speed depends on shapes, not on trained values, and downloading an 8B checkpoint is not
+possible on every machine. So `orchard bench engine --shape 8b` builds mlx-lm's own Llama
+class with the published Llama 3.x dimensions, casts its random initial weights to
+bfloat16 and pairs it with the demo model's tokenizer (token ids beyond that tokenizer's
+vocabulary decode to nothing, which is all a benchmark needs of text).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+
+from node.models import LoadedModel
+
+_LLAMA3 = {
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+    "attention_bias": False,
+    "mlp_bias": False,
+}
+
+#: The published dimensions of Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B.
+SHAPES = {
+    "1b": {**_LLAMA3, "hidden_size": 2048, "num_hidden_layers": 16, "intermediate_size": 8192,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64, "tie_word_embeddings": True},
+    "3b": {**_LLAMA3, "hidden_size": 3072, "num_hidden_layers": 28, "intermediate_size": 8192,
+           "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True},
+    "8b": {**_LLAMA3, "hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 14336,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": False},
+}
+
+
+class UnknownShape(ValueError):
+    """A shape name outside `SHAPES`."""
+
+
+def shape_config(name: str, *, num_layers: int | None = None) -> dict:
+    """The config of a shape; `num_layers` shrinks it for a quick test of the same code path."""
+    if name not in SHAPES:
+        raise UnknownShape(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
+    config = dict(SHAPES[name])
+    if num_layers is not None:
+        config["num_hidden_layers"] = num_layers
+    return config
+
+
+def random_llama(name: str, *, dtype=mx.bfloat16, num_layers: int | None = None, seed: int = 0) -> LoadedModel:
+    """mlx-lm's Llama with the shape's dimensions and random weights, evaluated on the default device."""
+    from mlx_lm.models.llama import Model, ModelArgs
+    from mlx_lm.utils import load_tokenizer
+
+    from node.demo_model import default_demo_model_path
+
+    config = shape_config(name, num_layers=num_layers)
+    mx.random.seed(seed)
+    model = Model(ModelArgs.from_dict(config))
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    demo = Path(default_demo_model_path())
+    tokenizer = load_tokenizer(demo)
+    return LoadedModel(
+        name=f"random-llama-{name}",
+        path=demo,
+        model=model,
+        tokenizer=tokenizer,
+        config=config,
+        model_type="llama",
+        fingerprint=f"random-llama-{name}-{config['num_hidden_layers']}-{dtype}-seed{seed}",
+        eos_token_ids=frozenset(int(t) for t in tokenizer.eos_token_ids),
+        max_context_length=int(config["max_position_embeddings"]),
+    )
