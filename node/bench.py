@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         ours = run_engine(eng, w)
         console.print(f"  orchard profile: {profile_row(eng)}")
         _free(eng)
+        run_mlx_lm(loaded.model, Workload(w.prompts[:2], [2, 2], [0.0, 0.0]), batch=args.num_requests)  # same warm-up
         peer = run_mlx_lm(loaded.model, w, batch=args.num_requests)
         key, unit = {"prefill": ("prompt_tok_s", "prompt tok/s"), "decode": ("decode_tok_s", "decode tok/s")}.get(name, ("tok_s", "tok/s"))
         console.print(f"  orchard {ours[key]:.1f} {unit}, mlx-lm {peer[key]:.1f} {unit}")

@@ -1,0 +1,94 @@
+"""Where a paged decode step's time goes on a device: the whole step, the forward alone, and the
+forward with the KV write or the attention taken out, beside mlx-lm's own decode step.
+
+`python -m experiments.decode_step_profile --shape 1b --batch 64` prints one line per variant
+(ms per step, median of --steps). Taking a piece out gives wrong tokens; only times are read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import mlx.core as mx
+import numpy as np
+
+import kernels
+from node import model_adapter
+from node.bench_shapes import random_llama
+from node.engine import EngineConfig, LLMEngine, build_step_input
+from node.types import SamplingParams
+
+
+def _median_ms(fn, steps: int) -> float:
+    fn()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e3)
+
+
+def decoding_engine(loaded, batch: int, prompt: int, kv_gb: float) -> LLMEngine:
+    engine = LLMEngine(EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * prompt), kv_memory_gb=kv_gb), loaded=loaded)
+    for i in range(batch):
+        engine.add_request(f"p{i}", [3 + (i * 7 + j) % 1000 for j in range(prompt)], SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True))
+    while any(s.num_computed < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    return engine
+
+
+def forward_variants(engine: LLMEngine, steps: int) -> dict[str, float]:
+    sched = engine.scheduler.schedule()
+    step = build_step_input(sched.chunks, engine.kv, engine.config.block_size)
+    runner = engine.runner
+    out = {"forward (graph + device)": _median_ms(lambda: mx.eval(runner.forward(step)), steps)}
+    out["graph build only"] = _median_ms(lambda: runner.forward(step), steps)
+    real_write = kernels.write_kv
+    model_adapter.kernels.write_kv = lambda k, v, *_: (k, v)
+    out["forward without KV write"] = _median_ms(lambda: mx.eval(runner.forward(step)), steps)
+    model_adapter.kernels.write_kv = real_write
+    real_attend = model_adapter.PagedLayerCache.attend
+    model_adapter.PagedLayerCache.attend = lambda self, q, scale: q
+    out["forward without attention"] = _median_ms(lambda: mx.eval(runner.forward(step)), steps)
+    model_adapter.kernels.write_kv = lambda k, v, *_: (k, v)
+    out["forward without KV write and attention"] = _median_ms(lambda: mx.eval(runner.forward(step)), steps)
+    model_adapter.kernels.write_kv = real_write
+    model_adapter.PagedLayerCache.attend = real_attend
+    return out
+
+
+def mlx_lm_step(model, batch: int, prompt: int, steps: int) -> float:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    tokens = mx.array(np.full((batch, prompt), 5, dtype=np.int32))
+    mx.eval(model(tokens, cache=cache))
+    y = mx.array(np.full((batch, 1), 7, dtype=np.int32))
+    return _median_ms(lambda: mx.eval(model(y, cache=cache)), steps)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--shape", default="1b")
+    ap.add_argument("--num-layers", type=int, default=None)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--kv-memory-gb", type=float, default=4.0)
+    args = ap.parse_args(argv)
+    loaded = random_llama(args.shape, dtype=getattr(mx, args.dtype), num_layers=args.num_layers)
+    engine = decoding_engine(loaded, args.batch, args.prompt, args.kv_memory_gb)
+    rows = {"engine.step() (whole step)": _median_ms(engine.step, args.steps)}
+    rows.update(forward_variants(engine, args.steps))
+    rows["mlx-lm decode step (contiguous cache)"] = mlx_lm_step(loaded.model, args.batch, args.prompt, args.steps)
+    print(f"{args.shape} shape, batch {args.batch}, context ~{args.prompt}, {mx.default_device()}, backend {engine.runner.attention_backend}")
+    for name, ms in rows.items():
+        print(f"  {name:45s} {ms:8.2f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
