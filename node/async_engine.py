@@ -18,6 +18,7 @@ from typing import AsyncIterator
 import mlx.core as mx
 
 from node.engine import EngineConfig, LLMEngine
+from node.models import evaluate_held_arrays
 from node.types import RequestOutput, SamplingParams
 
 _IDLE_WAIT_S = 0.05
@@ -31,6 +32,7 @@ class EngineStepFailed(RuntimeError):
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        evaluate_held_arrays(engine.model.model)  # the engine thread cannot evaluate this thread's lazy arrays
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()

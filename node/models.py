@@ -4,7 +4,9 @@ The engine runs mlx-lm's model classes unchanged and only replaces their KV cach
 attention call (see `node.model_adapter`). That works for architectures whose every layer
 is full causal attention over the whole context; anything with a sliding window, linear
 attention or state-space layers would silently compute something else over a paged pool,
-so it is refused here, at load, with the reason.
+so it is refused here, at load, with the reason. What a model is decides, not its name:
+the config and the model's structure are checked before any weights are read
+(`node.capability`), and a traced forward pass of the loaded model after.
 """
 
 from __future__ import annotations
@@ -18,8 +20,6 @@ import xxhash
 
 from kvcache.geometry import DTYPE_SIZES, KVGeometry
 
-#: model_type values (as written in config.json) whose mlx-lm classes the adapter drives.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 DEMO_MODEL_NAME = "orchard-demo"
 #: Used when a config states no maximum position.
 DEFAULT_MAX_CONTEXT = 4096
@@ -93,10 +93,14 @@ class LoadedModel:
 
 
 def unsupported_reason(config: dict) -> str | None:
-    """Why the paged engine cannot serve a model with this config, or None when it can."""
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        return f"architecture not supported by the paged engine; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+    """Why the paged engine cannot serve a model with this config, or None when it can.
+
+    Needs no weights: the config's own fields, then the structure of mlx-lm's model for it.
+    """
+    return _config_reason(config) or _structure_reason(config)
+
+
+def _config_reason(config: dict) -> str | None:
     if config.get("model_file"):
         return "custom model code (model_file) is not supported"
     layer_types = set(config.get("layer_types") or ["full_attention"])
@@ -116,9 +120,40 @@ def _sliding_window_reason(config: dict) -> str | None:
     return None
 
 
+def _structure_reason(config: dict) -> str | None:
+    """Build mlx-lm's model for `config` without weights (its arrays stay lazy) and inspect it."""
+    from mlx_lm.utils import _get_classes
+
+    from node.capability import architecture_reason
+
+    try:
+        model_class, args_class = _get_classes(config)
+    except ValueError as error:
+        return f"mlx-lm has no model class for it ({error})"
+    try:
+        skeleton = model_class(args_class.from_dict(config))
+    except Exception as error:  # a config mlx-lm's own classes cannot build
+        return f"mlx-lm cannot build it from this config ({type(error).__name__}: {error})"
+    return architecture_reason(skeleton)
+
+
 def check_supported(config: dict) -> None:
     if (reason := unsupported_reason(config)) is not None:
         raise UnsupportedModel(str(config.get("model_type")), reason)
+
+
+def loaded_reason(loaded: "LoadedModel") -> str | None:
+    """Why a loaded model cannot run over the pool: its KV layout and dtype, then its ropes and layers."""
+    from node.capability import paging_reason
+
+    try:
+        geometry = (loaded.num_kv_heads, loaded.head_dim, loaded.dtype)
+    except AttributeError as error:  # attention or norms named unlike the families the pool is laid out for
+        return f"its KV layout cannot be read ({error})"
+    num_kv_heads, head_dim, dtype = geometry
+    if dtype not in DTYPE_SIZES:
+        return f"activation dtype {dtype} has no KV pool layout"
+    return paging_reason(loaded.model, num_kv_heads, head_dim)
 
 
 # ---------------------------------------------------------------- fingerprint
@@ -194,10 +229,8 @@ def load_model(model: str | None = None) -> LoadedModel:
     check_supported(read_config(config_path))
     name, path = resolve_model_path(model)
     mlx_model, tokenizer, config = load(str(path), return_config=True)
-    dtype = str(mlx_model.model.norm.weight.dtype).removeprefix("mlx.core.")
-    if dtype not in DTYPE_SIZES:
-        raise UnsupportedModel(config["model_type"], f"activation dtype {dtype} has no KV pool layout")
-    return LoadedModel(
+    evaluate_held_arrays(mlx_model)
+    loaded = LoadedModel(
         name=name,
         path=path,
         model=mlx_model,
@@ -206,5 +239,39 @@ def load_model(model: str | None = None) -> LoadedModel:
         model_type=config["model_type"],
         fingerprint=checkpoint_fingerprint(path),
         eos_token_ids=frozenset(int(t) for t in tokenizer.eos_token_ids),
-        max_context_length=int(getattr(mlx_model.args, "max_position_embeddings", None) or DEFAULT_MAX_CONTEXT),
+        max_context_length=_max_context(config, mlx_model.args),
     )
+    if (reason := loaded_reason(loaded)) is not None:
+        raise UnsupportedModel(config["model_type"], reason)
+    return loaded
+
+
+def _max_context(config: dict, args) -> int:
+    """The config's maximum position; some ModelArgs classes (qwen2_moe) drop the field."""
+    stated = config.get("max_position_embeddings") or getattr(args, "max_position_embeddings", None)
+    return int(stated or DEFAULT_MAX_CONTEXT)
+
+
+def held_arrays(model) -> list:
+    """Every array a model holds: its parameters and the private ones `parameters()` skips
+    (rope frequencies such as `_freqs`, masks, sink logits), wherever a module keeps them."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    leaves = [value for _, value in tree_flatten(model)]
+    for module in model.modules():
+        leaves.extend(vars(module).values())  # arrays set past Module's own attribute handling
+    return [leaf for leaf in leaves if isinstance(leaf, mx.array)]
+
+
+def evaluate_held_arrays(model) -> None:
+    """Compute every array the model holds, in the calling thread.
+
+    Modules may build arrays lazily at construction (Llama 3, yarn and longrope rope
+    frequencies). A lazy array can only be evaluated in the thread whose stream created
+    it, so a model loaded in one thread and stepped in another (the engine's) would fail
+    at its first step.
+    """
+    import mlx.core as mx
+
+    mx.eval(held_arrays(model))

@@ -4,12 +4,21 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 
+import mlx.core as mx
 import pytest
 
 from node.demo_model import write_demo_model
 from node.fingerprint import model_fingerprint
-from node.models import DEMO_MODEL_NAME, ModelNotFound, UnsupportedModel, load_model, unsupported_reason
+from node.models import (
+    DEMO_MODEL_NAME,
+    ModelNotFound,
+    UnsupportedModel,
+    evaluate_held_arrays,
+    load_model,
+    unsupported_reason,
+)
 from tests.node.tiny_models import TINY_CONFIGS, write_tiny_model
 
 
@@ -44,22 +53,61 @@ def test_geometry_follows_the_model_and_its_weights_dtype(demo_path):
     assert loaded.geometry(8, dtype="bfloat16").dtype == "bfloat16"
 
 
-@pytest.mark.parametrize("model_type,head_dim,kv_heads", [("qwen3", 32, 2), ("mistral", 16, 1), ("qwen2", 16, 2)])
+@pytest.mark.parametrize("model_type,head_dim,kv_heads", [
+    ("qwen3", 32, 2), ("mistral", 16, 1), ("qwen2", 16, 2), ("llama3", 16, 2), ("qwen3_moe", 16, 2),
+    ("qwen2_moe", 16, 2), ("gemma", 32, 1), ("phi3", 16, 2), ("olmo2", 16, 2), ("glm4", 16, 2),
+    ("starcoder2", 16, 2), ("hunyuan", 16, 2),
+])
 def test_supported_architectures_load_with_their_head_layout(model_type, head_dim, kv_heads, demo_path, tmp_path):
     loaded = load_model(str(write_tiny_model(tmp_path / model_type, model_type, demo_path)))
-    assert loaded.model_type == model_type
+    assert loaded.model_type == TINY_CONFIGS[model_type]["model_type"]
     geometry = loaded.geometry(4)
     assert (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim) == (2, kv_heads, head_dim)
     assert loaded.max_context_length == TINY_CONFIGS[model_type]["max_position_embeddings"]
 
 
+def test_a_model_loaded_in_one_thread_generates_in_another(demo_path, tmp_path):
+    # Llama 3's rope builds its frequencies lazily at construction; the engine steps in its own thread.
+    from mlx_lm.generate import generate_step
+
+    loaded = load_model(str(write_tiny_model(tmp_path / "llama3", "llama3", demo_path)))
+    prompt = mx.array(loaded.tokenizer.encode("The orchard on the hill"))
+    results = {}
+
+    def generate(into: str) -> None:
+        results[into] = [int(t) for t, _ in generate_step(prompt, loaded.model, max_tokens=6)]
+
+    worker = threading.Thread(target=generate, args=("other thread",))
+    worker.start()  # first, so nothing in this thread has evaluated the model's arrays yet
+    worker.join()
+    generate("loading thread")
+    assert results["other thread"] == results["loading thread"]
+    assert len(results["other thread"]) == 6
+
+
+def full_config(tiny: str, **overrides) -> dict:
+    """A tiny config mlx-lm's classes can build (vocabulary included), with some fields changed."""
+    return {**TINY_CONFIGS[tiny], "vocab_size": 256, **overrides}
+
+
+MAMBA = dict(model_type="mamba", vocab_size=256, hidden_size=64, intermediate_size=128, state_size=16,
+             num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4)
+
+
 @pytest.mark.parametrize("config,named", [
-    ({"model_type": "mamba", "hidden_size": 64, "state_size": 16}, "mamba"),
-    ({"model_type": "gemma3_text", "sliding_window": 512}, "gemma3_text"),
+    (MAMBA, "ArraysCache"),
+    ({"model_type": "gemma3_text", "sliding_window": 512}, "sliding-window"),
     ({"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}, "sliding-window"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, "sliding-window"),
     ({"model_type": "llama", "layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
     ({"model_type": "qwen3", "layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
+    ({"model_type": "no_such_architecture"}, "no model class"),
+    (full_config("qwen3", model_type="granite", logits_scaling=4.0, attention_multiplier=0.1,
+                 embedding_multiplier=12.0, residual_multiplier=0.2, attention_bias=False, mlp_bias=False),
+     "logits_scaling"),
+    (full_config("qwen3", model_type="cohere", layer_norm_eps=1e-5, logit_scale=0.1), "logit_scale"),
+    (full_config("gemma", model_type="gemma2", query_pre_attn_scalar=16), "final_logit_softcapping"),
+    (full_config("qwen3", model_type="smollm3", no_rope_layer_interval=4), "mlx_lm.models.llama"),
 ])
 def test_unsupported_models_fail_at_load_naming_type_and_reason(config, named, tmp_path):
     # The folder holds no weights: refusal must come from the config, before any loading.
@@ -71,10 +119,22 @@ def test_unsupported_models_fail_at_load_naming_type_and_reason(config, named, t
     assert info.value.model_type == config["model_type"]
 
 
+@pytest.mark.parametrize("name,named", [
+    ("mixtral", "n_kv_heads"),  # its attention names the KV-head count num_key_value_heads
+    ("llama_dynamic_ntk", "DynamicNTKScalingRoPE"),  # takes its base from one offset for the whole row
+    ("ministral3", "PackedPositions"),  # scales queries by position outside its rope
+])
+def test_models_whose_layers_cannot_page_are_refused_after_loading(name, named, demo_path, tmp_path):
+    folder = write_tiny_model(tmp_path / name, name, demo_path)
+    assert unsupported_reason(json.loads((folder / "config.json").read_text())) is None
+    with pytest.raises(UnsupportedModel, match=named):
+        load_model(str(folder))
+
+
 def test_unused_sliding_window_fields_are_accepted():
-    assert unsupported_reason({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4096}) is None
-    assert unsupported_reason({"model_type": "mistral", "sliding_window": None}) is None
-    assert unsupported_reason({"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 4096}) is None
+    assert unsupported_reason(full_config("qwen2", use_sliding_window=False, sliding_window=64)) is None
+    assert unsupported_reason(full_config("mistral", sliding_window=None)) is None
+    assert unsupported_reason(full_config("mistral", sliding_window=2048)) is None  # the whole context
 
 
 def test_fingerprint_is_stable_across_copies_and_changes_with_config_or_weights(demo_path, tmp_path):
@@ -114,3 +174,28 @@ def test_a_hub_model_is_refused_after_fetching_only_its_json_files(monkeypatch, 
     with pytest.raises(UnsupportedModel, match="mamba"):
         load_model("someone/some-mamba")
     assert fetched == [("someone/some-mamba", ["*.json"])]
+
+
+def test_arrays_a_model_computes_at_construction_are_evaluated_for_other_threads():
+    import mlx.nn as nn
+
+    class Rope(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self._freqs = mx.arange(4, dtype=mx.float32) * 2  # private: parameters() skips it
+            object.__setattr__(self, "table", mx.arange(3) + 1)  # past Module's attribute handling
+
+    model = nn.Sequential(nn.Linear(2, 2), Rope())
+    evaluate_held_arrays(model)
+    seen = {}
+
+    def read() -> None:
+        try:
+            seen["values"] = (model.layers[1]._freqs.tolist(), model.layers[1].table.tolist())
+        except RuntimeError as error:  # no stream of the creating thread here
+            seen["error"] = error
+
+    worker = threading.Thread(target=read)
+    worker.start()
+    worker.join()
+    assert seen == {"values": ([0.0, 2.0, 4.0, 6.0], [1, 2, 3])}

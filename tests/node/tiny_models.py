@@ -1,4 +1,4 @@
-"""Tiny random-weight checkpoints of the supported architectures, written in Hugging Face layout.
+"""Tiny random-weight checkpoints of many architectures, written in Hugging Face layout.
 
 They borrow the demo model's tokenizer so `mlx_lm.load` takes them as it takes any model;
 weights come from MLX's default initialisation under a fixed seed, in float32.
@@ -22,18 +22,59 @@ TINY_CONFIGS = {
                     rope_theta=10_000.0, tie_word_embeddings=False, sliding_window=None),
     "qwen2": dict(_COMMON, model_type="qwen2", num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
                   tie_word_embeddings=True, use_sliding_window=False, sliding_window=2048),
+    # Llama 3.x: its rope keeps a frequency array computed at construction.
+    "llama3": dict(_COMMON, model_type="llama", num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500_000.0,
+                   tie_word_embeddings=True,
+                   rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                     original_max_position_embeddings=64)),
+    "qwen3_moe": dict(_COMMON, model_type="qwen3_moe", num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                      rope_theta=1_000_000.0, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                      decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=32, norm_topk_prob=True),
+    "qwen2_moe": dict(_COMMON, model_type="qwen2_moe", num_key_value_heads=2, rms_norm_eps=1e-6,
+                      rope_theta=1_000_000.0, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    "gemma": dict(_COMMON, model_type="gemma", num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6,
+                  rope_theta=10_000.0),
+    # Phi-3's long-context rope scales every frequency by a per-dimension factor.
+    "phi3": dict(_COMMON, model_type="phi3", num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10_000.0,
+                 original_max_position_embeddings=512,
+                 rope_scaling=dict(type="longrope", short_factor=[1.0 + i / 8 for i in range(8)],
+                                   long_factor=[1.5 + i / 4 for i in range(8)])),
+    "olmo2": dict(_COMMON, model_type="olmo2", num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=500_000.0,
+                  tie_word_embeddings=False),
+    "glm4": dict(_COMMON, model_type="glm4", num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                 rope_theta=10_000.0, partial_rotary_factor=0.5, attention_bias=True),
+    "starcoder2": dict(_COMMON, model_type="starcoder2", num_key_value_heads=2, norm_epsilon=1e-5,
+                       rope_theta=100_000.0, tie_word_embeddings=True),
+    # Hunyuan: mixture of experts with a shared expert, query/key norms, and K/V shared by layer pairs.
+    "hunyuan": dict(_COMMON, model_type="hunyuan", num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10_000.0,
+                    attention_bias=False, moe_topk=2, num_experts=4, num_shared_expert=1, use_mixed_mlp_moe=True,
+                    use_qk_norm=True, use_cla=True, cla_share_factor=2, moe_intermediate_size=32,
+                    rope_scaling=dict(type="dynamic", factor=1.0, alpha=1000.0)),
+}
+
+#: Architectures the loader must refuse for what their loaded layers do (KV heads named otherwise,
+#: a rope or a query scale that cannot take per-token positions).
+REFUSED_CONFIGS = {
+    "mixtral": dict(_COMMON, model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                    rms_norm_eps=1e-5, rope_theta=1_000_000.0),
+    "llama_dynamic_ntk": dict(_COMMON, model_type="llama", num_key_value_heads=2, rms_norm_eps=1e-5,
+                              rope_theta=10_000.0, rope_scaling=dict(type="dynamic", factor=2.0)),
+    "ministral3": dict(_COMMON, model_type="ministral3", num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                       rope_parameters=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=1024,
+                                            llama_4_scaling_beta=0.1, rope_theta=1_000_000.0)),
 }
 
 
 def write_tiny_model(folder: Path, model_type: str, tokenizer_from: Path, seed: int = 7) -> Path:
-    """Write TINY_CONFIGS[model_type] with random weights into `folder`; returns it."""
+    """Write the tiny config named `model_type` with random weights into `folder`; returns it."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
     folder.mkdir(parents=True, exist_ok=True)
     vocab = json.loads((tokenizer_from / "config.json").read_text())["vocab_size"]
-    config = dict(TINY_CONFIGS[model_type], vocab_size=vocab)
+    config = dict({**TINY_CONFIGS, **REFUSED_CONFIGS}[model_type], vocab_size=vocab)
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))

@@ -1,0 +1,180 @@
+"""Whether the paged engine can run a model, judged by what the model's layers do, not by its name.
+
+The engine drives mlx-lm's model classes through three seams (see `node.model_adapter`):
+the KV cache object each layer is handed, the rope of each layer's attention module, and
+the `scaled_dot_product_attention` name in the model's own module. A model pages
+correctly when everything that depends on context goes through those seams:
+
+- every layer keeps a plain full-context KV cache (no sliding window, no recurrent state);
+- positions reach the layers only through a rope that accepts one position per token;
+- every layer stores its K/V through its cache and attends with that one call, without
+  sinks, with one KV geometry shared by all layers;
+- the logits are the head applied to the text stack's output, nothing more.
+
+`architecture_reason` looks at a model's structure (weights not needed, so a hub model is
+refused before its weights are fetched); `paging_reason` traces one lazy forward pass
+with probe caches that record what each layer stores and attends over, and checks each
+rope against per-token calls.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from node.positions import PackedPositions, PositionalRoPE, install_positional_rope
+
+#: Names the model's own `__call__` may touch: the text stack and one of its two heads.
+HEAD_NAMES = frozenset({"model", "args", "tie_word_embeddings", "embed_tokens", "as_linear", "lm_head"})
+_PROBE_TOKENS = 3
+_ROPE_POSITIONS = (7, 0, 3)  # out of order, as in a packed step
+_ROPE_ATOL = 1e-5
+
+
+# ---------------------------------------------------------------- structure
+
+
+def architecture_reason(model) -> str | None:
+    """Why `model`'s structure cannot page, or None; reads no weights."""
+    return _cache_reason(model) or _stack_reason(model) or _logits_reason(model)
+
+
+def _stack_reason(model) -> str | None:
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return "no decoder layers at model.layers (a text stack nested elsewhere is not driven yet)"
+    for index, layer in enumerate(layers):
+        attention = getattr(layer, "self_attn", None)
+        if attention is None or "rope" not in attention:
+            return f"layer {index} has no attention module with a rope at layers[{index}].self_attn"
+        if type(attention).__module__ != type(model).__module__:
+            # The adapter routes the attention call of the model's own module only.
+            return f"its attention class {type(attention).__qualname__} lives in {type(attention).__module__}"
+    return None
+
+
+def _cache_reason(model) -> str | None:
+    """A model that makes its own caches says what each layer needs kept."""
+    if not hasattr(model, "make_cache"):
+        return None  # mlx-lm gives such a model a full-context KVCache per layer
+    from mlx_lm.models.cache import KVCache
+
+    kinds = sorted({type(cache).__name__ for cache in model.make_cache() if type(cache) is not KVCache})
+    if kinds:
+        return f"layers keep {', '.join(kinds)} state (sliding window, recurrent or chunked attention)"
+    return None
+
+
+def _logits_reason(model) -> str | None:
+    """The runner applies the head itself, so a model whose `__call__` does more is refused."""
+    extra = sorted(set(type(model).__call__.__code__.co_names) - HEAD_NAMES)
+    if extra:
+        return f"its forward transforms the logits beyond the head ({', '.join(extra)})"
+    return None
+
+
+# ---------------------------------------------------------------- behaviour
+
+
+@dataclass
+class ProbeCache:
+    """A layer's stand-in KV cache: it records what the layer stores and how it attends."""
+
+    offset: PackedPositions
+    stored: tuple | None = None
+    attended: dict | None = None  # the keyword arguments of its attention call
+
+    def make_mask(self, *args, **kwargs) -> None:
+        return None
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.stored = (tuple(keys.shape), tuple(values.shape))
+        return keys, values
+
+
+@contextmanager
+def _recording_attention(module):
+    """Swap the module's attention call for one that records probe calls and passes others on."""
+    original = module.scaled_dot_product_attention
+
+    def record(queries, keys, values, cache, scale, mask, **kwargs):
+        if not isinstance(cache, ProbeCache):
+            return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
+        cache.attended = kwargs
+        return mx.zeros((*queries.shape[:-1], values.shape[-1]), dtype=queries.dtype)
+
+    module.scaled_dot_product_attention = record
+    try:
+        yield
+    finally:
+        module.scaled_dot_product_attention = original
+
+
+def trace_layers(model) -> list[ProbeCache]:
+    """Build (never evaluate) one forward pass of a few packed tokens over probe caches.
+
+    Installs the per-token rope wrapper the runner would install anyway. Raises whatever
+    the model raises when handed per-token positions.
+    """
+    install_positional_rope(model)
+    module = sys.modules[type(model).__module__]
+    if not hasattr(module, "scaled_dot_product_attention"):
+        raise AttributeError(f"{module.__name__} does not call scaled_dot_product_attention")
+    positions = PackedPositions(mx.arange(_PROBE_TOKENS, dtype=mx.int32))
+    caches = [ProbeCache(positions) for _ in model.layers]
+    with _recording_attention(module):
+        model(mx.arange(_PROBE_TOKENS, dtype=mx.int32)[None], cache=caches)
+    return caches
+
+
+def paging_reason(model, num_kv_heads: int, head_dim: int) -> str | None:
+    """Why the model would not page correctly with this KV geometry, or None.
+
+    Wraps each rope as the runner does, checks the ropes, then traces the layers.
+    """
+    install_positional_rope(model)
+    if (reason := _rope_reason(model, head_dim)) is not None:
+        return reason
+    try:
+        caches = trace_layers(model)
+    except Exception as error:  # whatever breaks under per-token positions and probe caches
+        return f"its layers do not run over paged caches ({type(error).__name__}: {error})"
+    return _layers_reason(caches, num_kv_heads, head_dim)
+
+
+def _layers_reason(caches: list[ProbeCache], num_kv_heads: int, head_dim: int) -> str | None:
+    expected = (num_kv_heads, head_dim)
+    for index, cache in enumerate(caches):
+        if cache.stored is None:
+            return f"layer {index} stores no K/V through its cache"
+        if cache.attended is None:
+            return f"layer {index} computes attention itself, not through scaled_dot_product_attention"
+        if cache.attended.get("sinks") is not None:
+            return f"layer {index} uses attention sinks"
+        (_, kv_heads, _, key_dim), (_, _, _, value_dim) = cache.stored
+        if (kv_heads, key_dim, value_dim) != (*expected, head_dim):
+            return (f"layer {index} stores {kv_heads} KV heads of key dim {key_dim} and value dim {value_dim}; "
+                    f"the pool holds {num_kv_heads} heads of dim {head_dim} for every layer")
+    return None
+
+
+def _rope_reason(model, head_dim: int) -> str | None:
+    """Each layer's rope must rotate a packed row exactly as it rotates each token alone."""
+    x = mx.random.normal((1, 2, len(_ROPE_POSITIONS), head_dim), key=mx.random.key(0))
+    for index, layer in enumerate(model.layers):
+        rope: PositionalRoPE = layer.self_attn.rope
+        try:
+            packed = rope(x, offset=PackedPositions(mx.array(_ROPE_POSITIONS, dtype=mx.int32)))
+            alone = mx.concatenate(
+                [rope.inner(x[:, :, t : t + 1], offset=p) for t, p in enumerate(_ROPE_POSITIONS)], axis=2
+            )
+            close = np.allclose(np.array(packed), np.array(alone), atol=_ROPE_ATOL, rtol=0)
+        except Exception as error:
+            return f"layer {index}'s {type(rope.inner).__name__} fails on per-token positions ({type(error).__name__}: {error})"
+        if not close:
+            return f"layer {index}'s {type(rope.inner).__name__} rotates per-token positions differently"
+    return None

@@ -1,0 +1,92 @@
+"""`orchard serve` on checkpoints of other families, queried with the official openai client.
+
+Served models load in one thread and step in the engine's own (in a Ray actor with Ray),
+which is where arrays computed at construction (Llama 3's rope frequencies) used to break
+every request. Greedy completions must be mlx-lm's own greedy tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import openai
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from node.demo_model import write_demo_model
+from tests.node.tiny_models import write_tiny_model
+
+ORCHARD = Path(sys.executable).with_name("orchard")
+MAX_TOKENS = 12
+PROMPT = [5, 17, 230, 41, 9, 300, 77, 12, 1200, 64, 3, 88, 19]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("families")
+    demo = write_demo_model(root / "demo")
+    return {name: write_tiny_model(root / name, name, demo) for name in ("llama3", "qwen3_moe")}
+
+
+def mlx_lm_greedy_text(folder: Path) -> str:
+    model, tokenizer = load(str(folder))
+    tokens = [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=MAX_TOKENS)]
+    return tokenizer.decode(tokens)
+
+
+@contextlib.contextmanager
+def served(folder: Path, log: Path, *flags: str):
+    """A real `orchard serve` process on a free port; yields (base url, model name)."""
+    command = [str(ORCHARD), "serve", "--model", str(folder), "--port", "0", "--max-model-len", "256",
+               "--kv-memory", "0.02", "--grace", "10", *flags]
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"serving (\S+) at (http://\S+)/v1", line)
+        assert match, (line, log.read_text()[-3000:])
+        yield match.group(2), match.group(1)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def greedy_completion(url: str, model: str) -> openai.types.Completion:
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return client.completions.create(model=model, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                     extra_body={"ignore_eos": True})
+
+
+def assert_is_mlx_lm_greedy(completion, folder: Path) -> None:
+    assert completion.usage.completion_tokens == MAX_TOKENS
+    assert completion.choices[0].text == mlx_lm_greedy_text(folder)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("family", ["llama3", "qwen3_moe"])
+def test_serve_without_ray_answers_with_mlx_lm_greedy_tokens(family, checkpoints, tmp_path):
+    with served(checkpoints[family], tmp_path / "serve.log", "--no-ray") as (url, model):
+        completion = greedy_completion(url, model)
+    assert_is_mlx_lm_greedy(completion, checkpoints[family])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("family", ["llama3", "qwen3_moe"])
+def test_serve_with_ray_answers_with_mlx_lm_greedy_tokens(family, checkpoints, tmp_path):
+    pytest.importorskip("cluster.ray_backend", reason="the Ray backend is not part of this build")
+    with served(checkpoints[family], tmp_path / "serve.log") as (url, model):
+        completion = greedy_completion(url, model)
+    assert_is_mlx_lm_greedy(completion, checkpoints[family])

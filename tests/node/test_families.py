@@ -1,0 +1,103 @@
+"""Architectures beyond the demo's, token-exact against mlx-lm over the paged pool.
+
+Each family is a tiny random checkpoint built with mlx-lm's own classes (`tiny_models`).
+The engine's greedy tokens must equal mlx-lm's own `generate_step` and its top-5
+log-probs agree to 1e-5 in float32, through chunked prefill in a packed batch, a prefix
+served from the cache, and preemption.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate_step
+
+from node.engine import EngineConfig, LLMEngine
+from node.types import SamplingParams
+from tests.node.tiny_models import write_tiny_model
+
+FAMILIES = ["llama3", "qwen3_moe", "qwen2_moe", "gemma", "phi3", "olmo2", "glm4", "starcoder2", "hunyuan"]
+MAX_TOKENS = 8
+TOP = 5
+LOGPROB_ATOL = 1e-5
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+
+
+def prompts(vocab: int, lengths: list[int], offset: int = 0) -> list[list[int]]:
+    """Deterministic token-id prompts of the given lengths, away from the special ids."""
+    return [[(7 * i + 13 * j + offset) % (vocab - 8) + 3 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, tmp_path_factory, demo_model_dir):
+    folder = write_tiny_model(tmp_path_factory.mktemp(request.param), request.param, demo_model_dir)
+    reference_model, _ = load(str(folder))
+    return folder, reference_model
+
+
+def reference(model, prompt: list[int]) -> tuple[list[int], list[list[tuple[int, float]]]]:
+    """mlx-lm's greedy tokens and, per token, its top-5 (id, log-prob) best first."""
+    tokens, tops = [], []
+    for token, logprobs in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS):
+        row = np.array(logprobs)
+        best = np.argsort(-row, kind="stable")[:TOP]
+        tokens.append(int(token))
+        tops.append([(int(t), float(row[t])) for t in best])
+    return tokens, tops
+
+
+def run(engine: LLMEngine, batch: list[list[int]], prefix: str = "r") -> list[tuple]:
+    """All of `batch` added before the first step, run to completion.
+
+    Per prompt: (final output, every generated token's top log-probs, collected from the deltas).
+    """
+    for i, prompt in enumerate(batch):
+        engine.add_request(f"{prefix}{i}", prompt, GREEDY)
+    finals, tops = {}, {f"{prefix}{i}": [] for i in range(len(batch))}
+    while engine.has_unfinished:
+        for out in engine.step():
+            tops[out.request_id].extend(step.top for step in out.outputs[0].logprobs_delta)
+            if out.finished:
+                finals[out.request_id] = out
+    return [(finals[f"{prefix}{i}"], tops[f"{prefix}{i}"]) for i in range(len(batch))]
+
+
+def assert_matches_mlx_lm(model, batch, results) -> None:
+    for prompt, (final, engine_tops) in zip(batch, results):
+        tokens, tops = reference(model, prompt)
+        assert final.outputs[0].token_ids == tokens
+        assert len(engine_tops) == len(tops)
+        for step, (got, want) in enumerate(zip(engine_tops, tops)):
+            assert [t for t, _ in got] == [t for t, _ in want], f"top-{TOP} ids differ at token {step}"
+            np.testing.assert_allclose([lp for _, lp in got], [lp for _, lp in want], atol=LOGPROB_ATOL, rtol=0)
+
+
+def test_chunked_prefill_in_a_packed_batch_matches_mlx_lm(family):
+    folder, model = family
+    # Chunks of 7 tokens over blocks of 4: chunk and block edges fall at different places.
+    engine = LLMEngine(EngineConfig(model=str(folder), num_blocks=64, block_size=4, max_num_batched_tokens=7))
+    batch = prompts(engine.model.vocab_size, [5, 17, 1, 11])
+    assert_matches_mlx_lm(model, batch, run(engine, batch))
+
+
+def test_a_prefix_served_from_the_cache_matches_mlx_lm(family):
+    folder, model = family
+    engine = LLMEngine(EngineConfig(model=str(folder), num_blocks=64, block_size=4))
+    vocab = engine.model.vocab_size
+    system = prompts(vocab, [12], offset=5)[0]
+    batch = [system + tail for tail in prompts(vocab, [3, 6])]
+    first = run(engine, batch[:1], prefix="first")
+    second = run(engine, batch[1:], prefix="second")
+    assert second[0][0].num_cached_tokens == len(system)
+    assert_matches_mlx_lm(model, batch, first + second)
+
+
+def test_preempted_sequences_resume_matching_mlx_lm(family):
+    folder, model = family
+    engine = LLMEngine(EngineConfig(model=str(folder), num_blocks=10, block_size=4, preemption="recompute"))
+    batch = prompts(engine.model.vocab_size, [9, 13, 6])
+    results = run(engine, batch)
+    assert engine.scheduler.num_preemptions > 0
+    assert_matches_mlx_lm(model, batch, results)
