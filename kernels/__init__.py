@@ -1,7 +1,9 @@
 """Attention over a paged KV pool, and the writes that fill it.
 
-Public API: `paged_attention` (decode), `paged_prefill_attention` (packed chunks mixed
-with decode rows), `write_kv`, `available_backends`, `default_backend`. Backends are
+Public API: `plan_varlen` + `paged_varlen_attention` (every step: packed prefill chunks
+and decode rows, one plan per step shared by every layer), `paged_attention` (decode
+only), `paged_prefill_attention` (the varlen pair in one call), `write_kv`,
+`available_backends`, `default_backend`. Backends are
 "reference" (pure MLX ops, everywhere), "metal" (Apple GPUs) and "cuda" (MLX on NVIDIA);
 pick one with `backend=` or the ORCHARD_ATTENTION_BACKEND environment variable.
 """
@@ -11,7 +13,9 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kernels import reference
-from kernels.dispatch import ENV_VAR, available_backends, checked_decode_metadata, decode_function, default_backend, resolve_backend
+from kernels.dispatch import (
+    ENV_VAR, available_backends, checked_decode_metadata, decode_function, default_backend, resolve_backend, varlen_function,
+)
 from kernels.errors import (
     BackendUnavailable,
     InvalidAttentionMetadata,
@@ -20,6 +24,7 @@ from kernels.errors import (
     UnsupportedAttentionShape,
 )
 from kernels.kv_write import write_kv
+from kernels.plan import VarlenPlan, VarlenTuning, plan_varlen
 
 __all__ = [
     "ENV_VAR",
@@ -28,10 +33,14 @@ __all__ = [
     "KernelError",
     "UnknownBackend",
     "UnsupportedAttentionShape",
+    "VarlenPlan",
+    "VarlenTuning",
     "available_backends",
     "default_backend",
     "paged_attention",
     "paged_prefill_attention",
+    "paged_varlen_attention",
+    "plan_varlen",
     "write_kv",
 ]
 
@@ -57,6 +66,36 @@ def paged_attention(
     return decode(queries, key_cache, value_cache, tables, lengths, scale)
 
 
+def paged_varlen_attention(
+    queries: mx.array,
+    key_cache: mx.array,
+    value_cache: mx.array,
+    plan: VarlenPlan,
+    *,
+    scale: float,
+    backend: str | None = None,
+) -> mx.array:
+    """Every query of a step (prefill chunks and decode rows, packed) over its sequence's paged context.
+
+    queries [total_q, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]
+    (one layer); `plan` from `plan_varlen` for this step, built once and passed to every layer.
+    Query j of sequence s sits at position context_lens[s] - q_len_s + j and sees positions up
+    to its own. Returns [total_q, num_heads, head_dim] in the queries' dtype; softmax in float32.
+    The metadata was checked when the plan was built; here only shapes are compared.
+    """
+    if backend is not None and resolve_backend(backend) != plan.backend:
+        raise InvalidAttentionMetadata(f"the plan was built for backend {plan.backend!r}, not {backend!r}")
+    expected = (plan.total_q, plan.num_heads, plan.head_dim)
+    if queries.shape != expected or key_cache.shape[1:] != (plan.block_size, plan.num_kv_heads, plan.head_dim):
+        raise InvalidAttentionMetadata(
+            f"the plan expects queries {expected} and caches [num_blocks, {plan.block_size}, {plan.num_kv_heads}, "
+            f"{plan.head_dim}], got {queries.shape} and {key_cache.shape}"
+        )
+    if plan.backend == "reference":
+        return reference.paged_varlen_reference(queries, key_cache, value_cache, plan.reference, scale)
+    return varlen_function(plan.backend)(queries, key_cache, value_cache, plan, scale)
+
+
 def paged_prefill_attention(
     queries: mx.array,
     key_cache: mx.array,
@@ -68,14 +107,18 @@ def paged_prefill_attention(
     scale: float,
     backend: str | None = None,
 ) -> mx.array:
-    """Packed new tokens of several sequences, each attending causally to its cache (chunk included).
+    """`plan_varlen` + `paged_varlen_attention` in one call, for callers with a single layer.
 
     queries [total_q, num_heads, head_dim]; query_start_loc int32 [num_seqs + 1];
-    context_lens int32 [num_seqs] counts each sequence's tokens including this chunk, so
-    query j of sequence s sits at position context_lens[s] - q_len_s + j. Rows with
-    q_len == 1 go through the backend's decode path in one batch.
+    context_lens int32 [num_seqs] counts each sequence's tokens including this chunk.
+    A model with many layers should build the plan once per step instead.
     """
-    decode = decode_function(resolve_backend(backend))
-    return reference.paged_prefill_with(
-        decode, queries, key_cache, value_cache, block_tables, query_start_loc, context_lens, scale
+    if queries.ndim != 3 or key_cache.ndim != 4 or queries.shape[2] != key_cache.shape[3]:
+        raise InvalidAttentionMetadata(f"queries {queries.shape} do not fit a cache of shape {key_cache.shape}")
+    plan = plan_varlen(
+        query_start_loc, context_lens, block_tables, block_size=key_cache.shape[1], num_heads=queries.shape[1],
+        num_kv_heads=key_cache.shape[2], head_dim=queries.shape[2], backend=backend, num_blocks=key_cache.shape[0],
     )
+    if plan.total_q != queries.shape[0]:
+        raise InvalidAttentionMetadata(f"query_start_loc must rise from 0 to total_q={queries.shape[0]}, ends at {plan.total_q}")
+    return paged_varlen_attention(queries, key_cache, value_cache, plan, scale=scale)

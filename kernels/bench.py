@@ -1,5 +1,9 @@
 """`python -m kernels.bench`: paged attention against dense SDPA over the same tokens, one table.
 
+`--only varlen` runs only the mixed-step rows (kernels/bench_varlen.py): the varlen
+kernel on a mixed step (8 chunks of 512 + 56 decodes at T=4096), a pure prefill
+(16 x 1,024) and a decode-only batch, each against dense SDPA and the gather + SDPA path.
+
 CPU: the reference backend's time over dense SDPA's (target: within 1.3x).
 CUDA (when MLX has a CUDA device): the compiled kernel's KV read bandwidth (bytes of K
 and V read / time) against a measured copy ceiling and against MLX's dense SDPA, at
@@ -52,6 +56,7 @@ class Row:
     dense_ms: float
     kv_tb_per_s: float
     copy_tb_per_s: float | None
+    plan_ms: float | None = None  # host time of building the step's plan (varlen rows)
 
     @property
     def ratio(self) -> float:
@@ -150,8 +155,7 @@ def cpu_rows() -> list[Row]:
         return [measure(problem, "reference", "cpu", iters=3, copy_tb=None)]
 
 
-def cuda_rows() -> list[Row]:
-    copy_tb = copy_ceiling_tb_per_s()
+def cuda_rows(copy_tb: float) -> list[Row]:
     rows = []
     for context, batch, iters in ((512, 64, 50), (4096, 64, 20), (32768, 64, 5), (32768, 1, 50)):
         problem = Problem(batch=batch, num_heads=32, num_kv_heads=8, head_dim=128, context=context, dtype="float16")
@@ -177,27 +181,34 @@ def sweep_rows(context: int, iters: int) -> list[Row]:
 
 
 def format_table(rows: list[Row]) -> str:
-    header = f"{'device':6} {'backend':22} {'problem':52} {'paged ms':>9} {'dense ms':>9} {'paged/dense':>11} {'KV TB/s':>8} {'of copy':>8}"
+    header = (f"{'device':6} {'backend':22} {'problem':60} {'paged ms':>9} {'dense ms':>9} {'paged/dense':>11} "
+              f"{'KV TB/s':>8} {'of copy':>8} {'plan ms':>8}")
     lines = [header, "-" * len(header)]
     for row in rows:
         of_copy = f"{row.kv_tb_per_s / row.copy_tb_per_s:7.0%}" if row.copy_tb_per_s else "      -"
+        plan = f"{row.plan_ms:8.3f}" if row.plan_ms is not None else "       -"
         lines.append(
-            f"{row.device:6} {row.backend:22} {row.problem:52} {row.paged_ms:9.3f} {row.dense_ms:9.3f} "
-            f"{row.ratio:10.2f}x {row.kv_tb_per_s:8.3f} {of_copy:>8}"
+            f"{row.device:6} {row.backend:22} {row.problem:60} {row.paged_ms:9.3f} {row.dense_ms:9.3f} "
+            f"{row.ratio:10.2f}x {row.kv_tb_per_s:8.3f} {of_copy:>8} {plan}"
         )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="also time the CUDA kernel's tuning knobs")
+    parser.add_argument("--sweep", action="store_true", help="also time the CUDA kernels' tuning knobs")
+    parser.add_argument("--only", choices=["decode", "varlen"], help="only the decode rows or only the varlen (mixed-step) rows")
     parser.add_argument("--json", help="write the rows to this file as JSON")
     args = parser.parse_args(argv)
-    rows = cpu_rows()
+    from kernels import bench_varlen
+
+    decode, varlen = args.only in (None, "decode"), args.only in (None, "varlen")
+    rows = (cpu_rows() if decode else []) + (bench_varlen.cpu_rows() if varlen else [])
     if dispatch.cuda_available():
-        rows += cuda_rows()
+        copy_tb = copy_ceiling_tb_per_s()
+        rows += (cuda_rows(copy_tb) if decode else []) + (bench_varlen.cuda_rows(copy_tb) if varlen else [])
         if args.sweep:
-            rows += sweep_rows(4096, 20) + sweep_rows(32768, 5)
+            rows += (sweep_rows(4096, 20) + sweep_rows(32768, 5) if decode else []) + (bench_varlen.sweep_rows(copy_tb) if varlen else [])
     copy = next((r.copy_tb_per_s for r in rows if r.copy_tb_per_s), None)
     print(f"# mlx {mx.__version__}, {platform.machine()} {platform.system()}, OpenBLAS preloaded: {openblas_in_use()}"
           + (f", copy ceiling {copy:.2f} TB/s (read+write)" if copy else ""))

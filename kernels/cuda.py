@@ -1,10 +1,11 @@
-"""The paged decode kernel compiled for NVIDIA GPUs through `mx.fast.cuda_kernel` (NVRTC)."""
+"""The paged decode and varlen kernels compiled for NVIDIA GPUs through `mx.fast.cuda_kernel` (NVRTC)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 
 from kernels.launch import PagedDecodeKernels
+from kernels.varlen import PagedVarlenKernels
 
 
 def compile_cuda(name: str, input_names: list, output_names: list, header: str, body: str):
@@ -13,3 +14,6 @@ def compile_cuda(name: str, input_names: list, output_names: list, header: str, 
 
 #: paged_decode(queries, key_cache, value_cache, block_tables, context_lens, scale) -> output
 paged_decode = PagedDecodeKernels("cuda", compile_cuda)
+
+#: paged_varlen(queries, key_cache, value_cache, plan, scale) -> output (kernels/plan.py builds the plan)
+paged_varlen = PagedVarlenKernels("cuda", compile_cuda)

@@ -66,6 +66,17 @@ def decode_function(name: str) -> DecodeFn:
     return _reference_decode
 
 
+def varlen_function(name: str):
+    """The compiled varlen kernels of "metal" or "cuda": call(queries, key_cache, value_cache, plan, scale)."""
+    if name == "metal":
+        from kernels import metal
+
+        return metal.paged_varlen
+    from kernels import cuda
+
+    return cuda.paged_varlen
+
+
 def _reference_decode(queries, key_cache, value_cache, block_tables, context_lens, scale):
     return reference.paged_decode_reference(
         queries, key_cache, value_cache,

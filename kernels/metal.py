@@ -1,4 +1,4 @@
-"""The paged decode kernel compiled for Apple GPUs through `mx.fast.metal_kernel`.
+"""The paged decode and varlen kernels compiled for Apple GPUs through `mx.fast.metal_kernel`.
 
 Same kernel text as kernels/cuda.py (see kernels/source.py); only the compiler differs.
 """
@@ -8,6 +8,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kernels.launch import PagedDecodeKernels
+from kernels.varlen import PagedVarlenKernels
 
 
 def compile_metal(name: str, input_names: list, output_names: list, header: str, body: str):
@@ -16,3 +17,6 @@ def compile_metal(name: str, input_names: list, output_names: list, header: str,
 
 #: paged_decode(queries, key_cache, value_cache, block_tables, context_lens, scale) -> output
 paged_decode = PagedDecodeKernels("metal", compile_metal)
+
+#: paged_varlen(queries, key_cache, value_cache, plan, scale) -> output (kernels/plan.py builds the plan)
+paged_varlen = PagedVarlenKernels("metal", compile_metal)

@@ -9,6 +9,7 @@ then gives those duplicates zero weight.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
@@ -80,21 +81,30 @@ def side_stream() -> mx.Stream | None:
     return _SIDE_STREAMS[device]
 
 
-def gather_heads_major(cache: mx.array, slots: np.ndarray, stream: mx.Stream | None = None) -> mx.array:
-    """Rows of one layer's pool at `slots` [B, T], as a contiguous [B, num_kv_heads, T, head_dim].
+def head_major_rows(slots: np.ndarray, num_kv_heads: int) -> np.ndarray:
+    """Row of the flattened pool `[num_slots * num_kv_heads, head_dim]` for each (sequence, head, position)."""
+    return slots[:, None, :] * num_kv_heads + np.arange(num_kv_heads, dtype=np.int32)[None, :, None]
+
+
+def gather_rows(cache: mx.array, rows: mx.array, stream: mx.Stream | None = None) -> mx.array:
+    """Rows of one layer's pool at `rows` [B, num_kv_heads, T], as a contiguous [B, num_kv_heads, T, head_dim].
 
     The head is folded into the row index so the gather writes SDPA's layout directly;
     gathering token rows and transposing afterwards made CPU SDPA ~10x slower (strided K/V).
     Every op of the gather goes on `stream`, so it never queues behind the other gather.
     """
-    num_kv_heads, head_dim = cache.shape[2:]
-    rows = slots[:, None, :] * num_kv_heads + np.arange(num_kv_heads, dtype=np.int32)[None, :, None]
+    head_dim = cache.shape[3]
     with mx.stream(stream or mx.default_stream(mx.default_device())):
         flat = cache.reshape(-1, head_dim)
         if (head_dim * cache.itemsize) % 8 == 0:
             # A gather only moves bytes: as 64-bit words it copies 2-4x fewer elements (CPU gathers per element).
-            return mx.take(flat.view(mx.uint64), mx.array(rows), axis=0).view(cache.dtype)
-        return mx.take(flat, mx.array(rows), axis=0)
+            return mx.take(flat.view(mx.uint64), rows, axis=0).view(cache.dtype)
+        return mx.take(flat, rows, axis=0)
+
+
+def gather_heads_major(cache: mx.array, slots: np.ndarray, stream: mx.Stream | None = None) -> mx.array:
+    """Rows of one layer's pool at `slots` [B, T], as a contiguous [B, num_kv_heads, T, head_dim]."""
+    return gather_rows(cache, mx.array(head_major_rows(slots, cache.shape[2])), stream)
 
 
 def length_groups(context_lens: np.ndarray, max_padding: float = 0.25) -> list[np.ndarray]:
@@ -160,92 +170,88 @@ def paged_decode_reference(
     return mx.take(mx.concatenate(pieces, axis=0), mx.array(inverse), axis=0)
 
 
-def chunk_attention_reference(
-    queries: mx.array,
-    key_cache: mx.array,
-    value_cache: mx.array,
-    block_table: np.ndarray,
-    context_len: int,
-    scale: float,
-) -> mx.array:
-    """The last q_len positions of one sequence attend causally to its first context_len tokens."""
-    q_len = queries.shape[0]
-    slots = token_slots(block_table[None, :], np.array([context_len], dtype=np.int32), key_cache.shape[1], context_len)
-    keys = gather_heads_major(key_cache, slots)
-    values = gather_heads_major(value_cache, slots, side_stream())
-    q = queries.astype(key_cache.dtype).transpose(1, 0, 2)[None]
-    # "causal" aligns the last query with the last key, which is where the chunk sits.
-    mask = "causal" if q_len > 1 else None
-    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    return out[0].transpose(1, 0, 2).astype(queries.dtype)
+@dataclass(frozen=True)
+class DecodeGroupPiece:
+    """Decode rows of similar context length, attended in one padded SDPA."""
+
+    query_rows: mx.array  # packed query row of each member
+    kv_rows: mx.array  # [members, num_kv_heads, width] rows of the flattened pool
+    mask: mx.array | None  # [members, 1, 1, width], None when every member fills the width
 
 
-def check_prefill_metadata(
-    queries: mx.array, key_cache: mx.array, query_start_loc: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray
-) -> None:
-    """Offsets must be cumulative, cover every query row, and fit inside each sequence's length."""
-    num_seqs = context_lens.shape[0]
-    if query_start_loc.shape != (num_seqs + 1,) or block_tables.shape[:1] != (num_seqs,):
-        raise InvalidAttentionMetadata(
-            f"expected query_start_loc [{num_seqs + 1}] and block_tables [{num_seqs}, max_blocks], "
-            f"got {query_start_loc.shape} and {block_tables.shape}"
-        )
-    q_lens = np.diff(query_start_loc)
-    if query_start_loc[0] != 0 or query_start_loc[-1] != queries.shape[0] or (q_lens < 0).any():
-        raise InvalidAttentionMetadata(
-            f"query_start_loc must rise from 0 to total_q={queries.shape[0]}, got {query_start_loc.tolist()}"
-        )
-    if (q_lens > context_lens).any():
-        raise InvalidAttentionMetadata("a sequence has more new queries than its context length")
-    if queries.shape[2] != key_cache.shape[3] or queries.shape[1] % key_cache.shape[2]:
-        raise InvalidAttentionMetadata(
-            f"queries {queries.shape} do not fit a cache of {key_cache.shape[2]} kv heads of size {key_cache.shape[3]}"
-        )
-    check_table_values(key_cache, block_tables, context_lens)
+@dataclass(frozen=True)
+class ChunkPiece:
+    """A prefill chunk: the last q_len positions of one sequence, causal over its whole context."""
+
+    first_row: int
+    stop_row: int
+    kv_rows: mx.array  # [1, num_kv_heads, context_len]
 
 
-def paged_prefill_with(
-    decode: DecodeFn,
-    queries: mx.array,
-    key_cache: mx.array,
-    value_cache: mx.array,
-    block_tables,
-    query_start_loc,
-    context_lens,
-    scale: float,
-) -> mx.array:
-    """Split a packed mix into one batched decode for q_len == 1 rows and one causal SDPA per longer chunk.
+@dataclass(frozen=True)
+class ReferencePlan:
+    """What the gather + SDPA path needs for a step, computed on the host once and shared by every layer."""
 
-    Pieces are concatenated back in sequence order; a run of consecutive decode sequences
-    is one slice of the batched decode output, so no permutation is needed.
-    """
-    tables = as_host_ints(block_tables, "block_tables")
-    starts = as_host_ints(query_start_loc, "query_start_loc")
-    lengths = as_host_ints(context_lens, "context_lens")
-    check_prefill_metadata(queries, key_cache, starts, lengths, tables)
+    pieces: tuple  # DecodeGroupPiece and ChunkPiece, in the order their outputs are concatenated
+    inverse: mx.array | None  # packed row -> row of the concatenation; None when the order is already packed
+
+
+def plan_reference(
+    starts: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray, block_size: int, num_kv_heads: int
+) -> ReferencePlan:
+    """Length groups for the q_len == 1 rows, one piece per longer chunk, and the permutation back."""
     q_lens = np.diff(starts)
-    is_decode = q_lens == 1
-    decode_seqs = np.nonzero(is_decode)[0]
-    decoded = None
+    decode_seqs = np.nonzero(q_lens == 1)[0]
+    pieces, order = [], []
     if decode_seqs.size:
-        decoded = decode(
-            queries[mx.array(starts[decode_seqs])], key_cache, value_cache,
-            tables[decode_seqs], lengths[decode_seqs], scale,
-        )
-    pieces, decode_cursor, run_start = [], 0, None
-    for seq, q_len in enumerate(q_lens):
-        if is_decode[seq]:
-            run_start = decode_cursor if run_start is None else run_start
-            decode_cursor += 1
-            continue
-        if run_start is not None:
-            pieces.append(decoded[run_start:decode_cursor])
-            run_start = None
-        if q_len:
-            chunk = queries[int(starts[seq]):int(starts[seq + 1])]
-            pieces.append(chunk_attention_reference(chunk, key_cache, value_cache, tables[seq], int(lengths[seq]), scale))
-    if run_start is not None:
-        pieces.append(decoded[run_start:decode_cursor])
-    if not pieces:
+        for group in length_groups(context_lens[decode_seqs]):
+            seqs = decode_seqs[group]
+            pieces.append(_decode_piece(starts[seqs], block_tables[seqs], context_lens[seqs], block_size, num_kv_heads))
+            order.append(starts[seqs])
+    for seq in np.nonzero(q_lens > 1)[0].tolist():
+        length = np.array([context_lens[seq]], dtype=np.int32)
+        slots = token_slots(block_tables[seq:seq + 1], length, block_size, int(length[0]))
+        pieces.append(ChunkPiece(int(starts[seq]), int(starts[seq + 1]), mx.array(head_major_rows(slots, num_kv_heads))))
+        order.append(np.arange(starts[seq], starts[seq + 1]))
+    return ReferencePlan(tuple(pieces), _inverse(np.concatenate(order)) if order else None)
+
+
+def _decode_piece(query_rows, block_tables, context_lens, block_size: int, num_kv_heads: int) -> DecodeGroupPiece:
+    width = int(context_lens.max())
+    slots = token_slots(block_tables, context_lens, block_size, width)
+    mask = None
+    if int(context_lens.min()) != width:
+        mask = mx.array(np.arange(width)[None, :] < context_lens[:, None])[:, None, None, :]
+    return DecodeGroupPiece(mx.array(query_rows.astype(np.int32)), mx.array(head_major_rows(slots, num_kv_heads)), mask)
+
+
+def _inverse(order: np.ndarray) -> mx.array | None:
+    if np.array_equal(order, np.arange(order.size)):
+        return None
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(order.size)
+    return mx.array(inverse.astype(np.int32))
+
+
+def paged_varlen_reference(
+    queries: mx.array, key_cache: mx.array, value_cache: mx.array, plan: ReferencePlan, scale: float
+) -> mx.array:
+    """Run a step's pieces (gather + SDPA each) and put their rows back in packed order."""
+    if not plan.pieces:
         return mx.zeros(queries.shape, dtype=queries.dtype)
-    return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=0)
+    outputs = [_run_piece(piece, queries, key_cache, value_cache, scale) for piece in plan.pieces]
+    out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
+    return out if plan.inverse is None else mx.take(out, plan.inverse, axis=0)
+
+
+def _run_piece(piece, queries: mx.array, key_cache: mx.array, value_cache: mx.array, scale: float) -> mx.array:
+    keys = gather_rows(key_cache, piece.kv_rows)
+    values = gather_rows(value_cache, piece.kv_rows, side_stream())
+    if isinstance(piece, DecodeGroupPiece):
+        q = queries[piece.query_rows].astype(key_cache.dtype)[:, :, None, :]
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=piece.mask)
+        return out[:, :, 0, :].astype(queries.dtype)
+    q = queries[piece.first_row:piece.stop_row].astype(key_cache.dtype).transpose(1, 0, 2)[None]
+    # "causal" aligns the last query with the last key, which is where the chunk sits.
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask="causal")
+    return out[0].transpose(1, 0, 2).astype(queries.dtype)

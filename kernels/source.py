@@ -272,6 +272,310 @@ DIALECTS = {
     "metal": (METAL_HEADER, METAL_DECODE_PROLOGUE, METAL_REDUCE_PROLOGUE),
 }
 
+# ---------------------------------------------------------------------------------------------
+# Varlen kernel: one launch for a whole step (prefill chunks and decode rows side by side).
+#
+# Work decomposition (the list is built on the host, kernels/plan.py): each sequence's new
+# queries are cut into tiles of at most Q_TOKENS tokens (a decode row is a tile of one);
+# a tile's causal context 0..last query is cut into partitions; one work unit is one
+# (tile, partition), and one threadgroup runs one unit for HEADS_PER_TILE query heads of one
+# KV head. Its ROWS = Q_TOKENS x HEADS_PER_TILE query rows share every K/V tile it loads.
+# - K/V tiles of KV_TILE tokens are copied from the pool into shared memory as float
+#   (looked up through the block table, no gather); the K rows are padded by one word so
+#   lanes reading different keys hit different banks.
+# - Scores: lane j of a row group takes key j of the tile; a warp's WARP / KV_TILE row groups
+#   take different rows. Each row's max is reduced over its row group by shuffles; the
+#   softmax weights go to shared memory.
+# - Weighted values: every lane of a warp owns dims lane, lane + 32, ... of the warp's rows
+#   and reads the weights back, so the V reads of one key are shared by all rows.
+# - A unit that is its tile's only partition writes the output; the partitions of a split
+#   tile write (output, max, sum) per row and the varlen merge kernel combines them.
+# ---------------------------------------------------------------------------------------------
+
+VARLEN_INPUTS = ["queries", "key_cache", "value_cache", "block_tables", "units", "scale", "dims"]
+VARLEN_OUTPUTS = ["out", "part_out", "part_max", "part_sum"]
+VARLEN_MERGE_INPUTS = ["part_out", "part_max", "part_sum", "split_rows"]
+VARLEN_MERGE_OUTPUTS = ["merged"]
+#: int32 fields of one work unit, in this order (kernels/plan.py writes them)
+UNIT_FIELDS = ("seq", "query_row", "query_count", "query_position", "kv_start", "kv_end", "partial_row", "split")
+#: int32 fields of one row of a split tile: packed query row, first partial row, stride between partitions, partitions
+SPLIT_ROW_FIELDS = ("query_row", "partial_row", "partial_stride", "partitions")
+
+CUDA_VARLEN_PROLOGUE = """
+  const int tid = int(threadIdx.x);
+  const int unit = int(blockIdx.x);
+  const int head_tile = int(blockIdx.y);
+"""
+
+METAL_VARLEN_PROLOGUE = """
+  const int tid = int(thread_index_in_threadgroup);
+  const int unit = int(threadgroup_position_in_grid.x);
+  const int head_tile = int(threadgroup_position_in_grid.y);
+"""
+
+CUDA_VARLEN_MERGE_PROLOGUE = """
+  const int tid = int(threadIdx.x);
+  const int head = int(blockIdx.x);
+  const int split_row = int(blockIdx.y);
+"""
+
+METAL_VARLEN_MERGE_PROLOGUE = """
+  const int tid = int(thread_index_in_threadgroup);
+  const int head = int(threadgroup_position_in_grid.x);
+  const int split_row = int(threadgroup_position_in_grid.y);
+"""
+
+VARLEN_BODY = r"""
+  constexpr int WARP = 32;
+  constexpr int NUM_WARPS = NUM_THREADS / WARP;
+  constexpr int NUM_HEADS = NUM_KV_HEADS * GROUP;
+  constexpr int TILES_PER_KV = GROUP / HEADS_PER_TILE;
+  constexpr int ROWS = Q_TOKENS * HEADS_PER_TILE;
+  constexpr int ROWS_PER_WARP = (ROWS + NUM_WARPS - 1) / NUM_WARPS;
+  constexpr int ROW_GROUPS = WARP / KV_TILE;
+  constexpr int ROWS_PER_LANE = (ROWS_PER_WARP + ROW_GROUPS - 1) / ROW_GROUPS;
+  constexpr int DIMS_PER_LANE = (HEAD_DIM + WARP - 1) / WARP;
+  constexpr int K_STRIDE = HEAD_DIM + 1;
+  constexpr float NEG_BIG = -1.0e30f;
+  SHARED float q_tile[ROWS * HEAD_DIM];
+  SHARED float k_tile[KV_TILE * K_STRIDE];
+  SHARED float v_tile[KV_TILE * HEAD_DIM];
+  SHARED float p_tile[ROWS * KV_TILE];
+  SHARED float row_corr[ROWS];
+  SHARED float row_max[ROWS];
+  SHARED float row_sum[ROWS];
+
+  const int warp = tid / WARP;
+  const int lane = tid % WARP;
+  const int key_lane = lane % KV_TILE;
+  const int row_group = lane / KV_TILE;
+  const int max_blocks = dims[0];
+  const int u0 = unit * UNIT_FIELDS;
+  const int seq = units[u0 + 0];
+  const int query_row = units[u0 + 1];
+  const int query_count = units[u0 + 2];
+  const int query_position = units[u0 + 3];
+  const int kv_start = units[u0 + 4];
+  const int kv_end = units[u0 + 5];
+  const int partial_row = units[u0 + 6];
+  const bool split = units[u0 + 7] != 0;
+  const int kv_head = head_tile / TILES_PER_KV;
+  const int first_head = kv_head * GROUP + (head_tile % TILES_PER_KV) * HEADS_PER_TILE;
+  const int active_rows = query_count * HEADS_PER_TILE;
+
+  // Row r of the tile is query token r / HEADS_PER_TILE, head first_head + r % HEADS_PER_TILE.
+  // Scores are kept in base 2 (scale folded with log2(e)) so every exponential is one exp2.
+  const float softmax_scale = scale[0] * 1.4426950408889634f;
+  for (int idx = tid; idx < ROWS * HEAD_DIM; idx += NUM_THREADS) {
+    const int r = idx / HEAD_DIM;
+    const size_t q_at = (size_t(query_row + r / HEADS_PER_TILE) * NUM_HEADS + first_head + r % HEADS_PER_TILE) * HEAD_DIM + idx % HEAD_DIM;
+    q_tile[idx] = r < active_rows ? static_cast<float>(queries[q_at]) * softmax_scale : 0.0f;
+  }
+
+  // Score-phase rows of this lane: warp rows row_group, row_group + ROW_GROUPS, ...
+  // score_rows counts the k with any live row in this warp (the same for every lane), so loops
+  // that shuffle stop at the same k in every lane; loops keep constant bounds so arrays stay in registers.
+  int score_row[ROWS_PER_LANE];
+  bool score_live[ROWS_PER_LANE];
+  float run_max[ROWS_PER_LANE];
+  float lane_sum[ROWS_PER_LANE];
+  int score_rows = 0;
+  for (int k = 0; k < ROWS_PER_LANE; ++k) {
+    const int i = row_group + ROW_GROUPS * k;
+    const int r = i * NUM_WARPS + warp;
+    score_live[k] = i < ROWS_PER_WARP && r < active_rows;
+    score_row[k] = score_live[k] ? r : 0;
+    score_rows += ((ROW_GROUPS * k) * NUM_WARPS + warp < active_rows) ? 1 : 0;
+    run_max[k] = NEG_BIG;
+    lane_sum[k] = 0.0f;
+  }
+  // Value-phase rows of this warp: i * NUM_WARPS + warp for i < value_rows.
+  int value_rows = 0;
+  for (int i = 0; i < ROWS_PER_WARP; ++i) {
+    value_rows += (i * NUM_WARPS + warp < active_rows) ? 1 : 0;
+  }
+  float acc[ROWS_PER_WARP][DIMS_PER_LANE];
+  for (int i = 0; i < ROWS_PER_WARP; ++i) {
+    for (int e = 0; e < DIMS_PER_LANE; ++e) {
+      acc[i][e] = 0.0f;
+    }
+  }
+
+  // auto: Metal binds inputs of under 8 elements (a short block table) in `constant`, not `device`.
+  const auto table = block_tables + size_t(seq) * max_blocks;
+  for (int base = kv_start; base < kv_end; base += KV_TILE) {
+    for (int idx = tid; idx < KV_TILE * HEAD_DIM; idx += NUM_THREADS) {
+      const int j = idx / HEAD_DIM;
+      const int d = idx % HEAD_DIM;
+      const int t = base + j;
+      float k_value = 0.0f;
+      float v_value = 0.0f;
+      if (t < kv_end) {
+        const size_t slot = size_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE;
+        const size_t at = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + d;
+        k_value = static_cast<float>(key_cache[at]);
+        v_value = static_cast<float>(value_cache[at]);
+      }
+      k_tile[j * K_STRIDE + d] = k_value;
+      v_tile[j * HEAD_DIM + d] = v_value;
+    }
+    BARRIER();
+
+    float dots[ROWS_PER_LANE];
+    for (int k = 0; k < ROWS_PER_LANE; ++k) {
+      dots[k] = 0.0f;
+    }
+    const int k_at = key_lane * K_STRIDE;
+    if (score_rows == ROWS_PER_LANE) {
+      // Every row live somewhere in the warp: one pass over d shares each K read among the rows.
+      for (int d = 0; d < HEAD_DIM; ++d) {
+        const float kd = k_tile[k_at + d];
+        for (int k = 0; k < ROWS_PER_LANE; ++k) {
+          dots[k] += q_tile[score_row[k] * HEAD_DIM + d] * kd;
+        }
+      }
+    } else {
+      for (int k = 0; k < ROWS_PER_LANE; ++k) {
+        if (k < score_rows) {
+          const int q_at = score_row[k] * HEAD_DIM;
+          for (int d = 0; d < HEAD_DIM; ++d) {
+            dots[k] += q_tile[q_at + d] * k_tile[k_at + d];
+          }
+        }
+      }
+    }
+    const int t = base + key_lane;
+    for (int k = 0; k < ROWS_PER_LANE; ++k) {
+      if (k >= score_rows) {
+        break;
+      }
+      const int r = score_row[k];
+      const bool valid = score_live[k] && t < kv_end && t <= query_position + r / HEADS_PER_TILE;
+      float tile_max = valid ? dots[k] : NEG_BIG;
+      for (int mask = KV_TILE / 2; mask > 0; mask /= 2) {
+        const float other = SIMD_XOR(tile_max, mask);
+        tile_max = other > tile_max ? other : tile_max;
+      }
+      const float new_max = tile_max > run_max[k] ? tile_max : run_max[k];
+      const float p = valid ? FEXP2(dots[k] - new_max) : 0.0f;
+      const float correction = FEXP2(run_max[k] - new_max);
+      lane_sum[k] = lane_sum[k] * correction + p;
+      run_max[k] = new_max;
+      if (score_live[k]) {
+        p_tile[r * KV_TILE + key_lane] = p;
+        if (key_lane == 0) {
+          row_corr[r] = correction;
+        }
+      }
+    }
+    BARRIER();
+
+    for (int i = 0; i < ROWS_PER_WARP; ++i) {
+      if (i >= value_rows) {
+        break;
+      }
+      const float correction = row_corr[i * NUM_WARPS + warp];
+      for (int e = 0; e < DIMS_PER_LANE; ++e) {
+        acc[i][e] *= correction;
+      }
+    }
+    for (int j = 0; j < KV_TILE; ++j) {
+      float v[DIMS_PER_LANE];
+      for (int e = 0; e < DIMS_PER_LANE; ++e) {
+        const int d = lane + WARP * e;
+        v[e] = d < HEAD_DIM ? v_tile[j * HEAD_DIM + d] : 0.0f;
+      }
+      for (int i = 0; i < ROWS_PER_WARP; ++i) {
+        if (i >= value_rows) {
+          break;
+        }
+        const float p = p_tile[(i * NUM_WARPS + warp) * KV_TILE + j];
+        for (int e = 0; e < DIMS_PER_LANE; ++e) {
+          acc[i][e] += p * v[e];
+        }
+      }
+    }
+    BARRIER();
+  }
+
+  for (int k = 0; k < ROWS_PER_LANE; ++k) {
+    if (k >= score_rows) {
+      break;
+    }
+    float total = lane_sum[k];
+    for (int mask = KV_TILE / 2; mask > 0; mask /= 2) {
+      total += SIMD_XOR(total, mask);
+    }
+    if (score_live[k] && key_lane == 0) {
+      row_sum[score_row[k]] = total;
+      row_max[score_row[k]] = run_max[k];
+    }
+  }
+  BARRIER();
+
+  for (int i = 0; i < ROWS_PER_WARP; ++i) {
+    if (i >= value_rows) {
+      break;
+    }
+    const int r = i * NUM_WARPS + warp;
+    const int token = r / HEADS_PER_TILE;
+    const int head = first_head + r % HEADS_PER_TILE;
+    const float total = row_sum[r];
+    for (int e = 0; e < DIMS_PER_LANE; ++e) {
+      const int d = lane + WARP * e;
+      if (d >= HEAD_DIM) {
+        continue;
+      }
+      if (!split) {
+        out[(size_t(query_row + token) * NUM_HEADS + head) * HEAD_DIM + d] = static_cast<T>(acc[i][e] / total);
+      } else {
+        const size_t pr = size_t(partial_row + token) * NUM_HEADS + head;
+        part_out[pr * HEAD_DIM + d] = total > 0.0f ? acc[i][e] / total : 0.0f;
+        if (d == 0) {
+          part_max[pr] = row_max[r];
+          part_sum[pr] = total;
+        }
+      }
+    }
+  }
+"""
+
+VARLEN_MERGE_BODY = r"""
+  constexpr float NEG_BIG = -1.0e30f;
+  // Field 0 (the packed query row) is where the host scatters the merged row; the kernel writes row split_row.
+  const int s0 = split_row * SPLIT_ROW_FIELDS;
+  const int first = split_rows[s0 + 1];
+  const int stride = split_rows[s0 + 2];
+  const int partitions = split_rows[s0 + 3];
+  float global_max = NEG_BIG;
+  for (int p = 0; p < partitions; ++p) {
+    const float m = part_max[size_t(first + p * stride) * NUM_HEADS + head];
+    global_max = m > global_max ? m : global_max;
+  }
+  float total = 0.0f;
+  for (int p = 0; p < partitions; ++p) {
+    const size_t r = size_t(first + p * stride) * NUM_HEADS + head;
+    total += part_sum[r] * FEXP2(part_max[r] - global_max);
+  }
+  for (int d = tid; d < HEAD_DIM; d += NUM_THREADS) {
+    float weighted = 0.0f;
+    for (int p = 0; p < partitions; ++p) {
+      const size_t r = size_t(first + p * stride) * NUM_HEADS + head;
+      weighted += part_out[r * HEAD_DIM + d] * part_sum[r] * FEXP2(part_max[r] - global_max);
+    }
+    merged[(size_t(split_row) * NUM_HEADS + head) * HEAD_DIM + d] = static_cast<T>(weighted / total);
+  }
+"""
+
+VARLEN_DIALECTS = {
+    "cuda": (CUDA_VARLEN_PROLOGUE, CUDA_VARLEN_MERGE_PROLOGUE),
+    "metal": (METAL_VARLEN_PROLOGUE, METAL_VARLEN_MERGE_PROLOGUE),
+}
+
+
+def _field_count(name: str, fields: tuple) -> str:
+    return f"  constexpr int {name} = {len(fields)};\n"
+
 
 def render_decode(dialect: str, partitioned: bool) -> tuple[str, str]:
     """(header, body) of the decode kernel; the partitioned variant writes per-partition states."""
@@ -285,3 +589,15 @@ def render_reduce(dialect: str) -> tuple[str, str]:
     """(header, body) of the kernel that merges partitions into the final output."""
     header, _, prologue = DIALECTS[dialect]
     return header, prologue + REDUCE_BODY
+
+
+def render_varlen(dialect: str) -> tuple[str, str]:
+    """(header, body) of the varlen kernel: one work unit (query tile x context partition) per threadgroup."""
+    header = DIALECTS[dialect][0]
+    return header, VARLEN_DIALECTS[dialect][0] + _field_count("UNIT_FIELDS", UNIT_FIELDS) + VARLEN_BODY
+
+
+def render_varlen_merge(dialect: str) -> tuple[str, str]:
+    """(header, body) of the kernel that merges the partitions of split tiles, one split row per threadgroup."""
+    header = DIALECTS[dialect][0]
+    return header, VARLEN_DIALECTS[dialect][1] + _field_count("SPLIT_ROW_FIELDS", SPLIT_ROW_FIELDS) + VARLEN_MERGE_BODY

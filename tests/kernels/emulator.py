@@ -128,7 +128,11 @@ extern "C" void run_split({DECODE_ARGS}, float* part_out, float* part_max, float
 
 
 def build(constants: dict, workdir: Path | None = None) -> ctypes.CDLL:
-    text = emulator_source(constants)
+    """The decode kernels (single pass, split, merge) for one set of template constants."""
+    return compile_library(emulator_source(constants), workdir)
+
+
+def compile_library(text: str, workdir: Path | None = None) -> ctypes.CDLL:
     workdir = Path(workdir or tempfile.mkdtemp(prefix="orchard-emu-"))
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
     library = workdir / f"emu_{digest}.so"
@@ -164,4 +168,86 @@ def run_decode(library: ctypes.CDLL, constants: dict, queries, key_cache, value_
     part_max = np.zeros((num_seqs, num_heads, num_partitions), dtype=np.float32)
     part_sum = np.zeros_like(part_max)
     library.run_split(*map(_ptr, arrays), _ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(out), *ints, ctypes.c_int(num_heads))
+    return out
+
+
+VARLEN_PROLOGUE = """
+  const int tid = emu_tid;
+  const int unit = emu_block.x;
+  const int head_tile = emu_block.y;
+"""
+
+VARLEN_MERGE_PROLOGUE = """
+  const int tid = emu_tid;
+  const int head = emu_block.x;
+  const int split_row = emu_block.y;
+"""
+
+VARLEN_ARGS = (
+    "const float* queries, const float* key_cache, const float* value_cache, "
+    "const int* block_tables, const int* units, const float* scale, const int* dims"
+)
+#: threads of the emulated merge kernel (its loop over head dims strides by the thread count)
+MERGE_THREADS = 32
+
+
+def varlen_source(constants: dict) -> str:
+    """The varlen kernel and its merge kernel, with the template constants baked in (T is float)."""
+    kernel = source.render_varlen("metal")[1].replace(source.METAL_VARLEN_PROLOGUE, VARLEN_PROLOGUE)
+    merge = source.render_varlen_merge("metal")[1].replace(source.METAL_VARLEN_MERGE_PROLOGUE, VARLEN_MERGE_PROLOGUE)
+    merge_consts = _constants({
+        "HEAD_DIM": constants["HEAD_DIM"], "NUM_HEADS": constants["NUM_KV_HEADS"] * constants["GROUP"], "NUM_THREADS": MERGE_THREADS,
+    })
+    return EMU_HEADER + f"""
+static void varlen_unit({VARLEN_ARGS}, float* out, float* part_out, float* part_max, float* part_sum) {{
+  using T = float;
+{_constants(constants)}{kernel}
+}}
+static void varlen_merge(const float* part_out, const float* part_max, const float* part_sum, const int* split_rows, float* merged) {{
+  using T = float;
+{merge_consts}{merge}
+}}
+extern "C" void run_varlen({VARLEN_ARGS}, float* out, float* part_out, float* part_max, float* part_sum, int units_count, int head_tiles) {{
+  emu_launch(units_count, head_tiles, 1, {constants["NUM_THREADS"]}, [=] {{
+    varlen_unit(queries, key_cache, value_cache, block_tables, units, scale, dims, out, part_out, part_max, part_sum); }});
+}}
+extern "C" void run_varlen_merge(const float* part_out, const float* part_max, const float* part_sum, const int* split_rows,
+                                 float* merged, int heads, int rows) {{
+  emu_launch(heads, rows, 1, {MERGE_THREADS}, [=] {{ varlen_merge(part_out, part_max, part_sum, split_rows, merged); }});
+}}
+"""
+
+
+def varlen_constants(plan, num_threads: int) -> dict:
+    """Template constants of a compiled-backend plan, as kernels/varlen.py passes them."""
+    shape = plan.kernel.shape
+    return dict(
+        HEAD_DIM=plan.head_dim, BLOCK_SIZE=plan.block_size, NUM_KV_HEADS=plan.num_kv_heads,
+        GROUP=plan.num_heads // plan.num_kv_heads, HEADS_PER_TILE=shape.heads_per_tile, Q_TOKENS=shape.q_tokens,
+        KV_TILE=shape.kv_tile, NUM_THREADS=num_threads,
+    )
+
+
+def run_varlen(library: ctypes.CDLL, plan, queries, key_cache, value_cache, block_tables, scale: float) -> np.ndarray:
+    """Launch like kernels/varlen.py does: one threadgroup per (unit, head tile), then the merge of split rows."""
+    work, shape = plan.kernel.work, plan.kernel.shape
+    total_q, num_heads, head_dim = queries.shape
+    arrays = [np.ascontiguousarray(a, dtype=d) for a, d in (
+        (queries, np.float32), (key_cache, np.float32), (value_cache, np.float32), (block_tables, np.int32),
+        (work.units, np.int32), (np.array([scale]), np.float32), (np.array([block_tables.shape[1]]), np.int32),
+    )]
+    out = np.full((total_q, num_heads, head_dim), np.nan, dtype=np.float32)
+    partial_rows = max(work.num_partial_rows, 1)
+    part_out = np.full((partial_rows, num_heads, head_dim), np.nan, dtype=np.float32)
+    part_max = np.full((partial_rows, num_heads), np.nan, dtype=np.float32)
+    part_sum = np.full_like(part_max, np.nan)
+    head_tiles = num_heads // shape.heads_per_tile
+    library.run_varlen(*map(_ptr, arrays), _ptr(out), _ptr(part_out), _ptr(part_max), _ptr(part_sum),
+                       ctypes.c_int(work.units.shape[0]), ctypes.c_int(head_tiles))
+    if work.split_rows.shape[0]:
+        split_rows = np.ascontiguousarray(work.split_rows, dtype=np.int32)
+        merged = np.zeros((split_rows.shape[0], num_heads, head_dim), dtype=np.float32)
+        library.run_varlen_merge(_ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(split_rows), _ptr(merged),
+                                 ctypes.c_int(num_heads), ctypes.c_int(split_rows.shape[0]))
+        out[split_rows[:, 0]] = merged
     return out

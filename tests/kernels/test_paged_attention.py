@@ -61,14 +61,17 @@ def test_prefill_mix_of_decode_rows_and_chunks_matches_oracle(rng, backend, dtyp
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_prefill_of_decode_rows_only_equals_paged_attention(rng, backend):
+def test_prefill_of_decode_rows_only_agrees_with_paged_attention(rng, backend):
     case = make_paged_case(rng, [7, 130, 33], 2, 64, 16, "float32")
     queries = random_stored(rng, (3, 8, 64), "float32")
     starts = np.arange(4, dtype=np.int32)
     args = (queries, case.key_cache, case.value_cache, case.block_tables)
     prefill = kernels.paged_prefill_attention(*args, starts, case.context_lens, scale=0.125, backend=backend)
     decode = kernels.paged_attention(*args, case.context_lens, scale=0.125, backend=backend)
-    np.testing.assert_array_equal(np.array(prefill), np.array(decode))
+    if backend == "reference":  # the same gathers and SDPA calls
+        np.testing.assert_array_equal(np.array(prefill), np.array(decode))
+    else:  # the varlen kernel and the decode kernel sum in different orders
+        np.testing.assert_allclose(np.array(prefill), np.array(decode), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)

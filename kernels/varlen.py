@@ -1,0 +1,72 @@
+"""Host side of the compiled varlen kernel, shared by Metal and CUDA: compile once per shape, launch from a plan.
+
+Everything that depends on the step's metadata is in the plan (kernels/plan.py); a call
+here only picks the compiled variant for the plan's tile shape and the pool's dtype and
+launches it, then the merge kernel when some tiles were split along their context.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+
+from kernels import source
+from kernels.errors import UnsupportedAttentionShape
+from kernels.launch import SUPPORTED_DTYPES, KernelCompiler
+from kernels.plan import VarlenPlan
+
+
+class PagedVarlenKernels:
+    """The varlen kernel and its merge kernel of one dialect, compiled once each."""
+
+    def __init__(self, dialect: str, compile_kernel: KernelCompiler):
+        self.dialect = dialect
+        self.compile_kernel = compile_kernel
+
+    @lru_cache(maxsize=None)
+    def _varlen_kernel(self):
+        header, body = source.render_varlen(self.dialect)
+        return self.compile_kernel("orchard_paged_varlen", source.VARLEN_INPUTS, source.VARLEN_OUTPUTS, header, body)
+
+    @lru_cache(maxsize=None)
+    def _merge_kernel(self):
+        header, body = source.render_varlen_merge(self.dialect)
+        return self.compile_kernel("orchard_paged_varlen_merge", source.VARLEN_MERGE_INPUTS, source.VARLEN_MERGE_OUTPUTS, header, body)
+
+    def __call__(self, queries: mx.array, key_cache: mx.array, value_cache: mx.array, plan: VarlenPlan, scale: float) -> mx.array:
+        if key_cache.dtype not in SUPPORTED_DTYPES or value_cache.dtype != key_cache.dtype:
+            raise UnsupportedAttentionShape(f"KV dtypes {key_cache.dtype}/{value_cache.dtype} are not supported")
+        kernel = plan.kernel
+        if kernel.num_units == 0:
+            return mx.zeros(queries.shape, dtype=queries.dtype)
+        shape, head_dim = kernel.shape, plan.head_dim
+        template = [
+            ("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", plan.block_size),
+            ("NUM_KV_HEADS", plan.num_kv_heads), ("GROUP", plan.num_heads // plan.num_kv_heads),
+            ("HEADS_PER_TILE", shape.heads_per_tile), ("Q_TOKENS", shape.q_tokens), ("KV_TILE", shape.kv_tile),
+            ("NUM_THREADS", kernel.tuning.threads),
+        ]
+        partial_rows = max(kernel.work.num_partial_rows, 1)
+        out, part_out, part_max, part_sum = self._varlen_kernel()(
+            inputs=[
+                queries if queries.dtype == key_cache.dtype else queries.astype(key_cache.dtype),
+                key_cache, value_cache, plan.block_tables, kernel.units, plan.scale_array(scale), kernel.dims,
+            ],
+            template=template,
+            grid=(kernel.num_units * kernel.tuning.threads, plan.num_heads // shape.heads_per_tile, 1),
+            threadgroup=(kernel.tuning.threads, 1, 1),
+            output_shapes=[queries.shape, (partial_rows, plan.num_heads, head_dim), (partial_rows, plan.num_heads), (partial_rows, plan.num_heads)],
+            output_dtypes=[key_cache.dtype, mx.float32, mx.float32, mx.float32],
+        )
+        if kernel.split_rows is not None:
+            (merged,) = self._merge_kernel()(
+                inputs=[part_out, part_max, part_sum, kernel.split_rows],
+                template=[("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("NUM_HEADS", plan.num_heads),
+                          ("NUM_THREADS", kernel.tuning.merge_threads)],
+                grid=(plan.num_heads * kernel.tuning.merge_threads, kernel.num_split_rows, 1),
+                threadgroup=(kernel.tuning.merge_threads, 1, 1),
+                output_shapes=[(kernel.num_split_rows, plan.num_heads, head_dim)], output_dtypes=[key_cache.dtype],
+            )
+            out[kernel.split_query_rows] = merged
+        return out if out.dtype == queries.dtype else out.astype(queries.dtype)
