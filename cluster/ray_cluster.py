@@ -138,6 +138,7 @@ class LocalCluster:
     cpus_per_node: int = 1
     head_serves: bool = True
     object_store_mb: int = 80
+    loopback: bool = False  # every raylet on 127.0.0.1 only (needs `ray_access.require_token_auth(loopback=True)`)
     _cluster: object = None
     _workers: list = field(default_factory=list)
     _tmpdir: str = ""
@@ -156,6 +157,7 @@ class LocalCluster:
                 object_store_memory=self.object_store_mb << 20,
                 include_dashboard=False,
                 _system_config=_LOCAL_SYSTEM_CONFIG,
+                **self._address_args(),
             ),
         )
         for _ in range(extra_nodes):
@@ -169,9 +171,20 @@ class LocalCluster:
             num_cpus=self.cpus_per_node,
             resources={NODE_RESOURCE: 1},
             object_store_memory=self.object_store_mb << 20,
+            **self._address_args(),
         )
         self._workers.append(node)
         return node
+
+    def _address_args(self) -> dict:
+        """Loopback raylets, once Ray has been told to keep a loopback address (see `cluster.ray_access`)."""
+        if not self.loopback:
+            return {}
+        from ray._private import ray_constants
+
+        if ray_constants.ENABLE_RAY_CLUSTER:
+            raise RuntimeError("a loopback LocalCluster needs ray_access.require_token_auth(loopback=True) before Ray is imported")
+        return {"node_ip_address": "127.0.0.1"}
 
     def kill_node(self, node) -> None:
         """Kill a worker raylet and everything on it, as a crashed machine would."""

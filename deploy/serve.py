@@ -12,7 +12,10 @@ their node actor within `--place-every` seconds. Stopping the driver (Ctrl-C, SI
 detached and stays for the next driver.
 
 Every `orchard serve` option applies. Binding beyond loopback needs an API key
-(`--api-key` or ORCHARD_API_KEYS, e.g. through `--runtime-env-json` for a job).
+(`--api-key` or ORCHARD_API_KEYS, e.g. through `--runtime-env-json` for a job). The
+cluster must run Ray's token authentication (RAY_AUTH_MODE=token, as deploy/cluster.yaml
+starts it; a job inherits it from its raylet); without it the driver refuses to serve,
+unless `--allow-unauthenticated-ray`.
 """
 
 from __future__ import annotations
@@ -78,11 +81,14 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(address="auto", func=None)
     p.add_argument("--place-every", type=float, default=DEFAULT_PLACE_EVERY_S, metavar="S",
                    help="look for newly joined machines this often; 0 turns it off (default %(default)s)")
+    p.add_argument("--allow-unauthenticated-ray", action="store_true",
+                   help="attach even without RAY_AUTH_MODE=token (anyone who reaches Ray can run code)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     from cluster.commands import serve
+    from cluster.ray_access import UnauthenticatedRay, check_driver_has_token
     from node.openblas import reexec_with_openblas
 
     args = parser().parse_args(argv)
@@ -91,9 +97,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     keys = serve.api_keys(args.api_key, dict(os.environ))
     try:
+        if not args.allow_unauthenticated_ray:
+            check_driver_has_token(dict(os.environ))
         serve.check_bind(args.host, keys)
         serve.bind(args.host, args.port).close()
-    except serve.InsecureBind as exc:
+    except (serve.InsecureBind, UnauthenticatedRay) as exc:
         print(f"deploy/serve.py: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

@@ -254,12 +254,14 @@ class Head:
             self._ray = None
 
     def _start_ray(self) -> None:
+        from cluster.ray_access import require_token_auth
         from node.agent import ray_environment, ray_executable
 
+        # This process and its children talk to Ray too (coordinator, gateway): same token, same mode;
+        # a loopback head keeps Ray's own ports on loopback as well.
+        require_token_auth(self._ray_token, loopback=self.config.loopback)
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         env = ray_environment(self._ray_token)
-        # This process talks to Ray too (coordinator, gateway): same token, same mode.
-        os.environ.update({k: env[k] for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_USAGE_STATS_ENABLED")})
-        os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
         clear_stale_ray_address(self.config)
         cmd = ray_head_command(self.config, ray_executable())
         log.info("starting Ray: %s", " ".join(cmd))

@@ -8,6 +8,7 @@ Ctrl-C) drains the node through the coordinator before Ray stops.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import sys
@@ -49,6 +50,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from cluster import cluster_token as ct
+    from cluster.ray_access import require_token_auth
     from node.agent import AgentConfig, JoinAgent
 
     _setup_logging()
@@ -65,9 +67,9 @@ def run(args) -> int:
         print(f"orchard join: {exc}", file=sys.stderr)
         return 2
     ray_token = ct.ray_auth_token(token)
-    # Before anything imports Ray: its config reads the auth mode once, at import.
-    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=ray_token)
-    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    # Before anything imports Ray: its config reads the auth mode once, at import. A node of
+    # a head on this machine's loopback keeps its own Ray ports on loopback too.
+    require_token_auth(ray_token, loopback=head_is_loopback(args.head))
     agent = JoinAgent(config, ray_token, drain=lambda: drain_this_node(agent, args.drain_timeout))
     stop = stop_on_signals("leaving the cluster")
     watcher = _watch_head(args, agent, ct.advert_key(token))
@@ -90,6 +92,21 @@ def parse_labels(pairs: list[str]) -> dict[str, str]:
 
 def static_head_address(head: str) -> str:
     return head if ":" in head else f"{head}:{DEFAULT_RAY_PORT}"
+
+
+def head_is_loopback(head: str | None) -> bool:
+    """Whether `--head` names this machine's loopback (a discovered head never does: it is not advertised)."""
+    if not head:
+        return False
+    for host in (head, head.rpartition(":")[0]):
+        host = host.strip("[]")
+        if host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(host).is_loopback
+        except ValueError:
+            continue
+    return False
 
 
 def _watch_head(args, agent, key: bytes):

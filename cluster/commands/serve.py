@@ -101,13 +101,31 @@ def engine_config(args):
     )
 
 
-def ray_backend_available() -> bool:
+def ray_backend_available(*, import_ray: bool = True) -> bool:
+    """Whether this build has the Ray backend; `import_ray=False` answers without importing Ray,
+    whose access settings must be made before its first import."""
+    if not import_ray:
+        import importlib.util
+
+        return all(importlib.util.find_spec(m) is not None for m in ("ray", "cluster.ray_backend", "cluster.ray_cluster"))
     try:
         import cluster.ray_backend  # noqa: F401
         import cluster.ray_cluster  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def starts_local_ray(args) -> bool:
+    return not args.no_ray and not args.address and ray_backend_available(import_ray=False)
+
+
+def lock_down_local_ray() -> None:
+    """The private Ray that `serve` starts: a fresh token that only this process tree knows,
+    everything on loopback whatever `--host` says (only the gateway faces clients)."""
+    from cluster.ray_access import new_ray_token, require_token_auth
+
+    require_token_auth(new_ray_token(), loopback=True)
 
 
 def start_local(args, step) -> Started:
@@ -130,8 +148,8 @@ def start_ray(args, step) -> Started:
         step(f"attaching to Ray at {args.address}")
         connect(args.address)
     else:
-        step(f"starting Ray with {args.nodes} node(s)")
-        local = LocalCluster(cpus_per_node=1).start(extra_nodes=max(args.nodes - 1, 0))
+        step(f"starting Ray with {args.nodes} node(s), on loopback, token required")
+        local = LocalCluster(cpus_per_node=1, loopback=True).start(extra_nodes=max(args.nodes - 1, 0))
     ensure_coordinator()
     step("loading model on the nodes")
     place_node_actors(engine_config(args))
@@ -224,6 +242,8 @@ def run(args) -> int:
         print(f"orchard serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     sock.close()  # checked early; bound again after the (possible) re-exec below
+    if starts_local_ray(args):
+        lock_down_local_ray()
     reexec_with_openblas()
     code = serve(args, keys)
     # Everything is stopped by now; skipping interpreter teardown avoids an abort that MLX's

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -31,8 +32,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: The test clusters run Ray's token authentication, as deploy/cluster.yaml starts Ray.
+RAY_TOKEN = secrets.token_hex(32)
+
+
 def ray_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", **extra}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": RAY_TOKEN, **extra}
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
+    return env
+
+
+def auth_headers() -> dict[str, str]:
+    """What an HTTP client of Ray's job server sends (Ray's own CLI does the same from RAY_AUTH_TOKEN)."""
+    return {"Authorization": f"Bearer {RAY_TOKEN}"}
 
 
 @dataclass
@@ -106,7 +118,7 @@ class RayHead:
             if self._proc.poll() is not None:
                 raise RuntimeError(f"ray start exited with {self._proc.returncode}: {self.log_tail()}")
             try:
-                if httpx.get(self.dashboard_url + "/api/version", timeout=2).status_code == 200:
+                if httpx.get(self.dashboard_url + "/api/version", headers=auth_headers(), timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

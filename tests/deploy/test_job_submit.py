@@ -11,7 +11,7 @@ import httpx
 import pytest
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from tests.deploy.ray_head import RAY, RayHead, free_port, ray_env
+from tests.deploy.ray_head import RAY, RayHead, auth_headers, free_port, ray_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
@@ -79,6 +79,14 @@ def test_job_submit_brings_up_a_gateway_that_answers_health_and_a_completion_and
     finally:
         stopped = ray_job(head, "stop", JOB_ID, timeout=120)
     assert stopped.returncode == 0, stopped.stderr[-2000:]
-    assert JobSubmissionClient(head.dashboard_url).get_job_status(JOB_ID) == JobStatus.STOPPED
+    assert JobSubmissionClient(head.dashboard_url, headers=auth_headers()).get_job_status(JOB_ID) == JobStatus.STOPPED
     with pytest.raises(httpx.HTTPError):
         httpx.get(url + "/health", timeout=2)
+
+
+def test_the_driver_refuses_to_attach_to_ray_without_token_authentication():
+    env = {k: v for k, v in ray_env().items() if not k.startswith("RAY_AUTH")}
+    refused = subprocess.run([sys.executable, str(DRIVER), "--port", str(free_port())], capture_output=True, text=True,
+                             env=env, timeout=120)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "RAY_AUTH_MODE is not 'token'" in refused.stderr

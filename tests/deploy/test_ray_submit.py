@@ -22,7 +22,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.deploy.ray_head import RAY, free_port, ray_env
+from tests.deploy.ray_head import RAY, RAY_TOKEN, free_port, ray_env
 from tests.deploy.ssh_server import SSHServer, sshd_available
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,6 +46,9 @@ def test_cluster_yaml_passes_rays_own_validation():
     worker_start = " ".join(config["worker_start_ray_commands"])
     for command in (head_start, worker_start):
         assert """--resources='{"orchard_node": 1}'""" in command
+        assert "RAY_AUTH_MODE=token" in command  # Ray's token authentication on every machine
+    assert config["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    assert any("export RAY_AUTH_MODE=token" in c for c in config["setup_commands"])  # the driver speaks it too
     assert any("pip install" in c and "mlx-orchard/src" in c for c in config["setup_commands"])
 
 
@@ -91,6 +94,9 @@ def launched():
         ssh_env = ray_env(RAY_TMPDIR=str(ssh.root / "rt"))
         with open(ssh.home / ".bashrc", "a") as bashrc:  # the sessions' Ray finds the same folder
             bashrc.write(f'export RAY_TMPDIR="{ssh.root / "rt"}"\n')
+            bashrc.write("export RAY_AUTH_MODE=token\n")  # what the shipped setup_commands add
+        (ssh.home / ".ray").mkdir(mode=0o700, exist_ok=True)  # what the shipped file_mounts copy
+        (ssh.home / ".ray" / "auth_token").write_text(RAY_TOKEN)
         (ssh.root / "rt").mkdir()
         config_path = ssh.root / "cluster.yaml"
         config_path.write_text(yaml.safe_dump(launcher_config(ssh, free_port())))

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+
+from tests.gateway.listening import listeners
 
 pytest.importorskip("cluster.ray_backend", reason="the Ray backend is not part of this build")
 
@@ -36,6 +40,37 @@ def ray_served():
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+_UNAUTHENTICATED_CLIENT = textwrap.dedent("""
+    import sys
+    from ray._raylet import GcsClient
+    try:
+        GcsClient(address=sys.argv[1]).get_all_node_info(timeout=5)
+        print("ADMITTED")
+    except Exception as exc:
+        print("REFUSED", type(exc).__name__, exc)
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from Linux's /proc")
+def test_serve_keeps_every_ray_port_on_loopback_and_refuses_a_client_without_the_token(ray_served):
+    proc, _, url = ray_served
+    assert httpx.get(url + "/health", timeout=30).status_code == 200  # the gateway's socket listens by now
+    found = listeners(proc.pid)
+    exposed = [f"{x.process}[{x.pid}] {x.address}:{x.port}" for x in found if not x.loopback]
+    assert not exposed, f"listening beyond loopback: {exposed}"
+    gcs = [x for x in found if x.process == "gcs_server"]
+    assert gcs and any(x.process == "raylet" for x in found), [(x.process, x.port) for x in found]
+    assert any(x.port == int(url.rsplit(":", 1)[1]) for x in found)  # the gateway is among what was scanned
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    for listener in gcs:
+        client = subprocess.run([sys.executable, "-c", _UNAUTHENTICATED_CLIENT, f"127.0.0.1:{listener.port}"],
+                                capture_output=True, text=True, env=env, timeout=60)
+        assert "REFUSED" in client.stdout and "InvalidAuthToken" in client.stdout, client.stdout + client.stderr[-2000:]
 
 
 @pytest.mark.slow
