@@ -21,9 +21,9 @@ from node.model_adapter import ModelRunner, SequenceChunk, StepInput, pack_step
 from node.models import LoadedModel, load_model
 from node.rates import NodeRates
 from node.residency import wire_model_and_pool
-from node.sampling import SampleRow, sample
-from node.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
-from node.sequence import Request, Sequence, Status
+from node.sampling import DeviceSample, SampleRow, sample_on_device
+from node.scheduler import PreemptionNeeded, ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
+from node.sequence import PENDING_TOKEN, Request, Sequence, Status
 from node.detokenizer import IncrementalDetokenizer
 from node.types import RequestOutput, SamplingParams
 
@@ -44,6 +44,7 @@ class EngineConfig:
     preemption: str = "auto"  # "auto" (measured cost), "swap" or "recompute"
     cache_salt: str | None = None
     seed: int = 0
+    async_scheduling: bool = True  # overlap host work for step N+1 with the device's step N
 
     def __post_init__(self):
         if self.preemption not in ("auto", "swap", "recompute"):
@@ -60,6 +61,18 @@ class EngineConfig:
             cold_tier_gb=self.cold_tier_gb,
             cache_salt=self.cache_salt,
         )
+
+
+@dataclass
+class _InFlightStep:
+    """A launched step: what to commit and whose placeholders its samples resolve, once settled."""
+
+    commits: list  # (sequence, tokens of KV it holds after this step)
+    owners: list  # the sequence each sample row belongs to
+    sample: DeviceSample
+    launched_at: float
+    prefill_tokens: int
+    decode_tokens: int
 
 
 @dataclass
@@ -98,6 +111,7 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self._aborted: list[RequestOutput] = []
+        self._in_flight: _InFlightStep | None = None
         self._rng = np.random.default_rng(self.config.seed)
         self.counters = _StepCounters()
 
@@ -155,66 +169,130 @@ class LLMEngine:
             else:
                 self.kv.free(seq.seq_id)
         self.scheduler.remove(seq)
+        seq.drop_unresolved()
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests) or self._in_flight is not None
 
     # -- the loop body -----------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """Launch the next step on the device, then settle the one launched before it.
+
+        With `async_scheduling` the host schedules and builds step N+1 while the device
+        still runs step N, whose sampled tokens feed step N+1 on the device; only then does
+        it wait for N's tokens. Outputs arrive one step later; the tokens are the same. A
+        schedule that needs N's values on the host first (penalties, a preemption) settles N.
+        """
+        try:
+            return self._step()
+        except Exception:
+            self._in_flight = None  # a failed step's samples will never arrive
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         outputs, self._aborted = self._aborted, []
-        sched = self.scheduler.schedule()
+        sched = self._schedule(outputs)
         self.counters.schedule_seconds += time.perf_counter() - t0
-        if not sched.chunks:
-            return outputs
-        logits = self._forward(sched)
-        touched = self._advance(sched, logits)
-        for request in touched:
-            outputs.append(self._output(request, final=request.finished))
-            if request.finished:
-                self.requests.pop(request.request_id, None)
-                self.counters.finished_requests += 1
-        self.counters.steps += 1
+        launched = self._launch(sched) if sched.chunks else None
+        outputs += self._settle_in_flight()
+        self._in_flight = launched
+        if launched is not None and not self.config.async_scheduling:
+            outputs += self._settle_in_flight()
+        if launched is not None:
+            self.counters.steps += 1
         self.counters.step_seconds += time.perf_counter() - t0
         return outputs
 
-    def _forward(self, sched: SchedulerOutput) -> mx.array:
+    def _schedule(self, outputs: list[RequestOutput]) -> SchedulerOutput:
+        flight = self._in_flight
+        if flight is not None and any(s.params.has_penalty for s in flight.owners):
+            outputs += self._settle_in_flight()  # penalties count the tokens still in flight
+        if self._in_flight is None:
+            return self.scheduler.schedule()
+        try:
+            return self.scheduler.schedule(preempt=False)
+        except PreemptionNeeded:
+            outputs += self._settle_in_flight()  # a preempted sequence must not hold placeholders
+            return self.scheduler.schedule()
+
+    def _launch(self, sched: SchedulerOutput) -> "_InFlightStep":
+        """Build the step's graph and start it on the device; nothing here waits for the device."""
         t_pack = time.perf_counter()
         step = build_step_input(sched.chunks, self.kv, self.config.block_size)
+        tokens = self._device_tokens(sched.chunks, step)
         t0 = time.perf_counter()
-        logits = self.runner.forward(step)
-        rows = [i for i, c in enumerate(sched.chunks) if c.completes]
-        logits = logits[mx.array(rows)] if rows and len(rows) < len(sched.chunks) else logits
-        t_graph = time.perf_counter()
-        mx.eval(logits)
-        t_end = time.perf_counter()
-        seconds = t_end - t0
-        self.counters.pack_seconds += t0 - t_pack
-        self.counters.graph_seconds += t_graph - t0
-        self.counters.device_seconds += t_end - t_graph
-        self.counters.forward_seconds += seconds
         decode = sum(1 for c in sched.chunks if c.num_tokens == 1 and c.seq.num_computed >= c.seq.num_prompt_tokens)
-        self.rates.observe_step(seconds, sched.num_tokens - decode, decode)
-        return logits
-
-    def _advance(self, sched: SchedulerOutput, logits: mx.array) -> list[Request]:
-        sampled: list[Sequence] = []
-        touched: dict[str, Request] = {}
+        logits = self.runner.forward(step, tokens=tokens)
+        completing = [i for i, c in enumerate(sched.chunks) if c.completes]
+        if completing and len(completing) < len(sched.chunks):
+            logits = logits[mx.array(completing)]
+        commits = []  # chunks whose input holds a placeholder: committed once its value is known
         for chunk in sched.chunks:
             seq = chunk.seq
-            completes = chunk.completes
             seq.num_computed += chunk.num_tokens
-            self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed)
-            if completes:
-                sampled.append(seq)
-                touched[seq.request.request_id] = seq.request
-        if sampled:
-            self._sample(sampled, logits)
-        return list(touched.values())
+            if seq.num_unresolved:
+                commits.append((seq, seq.num_computed))
+            else:  # later steps run after this one on the device, so they may reuse these blocks now
+                self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed)
+        owners, sample = self._sample_on_device([sched.chunks[i].seq for i in completing], logits)
+        mx.async_eval(sample.tokens, *([] if sample.raw_logprobs is None else [sample.raw_logprobs]))
+        for row, seq in enumerate(owners):
+            seq.token_ids.append(PENDING_TOKEN)
+            seq.num_unresolved += 1
+            seq.device_row = row
+            seq.last_in_flight = seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
+        self.counters.pack_seconds += t0 - t_pack
+        self.counters.graph_seconds += time.perf_counter() - t0
+        return _InFlightStep(commits, owners, sample, t0, sched.num_tokens - decode, decode)
 
-    def _sample(self, seqs: list[Sequence], logits: mx.array) -> None:
+    def _device_tokens(self, chunks: list[ScheduledChunk], step: StepInput) -> mx.array | None:
+        """The step's input ids; a placeholder's value is read from the in-flight step's samples."""
+        ids = np.asarray(step.token_ids, dtype=np.int32)
+        pending = ids == PENDING_TOKEN
+        if not pending.any():
+            return None
+        rows = np.zeros_like(ids)
+        ends = np.asarray(step.query_start_loc[1:]) - 1
+        for end, chunk in zip(ends, chunks):
+            if pending[end]:
+                rows[end] = chunk.seq.device_row
+        previous = self._in_flight.sample.tokens
+        return mx.where(mx.array(pending), mx.take(previous, mx.array(rows)), mx.array(ids))
+
+    def _settle_in_flight(self) -> list[RequestOutput]:
+        """Wait for the in-flight step's tokens, commit its KV, and turn its tokens into outputs."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return []
+        t0 = time.perf_counter()
+        tokens, logprobs = flight.sample.resolve()
+        now = time.perf_counter()
+        self.counters.device_seconds += now - t0
+        self.counters.forward_seconds += now - flight.launched_at
+        self.rates.observe_step(now - flight.launched_at, flight.prefill_tokens, flight.decode_tokens)
+        for seq, computed in flight.commits:
+            if not seq.finished:  # finished or aborted meanwhile: its blocks are already free
+                self.kv.commit(seq.seq_id, seq.token_ids, computed)
+        touched: dict[str, Request] = {}
+        for seq, token, lp in zip(flight.owners, tokens, logprobs):
+            if seq.finished:
+                continue
+            self._resolve_token(seq, token, lp)
+            touched[seq.request.request_id] = seq.request
+        return [self._request_output(request) for request in touched.values()]
+
+    def _request_output(self, request: Request) -> RequestOutput:
+        out = self._output(request, final=request.finished)
+        if request.finished:
+            self.requests.pop(request.request_id, None)
+            self.counters.finished_requests += 1
+        return out
+
+    def _sample_on_device(self, seqs: list[Sequence], logits: mx.array) -> tuple[list[Sequence], DeviceSample]:
+        """One sample row per continuation: a request's first sample forks its n - 1 siblings."""
         rows: list[SampleRow] = []
         owners: list[Sequence] = []
         row_logits: list[int] = []
@@ -225,9 +303,7 @@ class LLMEngine:
                 rows.append(self._sample_row(target))
         if len(owners) != len(seqs):
             logits = logits[mx.array(row_logits)]
-        tokens, logprobs = sample(logits, rows)
-        for seq, token, lp in zip(owners, tokens, logprobs):
-            self._append_token(seq, token, lp)
+        return owners, sample_on_device(logits, rows)
 
     def _fork_if_first(self, seq: Sequence) -> list[Sequence]:
         """At a request's first sample, create its n - 1 other continuations sharing the prompt's blocks."""
@@ -248,15 +324,17 @@ class LLMEngine:
             params=seq.params,
             seed=seq.request.seed,
             index=seq.index,
-            position=len(seq.output_token_ids),
+            position=seq.num_output_tokens,
             prompt_token_ids=seq.request.prompt_token_ids,
             output_token_ids=seq.output_token_ids,
         )
 
-    def _append_token(self, seq: Sequence, token: int, logprob) -> None:
+    def _resolve_token(self, seq: Sequence, token: int, logprob) -> None:
+        """Put a sampled token's value in place of its placeholder and apply the stop rules."""
+        seq.token_ids[len(seq.token_ids) - seq.num_unresolved] = token
+        seq.num_unresolved -= 1
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
-        seq.token_ids.append(token)
         self.counters.generated_tokens += 1
         if logprob is not None:
             seq.pending_logprobs.append(logprob)
@@ -270,7 +348,8 @@ class LLMEngine:
             seq.text += delta
             if params.stop and self._cut_at_stop(seq, len(delta)):
                 return None
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        known = len(seq.token_ids) - seq.num_unresolved
+        if len(seq.output_token_ids) >= params.max_tokens or known >= self.max_model_len:
             return self._finish(seq, "length", None)
         return None
 
@@ -287,6 +366,7 @@ class LLMEngine:
         return True
 
     def _finish(self, seq: Sequence, reason: str, stop_reason) -> None:
+        seq.drop_unresolved()
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         self.kv.free(seq.seq_id)

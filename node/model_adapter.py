@@ -244,12 +244,15 @@ class ModelRunner:
         self._head = _lm_head(loaded.model)
         self._num_layers = len(loaded.model.layers)
 
-    def forward(self, step: StepInput) -> mx.array:
+    def forward(self, step: StepInput, tokens: mx.array | None = None) -> mx.array:
         """Logits `[S, vocab]` for the last new token of each sequence (lazy; evaluating
-        them also materialises this step's KV writes)."""
+        them also materialises this step's KV writes). `tokens` replaces `step.token_ids`
+        when some ids are still on the device."""
         context = StepContext.build(step, self.pool, self.attention_backend)
         caches = [PagedLayerCache(layer, context) for layer in range(self._num_layers)]
-        tokens = mx.array(np.asarray(step.token_ids, dtype=np.int32))[None]
+        if tokens is None:
+            tokens = mx.array(np.asarray(step.token_ids, dtype=np.int32))
+        tokens = tokens[None]
         hidden = self.loaded.model.model(tokens, cache=caches)
         if context.decode_only:  # every row is its sequence's last token
             return self._head(hidden[0])

@@ -36,7 +36,7 @@ def row_key(seed: int, index: int, position: int) -> mx.array:
 
 
 def _apply_penalties(logits: mx.array, rows: list[SampleRow]) -> mx.array:
-    if not any(_has_penalty(r.params) for r in rows):
+    if not any(r.params.has_penalty for r in rows):
         return logits
     vocab = logits.shape[-1]
     out = []
@@ -52,10 +52,6 @@ def _apply_penalties(logits: mx.array, rows: list[SampleRow]) -> mx.array:
             row = mx.where(seen, penalised, row)
         out.append(row)
     return mx.stack(out)
-
-
-def _has_penalty(p: SamplingParams) -> bool:
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0)
 
 
 def _counts(token_ids: Seq[int], vocab: int) -> mx.array:
@@ -82,8 +78,21 @@ def _filter(scaled: mx.array, rows: list[SampleRow]) -> mx.array:
     return mx.where(scaled >= threshold, scaled, -mx.inf)
 
 
-def sample(logits: mx.array, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """Sample one token per row of `logits` `[rows, vocab]`; logprobs for rows that ask."""
+@dataclass
+class DeviceSample:
+    """One step's sampled tokens, still on the device; `resolve()` brings them to the host."""
+
+    tokens: mx.array  # int32 [rows]
+    raw_logprobs: mx.array | None
+    rows: list[SampleRow]
+
+    def resolve(self) -> tuple[list[int], list[TokenLogprob | None]]:
+        token_list = self.tokens.tolist()
+        return token_list, _logprobs(self.raw_logprobs, self.rows, token_list)
+
+
+def sample_on_device(logits: mx.array, rows: list[SampleRow]) -> DeviceSample:
+    """Sample one token per row of `logits` `[rows, vocab]` without waiting for the device."""
     logits = logits.astype(mx.float32)
     want_logprobs = any(r.params.logprobs is not None for r in rows)
     raw_logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if want_logprobs else None
@@ -98,8 +107,12 @@ def sample(logits: mx.array, rows: list[SampleRow]) -> tuple[list[int], list[Tok
         noise = mx.stack([mx.random.gumbel((vocab,), key=row_key(r.seed, r.index, r.position)) for r in rows])
         sampled = mx.argmax(scaled + noise, axis=-1)
         tokens = mx.where(mx.array(greedy), mx.argmax(logits, axis=-1), sampled)
-    token_list = tokens.tolist()
-    return token_list, _logprobs(raw_logprobs, rows, token_list)
+    return DeviceSample(tokens.astype(mx.int32), raw_logprobs, rows)
+
+
+def sample(logits: mx.array, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """Sample one token per row of `logits` `[rows, vocab]`; logprobs for rows that ask."""
+    return sample_on_device(logits, rows).resolve()
 
 
 def _logprobs(raw: mx.array | None, rows: list[SampleRow], tokens: list[int]) -> list[TokenLogprob | None]:

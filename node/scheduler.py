@@ -56,6 +56,10 @@ class SchedulerOutput:
         return sum(c.num_tokens for c in self.chunks)
 
 
+class PreemptionNeeded(RuntimeError):
+    """A schedule asked not to preempt would have had to."""
+
+
 def _key(seq: Sequence) -> tuple[int, int, int]:
     return (*seq.request.sort_key, seq.index)
 
@@ -68,6 +72,7 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by _key
         self.running: list[Sequence] = []  # sorted by _key
         self.num_preemptions = 0
+        self._may_preempt = True
         self.num_swaps = 0  # preemptions that kept their KV in the cold tier
         self._inflight: dict = {}  # block hash -> running sequences computing that block now
         self._computing: dict[Sequence, tuple[list, int]] = {}  # sequence -> (hashes it put in _inflight, tokens they cover)
@@ -92,9 +97,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, preempt: bool = True) -> SchedulerOutput:
+        """The next step's chunks. With `preempt=False` a step that would need to preempt raises
+        `PreemptionNeeded` before changing anything but slot reservations (which stay valid)."""
         self._retire_computed()
         out = SchedulerOutput()
+        self._may_preempt = preempt
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:
             self._admit_waiting(out, budget)
@@ -116,8 +124,8 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is not Status.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.status is not Status.RUNNING or seq.last_in_flight:
+                continue  # preempted earlier in this loop, or its last token is on the device
             n = min(seq.num_pending, budget)
             if n == 0:
                 continue
@@ -131,6 +139,8 @@ class Scheduler:
     def _make_room(self, seq: Sequence, num_slots: int, out: SchedulerOutput) -> bool:
         """Preempt from the tail until `seq` can grow to `num_slots`; False if `seq` itself went."""
         while not self.kv.can_append(seq.seq_id, num_slots):
+            if not self._may_preempt:
+                raise PreemptionNeeded(seq.seq_id)
             victim = self.running[-1]
             self._preempt(victim)
             out.preempted.append(victim)

@@ -3,6 +3,11 @@
 Prefill and decode are not separate states: a sequence simply has tokens whose KV is not
 computed yet (`num_pending`). A step computes some of them; when none remain, the step's
 logits for its last token are sampled and the new token becomes pending in turn.
+
+With overlapped steps a sampled token is appended before its value reaches the host: it
+stands in `token_ids` as `PENDING_TOKEN` (at most two trail a sequence: the input of the step
+on the device and that step's output) until the step is synced, and the next step reads its
+value from the device. Everything the host shows or hashes skips those placeholders.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ class Status(enum.Enum):
 
 _arrivals = itertools.count()
 
+#: A sampled token whose value is still on the device.
+PENDING_TOKEN = -1
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -44,6 +52,9 @@ class Sequence:
     sent_tokens: int = 0
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     first_token_time: float | None = None
+    num_unresolved: int = 0  # trailing PENDING_TOKEN placeholders
+    device_row: int = 0  # row of the in-flight step's sampled tokens that holds the newest placeholder
+    last_in_flight: bool = False  # the in-flight token is its last (length limit): schedule nothing more
 
     @property
     def params(self) -> SamplingParams:
@@ -63,7 +74,19 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        """Output tokens whose values are known on the host."""
+        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.num_unresolved]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens sampled so far, placeholders included: the next sample's position."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def drop_unresolved(self) -> None:
+        """Forget placeholders whose step no longer counts (the sequence finished or was aborted)."""
+        if self.num_unresolved:
+            del self.token_ids[-self.num_unresolved :]
+            self.num_unresolved = 0
 
     @property
     def finished(self) -> bool:

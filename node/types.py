@@ -60,6 +60,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalty(self) -> bool:
+        """Penalties read the output so far, so their next token waits for the last one's value."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
 
 @dataclass
 class TokenLogprob:

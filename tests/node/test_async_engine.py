@@ -63,11 +63,11 @@ def test_a_failing_step_fails_its_streams_and_the_engine_keeps_serving(engine, m
     real_forward = runner.forward
     calls = {"n": 0}
 
-    def flaky(step):
+    def flaky(step, **kwargs):
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("device lost")
-        return real_forward(step)
+        return real_forward(step, **kwargs)
 
     monkeypatch.setattr(runner, "forward", flaky)
     with pytest.raises(EngineStepFailed, match="device lost"):

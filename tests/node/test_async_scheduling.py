@@ -1,0 +1,89 @@
+"""Overlapped steps (`async_scheduling`) give exactly what step-by-step execution gives."""
+
+from __future__ import annotations
+
+import pytest
+
+from node.engine import EngineConfig, LLMEngine
+from node.sampling import DeviceSample
+from node.sequence import PENDING_TOKEN
+from node.types import SamplingParams
+
+from tests.node.test_engine import _assert_no_leak, _prompts
+
+MIXED_PARAMS = [
+    SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_p=0.9, max_tokens=11, seed=7, ignore_eos=True),
+    SamplingParams(temperature=0.8, max_tokens=9, seed=3, n=3, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.3, frequency_penalty=0.4, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=10, logprobs=3, ignore_eos=True),
+    SamplingParams(temperature=0.7, max_tokens=16, seed=11),  # may stop at EOS
+]
+
+
+def _run_all(engine: LLMEngine, prompts, params) -> dict:
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    streamed: dict[str, list] = {}
+    finals = {}
+    while engine.has_unfinished:
+        for out in engine.step():
+            streamed.setdefault(out.request_id, []).append([o.token_ids_delta for o in out.outputs])
+            assert all(PENDING_TOKEN not in o.token_ids for o in out.outputs)
+            if out.finished:
+                finals[out.request_id] = [
+                    (o.token_ids, o.text, o.finish_reason, [(lp.token_id, round(lp.logprob, 5)) for lp in o.logprobs_delta])
+                    for o in out.outputs
+                ]
+    return {"finals": finals, "streamed_tokens": {k: _joined(v) for k, v in streamed.items()}}
+
+
+def _joined(deltas: list[list[list[int]]]) -> list[list[int]]:
+    width = max(len(d) for d in deltas)
+    return [[t for d in deltas if i < len(d) for t in d[i]] for i in range(width)]
+
+
+@pytest.mark.parametrize("num_blocks", [256, 20], ids=["roomy-pool", "preempting-pool"])
+def test_overlapped_steps_equal_step_by_step(model_dirs, num_blocks):
+    results = []
+    for overlap in (False, True):
+        engine = LLMEngine(EngineConfig(
+            model=str(model_dirs["demo"]), num_blocks=num_blocks, block_size=4,
+            max_num_batched_tokens=24, async_scheduling=overlap,
+        ))
+        prompts = _prompts(engine.model.vocab_size, [9, 21, 6, 13, 17, 5])
+        results.append((_run_all(engine, prompts, MIXED_PARAMS), engine.scheduler.num_preemptions))
+        _assert_no_leak(engine)
+    (sync, sync_preempted), (overlapped, overlap_preempted) = results
+    assert overlapped == sync
+    if num_blocks == 20:
+        assert sync_preempted > 0 and overlap_preempted > 0
+
+
+def test_next_step_is_launched_before_the_previous_tokens_are_read(model_dirs, monkeypatch):
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["demo"]), num_blocks=64, async_scheduling=True))
+    events: list[str] = []
+    real_forward, real_resolve = engine.runner.forward, DeviceSample.resolve
+    monkeypatch.setattr(engine.runner, "forward", lambda step, **kw: events.append("launch") or real_forward(step, **kw))
+    monkeypatch.setattr(DeviceSample, "resolve", lambda self: events.append("read") or real_resolve(self))
+    engine.add_request("a", list(range(3, 20)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    # Every read of a step's tokens comes after the next step was launched, but the last.
+    assert events == ["launch", "launch", "read", "launch", "read", "launch", "read", "read"]
+
+
+def test_abort_while_a_step_is_in_flight_frees_everything_and_shows_no_placeholder(model_dirs):
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["demo"]), num_blocks=64, async_scheduling=True))
+    engine.add_request("a", list(range(3, 30)), SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.abort("a")
+    outs = []
+    while engine.has_unfinished:
+        outs += engine.step()
+    outs += engine.step()
+    final = [o for o in outs if o.finished][0]
+    assert final.outputs[0].finish_reason == "abort"
+    assert PENDING_TOKEN not in final.outputs[0].token_ids
+    assert engine.kv.stats().blocks_used == 0
