@@ -134,6 +134,14 @@ class ServiceUnavailable(APIError):
     code = "no_node_ready"
 
 
+class NodeLost(APIError):
+    """The node generating a request died and the request could not be continued elsewhere."""
+
+    status = 503
+    type = "service_unavailable_error"
+    code = "node_lost"
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
@@ -164,6 +172,7 @@ def as_api_error(exc: BaseException) -> APIError:
 #: Cluster-side errors (which may arrive wrapped in a Ray task error) and what a client sees.
 _BY_NAME = {
     "NoNodeAvailable": lambda message: ServiceUnavailable(f"No node can serve the request now ({message}); retry shortly."),
+    "ResumeImpossible": lambda message: NodeLost(f"The node serving this request was lost and it cannot continue ({message})."),
     "UnknownModel": lambda message: ModelNotServed(message),
 }
 

@@ -5,8 +5,11 @@ root: the model fingerprint and cache salt the nodes registered), asks the coord
 a node, and streams `RequestOutput`s from that node's actor. If the node dies mid-stream
 (the actor crashes, its raylet is killed, or it stops heartbeating while the stream is
 silent), the request is routed again without that node and resumed from its prompt plus
-the tokens already streamed; outputs are rewritten so the client sees one stream of one
-request. Greedy output is therefore the same as without the fault.
+the tokens already streamed, which the sampler counts as output (penalties, seeded noise
+positions); outputs are rewritten so the client sees one stream of one request. Greedy and
+seeded output, with or without penalties, are therefore the same as without the fault
+(unseeded requests get a seed here for that). A request with n > 1 that loses its node
+after streaming ends with an error instead (`ResumeImpossible`).
 
 When the route carries a migration plan, the target node first pulls those blocks from
 the source node (`cluster.migration`); any failure there only means the target recomputes.
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
@@ -84,13 +88,24 @@ class _ModelSpec:
 
 @dataclass
 class _Progress:
-    """What the client has received so far for one request (n = 1), and where this attempt began."""
+    """What the client has received so far for one request, and where this attempt began.
+
+    Token ids and text are tracked for n = 1, the only case that resumes mid-stream; for
+    n > 1 it only records that something was streamed, which makes a resume impossible.
+    """
 
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     base_ids: list[int] = field(default_factory=list)  # streamed before the current attempt
     base_text: str = ""
     unsent_text: str = ""  # text of base_ids the client has not seen yet; goes out first
+    streamed: bool = False  # any choice has produced a token
+
+    def record(self, out: RequestOutput) -> None:
+        self.streamed = self.streamed or any(c.token_ids for c in out.outputs)
+        if len(out.outputs) == 1:
+            self.token_ids = list(out.outputs[0].token_ids)
+            self.text = out.outputs[0].text
 
     def resume(self, tokenizer) -> None:
         self.unsent_text = _held_back_text(tokenizer, self.token_ids, self.text)
@@ -129,6 +144,7 @@ class RayBackend:
         self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         spec = await self._spec(model)
+        params = _seeded(params)
         hashes = block_hashes(prompt_token_ids, spec.block_size, spec.root)
         progress = _Progress()
         lost: list[str] = []
@@ -190,8 +206,7 @@ class RayBackend:
     async def _attempt(self, node_id, request_id, attempt, prompt, params, progress) -> AsyncIterator[RequestOutput]:
         """Stream from one node, turning every sign of its death into NodeLost."""
         attempt_id = request_id if attempt == 0 else f"{request_id}#resume{attempt}"
-        remaining = params.max_tokens - len(progress.token_ids)
-        attempt_params = replace(params, max_tokens=remaining) if progress.token_ids else params
+        attempt_params = _resume_params(params, len(progress.token_ids))
         self._active[request_id] = (node_id, attempt_id)
         try:
             actor = await self._actor(node_id)
@@ -268,8 +283,10 @@ class RayBackend:
     def _check_resumable(self, request_id, params, progress, lost) -> None:
         if len(lost) > self.config.max_resumes:
             raise ResumeImpossible(f"request {request_id}: lost {len(lost)} nodes ({', '.join(lost)})")
-        if params.n > 1 and progress.token_ids:
-            raise ResumeImpossible(f"request {request_id}: n={params.n} cannot resume mid-stream")
+        if params.n > 1 and progress.streamed:
+            # Each choice would need its own continuation of its own text; refusing beats
+            # restarting choices whose first tokens the client already has.
+            raise ResumeImpossible(f"request {request_id}: lost its node mid-stream; n={params.n} cannot resume")
 
     def _rebase(self, out: RequestOutput, request_id, prompt, progress: _Progress, spec) -> RequestOutput:
         """Make an output of a resumed attempt look like one of the original request."""
@@ -284,9 +301,7 @@ class RayBackend:
             progress.unsent_text = ""
             out = replace(out, outputs=[merged, *out.outputs[1:]])
         out = replace(out, request_id=request_id, prompt_token_ids=list(prompt))
-        if len(out.outputs) == 1:
-            progress.token_ids = list(out.outputs[0].token_ids)
-            progress.text = out.outputs[0].text
+        progress.record(out)
         return out
 
     async def _lose(self, node_id: str, reason: str) -> None:
@@ -336,6 +351,23 @@ class RayBackend:
             name = node_actor_name(node_id)
             self._actors[node_id] = await asyncio.to_thread(ray.get_actor, name, namespace=self.config.namespace)
         return self._actors[node_id]
+
+
+def _seeded(params: SamplingParams) -> SamplingParams:
+    """Sampled requests get a seed here if they have none, so that a resume on another node
+    draws the same noise the lost one would have (the sampler keys it by seed and position)."""
+    if params.seed is not None or params.greedy:
+        return params
+    return replace(params, seed=secrets.randbits(62))
+
+
+def _resume_params(params: SamplingParams, streamed: int) -> SamplingParams:
+    """An attempt that replays `streamed` generated tokens as prompt: they count as output
+    (penalties, noise positions, the token budget), so the continuation is the one the lost
+    node would have produced."""
+    if not streamed:
+        return params
+    return replace(params, max_tokens=params.max_tokens - streamed, resumed_outputs=streamed)
 
 
 def _cancel(stream) -> None:

@@ -29,6 +29,18 @@ class SampleRow:
     prompt_token_ids: Seq[int]
     output_token_ids: Seq[int]
 
+    @property
+    def key_position(self) -> int:
+        """The output position the noise is keyed by, counting the outputs of an earlier attempt."""
+        return self.position + self.params.resumed_outputs
+
+    @property
+    def penalised_outputs(self) -> list[int]:
+        """What presence and frequency penalties count: this attempt's outputs and an earlier one's."""
+        earlier = self.params.resumed_outputs
+        carried = list(self.prompt_token_ids[len(self.prompt_token_ids) - earlier:]) if earlier else []
+        return carried + list(self.output_token_ids)
+
 
 def row_key(seed: int, index: int, position: int) -> mx.array:
     state = np.random.SeedSequence([seed & 0xFFFFFFFF, seed >> 32 & 0xFFFFFFFF, index, position])
@@ -44,7 +56,7 @@ def _apply_penalties(logits: mx.array, rows: list[SampleRow]) -> mx.array:
         row = logits[i]
         p = r.params
         if p.presence_penalty or p.frequency_penalty:
-            counts = _counts(r.output_token_ids, vocab)
+            counts = _counts(r.penalised_outputs, vocab)
             row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
         if p.repetition_penalty != 1.0:
             seen = _counts(list(r.prompt_token_ids) + list(r.output_token_ids), vocab) > 0
@@ -104,7 +116,7 @@ def sample_on_device(logits: mx.array, rows: list[SampleRow]) -> DeviceSample:
         temps = mx.array([1.0 if g else r.params.temperature for g, r in zip(greedy, rows)])[:, None]
         scaled = _filter(logits / temps, rows)
         vocab = logits.shape[-1]
-        noise = mx.stack([mx.random.gumbel((vocab,), key=row_key(r.seed, r.index, r.position)) for r in rows])
+        noise = mx.stack([mx.random.gumbel((vocab,), key=row_key(r.seed, r.index, r.key_position)) for r in rows])
         sampled = mx.argmax(scaled + noise, axis=-1)
         tokens = mx.where(mx.array(greedy), mx.argmax(logits, axis=-1), sampled)
     return DeviceSample(tokens.astype(mx.int32), raw_logprobs, rows)

@@ -34,6 +34,10 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives to report per token
     n: int = 1
     priority: int = 0  # lower runs first; ties are first come, first served
+    # How many trailing prompt tokens an earlier attempt of this request generated (a resume
+    # after a lost node): the sampler counts them as output, so penalties and seeded noise
+    # continue as if that attempt had gone on.
+    resumed_outputs: int = 0
 
     def __post_init__(self):
         checks = [
@@ -47,6 +51,7 @@ class SamplingParams:
             ("repetition_penalty", 0.0 < self.repetition_penalty <= 10.0, "must be in (0, 10]"),
             ("logprobs", self.logprobs is None or 0 <= self.logprobs <= 20, "must be between 0 and 20"),
             ("n", 1 <= self.n <= 64, "must be between 1 and 64"),
+            ("resumed_outputs", self.resumed_outputs >= 0, "must not be negative"),
         ]
         for name, ok, why in checks:
             if not ok:

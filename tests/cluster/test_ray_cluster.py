@@ -171,3 +171,91 @@ def test_requests_survive_a_raylet_being_killed(cluster):
     status = {n["node_id"]: n["status"] for n in ray.get(coordinator().nodes.remote())}
     assert status["w2"] == "dead"
     assert ray.get(coordinator().indexed_blocks.remote("w2")) == 0
+
+
+# Greedy with every penalty, and seeded sampling with penalties: both pattern (i // 2) % 2,
+# so that whichever node is the victim in a round-robin rotation gets requests of each kind.
+PENALISED_GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+                                  presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.3)
+SEEDED = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=1234, ignore_eos=True, frequency_penalty=0.4)
+
+
+def _fresh_victim(cluster, node_id: str):
+    """A new node actor on w1's raylet (its first actor is gone), to be killed by the test."""
+    local, nodes = cluster
+    start_node_actor(nodes["w1"], node_actor_config(node_id, ENGINE, heartbeat_s=0.5))
+    assert wait_for(lambda: any(n["node_id"] == node_id and n["status"] == "alive"
+                                for n in ray.get(coordinator().nodes.remote())))
+    return ray.get_actor(node_actor_name(node_id), namespace="orchard")
+
+
+def test_penalised_greedy_and_seeded_streams_continue_exactly_after_their_node_dies(cluster):
+    try:
+        victim = ray.get_actor(node_actor_name("w1"), namespace="orchard")
+        ray.kill(victim, no_restart=True)  # if this test runs alone: free w1's raylet
+        wait_for(lambda: any(n["node_id"] == "w1" and n["status"] == "dead" for n in ray.get(coordinator().nodes.remote())))
+    except ValueError:
+        pass
+    victim = _fresh_victim(cluster, "w1-penalties")
+    backend = RayBackend(RayBackendConfig(policy="round_robin", stall_check_s=0.5))
+    kinds = [PENALISED_GREEDY if (i // 2) % 2 == 0 else SEEDED for i in range(12)]
+    prompts = [prompt(i + 500) for i in range(12)]
+
+    async def run(on_output=None):
+        return await asyncio.gather(*[collect(backend, f"pen-{i}", p, k, on_output)
+                                      for i, (p, k) in enumerate(zip(prompts, kinds))])
+
+    reference = asyncio.run(run())
+    on_victim, fired = set(), asyncio.Event()
+
+    async def on_output(request_id, out):
+        if backend._active.get(request_id, ("", ""))[0] == "w1-penalties":
+            on_victim.add(request_id)
+            if not fired.is_set() and len(out.outputs[0].token_ids) >= 4:
+                fired.set()
+                await asyncio.to_thread(ray.kill, victim, no_restart=True)
+
+    faulted = asyncio.run(run(on_output))
+    assert fired.is_set() and backend.resumed_mid_stream >= 1
+    resumed_kinds = {kinds[int(r.split("-")[1])].temperature for r in on_victim}
+    assert resumed_kinds == {0.0, 1.0}, on_victim  # both kinds lost their node
+    assert faulted == reference
+
+
+def test_a_stream_with_n_choices_that_loses_its_node_ends_with_an_error_not_repeated_text(cluster):
+    from cluster.http_errors import as_api_error
+    from cluster.ray_backend import ResumeImpossible
+
+    victim = _fresh_victim(cluster, "w1-choices")
+    backend = RayBackend(RayBackendConfig(policy="round_robin", stall_check_s=0.5))
+    params = SamplingParams(max_tokens=48, temperature=0.8, seed=5, n=3, ignore_eos=True)
+    fired = asyncio.Event()
+
+    async def one(i: int):
+        choices: dict[int, list[int]] = {}
+        try:
+            async for out in backend.generate(f"choices-{i}", MODEL, prompt(i + 900), params):
+                for c in out.outputs:
+                    choices.setdefault(c.index, []).extend(c.token_ids_delta)
+                    assert c.token_ids == choices[c.index]  # each choice grows, never restarts
+                node = backend._active.get(f"choices-{i}", ("", ""))[0]
+                if node == "w1-choices" and not fired.is_set() and all(len(v) >= 3 for v in choices.values()):
+                    fired.set()
+                    await asyncio.to_thread(ray.kill, victim, no_restart=True)
+        except ResumeImpossible as exc:
+            return choices, exc
+        return choices, None
+
+    async def run():
+        return await asyncio.gather(*[one(i) for i in range(4)])
+
+    results = asyncio.run(run())
+    assert fired.is_set()
+    refused = [exc for _, exc in results if exc is not None]
+    assert refused, "the request on the killed node should have been refused"
+    error = as_api_error(refused[0])
+    assert (error.status, error.code) == (503, "node_lost")
+    for choices, exc in results:
+        assert len(choices) == 3
+        if exc is None:
+            assert all(len(ids) == params.max_tokens for ids in choices.values())
