@@ -253,7 +253,8 @@ class Coordinator:
             "uptime_s": time.time() - self._started,
             "policy": self.router.config.policy,
             "models": self.models(),
-            "nodes": self.nodes(),
+            # Serving nodes only: a dead node's last figures would be reported as current.
+            "nodes": [row for row in self.nodes() if row["status"] != NodeStatus.DEAD.value],
             "index": {"blocks": stats.blocks, "entries": stats.entries, "gaps_seen": stats.gaps_seen,
                       "events_applied": stats.events_applied, "awaiting_snapshot": stats.nodes_awaiting_snapshot},
             "routing": {

@@ -88,6 +88,7 @@ class NodeState:
     # Prefill tokens seen done since the last heartbeat, which that heartbeat still counts as queued.
     prefilled_since_heartbeat: int = 0
     death_reason: str | None = None
+    died_at: float | None = None
 
     @property
     def queued_prefill_tokens(self) -> int:
@@ -118,6 +119,8 @@ class MembershipConfig:
     rate_alpha: float = 0.3
     # Routed work whose prefill is not reported done within this long is assumed abandoned.
     pending_ttl_s: float = 60.0
+    # A dead node is kept (status "dead", for callers asking about it) this long, then forgotten.
+    forget_dead_after_s: float = 60.0
 
 
 class Membership:
@@ -185,11 +188,17 @@ class Membership:
         return avg.value if avg else None
 
     def reap(self) -> list[NodeId]:
-        """Declare dead every live node whose last heartbeat is too old; return them."""
-        deadline = self._clock() - self.config.dead_after_s
+        """Declare dead every live node whose last heartbeat is too old; return them. Nodes
+        dead for longer than `forget_dead_after_s` are forgotten, so that a cluster whose
+        machines come and go does not report every machine it ever had."""
+        now = self._clock()
+        deadline = now - self.config.dead_after_s
         late = [s.node_id for s in self._nodes.values() if s.status is not NodeStatus.DEAD and s.last_heartbeat < deadline]
         for node_id in late:
             self.mark_dead(node_id, "missed heartbeats")
+        forget_before = now - self.config.forget_dead_after_s
+        for state in [s for s in self._nodes.values() if s.died_at is not None and s.died_at < forget_before]:
+            self.forget(state.node_id)
         return late
 
     def mark_dead(self, node_id: NodeId, reason: str) -> bool:
@@ -199,6 +208,7 @@ class Membership:
             return False
         state.status = NodeStatus.DEAD
         state.death_reason = reason
+        state.died_at = self._clock()
         for link in [k for k in self._links if node_id in k]:
             del self._links[link]
         return True

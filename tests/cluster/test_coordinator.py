@@ -93,6 +93,18 @@ def test_missed_heartbeats_mark_node_dead_and_drop_its_blocks():
     assert {n["node_id"]: n["status"] for n in coord.nodes()} == {"a": "dead", "b": "alive"}
 
 
+def test_dead_nodes_leave_the_cluster_report_at_once_and_the_registry_later():
+    coord, clock, logs = make("a", "b", dead_after_s=3.0)
+    assert coord.node_failed("a", "actor died")
+    assert [n["node_id"] for n in coord.cluster_info()["nodes"]] == ["b"]  # /v1/cluster and /metrics read this
+    assert coord.node_status("a") == "dead"  # still answers those who ask about it
+    clock.now += MembershipConfig().forget_dead_after_s + 1
+    coord.heartbeat("b", LOAD)
+    assert coord.node_status("a") is None
+    assert [n["node_id"] for n in coord.nodes()] == ["b"]
+    assert coord.register_node("a", {"model": "demo", "block_size": BS}) == {"snapshot": True}  # may come back
+
+
 def test_node_failure_report_stops_routing_at_once():
     coord, clock, logs = make("a", "b")
     serve(coord, logs, "a", HASHES)
