@@ -20,6 +20,7 @@ from pydantic.json_schema import models_json_schema
 
 from cluster.backend import Backend, ModelInfo
 from cluster.dashboard import install_dashboard
+from cluster.gateway_guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
 from cluster.http_errors import (
     ModelNotFound,
     QueueFull,
@@ -72,6 +73,22 @@ class GatewayConfig:
     retry_after_s: int = 1
     request_timeout_s: float | None = 600.0
     max_chat_tokens: int | None = None  # chat's default max_tokens; None: the rest of the context
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413 before they are read
+
+
+class Admission:
+    """Queue places held by one HTTP request's jobs, each given back once (first output or end)."""
+
+    def __init__(self, gateway: "Gateway", places: int):
+        self._gateway, self._held = gateway, places
+
+    def release(self, places: int = 1) -> None:
+        places = min(places, self._held)
+        self._held -= places
+        self._gateway.waiting -= places
+
+    def release_all(self) -> None:
+        self.release(self._held)
 
 
 class Gateway:
@@ -81,6 +98,7 @@ class Gateway:
         self.backend = backend
         self.config = config
         self.metrics = GatewayMetrics()
+        self.waiting = 0  # admitted jobs that have not produced their first output yet
 
     async def model(self, name: str) -> ModelInfo:
         if not await self.backend.ready():
@@ -91,10 +109,13 @@ class Gateway:
                 return info
         raise ModelNotFound(name, [m.name for m in served])
 
-    async def admit(self, new_requests: int) -> None:
-        depth = await self.backend.queue_depth()
-        if depth + new_requests > self.config.max_queue:
-            raise QueueFull(depth, self.config.max_queue, self.config.retry_after_s)
+    def admit(self, new_requests: int) -> Admission:
+        """Take `new_requests` places in the queue or raise QueueFull. Counting and taking
+        happen with no await between them, so a burst cannot pass the limit."""
+        if self.waiting + new_requests > self.config.max_queue:
+            raise QueueFull(self.waiting, self.config.max_queue, self.config.retry_after_s)
+        self.waiting += new_requests
+        return Admission(self, new_requests)
 
     async def cluster_snapshot(self) -> dict:
         """The backend's cluster view, or ServiceUnavailable when it cannot give one."""
@@ -106,8 +127,8 @@ class Gateway:
             log.warning("cluster info unavailable: %s", exc)
             raise ServiceUnavailable("The cluster's state is unavailable right now; retry shortly.") from exc
 
-    def generation(self, info: ModelInfo, request: Request) -> Generation:
-        return Generation(self.backend, info, request, self.metrics, self.config.request_timeout_s)
+    def generation(self, info: ModelInfo, request: Request, admission: Admission) -> Generation:
+        return Generation(self.backend, info, request, self.metrics, self.config.request_timeout_s, admission)
 
 
 def _bearer_check(keys: frozenset[str]):
@@ -187,7 +208,7 @@ def create_app(backend: Backend, config: GatewayConfig | None = None) -> FastAPI
     install_error_handlers(app)
     auth = [Depends(_bearer_check(config.api_keys))] if config.api_keys else []
     auth_errors = (401,) if config.api_keys else ()
-    generation_errors = declared_errors(400, *auth_errors, 404, 408, 429, 503)
+    generation_errors = declared_errors(400, *auth_errors, 404, 408, 413, 429, 503)
     completions, chats = CompletionServing(gw), ChatServing(gw)
 
     @app.post(
@@ -236,6 +257,7 @@ def create_app(backend: Backend, config: GatewayConfig | None = None) -> FastAPI
     install_dashboard(app, gw, auth, declared_errors(*auth_errors, 503))
     _truthful_openapi(app)
     endpoints = {route.path for route in app.routes}
-    app.add_middleware(_CountRequests, metrics=gw.metrics, endpoints=endpoints)
+    app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes, api_keys=config.api_keys)
+    app.add_middleware(_CountRequests, metrics=gw.metrics, endpoints=endpoints)  # outermost: counts refusals too
     return app
 

@@ -68,26 +68,38 @@ async def wait_for_disconnect(request: Request) -> None:
 class Generation:
     """One HTTP request's jobs on the backend, ended (and aborted) together."""
 
-    def __init__(self, backend: Backend, info: ModelInfo, request: Request, metrics: GatewayMetrics, timeout_s: float | None):
+    def __init__(self, backend: Backend, info: ModelInfo, request: Request, metrics: GatewayMetrics,
+                 timeout_s: float | None, admission=None):
         self.backend, self.info, self.request = backend, info, request
         self.metrics, self.timeout_s = metrics, timeout_s
+        self.admission = admission  # the queue places its jobs hold until their first output
         self.started = time.perf_counter()
         self._last_token_at: dict[int, float] = {}
 
     async def outputs(self, jobs: list[Job], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
         iterators = [self.backend.generate(j.request_id, self.info.name, j.prompt_token_ids, params) for j in jobs]
         finished: set[int] = set()
+        started: set[int] = set()
         try:
             async for i, out in _merge(iterators):
                 self._observe(i, out)
+                if i not in started and self.admission is not None:
+                    started.add(i)
+                    self.admission.release()
                 if out.finished:
                     finished.add(i)
                 yield i, out
         finally:
+            self._give_back_places()
             with anyio.CancelScope(shield=True):
                 for i, job in enumerate(jobs):
                     if i not in finished:
                         await self.backend.abort(job.request_id)
+
+    def _give_back_places(self) -> None:
+        """Queue places still held when the jobs end without having started (idempotent)."""
+        if self.admission is not None:
+            self.admission.release_all()
 
     def _observe(self, job: int, out: RequestOutput) -> None:
         if not any(c.token_ids_delta for c in out.outputs):
@@ -118,6 +130,7 @@ class Generation:
             if not work.done():
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
+            self._give_back_places()
         if work in done:
             work.result()
         elif gone in done:
@@ -159,6 +172,7 @@ class Generation:
                 await asyncio.gather(first, return_exceptions=True)
         if first.cancelled():
             await events.aclose()
+            self._give_back_places()
             raise ClientClosedRequest()
         try:
             head = first.result()
@@ -166,6 +180,7 @@ class Generation:
             return _replay([], events)
         except BaseException:
             await events.aclose()
+            self._give_back_places()
             raise
         return _replay([head], events)
 

@@ -236,6 +236,7 @@ def declared_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
         401: "Missing or wrong API key",
         404: "Unknown model",
         408: "The request ran past the server's time limit and was aborted",
+        413: "The request body is larger than the server accepts",
         429: "Queue full; `Retry-After` says when to retry",
         500: "Unexpected server error",
         503: "No node ready to serve, or the server is shutting down",

@@ -7,6 +7,7 @@ collect the choices into one response or render each output as a server-sent eve
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -248,15 +249,14 @@ class CompletionServing(_Serving):
         gw = self.gateway
         check_stream_options(body)
         info = await gw.model(body.model)
-        prompts = self.prompts(body, info)
+        prompts = await asyncio.to_thread(self.prompts, body, info)  # a long prompt must not stall other requests
         if len(prompts) * body.n > MAX_SEQUENCES_PER_REQUEST:
             raise InvalidRequest(f"n times the number of prompts may be at most {MAX_SEQUENCES_PER_REQUEST}", param="n")
         budgets = [token_budget(len(p), body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, info, "prompt") for p in prompts]
-        await gw.admit(len(prompts))
+        params = sampling_params(body, min(budgets), body.logprobs, body.stop_list(), [])
         rid = self.new_id()
         jobs = [Job(f"{rid}-{i}", ids) for i, ids in enumerate(prompts)]
-        params = sampling_params(body, min(budgets), body.logprobs, body.stop_list(), [])
-        gen = gw.generation(info, request)
+        gen = gw.generation(info, request, gw.admit(len(prompts)))
         choices = Choices(body.n, len(jobs))
         text = TokenText(info.tokenizer)
         if body.stream:
@@ -312,14 +312,13 @@ class ChatServing(_Serving):
             raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
         info = await gw.model(body.model)
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        prompt = build_chat_prompt(info.tokenizer, messages)
+        prompt = await asyncio.to_thread(build_chat_prompt, info.tokenizer, messages)  # templates and long turns, off the loop
         max_tokens = token_budget(len(prompt.token_ids), body.token_limit(), gw.config.max_chat_tokens, info, "messages")
-        await gw.admit(1)
         rid = self.new_id()
         jobs = [Job(rid, prompt.token_ids)]
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, max_tokens, logprobs, body.stop_list() + prompt.stop, prompt.stop_token_ids)
-        gen = gw.generation(info, request)
+        gen = gw.generation(info, request, gw.admit(1))
         choices = Choices(body.n, 1)
         text = TokenText(info.tokenizer)
         k = body.top_logprobs or 0

@@ -57,6 +57,8 @@ def register(sub) -> None:
     p.add_argument("--no-ray", action="store_true", help="one in-process engine, no Ray")
     p.add_argument("--request-timeout", type=float, default=600.0, metavar="S", help="abort requests running longer")
     p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before new ones get 429")
+    p.add_argument("--max-body-mb", type=float, default=32.0, metavar="MB",
+                   help="largest request body accepted; larger ones get 413 unread (default 32)")
     p.add_argument("--grace", type=float, default=30.0, metavar="S", help="on SIGTERM, time left to in-flight requests")
     p.set_defaults(func=run)
 
@@ -268,7 +270,8 @@ def serve_started(started: Started, args, keys: frozenset[str]) -> int:
     from cluster.gateway import GatewayConfig, create_app
 
     try:
-        config = GatewayConfig(api_keys=keys, max_queue=args.max_queue, request_timeout_s=args.request_timeout)
+        config = GatewayConfig(api_keys=keys, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
+                               max_body_bytes=int(args.max_body_mb * (1 << 20)))
         app = create_app(started.backend, config)
         server = uvicorn.Server(uvicorn.Config(
             app, log_level="warning", timeout_graceful_shutdown=args.grace, access_log=False,

@@ -1,0 +1,91 @@
+"""What the gateway refuses before it reads a request body: oversized bodies and missing keys.
+
+Route handlers receive a parsed body, so any check they make comes after the whole body
+was buffered and decoded. A client without a key, or one sending hundreds of megabytes,
+must cost the server nothing of the sort: this ASGI layer answers 401 from the headers
+alone and 413 from `Content-Length`, or as soon as a body without one grows past the limit.
+"""
+
+from __future__ import annotations
+
+from starlette.exceptions import HTTPException
+
+from cluster.http_errors import APIError, Unauthorized, error_response
+
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+
+
+class BodyTooLarge(APIError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+    def __init__(self, limit: int):
+        super().__init__(f"The request body exceeds the server's limit of {limit} bytes.")
+
+
+class _BodyOverflow(HTTPException):
+    """Raised from `receive` when a body without Content-Length passes the limit. An
+    HTTPException, because FastAPI turns any other error while reading a body into a 400."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, BodyTooLarge(limit).message)
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def bearer_key(scope) -> str | None:
+    value = _header(scope, b"authorization")
+    if value is None:
+        return None
+    scheme, _, key = value.partition(" ")
+    return key.strip() if scheme.lower() == "bearer" else None
+
+
+class RequestGuard:
+    """ASGI middleware: body-size limit on every request, key check before any body is read."""
+
+    def __init__(self, app, max_body_bytes: int, api_keys: frozenset[str]):
+        self.app, self.max_body_bytes, self.api_keys = app, max_body_bytes, api_keys
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        refusal = self.refusal(scope)
+        if refusal is not None:
+            return await error_response(refusal)(scope, receive, send)
+        return await self.app(scope, self._limited(receive), send)
+
+    def refusal(self, scope) -> APIError | None:
+        """The error a request gets from its headers alone, if any."""
+        if self.api_keys and _has_body(scope) and bearer_key(scope) not in self.api_keys:
+            return Unauthorized()
+        length = _header(scope, b"content-length")
+        if length is not None and length.strip().isdigit() and int(length) > self.max_body_bytes:
+            return BodyTooLarge(self.max_body_bytes)
+        return None
+
+    def _limited(self, receive):
+        seen = 0
+        limit = self.max_body_bytes
+
+        async def receive_limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _BodyOverflow(limit)
+            return message
+
+        return receive_limited
+
+
+def _has_body(scope) -> bool:
+    """Requests whose route reads a body: every one of them needs a key when keys are set."""
+    return scope.get("method", "GET") not in ("GET", "HEAD", "OPTIONS")
