@@ -99,7 +99,15 @@ def start_node_actor(ray_node_id: str, node_config, *, detached: bool = False):
 
 
 def node_actor_config(node_id: str, engine_config, **options):
+    """The actor's config; a cold tier gets a folder per node, since nodes sharing a machine
+    cannot share one file (each locks its own)."""
+    from dataclasses import replace as with_changes
+    from pathlib import Path
+
     from node.actor import NodeActorConfig
+
+    if engine_config.cold_tier_dir:
+        engine_config = with_changes(engine_config, cold_tier_dir=str(Path(engine_config.cold_tier_dir) / node_id))
 
     return NodeActorConfig(node_id, COORDINATOR_NAME, NAMESPACE, engine_config, **options)
 

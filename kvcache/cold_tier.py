@@ -12,13 +12,16 @@ File layout::
 A slot's metadata record carries the block's key, parent hash and token ids, a stamp for
 LRU order, and two checksums (record, KV bytes), so a restarted node rebuilds its index
 from the file and a torn or damaged slot is never read as KV. A file whose header does
-not match this model and geometry exactly is wiped and rebuilt, never read.
+not match this model and geometry exactly is wiped and rebuilt, never read; one that
+differs only in its number of slots is resized, keeping its most recent blocks. The file
+is 0600 in a 0700 folder and never opened through a symlink.
 
 The tier emits no events; the cache facade that calls it does. One owner thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import mmap
@@ -140,7 +143,7 @@ class ColdTier:
         self.geometry = geometry
         self.layout = SlotLayout.for_geometry(geometry, capacity_bytes)
         self.path = cold_file_path(directory, geometry)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        _private_folder(self.path.parent)
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recent first
         self._free: list[int] = []
         self._next_stamp = 1
@@ -257,7 +260,10 @@ class ColdTier:
     # ---- the file ---------------------------------------------------------------------
 
     def _map_file(self) -> None:
-        reusable = self._header_matches()
+        old_layout = self._resizable_from()
+        if old_layout is not None:
+            self._resize(old_layout)
+        reusable = old_layout is not None or self._header_matches()
         if not reusable:
             self._format_file()
         self._mm = mmap.mmap(self._fd, self.layout.file_size)
@@ -266,8 +272,59 @@ class ColdTier:
         else:
             self._free = list(range(self.layout.slot_count - 1, -1, -1))
 
+    def _resizable_from(self) -> "SlotLayout | None":
+        """The layout of a file that holds this model's blocks in slots of this size, only fewer or more."""
+        size = os.fstat(self._fd).st_size
+        reason = self._header_mismatch(size) if size else None
+        if reason is None or not reason.startswith("slot layout"):  # checked: magic, version, checksum, geometry
+            return None
+        stored = self._stored_header()
+        try:
+            old = SlotLayout(**stored["layout"])
+        except (KeyError, TypeError):
+            return None
+        same_slots = dataclasses.replace(old, slot_count=self.layout.slot_count) == self.layout
+        if not same_slots or self._geometry_difference(stored.get("geometry")) is not None or size != old.file_size:
+            return None
+        return old
+
+    def _stored_header(self) -> dict:
+        head = os.pread(self._fd, HEADER_REGION, 0)
+        _, _, body_len = _PREFIX.unpack_from(head)
+        stored = msgpack.unpackb(head[_PREFIX.size : _PREFIX.size + body_len])
+        return stored if isinstance(stored, dict) else {}
+
+    def _resize(self, old: "SlotLayout") -> None:
+        """Keep the most recent blocks that fit the new slot count: moved into the low slots,
+        then the file is cut or extended (new slots are zero, i.e. empty) and re-headed."""
+        new, self.layout = self.layout, old
+        self._mm = mmap.mmap(self._fd, old.file_size)
+        try:
+            self._rebuild_index()
+            kept = list(self._index.items())[-new.slot_count:]
+            held_low = {slot for _, slot in kept if slot < new.slot_count}
+            targets = iter(s for s in range(new.slot_count) if s not in held_low)
+            for _, slot in kept:
+                if slot >= new.slot_count:
+                    start, target = old.offset(slot), old.offset(next(targets))
+                    self._mm[target : target + old.stride] = self._mm[start : start + old.stride]
+            self._mm.flush()
+        finally:
+            self._mm.close()
+            self._index.clear()
+        self.layout = new
+        os.ftruncate(self._fd, new.file_size)
+        self._write_header()
+        log.info("cold tier %s: resized from %d to %d slots", self.path, old.slot_count, new.slot_count)
+
     def _open_locked(self) -> int:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        """Open (never through a symlink) and lock the file; only its owner may read it, since
+        its records hold prompts' token ids."""
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as err:
+            raise ColdTierError(f"cannot open cold tier file {self.path} (a symlink is refused): {err}") from err
+        os.fchmod(fd, 0o600)  # a file an older version left world-readable
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as err:
@@ -327,6 +384,9 @@ class ColdTier:
                 os.posix_fallocate(self._fd, 0, self.layout.file_size)
             except OSError as err:
                 raise ColdTierError(f"cannot reserve {self.layout.file_size} bytes for {self.path}: {err}") from err
+        self._write_header()
+
+    def _write_header(self) -> None:
         body = self._header_body()
         prefixed = _PREFIX.pack(FILE_MAGIC, FILE_VERSION, len(body)) + body
         header = prefixed + xxhash.xxh3_64_digest(prefixed)
@@ -464,6 +524,17 @@ class ColdTier:
         hi = min(hi, _round_up(self.layout.file_size, page))
         if hi > lo:
             self._mm.madvise(advice, lo, hi - lo)
+
+
+def _private_folder(folder: Path) -> None:
+    """The tier's folder, made (or narrowed to) 0700 when this user owns it: other local
+    users must not list or read the blocks, whose records carry prompts' token ids."""
+    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    info = folder.stat()
+    if info.st_uid == os.getuid() and info.st_mode & 0o077:
+        os.chmod(folder, 0o700)
+    elif info.st_mode & 0o077:
+        log.warning("cold tier folder %s is open to other users and not ours to narrow", folder)
 
 
 def _kv_sum(keys: np.ndarray, values: np.ndarray) -> int:

@@ -88,6 +88,7 @@ def register(sub) -> None:
 
 # `orchard serve` options that also make sense for a head (not its own Ray or bind choices).
 SHARED_SERVE_OPTIONS = ("model", "api_key", "kv_memory", "block_size", "max_num_seqs", "max_model_len", "router",
+                        "cold_tier", "cold_tier_gb",
                         "request_timeout", "max_queue", "max_body_mb", "grace")
 
 

@@ -50,6 +50,9 @@ def register(sub) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per engine batch (default 64)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length cap (default: the model's)")
+    p.add_argument("--cold-tier", default=None, metavar="DIR",
+                   help="spill evicted KV blocks to a file in DIR (made 0700) instead of dropping them")
+    p.add_argument("--cold-tier-gb", type=float, default=4.0, metavar="GB", help="cold tier size per node (default 4)")
     p.add_argument("--nodes", type=int, default=1, help="engine nodes to start on this machine (default 1)")
     p.add_argument("--address", default=None, help="attach to this Ray cluster instead of starting one")
     p.add_argument("--router", default=None, choices=_router_policies(),
@@ -100,6 +103,7 @@ def engine_config(args):
     return EngineConfig(
         model=args.model, block_size=args.block_size, kv_memory_gb=args.kv_memory,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+        cold_tier_dir=args.cold_tier, cold_tier_gb=args.cold_tier_gb,
     )
 
 

@@ -69,3 +69,20 @@ def test_sigterm_lets_the_running_stream_finish_then_exits_cleanly():
     data = [e[6:] for e in events if e.startswith("data: ")]
     assert data[-1] == "[DONE]"
     assert "".join(json.loads(d)["choices"][0]["text"] for d in data[:-1]) == expected
+
+
+def test_cold_tier_flags_turn_it_on_with_a_private_file(tmp_path):
+    cold = tmp_path / "cold"
+    proc = subprocess.Popen(
+        [str(ORCHARD), "serve", "--no-ray", "--port", "0", "--max-model-len", "128", "--kv-memory", "0.02",
+         "--cold-tier", str(cold), "--cold-tier-gb", "0.01"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "serving" in line, proc.stderr.read()[-3000:] if proc.poll() is not None else line
+        files = list(cold.iterdir())
+        assert len(files) == 1 and files[0].stat().st_size > 0.005 * 2**30
+        assert files[0].stat().st_mode & 0o777 == 0o600 and cold.stat().st_mode & 0o777 == 0o700
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)

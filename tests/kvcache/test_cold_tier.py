@@ -184,17 +184,18 @@ def test_a_file_written_for_another_model_is_ignored(tmp_path, caplog):
         assert replaced.keys() == [key(2)]
 
 
-def test_the_same_model_with_another_dtype_or_capacity_starts_empty(tmp_path, caplog):
+def test_the_same_model_with_another_dtype_starts_empty_and_another_capacity_is_a_resize(tmp_path, caplog):
     with ColdTier(tmp_path, TINY, capacity_for(TINY, 2)) as tier:
         spill(tier, 1)
     bf16 = dataclasses.replace(TINY, dtype="bfloat16")
-    with caplog.at_level(logging.WARNING, logger="kvcache.cold_tier"):
+    with caplog.at_level(logging.INFO, logger="kvcache.cold_tier"):
         with ColdTier(tmp_path, bf16, capacity_for(bf16, 2)) as tier:
             assert len(tier) == 0
+            spill(tier, 2)
         with ColdTier(tmp_path, bf16, capacity_for(bf16, 3)) as tier:
-            assert len(tier) == 0
+            assert tier.keys() == [key(2)]
     assert "dtype: expected 'bfloat16', got 'float16'" in caplog.text
-    assert "slot layout" in caplog.text
+    assert "resized from 2 to 3 slots" in caplog.text
 
 
 def test_a_corrupted_header_is_ignored_and_replaced(tmp_path, caplog):
@@ -240,3 +241,42 @@ def test_a_second_tier_on_an_open_file_is_refused(tmp_path):
         with pytest.raises(ColdTierError, match="in use"):
             ColdTier(tmp_path, TINY, capacity_for(TINY, 2))
     ColdTier(tmp_path, TINY, capacity_for(TINY, 2)).close()
+
+
+def test_the_file_is_0600_in_a_0700_folder_even_if_an_older_one_was_open(tmp_path):
+    folder = tmp_path / "cold"
+    folder.mkdir(mode=0o755)
+    path = cold_file_path(folder, TINY)
+    path.write_bytes(b"")
+    path.chmod(0o644)
+    with ColdTier(folder, TINY, capacity_for(TINY, 2)) as tier:
+        spill(tier, 0)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert folder.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_symlink_at_the_files_path_is_refused_and_its_target_untouched(tmp_path):
+    target = tmp_path / "precious.txt"
+    target.write_text("do not overwrite")
+    folder = tmp_path / "cold"
+    folder.mkdir(mode=0o700)
+    cold_file_path(folder, TINY).symlink_to(target)
+    with pytest.raises(ColdTierError, match="symlink"):
+        ColdTier(folder, TINY, capacity_for(TINY, 2))
+    assert target.read_text() == "do not overwrite"
+
+
+@pytest.mark.parametrize("slots_after", [6, 3])
+def test_resizing_keeps_the_most_recent_blocks_instead_of_wiping(tmp_path, slots_after):
+    with ColdTier(tmp_path, TINY, capacity_for(TINY, 4)) as tier:
+        for i in range(4):
+            spill(tier, i)
+        tier.get(key(0))  # now the most recent
+    with ColdTier(tmp_path, TINY, capacity_for(TINY, slots_after)) as tier:
+        assert tier.layout.slot_count == slots_after
+        expected = [0, 1, 2, 3] if slots_after >= 4 else [0, 2, 3]  # block 1 was least recent
+        for i in expected:
+            assert_restores(tier, i)
+        assert len(tier) == len(expected)
+        for i in range(10, 10 + slots_after - len(expected)):
+            assert spill(tier, i) == []  # the new room is free
