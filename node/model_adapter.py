@@ -9,8 +9,9 @@ left as it is; three seams make it paged:
   `offset` carries per-token positions, its `make_mask` returns None (the kernel
   applies causality per sequence);
 - each attention module's rope is wrapped (`node.positions`) to honour those positions;
-- the model module's `scaled_dot_product_attention` is replaced by one that runs
-  `kernels.paged_prefill_attention` for a paged cache and defers to the original for
+- the model module's `scaled_dot_product_attention` is replaced by one that runs the
+  paged kernels (`kernels.paged_attention` for decode-only steps, `kernels.paged_varlen_attention`
+  with the step's one `VarlenPlan` otherwise) for a paged cache and defers to the original for
   any other cache, so `mlx_lm.generate` still works on the same model object.
 
 Metadata arrays are built once per step and shared by every layer through `StepContext`.
@@ -125,9 +126,10 @@ class StepContext:
     decode_only: bool = False
     decode_tables: Any = None
     decode_lens: Any = None
+    varlen_plan: Any = None  # kernels.VarlenPlan of a mixed step, shared by every layer
 
     @classmethod
-    def build(cls, step: StepInput, pool: Any, backend: str) -> "StepContext":
+    def build(cls, step: StepInput, pool: Any, backend: str, num_heads: int | None = None) -> "StepContext":
         starts = np.asarray(step.query_start_loc, dtype=np.int32)
         lengths = np.asarray(step.context_lens, dtype=np.int32)
         tables = np.asarray(step.block_tables, dtype=np.int32)
@@ -146,6 +148,12 @@ class StepContext:
             context.decode_only = True
             context.decode_tables = mx.array(tables) if on_device else tables
             context.decode_lens = mx.array(lengths) if on_device else lengths
+        elif num_heads is not None:
+            num_blocks, block_size, num_kv_heads, head_dim = pool.keys[0].shape
+            context.varlen_plan = kernels.plan_varlen(
+                starts, lengths, tables, block_size=block_size, num_heads=num_heads,
+                num_kv_heads=num_kv_heads, head_dim=head_dim, backend=backend, num_blocks=num_blocks,
+            )
         return context
 
 
@@ -195,6 +203,8 @@ class PagedLayerCache:
             out = kernels.paged_attention(
                 packed, keys, values, ctx.decode_tables, ctx.decode_lens, scale=scale, backend=ctx.backend
             )
+        elif ctx.varlen_plan is not None:
+            out = kernels.paged_varlen_attention(packed, keys, values, ctx.varlen_plan, scale=scale)
         else:
             out = kernels.paged_prefill_attention(
                 packed, keys, values, ctx.block_tables, ctx.query_start_loc, ctx.context_lens,
@@ -222,6 +232,12 @@ def install_paged_attention(model) -> bool:
     return True
 
 
+def _query_heads(model) -> int | None:
+    """Query heads per layer, which a step's attention plan is built for; None if layers disagree."""
+    heads = {getattr(layer.self_attn, "n_heads", None) or getattr(layer.self_attn, "num_heads", None) for layer in model.layers}
+    return heads.pop() if len(heads) == 1 and None not in heads else None
+
+
 def _lm_head(model):
     if getattr(model.args, "tie_word_embeddings", False) or "lm_head" not in model:
         return model.model.embed_tokens.as_linear
@@ -243,12 +259,13 @@ class ModelRunner:
         install_paged_attention(loaded.model)
         self._head = _lm_head(loaded.model)
         self._num_layers = len(loaded.model.layers)
+        self._num_heads = _query_heads(loaded.model)
 
     def forward(self, step: StepInput, tokens: mx.array | None = None) -> mx.array:
         """Logits `[S, vocab]` for the last new token of each sequence (lazy; evaluating
         them also materialises this step's KV writes). `tokens` replaces `step.token_ids`
         when some ids are still on the device."""
-        context = StepContext.build(step, self.pool, self.attention_backend)
+        context = StepContext.build(step, self.pool, self.attention_backend, self._num_heads)
         caches = [PagedLayerCache(layer, context) for layer in range(self._num_layers)]
         if tokens is None:
             tokens = mx.array(np.asarray(step.token_ids, dtype=np.int32))
