@@ -174,6 +174,15 @@ def phase_workload(name: str, vocab: int, scale: float, seed: int = 1) -> Worklo
     return Workload(prompts, [out] * n, [0.0] * n)
 
 
+def warm_up_workload(vocab: int, scale: float) -> Workload:
+    """A few requests of the workloads' prompt lengths, so steps of every shape (chunks, decodes,
+    long contexts) have compiled their kernels before anything is timed."""
+    rng = np.random.default_rng(99)
+    lengths = [max(1, int(n * scale)) for n in (1024, 700, 300, 33, 17, 1)]
+    prompts = [[int(t) for t in rng.integers(3, vocab - 8, size=n)] for n in lengths]
+    return Workload(prompts, [4] * len(prompts), [0.0] * len(prompts))
+
+
 def profile_row(engine: LLMEngine) -> str:
     """Where the engine's step time went: shares of scheduling, packing, graph building, device wait, the rest."""
     c = engine.counters
@@ -245,11 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         w = SCENARIOS[name](vocab, args)
         console.print(f"[bold]{name}[/]: {len(w.prompts)} requests, {sum(map(len, w.prompts))} prompt tokens, {w.output_tokens} output tokens")
         eng = engine(kv_memory_gb=args.kv_memory_gb)
-        run_engine(eng, Workload(w.prompts[:2], [2, 2], [0.0, 0.0]))  # warm-up: compile kernels outside the timing
+        warm = warm_up_workload(vocab, args.scale)
+        run_engine(eng, warm)  # compile the kernels of every step shape outside the timing
         ours = run_engine(eng, w)
         console.print(f"  orchard profile: {profile_row(eng)}")
         _free(eng)
-        run_mlx_lm(loaded.model, Workload(w.prompts[:2], [2, 2], [0.0, 0.0]), batch=args.num_requests)  # same warm-up
+        run_mlx_lm(loaded.model, warm, batch=args.num_requests)  # the same warm-up
         peer = run_mlx_lm(loaded.model, w, batch=args.num_requests)
         key, unit = {"prefill": ("prompt_tok_s", "prompt tok/s"), "decode": ("decode_tok_s", "decode tok/s")}.get(name, ("tok_s", "tok/s"))
         console.print(f"  orchard {ours[key]:.1f} {unit}, mlx-lm {peer[key]:.1f} {unit}")
