@@ -36,7 +36,7 @@ class EngineConfig:
     kv_memory_gb: float | None = None
     memory_fraction: float = 0.3
     max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # tokens per step; None = the device's default
+    max_num_batched_tokens: int = 512  # measured best end to end on the H200 and on CPUs (docs/benchmarks.md)
     max_model_len: int | None = None
     dtype: str | None = None  # KV dtype; follows the model when None
     cold_tier_dir: str | None = None
@@ -47,8 +47,6 @@ class EngineConfig:
     async_scheduling: bool = True  # overlap host work for step N+1 with the device's step N
 
     def __post_init__(self):
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = default_token_budget()
         if self.preemption not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption must be auto, swap or recompute, got {self.preemption!r}")
 
@@ -63,16 +61,6 @@ class EngineConfig:
             cold_tier_gb=self.cold_tier_gb,
             cache_salt=self.cache_salt,
         )
-
-
-#: Tokens per step by device kind. A GPU runs a 2,048-token step in about the time of a
-#: 512-token one (1B shape on the H200: prefill 48k vs 22k tok/s), so it takes bigger
-#: steps; on a CPU the forward pass grows with the tokens and smaller steps keep decodes flowing.
-DEFAULT_TOKEN_BUDGET = {"gpu": 2048, "cpu": 512}
-
-
-def default_token_budget() -> int:
-    return DEFAULT_TOKEN_BUDGET["gpu" if mx.default_device().type == mx.gpu else "cpu"]
 
 
 @dataclass
