@@ -30,12 +30,16 @@ def _median_ms(fn, steps: int) -> float:
     return float(np.median(times) * 1e3)
 
 
-def decoding_engine(loaded, batch: int, prompt: int, kv_gb: float) -> LLMEngine:
-    engine = LLMEngine(EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(2048, batch * prompt), kv_memory_gb=kv_gb), loaded=loaded)
+def decoding_engine(loaded, batch: int, prompt: int, kv_gb: float, budget: int | None = None) -> LLMEngine:
+    budget = budget or max(2048, batch * prompt)
+    engine = LLMEngine(EngineConfig(max_num_seqs=batch + 1, max_num_batched_tokens=budget, kv_memory_gb=kv_gb), loaded=loaded)
     for i in range(batch):
         engine.add_request(f"p{i}", [3 + (i * 7 + j) % 1000 for j in range(prompt)], SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True))
     while any(s.num_computed < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
+    engine.step()  # settles the step in flight, so the scheduler below sees host-known tokens
+    engine.config.async_scheduling = False
+    engine.step()
     return engine
 
 
@@ -78,13 +82,20 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--kv-memory-gb", type=float, default=4.0)
+    ap.add_argument("--mixed-prompt", type=int, default=0, help="add one request of this many prompt tokens: the step mixes its chunk with the decodes")
+    ap.add_argument("--budget", type=int, default=512, help="token budget of the mixed step")
     args = ap.parse_args(argv)
     loaded = random_llama(args.shape, dtype=getattr(mx, args.dtype), num_layers=args.num_layers)
-    engine = decoding_engine(loaded, args.batch, args.prompt, args.kv_memory_gb)
-    rows = {"engine.step() (whole step)": _median_ms(engine.step, args.steps)}
+    engine = decoding_engine(loaded, args.batch, args.prompt, args.kv_memory_gb, args.budget if args.mixed_prompt else None)
+    rows = {}
+    if args.mixed_prompt:
+        engine.add_request("long", [5 + j % 900 for j in range(args.mixed_prompt)], SamplingParams(temperature=0.0, max_tokens=1))
+    else:
+        rows["engine.step() (whole step)"] = _median_ms(engine.step, args.steps)
     rows.update(forward_variants(engine, args.steps))
     rows["mlx-lm decode step (contiguous cache)"] = mlx_lm_step(loaded.model, args.batch, args.prompt, args.steps)
-    print(f"{args.shape} shape, batch {args.batch}, context ~{args.prompt}, {mx.default_device()}, backend {engine.runner.attention_backend}")
+    mixed = f", plus a {args.mixed_prompt}-token prompt's chunk (budget {args.budget})" if args.mixed_prompt else ""
+    print(f"{args.shape} shape, batch {args.batch}, context ~{args.prompt}{mixed}, {mx.default_device()}, backend {engine.runner.attention_backend}")
     for name, ms in rows.items():
         print(f"  {name:45s} {ms:8.2f} ms")
     return 0
