@@ -1,1 +1,0 @@
-"""One module per `orchard` subcommand, each exposing `register(subparsers)`."""
