@@ -33,14 +33,6 @@ from node.positions import PackedPositions, install_positional_rope
 _PAGED_MARK = "_orchard_paged_attention"
 
 
-#: Backend of mixed steps (prefill chunks beside decodes), whatever the decode backend. On the
-#: H200 a step of 8 x 512-token chunks and 56 decodes at 4,096 tokens of context took 1.64 ms
-#: through the reference plan (gather + MLX's SDPA, 16 layers' worth of pieces planned once)
-#: and 19.5 ms through the compiled varlen kernel (plain SIMT, no tensor cores): see
-#: docs/benchmarks.md, "kernels". Decode-only steps keep the compiled decode kernel.
-MIXED_STEP_BACKEND = "reference"
-
-
 class InvalidStep(ValueError):
     """Step metadata that disagrees with itself (lengths, offsets, shapes)."""
 
@@ -160,7 +152,7 @@ class StepContext:
             num_blocks, block_size, num_kv_heads, head_dim = pool.keys[0].shape
             context.varlen_plan = kernels.plan_varlen(
                 starts, lengths, tables, block_size=block_size, num_heads=num_heads,
-                num_kv_heads=num_kv_heads, head_dim=head_dim, backend=MIXED_STEP_BACKEND, num_blocks=num_blocks,
+                num_kv_heads=num_kv_heads, head_dim=head_dim, backend=backend, num_blocks=num_blocks,
             )
         return context
 
