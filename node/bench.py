@@ -174,13 +174,15 @@ def phase_workload(name: str, vocab: int, scale: float, seed: int = 1) -> Worklo
     return Workload(prompts, [out] * n, [0.0] * n)
 
 
-def warm_up_workload(vocab: int, scale: float) -> Workload:
+def warm_up_workload(vocab: int, scale: float, batch: int) -> Workload:
     """A few requests of the workloads' prompt lengths, so steps of every shape (chunks, decodes,
     long contexts) have compiled their kernels before anything is timed."""
     rng = np.random.default_rng(99)
     lengths = [max(1, int(n * scale)) for n in (1024, 700, 300, 33, 17, 1)]
+    lengths += [max(1, int(32 * scale))] * (batch - len(lengths))  # decode steps as wide as the workloads'
     prompts = [[int(t) for t in rng.integers(3, vocab - 8, size=n)] for n in lengths]
-    return Workload(prompts, [4] * len(prompts), [0.0] * len(prompts))
+    outputs = [16 if i % 2 else 4 for i in range(len(prompts))]  # the batch narrows as some finish
+    return Workload(prompts, outputs, [0.0] * len(prompts))
 
 
 def profile_row(engine: LLMEngine) -> str:
@@ -254,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         w = SCENARIOS[name](vocab, args)
         console.print(f"[bold]{name}[/]: {len(w.prompts)} requests, {sum(map(len, w.prompts))} prompt tokens, {w.output_tokens} output tokens")
         eng = engine(kv_memory_gb=args.kv_memory_gb)
-        warm = warm_up_workload(vocab, args.scale)
+        warm = warm_up_workload(vocab, args.scale, args.num_requests)
         run_engine(eng, warm)  # compile the kernels of every step shape outside the timing
         ours = run_engine(eng, w)
         console.print(f"  orchard profile: {profile_row(eng)}")

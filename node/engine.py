@@ -24,7 +24,7 @@ from node.residency import wire_model_and_pool
 from node.sampling import DeviceSample, SampleRow, sample_on_device
 from node.scheduler import PreemptionNeeded, ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from node.sequence import PENDING_TOKEN, Request, Sequence, Status
-from node.detokenizer import IncrementalDetokenizer
+from node.detokenizer import IncrementalDetokenizer, fast_decoder
 from node.types import RequestOutput, SamplingParams
 
 
@@ -97,6 +97,7 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.model = loaded or load_model(self.config.model)
         self.tokenizer = self.model.tokenizer
+        self._decode = fast_decoder(self.tokenizer)
         geometry = self.model.geometry(self.config.block_size, self.config.dtype)
         self.kv = KVCache(geometry, self.config.cache_config())
         self.runner = ModelRunner(self.model, self.kv.pool)
@@ -145,7 +146,7 @@ class LLMEngine:
             request=request,
             index=index,
             token_ids=list(token_ids if token_ids is not None else request.prompt_token_ids),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, self._decode),
         )
 
     def abort(self, request_id: str) -> bool:

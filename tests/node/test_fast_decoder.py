@@ -1,0 +1,32 @@
+"""The detokenizer's fast path decodes exactly what the tokenizer wrapper decodes."""
+
+from __future__ import annotations
+
+import types
+
+from node.detokenizer import IncrementalDetokenizer, fast_decoder
+from node.models import load_model
+
+
+def test_fast_decoder_gives_the_wrappers_text_on_every_prefix_of_a_sentence():
+    tokenizer = load_model(None).tokenizer
+    ids = tokenizer.encode("The orchard's pears, ripe and ready — 3 baskets!") + [tokenizer.eos_token_id]
+    decode = fast_decoder(tokenizer)
+    for end in range(1, len(ids) + 1):
+        assert decode(ids[:end]) == tokenizer.decode(ids[:end], skip_special_tokens=True)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_the_wrapper():
+    calls = []
+    inner = types.SimpleNamespace(backend_tokenizer=object(), clean_up_tokenization_spaces=True)
+    wrapper = types.SimpleNamespace(_tokenizer=inner, decode=lambda ids, skip_special_tokens: calls.append(ids) or "x")
+    assert fast_decoder(wrapper)([1, 2]) == "x" and calls == [[1, 2]]
+
+
+def test_streamed_deltas_concatenate_to_the_whole_text():
+    tokenizer = load_model(None).tokenizer
+    ids = tokenizer.encode("An orchard of apple trees in bloom")
+    detok = IncrementalDetokenizer(tokenizer, ids[:2])
+    text = "".join(detok.add(t) for t in ids[2:])
+    whole, prompt = (tokenizer.decode(x, skip_special_tokens=True) for x in (ids, ids[:2]))
+    assert text == whole[len(prompt):]
