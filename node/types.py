@@ -17,6 +17,10 @@ class InvalidSamplingParams(ValueError):
         self.param = param
 
 
+#: vLLM's threshold: a temperature this small is greedy decoding.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -63,7 +67,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below GREEDY_BELOW sample the argmax: dividing logits by them overflows float32."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalty(self) -> bool:

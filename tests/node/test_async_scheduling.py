@@ -8,7 +8,6 @@ from node.engine import EngineConfig, LLMEngine
 from node.sampling import DeviceSample
 from node.sequence import PENDING_TOKEN
 from node.types import SamplingParams
-
 from tests.node.test_engine import _assert_no_leak, _prompts
 
 MIXED_PARAMS = [
@@ -87,3 +86,17 @@ def test_abort_while_a_step_is_in_flight_frees_everything_and_shows_no_placehold
     assert final.outputs[0].finish_reason == "abort"
     assert PENDING_TOKEN not in final.outputs[0].token_ids
     assert engine.kv.stats().blocks_used == 0
+
+
+def test_temperatures_below_1e_5_decode_greedily(model_dirs):
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["demo"]), num_blocks=64))
+    prompt = _prompts(engine.model.vocab_size, [12])[0]
+    runs = []
+    for temperature in (0.0, 1e-39, 9e-6):
+        engine.add_request(f"t{temperature}", prompt, SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=5))
+        final = None
+        while engine.has_unfinished:
+            for out in engine.step():
+                final = out if out.finished else final
+        runs.append(final.outputs[0].token_ids)
+    assert runs[1] == runs[0] and runs[2] == runs[0]
