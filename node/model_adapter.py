@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 import kernels
+from node.head import ModelHead
 from node.models import LoadedModel
 from node.positions import PackedPositions, install_positional_rope
 
@@ -82,27 +83,31 @@ def pad_block_tables(tables: Sequence[Sequence[int]]) -> np.ndarray:
 
 
 def pack_step(chunks: Sequence[SequenceChunk], block_size: int) -> StepInput:
-    """Lay several sequences' new tokens side by side and derive positions and slots."""
-    token_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    starts = [0]
-    for chunk in chunks:
-        table = np.asarray(chunk.block_table, dtype=np.int64)
-        pos = np.arange(chunk.start, chunk.start + len(chunk.token_ids))
-        if len(pos) and pos[-1] >= len(table) * block_size:
-            raise InvalidStep(f"position {pos[-1]} lies beyond the {len(table)} blocks of the sequence")
-        token_ids.extend(int(t) for t in chunk.token_ids)
-        positions.extend(pos.tolist())
-        slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
-        starts.append(starts[-1] + len(chunk.token_ids))
+    """Lay several sequences' new tokens side by side and derive positions and slots.
+
+    Vectorised over the step's tokens: with 64 decode rows a loop per chunk cost more host
+    time than the device's whole attention.
+    """
+    lengths = np.fromiter((len(c.token_ids) for c in chunks), dtype=np.int64, count=len(chunks))
+    starts = np.zeros(len(chunks) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    owner = np.repeat(np.arange(len(chunks)), lengths)
+    first = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
+    positions = first[owner] + np.arange(starts[-1]) - starts[owner]
+    tables = pad_block_tables([c.block_table for c in chunks])
+    capacity = np.fromiter((len(c.block_table) for c in chunks), dtype=np.int64, count=len(chunks)) * block_size
+    beyond = positions >= capacity[owner]
+    if beyond.any():
+        i = int(np.argmax(beyond))
+        raise InvalidStep(f"position {positions[i]} lies beyond the {capacity[owner[i]] // block_size} blocks of the sequence")
+    slots = tables[owner, positions // block_size].astype(np.int64) * block_size + positions % block_size
     return StepInput(
-        token_ids=token_ids,
-        positions=positions,
-        slot_mapping=slots,
-        block_tables=pad_block_tables([c.block_table for c in chunks]),
-        query_start_loc=starts,
-        context_lens=[c.start + len(c.token_ids) for c in chunks],
+        token_ids=[int(t) for c in chunks for t in c.token_ids],
+        positions=positions.tolist(),
+        slot_mapping=slots.tolist(),
+        block_tables=tables,
+        query_start_loc=starts.tolist(),
+        context_lens=(first + lengths).tolist(),
     )
 
 
@@ -238,12 +243,6 @@ def _query_heads(model) -> int | None:
     return heads.pop() if len(heads) == 1 and None not in heads else None
 
 
-def _lm_head(model):
-    if getattr(model.args, "tie_word_embeddings", False) or "lm_head" not in model:
-        return model.model.embed_tokens.as_linear
-    return model.lm_head
-
-
 class ModelRunner:
     """Runs packed steps of one loaded model against a KV pool.
 
@@ -257,7 +256,7 @@ class ModelRunner:
         self.attention_backend = kernels.default_backend() if attention_backend is None else attention_backend
         install_positional_rope(loaded.model)
         install_paged_attention(loaded.model)
-        self._head = _lm_head(loaded.model)
+        self._head = ModelHead(loaded.model)  # the model's own head and logit transforms
         self._num_layers = len(loaded.model.layers)
         self._num_heads = _query_heads(loaded.model)
 
