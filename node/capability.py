@@ -9,7 +9,9 @@ correctly when everything that depends on context goes through those seams:
 - positions reach the layers only through a rope that accepts one position per token;
 - every layer stores its K/V through its cache and attends with that one call, without
   sinks, with one KV geometry shared by all layers;
-- the logits are the head applied to the text stack's output, nothing more.
+- the model's `__call__` is the text stack (`model.model`) followed by a head that reads
+  nothing but the stack's output and gives one row of logits per hidden row (the runner
+  runs that head on the rows it needs, `node.head`).
 
 `architecture_reason` looks at a model's structure (weights not needed, so a hub model is
 refused before its weights are fetched); `paging_reason` traces one lazy forward pass
@@ -26,10 +28,9 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from node.head import trace_head
 from node.positions import PackedPositions, PositionalRoPE, install_positional_rope
 
-#: Names the model's own `__call__` may touch: the text stack and one of its two heads.
-HEAD_NAMES = frozenset({"model", "args", "tie_word_embeddings", "embed_tokens", "as_linear", "lm_head"})
 _PROBE_TOKENS = 3
 _ROPE_POSITIONS = (7, 0, 3)  # out of order, as in a packed step
 _ROPE_ATOL = 1e-5
@@ -53,7 +54,11 @@ def _stack_reason(model) -> str | None:
             return f"layer {index} has no attention module with a rope at layers[{index}].self_attn"
         if type(attention).__module__ != type(model).__module__:
             # The adapter routes the attention call of the model's own module only.
-            return f"its attention class {type(attention).__qualname__} lives in {type(attention).__module__}"
+            return (f"its attention class {type(attention).__qualname__} lives in {type(attention).__module__}, "
+                    f"not in {type(model).__module__}")
+        if not hasattr(sys.modules[type(attention).__module__], "scaled_dot_product_attention"):
+            # Gemma 2, for one: it soft-caps the scores, so it multiplies queries and keys itself.
+            return f"its layers compute attention themselves ({type(attention).__module__} has no scaled_dot_product_attention)"
     return None
 
 
@@ -70,10 +75,20 @@ def _cache_reason(model) -> str | None:
 
 
 def _logits_reason(model) -> str | None:
-    """The runner applies the head itself, so a model whose `__call__` does more is refused."""
-    extra = sorted(set(type(model).__call__.__code__.co_names) - HEAD_NAMES)
-    if extra:
-        return f"its forward transforms the logits beyond the head ({', '.join(extra)})"
+    """The runner computes logits by running the model's `__call__` over a stand-in stack
+    (`node.head`); traced lazily, so no weights are read."""
+    hidden_size = getattr(model.args, "hidden_size", None)
+    if hidden_size is None:
+        return "its args state no hidden_size, so its head cannot be traced"
+    try:
+        logits, calls = trace_head(model, mx.zeros((1, _PROBE_TOKENS, hidden_size)))
+    except Exception as error:  # a forward that reads token ids or caches outside model.model
+        return f"its forward does more than apply a head to model.model's output ({type(error).__name__}: {error})"
+    if calls != 1:
+        return f"its forward calls the text stack model.model {calls} times, not once"
+    expected = (1, _PROBE_TOKENS, getattr(model.args, "vocab_size", None))
+    if tuple(logits.shape) != expected:
+        return f"its head maps hidden rows {(1, _PROBE_TOKENS, hidden_size)} to logits {tuple(logits.shape)}, not {expected}"
     return None
 
 

@@ -61,7 +61,11 @@ class LoadedModel:
 
     @property
     def num_kv_heads(self) -> int:
-        return int(self.model.layers[0].self_attn.n_kv_heads)
+        attention = self.model.layers[0].self_attn
+        count = getattr(attention, "n_kv_heads", None) or getattr(attention, "num_key_value_heads", None)
+        if count is None:
+            raise AttributeError(f"{type(attention).__qualname__} has neither n_kv_heads nor num_key_value_heads")
+        return int(count)
 
     @property
     def head_dim(self) -> int:

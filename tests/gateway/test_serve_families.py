@@ -2,7 +2,8 @@
 
 Served models load in one thread and step in the engine's own (in a Ray actor with Ray),
 which is where arrays computed at construction (Llama 3's rope frequencies) used to break
-every request. Greedy completions must be mlx-lm's own greedy tokens.
+every request. Greedy completions must be mlx-lm's own greedy tokens, on a 4-bit quantized
+checkpoint too.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 
 from node.demo_model import write_demo_model
-from tests.node.tiny_models import write_tiny_model
+from tests.node.tiny_models import write_quantized_model, write_tiny_model
 
 ORCHARD = Path(sys.executable).with_name("orchard")
 MAX_TOKENS = 12
@@ -33,7 +34,10 @@ PROMPT = [5, 17, 230, 41, 9, 300, 77, 12, 1200, 64, 3, 88, 19]
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
     demo = write_demo_model(root / "demo")
-    return {name: write_tiny_model(root / name, name, demo) for name in ("llama3", "qwen3_moe")}
+    folders = {name: write_tiny_model(root / name, name, demo) for name in ("llama3", "qwen3_moe", "qwen3")}
+    # What Mac users mostly download: a 4-bit mlx-community-style checkpoint, head tied to a quantized embedding.
+    folders["qwen3-4bit"] = write_quantized_model(root / "qwen3-4bit", folders.pop("qwen3"), bits=4, group_size=64)
+    return folders
 
 
 def mlx_lm_greedy_text(folder: Path) -> str:
@@ -75,7 +79,7 @@ def assert_is_mlx_lm_greedy(completion, folder: Path) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("family", ["llama3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3_moe", "qwen3-4bit"])
 def test_serve_without_ray_answers_with_mlx_lm_greedy_tokens(family, checkpoints, tmp_path):
     with served(checkpoints[family], tmp_path / "serve.log", "--no-ray") as (url, model):
         completion = greedy_completion(url, model)

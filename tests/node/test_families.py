@@ -16,9 +16,14 @@ from mlx_lm.generate import generate_step
 
 from node.engine import EngineConfig, LLMEngine
 from node.types import SamplingParams
-from tests.node.tiny_models import write_tiny_model
+from tests.node.tiny_models import write_quantized_model, write_tiny_model
 
-FAMILIES = ["llama3", "qwen3_moe", "qwen2_moe", "gemma", "phi3", "olmo2", "glm4", "starcoder2", "hunyuan"]
+FAMILIES = ["llama3", "qwen3_moe", "qwen2_moe", "gemma", "phi3", "olmo2", "glm4", "starcoder2", "hunyuan",
+            "granite", "cohere", "mixtral"]
+#: Quantized checkpoints as mlx-community publishes them, (family, bits, group size): qwen3 ties its
+#: head to a quantized embedding, mistral quantizes a separate lm_head, qwen3_moe its experts too.
+QUANTIZED = {"qwen3-4bit-g64": ("qwen3", 4, 64), "mistral-8bit-g32": ("mistral", 8, 32),
+             "qwen3_moe-4bit-g32": ("qwen3_moe", 4, 32)}
 MAX_TOKENS = 8
 TOP = 5
 LOGPROB_ATOL = 1e-5
@@ -30,9 +35,12 @@ def prompts(vocab: int, lengths: list[int], offset: int = 0) -> list[list[int]]:
     return [[(7 * i + 13 * j + offset) % (vocab - 8) + 3 for j in range(n)] for i, n in enumerate(lengths)]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+@pytest.fixture(scope="module", params=FAMILIES + list(QUANTIZED))
 def family(request, tmp_path_factory, demo_model_dir):
-    folder = write_tiny_model(tmp_path_factory.mktemp(request.param), request.param, demo_model_dir)
+    name, bits, group_size = QUANTIZED.get(request.param, (request.param, None, None))
+    folder = write_tiny_model(tmp_path_factory.mktemp(name), name, demo_model_dir)
+    if bits is not None:
+        folder = write_quantized_model(tmp_path_factory.mktemp(request.param) / "model", folder, bits, group_size)
     reference_model, _ = load(str(folder))
     return folder, reference_model
 

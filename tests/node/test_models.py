@@ -9,6 +9,7 @@ import threading
 import mlx.core as mx
 import pytest
 
+from node.capability import architecture_reason
 from node.demo_model import write_demo_model
 from node.fingerprint import model_fingerprint
 from node.models import (
@@ -19,7 +20,7 @@ from node.models import (
     load_model,
     unsupported_reason,
 )
-from tests.node.tiny_models import TINY_CONFIGS, write_tiny_model
+from tests.node.tiny_models import TINY_CONFIGS, write_quantized_model, write_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def test_geometry_follows_the_model_and_its_weights_dtype(demo_path):
 @pytest.mark.parametrize("model_type,head_dim,kv_heads", [
     ("qwen3", 32, 2), ("mistral", 16, 1), ("qwen2", 16, 2), ("llama3", 16, 2), ("qwen3_moe", 16, 2),
     ("qwen2_moe", 16, 2), ("gemma", 32, 1), ("phi3", 16, 2), ("olmo2", 16, 2), ("glm4", 16, 2),
-    ("starcoder2", 16, 2), ("hunyuan", 16, 2),
+    ("starcoder2", 16, 2), ("hunyuan", 16, 2), ("granite", 16, 2), ("cohere", 16, 2), ("mixtral", 16, 2),
 ])
 def test_supported_architectures_load_with_their_head_layout(model_type, head_dim, kv_heads, demo_path, tmp_path):
     loaded = load_model(str(write_tiny_model(tmp_path / model_type, model_type, demo_path)))
@@ -102,11 +103,9 @@ MAMBA = dict(model_type="mamba", vocab_size=256, hidden_size=64, intermediate_si
     ({"model_type": "llama", "layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
     ({"model_type": "qwen3", "layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
     ({"model_type": "no_such_architecture"}, "no model class"),
-    (full_config("qwen3", model_type="granite", logits_scaling=4.0, attention_multiplier=0.1,
-                 embedding_multiplier=12.0, residual_multiplier=0.2, attention_bias=False, mlp_bias=False),
-     "logits_scaling"),
-    (full_config("qwen3", model_type="cohere", layer_norm_eps=1e-5, logit_scale=0.1), "logit_scale"),
-    (full_config("gemma", model_type="gemma2", query_pre_attn_scalar=16), "final_logit_softcapping"),
+    # Gemma 2 as published: a 4,096-token window under an 8,192-token context.
+    ({"model_type": "gemma2", "sliding_window": 4096, "max_position_embeddings": 8192}, "sliding-window"),
+    (full_config("gemma", model_type="gemma2", query_pre_attn_scalar=16), "compute attention themselves"),
     (full_config("qwen3", model_type="smollm3", no_rope_layer_interval=4), "mlx_lm.models.llama"),
 ])
 def test_unsupported_models_fail_at_load_naming_type_and_reason(config, named, tmp_path):
@@ -120,7 +119,6 @@ def test_unsupported_models_fail_at_load_naming_type_and_reason(config, named, t
 
 
 @pytest.mark.parametrize("name,named", [
-    ("mixtral", "n_kv_heads"),  # its attention names the KV-head count num_key_value_heads
     ("llama_dynamic_ntk", "DynamicNTKScalingRoPE"),  # takes its base from one offset for the whole row
     ("ministral3", "PackedPositions"),  # scales queries by position outside its rope
 ])
@@ -129,6 +127,26 @@ def test_models_whose_layers_cannot_page_are_refused_after_loading(name, named, 
     assert unsupported_reason(json.loads((folder / "config.json").read_text())) is None
     with pytest.raises(UnsupportedModel, match=named):
         load_model(str(folder))
+
+
+def test_a_forward_that_reads_token_ids_beyond_the_text_stack_is_refused(demo_path, tmp_path):
+    from mlx_lm.models import qwen3
+
+    class Model(qwen3.Model):
+        def __call__(self, inputs, cache=None):
+            return self.model.embed_tokens.as_linear(self.model(inputs, cache)) + inputs.shape[1]
+
+    Model.__module__ = qwen3.__name__  # its layers are qwen3's own, so only the head differs
+    skeleton = Model(qwen3.ModelArgs.from_dict(full_config("qwen3")))
+    assert "its forward does more than apply a head" in architecture_reason(skeleton)
+    assert architecture_reason(qwen3.Model(qwen3.ModelArgs.from_dict(full_config("qwen3")))) is None
+
+
+def test_a_bfloat16_quantized_checkpoint_keeps_its_kv_in_bfloat16(demo_path, tmp_path):
+    source = write_tiny_model(tmp_path / "qwen3", "qwen3", demo_path)
+    loaded = load_model(str(write_quantized_model(tmp_path / "q4", source, bits=4, group_size=64, dtype="bfloat16")))
+    assert type(loaded.model.model.embed_tokens).__name__ == "QuantizedEmbedding"
+    assert (loaded.dtype, loaded.num_kv_heads, loaded.head_dim) == ("bfloat16", 2, 32)
 
 
 def test_unused_sliding_window_fields_are_accepted():

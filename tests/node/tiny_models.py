@@ -1,7 +1,8 @@
 """Tiny random-weight checkpoints of many architectures, written in Hugging Face layout.
 
 They borrow the demo model's tokenizer so `mlx_lm.load` takes them as it takes any model;
-weights come from MLX's default initialisation under a fixed seed, in float32.
+weights come from MLX's default initialisation under a fixed seed, in float32. Quantized
+copies are made from them with mlx-lm's own converter.
 """
 
 from __future__ import annotations
@@ -30,8 +31,9 @@ TINY_CONFIGS = {
     "qwen3_moe": dict(_COMMON, model_type="qwen3_moe", num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
                       rope_theta=1_000_000.0, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
                       decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=32, norm_topk_prob=True),
+    # Qwen2-MoE's forward applies lm_head even when its config says the embeddings are tied.
     "qwen2_moe": dict(_COMMON, model_type="qwen2_moe", num_key_value_heads=2, rms_norm_eps=1e-6,
-                      rope_theta=1_000_000.0, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                      rope_theta=1_000_000.0, tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=32, shared_expert_intermediate_size=64),
     "gemma": dict(_COMMON, model_type="gemma", num_key_value_heads=1, head_dim=32, rms_norm_eps=1e-6,
                   rope_theta=10_000.0),
@@ -51,13 +53,20 @@ TINY_CONFIGS = {
                     attention_bias=False, moe_topk=2, num_experts=4, num_shared_expert=1, use_mixed_mlp_moe=True,
                     use_qk_norm=True, use_cla=True, cla_share_factor=2, moe_intermediate_size=32,
                     rope_scaling=dict(type="dynamic", factor=1.0, alpha=1000.0)),
-}
-
-#: Architectures the loader must refuse for what their loaded layers do (KV heads named otherwise,
-#: a rope or a query scale that cannot take per-token positions).
-REFUSED_CONFIGS = {
+    # Granite divides the logits after the head, Cohere multiplies them (and runs attention and MLP in parallel).
+    "granite": dict(_COMMON, model_type="granite", num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10_000.0,
+                    logits_scaling=4.0, attention_multiplier=0.125, embedding_multiplier=12.0,
+                    residual_multiplier=0.25, attention_bias=False, mlp_bias=False, tie_word_embeddings=True),
+    "cohere": dict(_COMMON, model_type="cohere", num_key_value_heads=2, rope_theta=8_000_000.0,
+                   layer_norm_eps=1e-5, logit_scale=0.0625, use_qk_norm=False),
+    # Mixtral's attention names its KV-head count num_key_value_heads.
     "mixtral": dict(_COMMON, model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                     rms_norm_eps=1e-5, rope_theta=1_000_000.0),
+}
+
+#: Architectures the loader must refuse for what their loaded layers do (a rope or a query
+#: scale that cannot take per-token positions).
+REFUSED_CONFIGS = {
     "llama_dynamic_ntk": dict(_COMMON, model_type="llama", num_key_value_heads=2, rms_norm_eps=1e-5,
                               rope_theta=10_000.0, rope_scaling=dict(type="dynamic", factor=2.0)),
     "ministral3": dict(_COMMON, model_type="ministral3", num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
@@ -83,4 +92,14 @@ def write_tiny_model(folder: Path, model_type: str, tokenizer_from: Path, seed: 
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES:
         shutil.copy(tokenizer_from / name, folder / name)
+    return folder
+
+
+def write_quantized_model(folder: Path, source: Path, bits: int, group_size: int, dtype: str | None = None) -> Path:
+    """Quantize the checkpoint at `source` into `folder` with mlx-lm's own converter, as the
+    mlx-community checkpoints are made (affine; embeddings and head too where their width allows).
+    `dtype` casts the unquantized weights (norms, scales), which sets the activations' dtype."""
+    from mlx_lm.convert import convert
+
+    convert(str(source), str(folder), quantize=True, q_bits=bits, q_group_size=group_size, dtype=dtype)
     return folder
