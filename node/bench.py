@@ -137,8 +137,9 @@ def step_overhead(engine: LLMEngine, batch: int, scale: float, steps: int = 24) 
     host work behind the device, so the share can reach zero.
     """
     vocab = engine.model.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
     for i in range(batch):
-        engine.add_request(f"o{i}", [3 + (i * 7 + j) % (vocab - 10) for j in range(int(64 * scale) or 4)], SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True))
+        engine.add_request(f"o{i}", [3 + (i * 7 + j) % (vocab - 10) for j in range(int(64 * scale) or 4)], params)
     while any(s.num_computed < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     for _ in range(3):

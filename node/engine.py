@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from kvcache import CacheConfig, KVCache
+from node.detokenizer import IncrementalDetokenizer, fast_decoder
 from node.errors import DuplicateRequest, InvalidPrompt, PromptTooLong
 from node.model_adapter import ModelRunner, SequenceChunk, StepInput, pack_step
 from node.models import LoadedModel, load_model
@@ -24,7 +25,6 @@ from node.residency import wire_model_and_pool
 from node.sampling import DeviceSample, SampleRow, sample_on_device
 from node.scheduler import PreemptionNeeded, ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from node.sequence import PENDING_TOKEN, Request, Sequence, Status
-from node.detokenizer import IncrementalDetokenizer, fast_decoder
 from node.types import RequestOutput, SamplingParams
 
 
@@ -219,7 +219,7 @@ class LLMEngine:
             outputs += self._settle_in_flight()  # a preempted sequence must not hold placeholders
             return self.scheduler.schedule()
 
-    def _launch(self, sched: SchedulerOutput) -> "_InFlightStep":
+    def _launch(self, sched: SchedulerOutput) -> _InFlightStep:
         """Build the step's graph and start it on the device; nothing here waits for the device."""
         t_pack = time.perf_counter()
         step = build_step_input(sched.chunks, self.kv, self.config.block_size)

@@ -20,8 +20,9 @@ Metadata arrays are built once per step and shared by every layer through `StepC
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -134,7 +135,7 @@ class StepContext:
     varlen_plan: Any = None  # kernels.VarlenPlan of a mixed step, shared by every layer
 
     @classmethod
-    def build(cls, step: StepInput, pool: Any, backend: str, num_heads: int | None = None) -> "StepContext":
+    def build(cls, step: StepInput, pool: Any, backend: str, num_heads: int | None = None) -> StepContext:
         starts = np.asarray(step.query_start_loc, dtype=np.int32)
         lengths = np.asarray(step.context_lens, dtype=np.int32)
         tables = np.asarray(step.block_tables, dtype=np.int32)

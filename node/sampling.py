@@ -9,8 +9,8 @@ Greedy rows skip the noise and take the argmax of the penalised logits.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import Sequence as Seq
 
 import mlx.core as mx
 import numpy as np

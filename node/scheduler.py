@@ -17,8 +17,8 @@ requests sharing a system prompt then prefills that prompt once, not once per re
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from node.sequence import Sequence, Status
 

@@ -36,7 +36,7 @@ PENDING_TOKEN = -1
 @dataclass(eq=False)
 class Sequence:
     seq_id: str
-    request: "Request"
+    request: Request
     index: int
     token_ids: list[int]
     detokenizer: IncrementalDetokenizer
