@@ -186,8 +186,8 @@ def cuda_rows(copy_tb: float) -> list[bench.Row]:
 def sweep_rows(copy_tb: float) -> list[bench.Row]:
     """The varlen kernel's knobs on the mixed and prefill steps (D=128)."""
     rows = []
-    variants = [dict(kv_tile=k, max_query_tokens=q) for k in (8, 16, 32) for q in (4, 8, 16)]
-    variants += [dict(threads=64), dict(threads=256), dict(partition_size=512), dict(partition_size=2048)]
+    variants = [dict(kv_tile=k, max_rows=r) for k in (8, 16, 32) for r in (16, 32, 64)]
+    variants += [dict(partition_size=1024), dict(partition_size=2048), dict(target_threadgroups=4096)]
     for problem in (MIXED, PREFILL, DECODE):
         for variant in variants:
             label = "varlen " + " ".join(f"{k.split('_')[0][:5]}={v}" for k, v in variant.items())

@@ -130,11 +130,18 @@ class PagedDecodeKernels:
         tuning = self.tuning
         plan = plan_decode(num_seqs, num_heads, num_kv_heads, head_dim, context_bound(block_tables, context_lens, block_size), tuning)
         tables = as_device_ints(block_tables)
-        lengths = as_device_ints(context_lens)
         dims = mx.array([tables.shape[1], plan.num_partitions], dtype=mx.int32)
+        scale_array = mx.array([scale], dtype=mx.float32)
+        return self.launch(queries, key_cache, value_cache, tables, as_device_ints(context_lens), plan, tuning, dims, scale_array)
+
+    def launch(self, queries, key_cache, value_cache, tables, lengths, plan: DecodePlan, tuning: KernelTuning,
+               dims: mx.array, scale_array: mx.array) -> mx.array:
+        """Run a decode plan made beforehand (the varlen plan makes one per step for its decode rows)."""
+        num_seqs, num_heads, head_dim = queries.shape
+        _, block_size, num_kv_heads, _ = key_cache.shape
         inputs = [
             queries if queries.dtype == key_cache.dtype else queries.astype(key_cache.dtype), key_cache, value_cache, tables, lengths,
-            mx.array([scale], dtype=mx.float32), dims,
+            scale_array, dims,
         ]
         template = [
             ("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),

@@ -6,11 +6,12 @@ backends the varlen kernel's work list and tile shape, as device arrays; for the
 backend its length groups and pool rows. A layer then only launches: no host checks, no
 reads of device arrays back to the host.
 
-Work decomposition of the compiled kernel (see kernels/source.py): each sequence's new
-queries are cut into tiles of `q_tokens` tokens (a decode row is a tile of one); each
-tile's causal context (positions 0..its last query) is cut into partitions; one unit of
-work is one (tile, partition), run by one threadgroup per group of query heads. Units are
-listed longest first so the long ones start early and the short ones fill the tail.
+Work decomposition of the compiled kernel (see kernels/source.py): each chunk's new
+queries (q_len > 1) are cut into tiles of `q_tokens` tokens; each tile's causal context
+(positions 0..its last query) is cut into partitions; one unit of work is one (tile,
+partition), run by one threadgroup per group of query heads. Units are listed longest
+first so the long ones start early and the short ones fill the tail. Decode rows (q_len 1)
+get a decode-kernel plan of their own and are scattered back into the step's output.
 """
 
 from __future__ import annotations
@@ -23,37 +24,60 @@ import numpy as np
 from kernels import reference, source
 from kernels.dispatch import resolve_backend
 from kernels.errors import InvalidAttentionMetadata, UnsupportedAttentionShape
+from kernels.launch import DecodePlan, KernelTuning, plan_decode
 
 WARP = 32
 #: bytes of threadgroup memory one threadgroup may declare: CUDA's static __shared__ limit, Metal's threadgroup limit
 SHARED_BYTES = {"cuda": 48 * 1024, "metal": 32 * 1024}
-KV_TILES = (32, 16, 8)
+KV_TILES = (32, 16, 8, 4)
+#: rows and keys of one thread's register block of scores (SUB in VARLEN_BODY)
+SUB = 4
+#: bytes per element of the pools the kernel serves: half types, and float32
+ITEMSIZES = (2, 4)
+MAX_THREADS = 256
 
 
 @dataclass(frozen=True)
 class VarlenTuning:
-    """Knobs of the varlen kernel; to be measured on the H200 (`python -m kernels.bench --only varlen`)."""
+    """Knobs of the varlen kernel; to be measured on the H200 (`python -m kernels.bench --only varlen --sweep`)."""
 
-    threads: int = 128
-    max_query_tokens: int = 16  # query tokens of one sequence per threadgroup
-    partition_size: int = 1024  # context tokens per unit for long contexts
+    max_rows: int = 64  # query rows (tokens x heads of one KV group) per threadgroup
+    max_query_tokens: int = 64  # query tokens of one sequence per threadgroup
+    partition_size: int = 4096  # context tokens per unit for long contexts
     min_partition_size: int = 256  # small steps split down to this to fill the GPU
-    target_threadgroups: int = 512
+    target_threadgroups: int = 1024
     merge_threads: int = 128
-    kv_tile: int | None = None  # keys loaded per step (32, 16 or 8); None: whichever gives the most query rows
+    kv_tile: int | None = None  # most keys loaded per step (32, 16, 8 or 4); None: the widest that fits
+    decode: KernelTuning = KernelTuning()  # the decode kernel that serves the step's q_len 1 rows
 
 
 @dataclass(frozen=True)
 class TileShape:
-    """How many query tokens and heads one threadgroup holds, and how many keys it loads at a time."""
+    """Query tokens and heads one threadgroup holds, and keys it loads at a time for 2- and 4-byte pools.
+
+    The rows are fixed by the plan (they shape the work list); the key tile may differ by the
+    pool's dtype, since a float32 tile takes twice the threadgroup memory.
+    """
 
     q_tokens: int
     heads_per_tile: int
-    kv_tile: int
+    kv_tile: int  # float16 / bfloat16 pools
+    kv_tile_wide: int  # float32 pools
 
     @property
     def rows(self) -> int:
         return self.q_tokens * self.heads_per_tile
+
+    def kv_tile_for(self, itemsize: int) -> int:
+        return self.kv_tile if itemsize == 2 else self.kv_tile_wide
+
+    def threads_for(self, itemsize: int) -> int:
+        return threads_for(self.rows, self.kv_tile_for(itemsize))
+
+
+def threads_for(rows: int, kv_tile: int) -> int:
+    """One thread per SUB x SUB block of scores, rounded up to whole warps (the extra lanes only load)."""
+    return -(-rows * kv_tile // (SUB * SUB * WARP)) * WARP
 
 
 @dataclass(frozen=True)
@@ -67,8 +91,23 @@ class WorkList:
 
 
 @dataclass(frozen=True)
+class DecodeRows:
+    """The step's q_len 1 rows, served by the decode kernel: a one-token tile is memory-bound and
+    that kernel reads K/V at the roofline, where a query tile would compute mostly empty rows."""
+
+    plan: DecodePlan
+    tuning: KernelTuning
+    host_rows: np.ndarray  # packed query rows, in sequence order
+    rows: mx.array
+    block_tables: mx.array
+    context_lens: mx.array
+    dims: mx.array  # int32 [max_blocks, num_partitions]
+    every_row: bool  # the step is decode only: the decode output is the whole output
+
+
+@dataclass(frozen=True)
 class KernelPlan:
-    """What the compiled varlen kernel reads: the shape it is compiled for and the step's device arrays."""
+    """What the compiled kernels read: the varlen kernel's shape and work, and the decode rows."""
 
     shape: TileShape
     tuning: VarlenTuning
@@ -77,6 +116,7 @@ class KernelPlan:
     split_rows: mx.array | None
     split_query_rows: mx.array | None  # packed rows the merged outputs go back to
     dims: mx.array  # int32 [max_blocks]: the block tables' row stride
+    decode: DecodeRows | None
 
     @property
     def num_units(self) -> int:
@@ -138,7 +178,7 @@ def plan_varlen(
                   head_dim=head_dim, block_size=block_size, block_tables=mx.array(tables))
     if name == "reference":
         return VarlenPlan(**common, kernel=None, reference=reference.plan_reference(starts, lengths, tables, block_size, num_kv_heads))
-    kernel = plan_kernel(name, starts, lengths, tables.shape[1], num_heads, num_kv_heads, head_dim, tuning or VarlenTuning())
+    kernel = plan_kernel(name, starts, lengths, tables, num_heads, num_kv_heads, head_dim, tuning or VarlenTuning())
     return VarlenPlan(**common, kernel=kernel, reference=None)
 
 
@@ -171,51 +211,77 @@ def check_varlen_metadata(
 
 
 def plan_kernel(
-    dialect: str, starts: np.ndarray, lengths: np.ndarray, max_blocks: int,
+    dialect: str, starts: np.ndarray, lengths: np.ndarray, tables: np.ndarray,
     num_heads: int, num_kv_heads: int, head_dim: int, tuning: VarlenTuning,
 ) -> KernelPlan:
-    """Tile shape for this step's longest chunk, the work list, and its upload."""
+    """Tile shape for this step's longest chunk, the work list of its chunks, the decode rows, and their upload."""
     q_lens = np.diff(starts)
-    longest = int(q_lens.max()) if q_lens.size else 1
-    shape = tile_shape_for(num_heads // num_kv_heads, head_dim, max(longest, 1), SHARED_BYTES[dialect] // 4, tuning)
-    head_tiles = num_heads // shape.heads_per_tile
-    work = work_list(starts, lengths, shape.q_tokens, head_tiles, tuning)
+    chunked = q_lens > 1
+    longest = int(q_lens[chunked].max()) if chunked.any() else 2
+    shape = tile_shape_for(num_heads // num_kv_heads, head_dim, longest, SHARED_BYTES[dialect], tuning)
+    work = work_list(starts, lengths, shape.q_tokens, num_heads // shape.heads_per_tile, tuning)
     split = work.split_rows.shape[0] > 0
     return KernelPlan(
         shape=shape, tuning=tuning, work=work, units=mx.array(work.units),
         split_rows=mx.array(work.split_rows) if split else None,
         split_query_rows=mx.array(work.split_rows[:, 0]) if split else None,
-        dims=mx.array([max(max_blocks, 1)], dtype=mx.int32),
+        dims=mx.array([max(tables.shape[1], 1)], dtype=mx.int32),
+        decode=decode_rows(starts, lengths, tables, num_heads, num_kv_heads, head_dim, tuning.decode),
     )
 
 
-def shared_words(shape: TileShape, head_dim: int) -> int:
-    """float32 words of threadgroup memory the kernel declares for a shape (see VARLEN_BODY)."""
-    return shape.rows * head_dim + shape.kv_tile * (2 * head_dim + 1) + shape.rows * shape.kv_tile + 3 * shape.rows
+def decode_rows(
+    starts: np.ndarray, lengths: np.ndarray, tables: np.ndarray,
+    num_heads: int, num_kv_heads: int, head_dim: int, tuning: KernelTuning,
+) -> DecodeRows | None:
+    """The q_len 1 sequences' rows, tables and lengths, and the decode kernel's split for them."""
+    seqs = np.nonzero(np.diff(starts) == 1)[0]
+    if seqs.size == 0:
+        return None
+    plan = plan_decode(int(seqs.size), num_heads, num_kv_heads, head_dim, int(lengths[seqs].max()), tuning)
+    host_rows = starts[seqs].astype(np.int32)
+    return DecodeRows(
+        plan=plan, tuning=tuning, host_rows=host_rows, rows=mx.array(host_rows),
+        block_tables=mx.array(np.ascontiguousarray(tables[seqs], dtype=np.int32)),
+        context_lens=mx.array(lengths[seqs].astype(np.int32)),
+        dims=mx.array([max(tables.shape[1], 1), plan.num_partitions], dtype=mx.int32),
+        every_row=seqs.size == int(starts[-1]),
+    )
 
 
-def tile_shape_for(group: int, head_dim: int, longest_query: int, budget_words: int, tuning: VarlenTuning) -> TileShape:
-    """The most query rows (tokens x heads of one KV group) that fit the shared-memory budget.
+def shared_bytes(rows: int, kv_tile: int, head_dim: int, itemsize: int) -> int:
+    """Threadgroup memory VARLEN_BODY declares: Q, K and V tiles (V rows padded 16 bytes) in the pool's dtype, weights in float32."""
+    return itemsize * head_dim * (rows + kv_tile) + kv_tile * (itemsize * head_dim + 16) + 4 * kv_tile * rows
 
-    Heads of a GQA group come first (they share every K/V load at no extra cost to decode
-    rows); then tokens, no more than the step's longest chunk needs. Ties go to the wider
-    key tile, which keeps a whole warp on one row's keys.
-    """
-    token_cap = min(tuning.max_query_tokens, 1 << (longest_query - 1).bit_length())
-    best = None
-    for kv_tile in KV_TILES if tuning.kv_tile is None else (tuning.kv_tile,):
-        heads = [h for h in range(group, 0, -1) if group % h == 0 and shared_words(TileShape(1, h, kv_tile), head_dim) <= budget_words]
-        if not heads:
+
+def kv_tile_for(rows: int, head_dim: int, itemsize: int, budget_bytes: int, tuning: VarlenTuning) -> int | None:
+    """Widest key tile that fits: it divides the head dim (output dims split evenly over its lanes)."""
+    for kv_tile in KV_TILES:
+        if tuning.kv_tile is not None and kv_tile > tuning.kv_tile:
             continue
-        tokens = token_cap
-        while tokens > 1 and shared_words(TileShape(tokens, heads[0], kv_tile), head_dim) > budget_words:
+        if head_dim % kv_tile == 0 and threads_for(rows, kv_tile) <= MAX_THREADS \
+                and shared_bytes(rows, kv_tile, head_dim, itemsize) <= budget_bytes:
+            return kv_tile
+    return None
+
+
+def tile_shape_for(group: int, head_dim: int, longest_query: int, budget_bytes: int, tuning: VarlenTuning) -> TileShape:
+    """The most query rows (tokens x heads of one KV group) for which both pool dtypes fit the budget.
+
+    Heads of a GQA group come first (they share every K/V load); then tokens, no more than the
+    step's longest chunk needs. Rows come in whole blocks of SUB, so tokens have a floor.
+    """
+    if head_dim % 8:
+        raise UnsupportedAttentionShape(f"head_dim {head_dim} is not a multiple of 8 (16-byte loads of half rows)")
+    for heads in (h for h in range(group, 0, -1) if group % h == 0):
+        min_tokens = SUB // np.gcd(heads, SUB)
+        tokens = max(min(tuning.max_query_tokens, max(tuning.max_rows // heads, 1), 1 << (longest_query - 1).bit_length()), min_tokens)
+        while tokens >= min_tokens:
+            tiles = [kv_tile_for(tokens * heads, head_dim, size, budget_bytes, tuning) for size in ITEMSIZES]
+            if None not in tiles:
+                return TileShape(tokens, heads, *tiles)
             tokens //= 2
-        candidate = TileShape(tokens, heads[0], kv_tile)
-        if best is None or candidate.rows > best.rows:
-            best = candidate
-    if best is None:
-        raise UnsupportedAttentionShape(f"head_dim {head_dim} leaves no shared memory for one query row")
-    return best
+    raise UnsupportedAttentionShape(f"head_dim {head_dim} leaves no shared memory for one query tile")
 
 
 def work_list(starts: np.ndarray, lengths: np.ndarray, q_tokens: int, head_tiles: int, tuning: VarlenTuning) -> WorkList:
@@ -242,9 +308,10 @@ def work_list(starts: np.ndarray, lengths: np.ndarray, q_tokens: int, head_tiles
 
 
 def query_tiles(starts: np.ndarray, lengths: np.ndarray, q_tokens: int) -> dict:
-    """Per tile: its sequence, first packed query row, query count, first query's position, context end."""
+    """Per tile of a chunk (q_len > 1; decode rows go to the decode kernel): its sequence, first packed
+    query row, query count, first query's position, context end."""
     q_lens = np.diff(starts).astype(np.int64)
-    per_seq = -(-q_lens // q_tokens)
+    per_seq = np.where(q_lens > 1, -(-q_lens // q_tokens), 0)
     seq = np.repeat(np.arange(q_lens.size), per_seq)
     first = (np.arange(seq.size) - np.repeat(np.cumsum(per_seq) - per_seq, per_seq)) * q_tokens
     count = np.minimum(q_tokens, q_lens[seq] - first)

@@ -52,6 +52,27 @@ __device__ __forceinline__ void load_row(const U* src, U* dst) {
   }
 }
 #define LOAD_ROW(dst, src) load_row<PER_LANE>((src), (dst))
+#define COPY_VEC(dst, src) load_row<VEC>((src), (dst))
+#define TILE_ALIGN __attribute__((aligned(16)))
+#define WARP_BARRIER() __syncwarp()
+
+// Four consecutive elements of a threadgroup tile as float, in one 8- or 16-byte load
+// (tile offsets are multiples of four elements).
+template <typename U>
+__device__ __forceinline__ void load4(const U* src, float* dst) {
+  if constexpr (sizeof(U) == 4) {
+    const float4 v = *reinterpret_cast<const float4*>(src);
+    dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+  } else {
+    alignas(8) U tmp[4];
+    *reinterpret_cast<uint2*>(tmp) = *reinterpret_cast<const uint2*>(src);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      dst[i] = static_cast<float>(tmp[i]);
+    }
+  }
+}
+#define LOAD4(dst, src) load4((src), (dst))
 """
 
 METAL_HEADER = r"""
@@ -61,6 +82,10 @@ METAL_HEADER = r"""
 #define FEXP2(x) metal::exp2(x)
 #define ROW_ALIGN
 #define LOAD_ROW(dst, src) for (int i_ = 0; i_ < PER_LANE; ++i_) { (dst)[i_] = (src)[i_]; }
+#define COPY_VEC(dst, src) for (int i_ = 0; i_ < VEC; ++i_) { (dst)[i_] = (src)[i_]; }
+#define TILE_ALIGN
+#define WARP_BARRIER() simdgroup_barrier(mem_flags::mem_threadgroup)
+#define LOAD4(dst, src) for (int i_ = 0; i_ < 4; ++i_) { (dst)[i_] = static_cast<float>((src)[i_]); }
 """
 
 CUDA_DECODE_PROLOGUE = """
@@ -273,23 +298,27 @@ DIALECTS = {
 }
 
 # ---------------------------------------------------------------------------------------------
-# Varlen kernel: one launch for a whole step (prefill chunks and decode rows side by side).
+# Varlen kernel: one launch for the prefill chunks of a step (FlashAttention-2 tiling on SIMT).
 #
-# Work decomposition (the list is built on the host, kernels/plan.py): each sequence's new
-# queries are cut into tiles of at most Q_TOKENS tokens (a decode row is a tile of one);
-# a tile's causal context 0..last query is cut into partitions; one work unit is one
-# (tile, partition), and one threadgroup runs one unit for HEADS_PER_TILE query heads of one
-# KV head. Its ROWS = Q_TOKENS x HEADS_PER_TILE query rows share every K/V tile it loads.
-# - K/V tiles of KV_TILE tokens are copied from the pool into shared memory as float
-#   (looked up through the block table, no gather); the K rows are padded by one word so
-#   lanes reading different keys hit different banks.
-# - Scores: lane j of a row group takes key j of the tile; a warp's WARP / KV_TILE row groups
-#   take different rows. Each row's max is reduced over its row group by shuffles; the
-#   softmax weights go to shared memory.
-# - Weighted values: every lane of a warp owns dims lane, lane + 32, ... of the warp's rows
-#   and reads the weights back, so the V reads of one key are shared by all rows.
+# Work decomposition (the list is built on the host, kernels/plan.py): each chunk's queries
+# are cut into tiles of Q_TOKENS tokens; a tile's causal context 0..last query is cut into
+# partitions; one work unit is one (tile, partition), and one threadgroup runs one unit for
+# HEADS_PER_TILE query heads of one KV head: ROWS = Q_TOKENS x HEADS_PER_TILE query rows that
+# share every K/V tile it loads. Decode rows (q_len 1) never reach this kernel: the host sends
+# them to the decode kernel, whose one-token tiles read K/V at the memory roofline.
+# - The query tile and each key tile of KV_TILE keys sit in threadgroup memory in the pool's
+#   dtype (Q and K transposed, d-major), loaded with 16-byte reads through the block table.
+# - Scores: each thread owns a SUB x SUB register block (SUB rows x SUB consecutive keys);
+#   per head dim it reads SUB rows of Q and SUB keys of K as two vector loads and does
+#   SUB * SUB float32 FMAs. KEY_LANES = KV_TILE / SUB adjacent lanes share a row block, so a
+#   row's max and sum reduce over them by shuffles, and the softmax state stays in registers.
+# - Weighted values: the same thread owns its SUB rows x HEAD_DIM / KEY_LANES dims of the
+#   output; the weights of its row block go through threadgroup memory within one warp.
+# - Two barriers per key tile (tile loaded; tile consumed); the causal mask is evaluated only
+#   on tiles that reach past the tile's first query position or the partition end.
 # - A unit that is its tile's only partition writes the output; the partitions of a split
 #   tile write (output, max, sum) per row and the varlen merge kernel combines them.
+# Lanes beyond ROWS / SUB row blocks (a tile smaller than one warp) only help load and shuffle.
 # ---------------------------------------------------------------------------------------------
 
 VARLEN_INPUTS = ["queries", "key_cache", "value_cache", "block_tables", "units", "scale", "dims"]
@@ -326,29 +355,23 @@ METAL_VARLEN_MERGE_PROLOGUE = """
 """
 
 VARLEN_BODY = r"""
-  constexpr int WARP = 32;
-  constexpr int NUM_WARPS = NUM_THREADS / WARP;
   constexpr int NUM_HEADS = NUM_KV_HEADS * GROUP;
   constexpr int TILES_PER_KV = GROUP / HEADS_PER_TILE;
   constexpr int ROWS = Q_TOKENS * HEADS_PER_TILE;
-  constexpr int ROWS_PER_WARP = (ROWS + NUM_WARPS - 1) / NUM_WARPS;
-  constexpr int ROW_GROUPS = WARP / KV_TILE;
-  constexpr int ROWS_PER_LANE = (ROWS_PER_WARP + ROW_GROUPS - 1) / ROW_GROUPS;
-  constexpr int DIMS_PER_LANE = (HEAD_DIM + WARP - 1) / WARP;
-  constexpr int K_STRIDE = HEAD_DIM + 1;
+  constexpr int SUB = 4;
+  constexpr int KEY_LANES = KV_TILE / SUB;
+  constexpr int ROW_BLOCKS = ROWS / SUB;
+  constexpr int OUT_CHUNKS = HEAD_DIM / KV_TILE;
+  constexpr int VEC = 16 / int(sizeof(T));
+  constexpr int CHUNKS = HEAD_DIM / VEC;
+  constexpr int V_STRIDE = HEAD_DIM + VEC;
   constexpr float NEG_BIG = -1.0e30f;
-  SHARED float q_tile[ROWS * HEAD_DIM];
-  SHARED float k_tile[KV_TILE * K_STRIDE];
-  SHARED float v_tile[KV_TILE * HEAD_DIM];
-  SHARED float p_tile[ROWS * KV_TILE];
-  SHARED float row_corr[ROWS];
-  SHARED float row_max[ROWS];
-  SHARED float row_sum[ROWS];
+  // V rows are padded by 16 bytes so the 16-byte stores of one quarter-warp hit different banks.
+  SHARED TILE_ALIGN T q_tile[HEAD_DIM * ROWS];
+  SHARED TILE_ALIGN T k_tile[HEAD_DIM * KV_TILE];
+  SHARED TILE_ALIGN T v_tile[KV_TILE * V_STRIDE];
+  SHARED TILE_ALIGN float p_tile[KV_TILE * ROWS];
 
-  const int warp = tid / WARP;
-  const int lane = tid % WARP;
-  const int key_lane = lane % KV_TILE;
-  const int row_group = lane / KV_TILE;
   const int max_blocks = dims[0];
   const int u0 = unit * UNIT_FIELDS;
   const int seq = units[u0 + 0];
@@ -362,180 +385,161 @@ VARLEN_BODY = r"""
   const int kv_head = head_tile / TILES_PER_KV;
   const int first_head = kv_head * GROUP + (head_tile % TILES_PER_KV) * HEADS_PER_TILE;
   const int active_rows = query_count * HEADS_PER_TILE;
+  const int key_lane = tid % KEY_LANES;
+  const bool helper = tid / KEY_LANES >= ROW_BLOCKS;
+  const int row0 = helper ? 0 : (tid / KEY_LANES) * SUB;
 
   // Row r of the tile is query token r / HEADS_PER_TILE, head first_head + r % HEADS_PER_TILE.
-  // Scores are kept in base 2 (scale folded with log2(e)) so every exponential is one exp2.
-  const float softmax_scale = scale[0] * 1.4426950408889634f;
-  for (int idx = tid; idx < ROWS * HEAD_DIM; idx += NUM_THREADS) {
-    const int r = idx / HEAD_DIM;
-    const size_t q_at = (size_t(query_row + r / HEADS_PER_TILE) * NUM_HEADS + first_head + r % HEADS_PER_TILE) * HEAD_DIM + idx % HEAD_DIM;
-    q_tile[idx] = r < active_rows ? static_cast<float>(queries[q_at]) * softmax_scale : 0.0f;
+  for (int idx = tid; idx < HEAD_DIM * ROWS; idx += NUM_THREADS) {
+    const int r = idx % ROWS;
+    const size_t q_at = (size_t(query_row + r / HEADS_PER_TILE) * NUM_HEADS + first_head + r % HEADS_PER_TILE) * HEAD_DIM + idx / ROWS;
+    q_tile[idx] = r < active_rows ? queries[q_at] : static_cast<T>(0.0f);
   }
 
-  // Score-phase rows of this lane: warp rows row_group, row_group + ROW_GROUPS, ...
-  // score_rows counts the k with any live row in this warp (the same for every lane), so loops
-  // that shuffle stop at the same k in every lane; loops keep constant bounds so arrays stay in registers.
-  int score_row[ROWS_PER_LANE];
-  bool score_live[ROWS_PER_LANE];
-  float run_max[ROWS_PER_LANE];
-  float lane_sum[ROWS_PER_LANE];
-  int score_rows = 0;
-  for (int k = 0; k < ROWS_PER_LANE; ++k) {
-    const int i = row_group + ROW_GROUPS * k;
-    const int r = i * NUM_WARPS + warp;
-    score_live[k] = i < ROWS_PER_WARP && r < active_rows;
-    score_row[k] = score_live[k] ? r : 0;
-    score_rows += ((ROW_GROUPS * k) * NUM_WARPS + warp < active_rows) ? 1 : 0;
-    run_max[k] = NEG_BIG;
-    lane_sum[k] = 0.0f;
-  }
-  // Value-phase rows of this warp: i * NUM_WARPS + warp for i < value_rows.
-  int value_rows = 0;
-  for (int i = 0; i < ROWS_PER_WARP; ++i) {
-    value_rows += (i * NUM_WARPS + warp < active_rows) ? 1 : 0;
-  }
-  float acc[ROWS_PER_WARP][DIMS_PER_LANE];
-  for (int i = 0; i < ROWS_PER_WARP; ++i) {
-    for (int e = 0; e < DIMS_PER_LANE; ++e) {
+  bool row_live[SUB];
+  int row_position[SUB];
+  float run_max[SUB];
+  float run_sum[SUB];
+  float acc[SUB][OUT_CHUNKS * SUB];
+  for (int i = 0; i < SUB; ++i) {
+    row_live[i] = !helper && row0 + i < active_rows;
+    row_position[i] = query_position + (row0 + i) / HEADS_PER_TILE;
+    run_max[i] = NEG_BIG;
+    run_sum[i] = 0.0f;
+    for (int e = 0; e < OUT_CHUNKS * SUB; ++e) {
       acc[i][e] = 0.0f;
     }
   }
 
+  // Scores are kept in base 2 (scale folded with log2(e)) so every exponential is one exp2.
+  const float softmax_scale = scale[0] * 1.4426950408889634f;
   // auto: Metal binds inputs of under 8 elements (a short block table) in `constant`, not `device`.
   const auto table = block_tables + size_t(seq) * max_blocks;
   for (int base = kv_start; base < kv_end; base += KV_TILE) {
-    for (int idx = tid; idx < KV_TILE * HEAD_DIM; idx += NUM_THREADS) {
-      const int j = idx / HEAD_DIM;
-      const int d = idx % HEAD_DIM;
+    // Adjacent lanes take adjacent keys of one 16-byte chunk: the transposed K stores are conflict-free.
+    for (int idx = tid; idx < KV_TILE * CHUNKS; idx += NUM_THREADS) {
+      const int j = idx % KV_TILE;
+      const int c = idx / KV_TILE;
       const int t = base + j;
-      float k_value = 0.0f;
-      float v_value = 0.0f;
+      ROW_ALIGN T k_row[VEC];
+      ROW_ALIGN T v_row[VEC];
       if (t < kv_end) {
         const size_t slot = size_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE;
-        const size_t at = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + d;
-        k_value = static_cast<float>(key_cache[at]);
-        v_value = static_cast<float>(value_cache[at]);
+        const size_t at = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + c * VEC;
+        COPY_VEC(k_row, key_cache + at);
+        COPY_VEC(v_row, value_cache + at);
+      } else {
+        // Zeros, not the pool's contents: a weight of 0 times an unowned (NaN) slot would still be NaN.
+        for (int e = 0; e < VEC; ++e) {
+          k_row[e] = static_cast<T>(0.0f);
+          v_row[e] = static_cast<T>(0.0f);
+        }
       }
-      k_tile[j * K_STRIDE + d] = k_value;
-      v_tile[j * HEAD_DIM + d] = v_value;
+      for (int e = 0; e < VEC; ++e) {
+        k_tile[(c * VEC + e) * KV_TILE + j] = k_row[e];
+      }
+      COPY_VEC(v_tile + j * V_STRIDE + c * VEC, v_row);
     }
     BARRIER();
 
-    float dots[ROWS_PER_LANE];
-    for (int k = 0; k < ROWS_PER_LANE; ++k) {
-      dots[k] = 0.0f;
+    float s[SUB][SUB];
+    for (int i = 0; i < SUB; ++i) {
+      for (int j = 0; j < SUB; ++j) {
+        s[i][j] = 0.0f;
+      }
     }
-    const int k_at = key_lane * K_STRIDE;
-    if (score_rows == ROWS_PER_LANE) {
-      // Every row live somewhere in the warp: one pass over d shares each K read among the rows.
-      for (int d = 0; d < HEAD_DIM; ++d) {
-        const float kd = k_tile[k_at + d];
-        for (int k = 0; k < ROWS_PER_LANE; ++k) {
-          dots[k] += q_tile[score_row[k] * HEAD_DIM + d] * kd;
+    for (int d = 0; d < HEAD_DIM; ++d) {
+      float qv[SUB];
+      float kv[SUB];
+      LOAD4(qv, q_tile + d * ROWS + row0);
+      LOAD4(kv, k_tile + d * KV_TILE + key_lane * SUB);
+      for (int i = 0; i < SUB; ++i) {
+        for (int j = 0; j < SUB; ++j) {
+          s[i][j] += qv[i] * kv[j];
         }
       }
-    } else {
-      for (int k = 0; k < ROWS_PER_LANE; ++k) {
-        if (k < score_rows) {
-          const int q_at = score_row[k] * HEAD_DIM;
-          for (int d = 0; d < HEAD_DIM; ++d) {
-            dots[k] += q_tile[q_at + d] * k_tile[k_at + d];
+    }
+
+    // Below the diagonal every key of the tile is visible to every live row.
+    const bool unmasked = base + KV_TILE <= kv_end && base + KV_TILE - 1 <= query_position;
+    const int key0 = base + key_lane * SUB;
+    for (int i = 0; i < SUB; ++i) {
+      bool visible[SUB];
+      float tile_max = NEG_BIG;
+      for (int j = 0; j < SUB; ++j) {
+        visible[j] = row_live[i] && (unmasked || (key0 + j < kv_end && key0 + j <= row_position[i]));
+        s[i][j] *= softmax_scale;
+        tile_max = (visible[j] && s[i][j] > tile_max) ? s[i][j] : tile_max;
+      }
+      for (int mask = KEY_LANES / 2; mask > 0; mask /= 2) {
+        const float other = SIMD_XOR(tile_max, mask);
+        tile_max = other > tile_max ? other : tile_max;
+      }
+      const float new_max = tile_max > run_max[i] ? tile_max : run_max[i];
+      const float correction = FEXP2(run_max[i] - new_max);
+      float tile_sum = 0.0f;
+      for (int j = 0; j < SUB; ++j) {
+        s[i][j] = visible[j] ? FEXP2(s[i][j] - new_max) : 0.0f;
+        tile_sum += s[i][j];
+      }
+      run_sum[i] = run_sum[i] * correction + tile_sum;
+      run_max[i] = new_max;
+      for (int e = 0; e < OUT_CHUNKS * SUB; ++e) {
+        acc[i][e] *= correction;
+      }
+    }
+    if (!helper) {
+      for (int j = 0; j < SUB; ++j) {
+        for (int i = 0; i < SUB; ++i) {
+          p_tile[(key_lane * SUB + j) * ROWS + row0 + i] = s[i][j];
+        }
+      }
+    }
+    // A row block's weights are written and read by the lanes of one warp only.
+    WARP_BARRIER();
+
+    if (!helper) {
+      for (int j = 0; j < KV_TILE; ++j) {
+        float pv[SUB];
+        LOAD4(pv, p_tile + j * ROWS + row0);
+        for (int c = 0; c < OUT_CHUNKS; ++c) {
+          float vv[SUB];
+          LOAD4(vv, v_tile + j * V_STRIDE + (c * KEY_LANES + key_lane) * SUB);
+          for (int i = 0; i < SUB; ++i) {
+            for (int e = 0; e < SUB; ++e) {
+              acc[i][c * SUB + e] += pv[i] * vv[e];
+            }
           }
         }
       }
     }
-    const int t = base + key_lane;
-    for (int k = 0; k < ROWS_PER_LANE; ++k) {
-      if (k >= score_rows) {
-        break;
-      }
-      const int r = score_row[k];
-      const bool valid = score_live[k] && t < kv_end && t <= query_position + r / HEADS_PER_TILE;
-      float tile_max = valid ? dots[k] : NEG_BIG;
-      for (int mask = KV_TILE / 2; mask > 0; mask /= 2) {
-        const float other = SIMD_XOR(tile_max, mask);
-        tile_max = other > tile_max ? other : tile_max;
-      }
-      const float new_max = tile_max > run_max[k] ? tile_max : run_max[k];
-      const float p = valid ? FEXP2(dots[k] - new_max) : 0.0f;
-      const float correction = FEXP2(run_max[k] - new_max);
-      lane_sum[k] = lane_sum[k] * correction + p;
-      run_max[k] = new_max;
-      if (score_live[k]) {
-        p_tile[r * KV_TILE + key_lane] = p;
-        if (key_lane == 0) {
-          row_corr[r] = correction;
-        }
-      }
-    }
-    BARRIER();
-
-    for (int i = 0; i < ROWS_PER_WARP; ++i) {
-      if (i >= value_rows) {
-        break;
-      }
-      const float correction = row_corr[i * NUM_WARPS + warp];
-      for (int e = 0; e < DIMS_PER_LANE; ++e) {
-        acc[i][e] *= correction;
-      }
-    }
-    for (int j = 0; j < KV_TILE; ++j) {
-      float v[DIMS_PER_LANE];
-      for (int e = 0; e < DIMS_PER_LANE; ++e) {
-        const int d = lane + WARP * e;
-        v[e] = d < HEAD_DIM ? v_tile[j * HEAD_DIM + d] : 0.0f;
-      }
-      for (int i = 0; i < ROWS_PER_WARP; ++i) {
-        if (i >= value_rows) {
-          break;
-        }
-        const float p = p_tile[(i * NUM_WARPS + warp) * KV_TILE + j];
-        for (int e = 0; e < DIMS_PER_LANE; ++e) {
-          acc[i][e] += p * v[e];
-        }
-      }
-    }
     BARRIER();
   }
 
-  for (int k = 0; k < ROWS_PER_LANE; ++k) {
-    if (k >= score_rows) {
-      break;
-    }
-    float total = lane_sum[k];
-    for (int mask = KV_TILE / 2; mask > 0; mask /= 2) {
+  for (int i = 0; i < SUB; ++i) {
+    float total = run_sum[i];
+    for (int mask = KEY_LANES / 2; mask > 0; mask /= 2) {
       total += SIMD_XOR(total, mask);
     }
-    if (score_live[k] && key_lane == 0) {
-      row_sum[score_row[k]] = total;
-      row_max[score_row[k]] = run_max[k];
+    if (!row_live[i]) {
+      continue;
     }
-  }
-  BARRIER();
-
-  for (int i = 0; i < ROWS_PER_WARP; ++i) {
-    if (i >= value_rows) {
-      break;
-    }
-    const int r = i * NUM_WARPS + warp;
-    const int token = r / HEADS_PER_TILE;
-    const int head = first_head + r % HEADS_PER_TILE;
-    const float total = row_sum[r];
-    for (int e = 0; e < DIMS_PER_LANE; ++e) {
-      const int d = lane + WARP * e;
-      if (d >= HEAD_DIM) {
-        continue;
-      }
-      if (!split) {
-        out[(size_t(query_row + token) * NUM_HEADS + head) * HEAD_DIM + d] = static_cast<T>(acc[i][e] / total);
-      } else {
-        const size_t pr = size_t(partial_row + token) * NUM_HEADS + head;
-        part_out[pr * HEAD_DIM + d] = total > 0.0f ? acc[i][e] / total : 0.0f;
-        if (d == 0) {
-          part_max[pr] = row_max[r];
-          part_sum[pr] = total;
+    const int token = (row0 + i) / HEADS_PER_TILE;
+    const int head = first_head + (row0 + i) % HEADS_PER_TILE;
+    const size_t out_row = split ? size_t(partial_row + token) * NUM_HEADS + head : size_t(query_row + token) * NUM_HEADS + head;
+    for (int c = 0; c < OUT_CHUNKS; ++c) {
+      for (int e = 0; e < SUB; ++e) {
+        const int d = (c * KEY_LANES + key_lane) * SUB + e;
+        if (!split) {
+          out[out_row * HEAD_DIM + d] = static_cast<T>(acc[i][c * SUB + e] / total);
+        } else {
+          part_out[out_row * HEAD_DIM + d] = total > 0.0f ? acc[i][c * SUB + e] / total : 0.0f;
         }
       }
+    }
+    if (split && key_lane == 0) {
+      part_max[out_row] = run_max[i];
+      part_sum[out_row] = total;
     }
   }
 """

@@ -2,7 +2,8 @@
 
 Everything that depends on the step's metadata is in the plan (kernels/plan.py); a call
 here only picks the compiled variant for the plan's tile shape and the pool's dtype and
-launches it, then the merge kernel when some tiles were split along their context.
+launches it, then the merge kernel when some tiles were split along their context, and
+sends the step's decode rows through the decode kernel, scattering them back.
 """
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ import mlx.core as mx
 
 from kernels import source
 from kernels.errors import UnsupportedAttentionShape
-from kernels.launch import SUPPORTED_DTYPES, KernelCompiler
+from kernels.launch import SUPPORTED_DTYPES, KernelCompiler, PagedDecodeKernels
 from kernels.plan import VarlenPlan
 
 
 class PagedVarlenKernels:
-    """The varlen kernel and its merge kernel of one dialect, compiled once each."""
+    """The varlen kernel, its merge kernel and the decode kernels of one dialect, compiled once each."""
 
     def __init__(self, dialect: str, compile_kernel: KernelCompiler):
         self.dialect = dialect
         self.compile_kernel = compile_kernel
+        self.decode_kernels = PagedDecodeKernels(dialect, compile_kernel)
 
     @lru_cache(maxsize=None)
     def _varlen_kernel(self):
@@ -37,15 +39,32 @@ class PagedVarlenKernels:
     def __call__(self, queries: mx.array, key_cache: mx.array, value_cache: mx.array, plan: VarlenPlan, scale: float) -> mx.array:
         if key_cache.dtype not in SUPPORTED_DTYPES or value_cache.dtype != key_cache.dtype:
             raise UnsupportedAttentionShape(f"KV dtypes {key_cache.dtype}/{value_cache.dtype} are not supported")
+        decode = plan.kernel.decode
+        if decode is not None and decode.every_row:
+            out = self._decode(queries, key_cache, value_cache, plan, scale)
+        else:
+            out = self._chunks(queries, key_cache, value_cache, plan, scale)
+            if decode is not None:
+                out[decode.rows] = self._decode(queries[decode.rows], key_cache, value_cache, plan, scale)
+        return out if out.dtype == queries.dtype else out.astype(queries.dtype)
+
+    def _decode(self, queries, key_cache, value_cache, plan: VarlenPlan, scale: float) -> mx.array:
+        rows = plan.kernel.decode
+        return self.decode_kernels.launch(queries, key_cache, value_cache, rows.block_tables, rows.context_lens,
+                                          rows.plan, rows.tuning, rows.dims, plan.scale_array(scale))
+
+    def _chunks(self, queries, key_cache, value_cache, plan: VarlenPlan, scale: float) -> mx.array:
+        """The varlen kernel over the chunks' tiles, then the merge of split tiles; decode rows are left unwritten."""
         kernel = plan.kernel
         if kernel.num_units == 0:
-            return mx.zeros(queries.shape, dtype=queries.dtype)
-        shape, head_dim = kernel.shape, plan.head_dim
+            return mx.zeros(queries.shape, dtype=key_cache.dtype)
+        shape, head_dim, itemsize = kernel.shape, plan.head_dim, key_cache.dtype.size
+        threads = shape.threads_for(itemsize)
         template = [
             ("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", plan.block_size),
             ("NUM_KV_HEADS", plan.num_kv_heads), ("GROUP", plan.num_heads // plan.num_kv_heads),
-            ("HEADS_PER_TILE", shape.heads_per_tile), ("Q_TOKENS", shape.q_tokens), ("KV_TILE", shape.kv_tile),
-            ("NUM_THREADS", kernel.tuning.threads),
+            ("HEADS_PER_TILE", shape.heads_per_tile), ("Q_TOKENS", shape.q_tokens), ("KV_TILE", shape.kv_tile_for(itemsize)),
+            ("NUM_THREADS", threads),
         ]
         partial_rows = max(kernel.work.num_partial_rows, 1)
         out, part_out, part_max, part_sum = self._varlen_kernel()(
@@ -54,8 +73,8 @@ class PagedVarlenKernels:
                 key_cache, value_cache, plan.block_tables, kernel.units, plan.scale_array(scale), kernel.dims,
             ],
             template=template,
-            grid=(kernel.num_units * kernel.tuning.threads, plan.num_heads // shape.heads_per_tile, 1),
-            threadgroup=(kernel.tuning.threads, 1, 1),
+            grid=(kernel.num_units * threads, plan.num_heads // shape.heads_per_tile, 1),
+            threadgroup=(threads, 1, 1),
             output_shapes=[queries.shape, (partial_rows, plan.num_heads, head_dim), (partial_rows, plan.num_heads), (partial_rows, plan.num_heads)],
             output_dtypes=[key_cache.dtype, mx.float32, mx.float32, mx.float32],
         )
@@ -69,4 +88,4 @@ class PagedVarlenKernels:
                 output_shapes=[(kernel.num_split_rows, plan.num_heads, head_dim)], output_dtypes=[key_cache.dtype],
             )
             out[kernel.split_query_rows] = merged
-        return out if out.dtype == queries.dtype else out.astype(queries.dtype)
+        return out

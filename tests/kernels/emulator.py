@@ -67,6 +67,10 @@ static void emu_launch(int gx, int gy, int gz, int threads, F body) {
 #define FEXP2(x) std::exp2(x)
 #define ROW_ALIGN alignas(16)
 #define LOAD_ROW(dst, src) for (int i_ = 0; i_ < PER_LANE; ++i_) { (dst)[i_] = (src)[i_]; }
+#define COPY_VEC(dst, src) for (int i_ = 0; i_ < VEC; ++i_) { (dst)[i_] = (src)[i_]; }
+#define TILE_ALIGN __attribute__((aligned(16)))
+#define WARP_BARRIER() emu_warp_barriers[emu_tid / 32]->arrive_and_wait()
+#define LOAD4(dst, src) for (int i_ = 0; i_ < 4; ++i_) { (dst)[i_] = static_cast<float>((src)[i_]); }
 """
 
 DECODE_PROLOGUE = """
@@ -218,18 +222,30 @@ extern "C" void run_varlen_merge(const float* part_out, const float* part_max, c
 """
 
 
-def varlen_constants(plan, num_threads: int) -> dict:
-    """Template constants of a compiled-backend plan, as kernels/varlen.py passes them."""
+def varlen_constants(plan) -> dict:
+    """Template constants of a compiled-backend plan, as kernels/varlen.py passes them for a float32 pool."""
     shape = plan.kernel.shape
     return dict(
         HEAD_DIM=plan.head_dim, BLOCK_SIZE=plan.block_size, NUM_KV_HEADS=plan.num_kv_heads,
         GROUP=plan.num_heads // plan.num_kv_heads, HEADS_PER_TILE=shape.heads_per_tile, Q_TOKENS=shape.q_tokens,
-        KV_TILE=shape.kv_tile, NUM_THREADS=num_threads,
+        KV_TILE=shape.kv_tile_for(4), NUM_THREADS=shape.threads_for(4),
     )
 
 
-def run_varlen(library: ctypes.CDLL, plan, queries, key_cache, value_cache, block_tables, scale: float) -> np.ndarray:
-    """Launch like kernels/varlen.py does: one threadgroup per (unit, head tile), then the merge of split rows."""
+def decode_constants(plan) -> dict:
+    """Template constants of the decode kernel that serves a plan's decode rows, as kernels/launch.py passes them."""
+    rows = plan.kernel.decode
+    return dict(
+        HEAD_DIM=plan.head_dim, BLOCK_SIZE=plan.block_size, NUM_KV_HEADS=plan.num_kv_heads,
+        GROUP=plan.num_heads // plan.num_kv_heads, HEADS_PER_TILE=rows.plan.heads_per_tile, LANES=rows.plan.lanes,
+        NUM_THREADS=rows.tuning.threads, UNROLL=rows.tuning.unroll, PARTITION=rows.plan.partition_size,
+    )
+
+
+def run_varlen(library: ctypes.CDLL, plan, queries, key_cache, value_cache, block_tables, scale: float,
+               workdir: Path | None = None) -> np.ndarray:
+    """Launch like kernels/varlen.py does: one threadgroup per (unit, head tile), the merge of split rows,
+    then the decode kernel for the decode rows."""
     work, shape = plan.kernel.work, plan.kernel.shape
     total_q, num_heads, head_dim = queries.shape
     arrays = [np.ascontiguousarray(a, dtype=d) for a, d in (
@@ -242,12 +258,20 @@ def run_varlen(library: ctypes.CDLL, plan, queries, key_cache, value_cache, bloc
     part_max = np.full((partial_rows, num_heads), np.nan, dtype=np.float32)
     part_sum = np.full_like(part_max, np.nan)
     head_tiles = num_heads // shape.heads_per_tile
-    library.run_varlen(*map(_ptr, arrays), _ptr(out), _ptr(part_out), _ptr(part_max), _ptr(part_sum),
-                       ctypes.c_int(work.units.shape[0]), ctypes.c_int(head_tiles))
+    if work.units.shape[0]:
+        library.run_varlen(*map(_ptr, arrays), _ptr(out), _ptr(part_out), _ptr(part_max), _ptr(part_sum),
+                           ctypes.c_int(work.units.shape[0]), ctypes.c_int(head_tiles))
     if work.split_rows.shape[0]:
         split_rows = np.ascontiguousarray(work.split_rows, dtype=np.int32)
         merged = np.zeros((split_rows.shape[0], num_heads, head_dim), dtype=np.float32)
         library.run_varlen_merge(_ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(split_rows), _ptr(merged),
                                  ctypes.c_int(num_heads), ctypes.c_int(split_rows.shape[0]))
         out[split_rows[:, 0]] = merged
+    rows = plan.kernel.decode
+    if rows is not None:
+        constants = decode_constants(plan)
+        out[rows.host_rows] = run_decode(
+            build(constants, workdir), constants, np.asarray(queries)[rows.host_rows], key_cache, value_cache,
+            np.array(rows.block_tables), np.array(rows.context_lens), scale, rows.plan.num_partitions,
+        )
     return out

@@ -96,11 +96,11 @@ def test_one_plan_serves_every_layer(rng, backend):
 
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_long_decode_contexts_split_across_partitions_match_oracle(rng, backend):
+def test_long_contexts_split_across_partitions_match_oracle(rng, backend):
     lengths = np.array([4100, 1, 2049, 17, 3000], dtype=np.int32)
     case = make_paged_case(rng, lengths, 8, 128, 16, "float16")
-    starts = starts_of(np.ones(5, dtype=np.int32))
-    queries = random_stored(rng, (5, 32, 128), "float16")
+    starts = starts_of(np.array([1, 1, 40, 1, 3], dtype=np.int32))
+    queries = random_stored(rng, (int(starts[-1]), 32, 128), "float16")
     step_plan = plan_for(case, starts, 32, backend, partition_size=512, min_partition_size=256)
     out = kernels.paged_varlen_attention(queries, case.key_cache, case.value_cache, step_plan, scale=0.09)
     assert_close(out, oracle_prefill(case, queries, starts, 0.09), "float16")
@@ -184,7 +184,7 @@ def _unit_fields(work):
     return {name: work.units[:, i] for i, name in enumerate(source.UNIT_FIELDS)}
 
 
-def test_every_query_row_is_in_exactly_one_tile_and_each_tile_covers_its_causal_context():
+def test_every_chunk_row_is_in_exactly_one_tile_and_each_tile_covers_its_causal_context():
     q_lens, lengths = [1, 7, 16, 17, 1], [300, 7, 40, 1100, 5000]
     work = _work(q_lens, lengths, partition_size=512, min_partition_size=512)
     units = _unit_fields(work)
@@ -194,11 +194,25 @@ def test_every_query_row_is_in_exactly_one_tile_and_each_tile_covers_its_causal_
         covered.setdefault((int(row), int(count), int(position)), []).append((int(start), int(end)))
         assert position == lengths[seq] - q_lens[seq] + (row - starts_of(q_lens)[seq])
     rows = sorted(r + i for (r, c, _), _ in covered.items() for i in range(c))
-    assert rows == list(range(sum(q_lens)))
+    assert rows == list(range(1, 41))  # rows 0 and 41 are decode rows: the decode kernel takes them
     for (row, count, position), ranges in covered.items():
         ranges.sort()
         assert ranges[0][0] == 0 and ranges[-1][1] == position + count
         assert all(a[1] == b[0] and a[1] - a[0] == 512 for a, b in zip(ranges, ranges[1:]))
+
+
+def test_decode_rows_are_planned_for_the_decode_kernel_with_their_own_tables():
+    tables = np.arange(12, dtype=np.int32).reshape(3, 4)
+    step = varlen_plan.plan_kernel("cuda", starts_of([1, 5, 1]), np.array([9, 20, 64], dtype=np.int32), tables,
+                                   8, 2, 64, kernels.VarlenTuning())
+    rows = step.decode
+    assert rows.host_rows.tolist() == [0, 6] and not rows.every_row
+    assert np.array(rows.block_tables).tolist() == [[0, 1, 2, 3], [8, 9, 10, 11]]
+    assert np.array(rows.context_lens).tolist() == [9, 64]
+    assert set(step.work.units[:, 0].tolist()) == {1}
+    only_decodes = varlen_plan.plan_kernel("cuda", starts_of([1, 1]), np.array([9, 20], dtype=np.int32), tables[:2],
+                                           8, 2, 64, kernels.VarlenTuning())
+    assert only_decodes.decode.every_row and only_decodes.num_units == 0
 
 
 def test_units_are_listed_longest_context_first():
@@ -208,38 +222,53 @@ def test_units_are_listed_longest_context_first():
 
 
 def test_split_tiles_get_disjoint_partial_rows_and_one_merge_row_per_query():
-    work = _work([1, 6, 1], [2000, 1500, 10], partition_size=512, min_partition_size=512)
+    work = _work([2, 6, 3], [2000, 1500, 10], partition_size=512, min_partition_size=512)
     units = _unit_fields(work)
     split = units["split"] == 1
     assert set(units["seq"][split].tolist()) == {0, 1} and not units["split"][units["seq"] == 2].any()
     partial = [int(p) + i for p, c in zip(units["partial_row"][split], units["query_count"][split]) for i in range(c)]
     assert sorted(partial) == list(range(work.num_partial_rows))
-    assert sorted(work.split_rows[:, 0].tolist()) == list(range(7))  # every query of seqs 0 and 1
+    assert sorted(work.split_rows[:, 0].tolist()) == list(range(8))  # every query of seqs 0 and 1
     assert work.split_rows[work.split_rows[:, 0] == 0, 3].tolist() == [4]  # 2000 tokens in 512s
 
 
 def test_short_steps_shrink_partitions_to_fill_the_gpu_and_full_ones_do_not():
-    one_long_decode = _work([1], [8192], head_tiles=8, partition_size=1024, min_partition_size=256, target_threadgroups=512)
-    assert one_long_decode.partition_size == 256
-    many = _work([1] * 64, [4096] * 64, head_tiles=8, partition_size=1024, target_threadgroups=512)
+    one_long_chunk = _work([4], [8192], head_tiles=8, partition_size=1024, min_partition_size=256, target_threadgroups=512)
+    assert one_long_chunk.partition_size == 256
+    many = _work([4] * 64, [4096] * 64, head_tiles=8, partition_size=1024, target_threadgroups=512)
     assert many.partition_size == 1024
 
 
 @pytest.mark.parametrize("dialect", ["cuda", "metal"])
 @pytest.mark.parametrize("group,head_dim", [(1, 64), (4, 64), (4, 128), (8, 128), (8, 256), (4, 80)])
-def test_tile_shape_fits_shared_memory_and_keeps_whole_gqa_groups(dialect, group, head_dim):
-    budget = varlen_plan.SHARED_BYTES[dialect] // 4
+def test_tile_shape_fits_shared_memory_for_both_pool_widths_and_keeps_whole_gqa_groups(dialect, group, head_dim):
+    budget = varlen_plan.SHARED_BYTES[dialect]
     shape = varlen_plan.tile_shape_for(group, head_dim, 500, budget, kernels.VarlenTuning())
-    assert varlen_plan.shared_words(shape, head_dim) <= budget
-    assert shape.heads_per_tile == group
-    assert shape.q_tokens >= 1 and shape.kv_tile in varlen_plan.KV_TILES
+    for itemsize in varlen_plan.ITEMSIZES:
+        kv_tile = shape.kv_tile_for(itemsize)
+        assert varlen_plan.shared_bytes(shape.rows, kv_tile, head_dim, itemsize) <= budget
+        assert kv_tile in varlen_plan.KV_TILES and head_dim % kv_tile == 0
+        assert shape.threads_for(itemsize) % 32 == 0 and shape.threads_for(itemsize) <= varlen_plan.MAX_THREADS
+    assert shape.heads_per_tile == group and shape.rows % varlen_plan.SUB == 0
 
 
-def test_decode_only_steps_get_one_token_tiles_and_chunks_get_more():
-    budget = varlen_plan.SHARED_BYTES["cuda"] // 4
-    assert varlen_plan.tile_shape_for(4, 128, 1, budget, kernels.VarlenTuning()).q_tokens == 1
+def test_tiles_hold_64_rows_for_the_measured_shapes_on_cuda():
+    budget = varlen_plan.SHARED_BYTES["cuda"]
+    shape = varlen_plan.tile_shape_for(4, 128, 512, budget, kernels.VarlenTuning())
+    assert (shape.q_tokens, shape.heads_per_tile, shape.kv_tile, shape.threads_for(2)) == (16, 4, 32, 128)
+    assert varlen_plan.tile_shape_for(4, 64, 512, budget, kernels.VarlenTuning()).kv_tile == 32
+    assert varlen_plan.tile_shape_for(1, 64, 500, budget, kernels.VarlenTuning()).q_tokens == 64
+
+
+def test_short_chunks_get_short_tiles_but_whole_row_blocks():
+    budget = varlen_plan.SHARED_BYTES["cuda"]
     assert varlen_plan.tile_shape_for(4, 128, 3, budget, kernels.VarlenTuning()).q_tokens == 4
-    assert varlen_plan.tile_shape_for(1, 64, 500, budget, kernels.VarlenTuning()).q_tokens == 16
+    assert varlen_plan.tile_shape_for(1, 64, 2, budget, kernels.VarlenTuning()).rows == 4
+
+
+def test_head_dims_that_are_not_whole_16_byte_rows_are_refused():
+    with pytest.raises(kernels.UnsupportedAttentionShape):
+        varlen_plan.tile_shape_for(4, 36, 16, varlen_plan.SHARED_BYTES["cuda"], kernels.VarlenTuning())
 
 
 # --- the kernel text ------------------------------------------------------------------------
@@ -257,17 +286,21 @@ def test_dialects_share_the_varlen_body_and_differ_only_in_prologue():
 
 def test_threadgroup_memory_declared_by_the_body_is_what_the_plan_budgets():
     _, body = source.render_varlen("cuda")
-    declared = [line.split("[")[1].split("]")[0] for line in body.splitlines() if line.strip().startswith("SHARED float")]
-    assert declared == ["ROWS * HEAD_DIM", "KV_TILE * K_STRIDE", "KV_TILE * HEAD_DIM", "ROWS * KV_TILE", "ROWS", "ROWS", "ROWS"]
+    declared = [line.strip().split(" ", 2)[2] for line in body.splitlines() if line.strip().startswith("SHARED")]
+    assert declared == ["T q_tile[HEAD_DIM * ROWS];", "T k_tile[HEAD_DIM * KV_TILE];", "T v_tile[KV_TILE * V_STRIDE];",
+                        "float p_tile[KV_TILE * ROWS];"]
+    assert "constexpr int V_STRIDE = HEAD_DIM + VEC;" in body and "constexpr int VEC = 16 / int(sizeof(T));" in body
 
 
 #: (num_kv_heads, group, head_dim, block_size, tuning): every key-tile width, head dims that do and
-#: do not divide by 32, partitions small enough that chunks and decodes split.
+#: do not divide by 32, partitions small enough that chunks split, and a D=128 tile of 16 rows that fills
+#: only half a warp (the other lanes only load and shuffle).
 EMULATED = [
-    (2, 4, 64, 16, dict(threads=64, max_query_tokens=4, partition_size=64, min_partition_size=64)),
-    (1, 8, 32, 8, dict(threads=64, max_query_tokens=2, partition_size=96, min_partition_size=96, kv_tile=16)),
-    (1, 1, 80, 16, dict(threads=64, max_query_tokens=8, partition_size=64, min_partition_size=64, kv_tile=8)),
-    (1, 2, 64, 32, dict(threads=64, max_query_tokens=16, partition_size=1024, min_partition_size=1024)),
+    (2, 4, 64, 16, dict(max_query_tokens=4, partition_size=64, min_partition_size=64)),
+    (1, 8, 32, 8, dict(max_query_tokens=2, partition_size=96, min_partition_size=96, kv_tile=16)),
+    (1, 1, 80, 16, dict(max_query_tokens=8, partition_size=64, min_partition_size=64, kv_tile=8)),
+    (1, 2, 64, 32, dict(max_query_tokens=16, partition_size=1024, min_partition_size=1024)),
+    (1, 4, 128, 16, dict(max_query_tokens=4, partition_size=128, min_partition_size=128)),
 ]
 
 
@@ -281,20 +314,22 @@ def emulator_dir(tmp_path_factory):
 def _emulated(case, starts, num_heads, tuning, emulator_dir, monkeypatch, rng, scale=0.11):
     monkeypatch.setattr(dispatch, "metal_available", lambda: True)  # plan for the Metal text; the emulator runs it
     step_plan = plan_for(case, starts, num_heads, "metal", **tuning)
-    library = emulator.compile_library(emulator.varlen_source(emulator.varlen_constants(step_plan, tuning["threads"])), emulator_dir)
+    library = emulator.compile_library(emulator.varlen_source(emulator.varlen_constants(step_plan)), emulator_dir)
     queries = random_stored(rng, (int(starts[-1]), num_heads, case.keys64.shape[3]), "float32")
-    out = emulator.run_varlen(library, step_plan, to_float64(queries), case.keys64, case.values64, case.block_tables, scale)
+    out = emulator.run_varlen(library, step_plan, to_float64(queries), case.keys64, case.values64, case.block_tables, scale,
+                              emulator_dir)
     return step_plan, out, oracle_prefill(case, queries, starts, scale)
 
 
 @pytest.mark.parametrize("config", range(len(EMULATED)))
 def test_varlen_text_on_cpu_emulator_matches_float64_oracle(emulator_dir, monkeypatch, rng, config):
     num_kv_heads, group, head_dim, block_size, tuning = EMULATED[config]
-    chunks = [1, 7, 16, 17] if config < 3 else [500]
+    chunks = [1, 7, 16, 17] if config < 3 else [500] if config == 3 else [2, 9]
     q_lens, lengths = mixed_step(rng, chunks, num_decodes=5, max_decode_context=400)
     case = make_paged_case(rng, lengths, num_kv_heads, head_dim, block_size, "float32")
     step_plan, out, expected = _emulated(case, starts_of(q_lens), num_kv_heads * group, tuning, emulator_dir, monkeypatch, rng)
-    assert step_plan.kernel.shape.kv_tile == tuning.get("kv_tile", step_plan.kernel.shape.kv_tile)
+    assert step_plan.kernel.shape.kv_tile_for(4) <= tuning.get("kv_tile", 32)
+    assert step_plan.kernel.decode is not None and step_plan.kernel.num_units > 0
     assert np.isfinite(out).all(), "a NaN-poisoned slot or an unwritten row reached the output"
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
 
@@ -303,7 +338,7 @@ def test_emulated_partition_that_holds_no_key_of_some_queries_adds_nothing(emula
     # Tiles of 4 over positions 123..129: the tile [127, 130) splits into [0, 64), [64, 128), [128, 130),
     # and query 127 sees no key of the last partition.
     case = make_paged_case(rng, [130, 90], 1, 64, 16, "float32")
-    tuning = dict(threads=64, max_query_tokens=4, partition_size=64, min_partition_size=64)
+    tuning = dict(max_query_tokens=4, partition_size=64, min_partition_size=64)
     step_plan, out, expected = _emulated(case, np.array([0, 7, 8], dtype=np.int32), 4, tuning, emulator_dir, monkeypatch, rng)
     assert step_plan.kernel.work.split_rows.shape[0] > 0
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
@@ -311,7 +346,8 @@ def test_emulated_partition_that_holds_no_key_of_some_queries_adds_nothing(emula
 
 class EmulatedCompiler:
     """Stands in for `metal_kernel` / `cuda_kernel`: each launch runs the kernel text on the emulator,
-    so the launcher's grid, template constants, output shapes and merge scatter are what gets checked."""
+    so the launcher's grid, template constants, output shapes and scatters are what gets checked.
+    Decode rows run through the single-pass decode kernel (keep their contexts within one partition)."""
 
     def __init__(self, workdir):
         self.workdir = workdir
@@ -321,14 +357,18 @@ class EmulatedCompiler:
         def launch(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
             arrays = [np.array(a.astype(mx.int32 if a.dtype == mx.int32 else mx.float32)) for a in inputs]
             groups = (grid[0] // threadgroup[0], grid[1])
+            constants = {key: value for key, value in template if key != "T"}
+            outputs = [np.full(shape, np.nan, dtype=np.float32) for shape in output_shapes]
             if name == "orchard_paged_varlen":
-                constants = {key: value for key, value in template if key != "T"}
                 self.library = emulator.compile_library(emulator.varlen_source(constants), self.workdir)
-                outputs = [np.full(shape, np.nan, dtype=np.float32) for shape in output_shapes]
                 self.library.run_varlen(*map(emulator._ptr, arrays + outputs), *map(ctypes.c_int, groups))
-            else:
-                outputs = [np.full(output_shapes[0], np.nan, dtype=np.float32)]
+            elif name == "orchard_paged_varlen_merge":
                 self.library.run_varlen_merge(*map(emulator._ptr, arrays + outputs), *map(ctypes.c_int, groups))
+            elif name == "orchard_paged_decode":
+                decode = emulator.build(constants, self.workdir)
+                decode.run_single(*map(emulator._ptr, arrays + outputs), *map(ctypes.c_int, (*groups, grid[2])))
+            else:
+                raise NotImplementedError(name)
             return [mx.array(o).astype(dtype) for o, dtype in zip(outputs, output_dtypes)]
 
         return launch
@@ -338,11 +378,11 @@ def test_launcher_runs_plan_and_merge_through_the_emulated_kernel(emulator_dir, 
     from kernels.varlen import PagedVarlenKernels
 
     monkeypatch.setattr(dispatch, "metal_available", lambda: True)
-    q_lens, lengths = mixed_step(rng, [7, 17], num_decodes=4, max_decode_context=300)
+    q_lens, lengths = mixed_step(rng, [7, 17], num_decodes=4, max_decode_context=200)
     case = make_paged_case(rng, lengths, 2, 64, 16, "float32")
     starts = starts_of(q_lens)
-    step_plan = plan_for(case, starts, 8, "metal", threads=64, max_query_tokens=8, partition_size=64, min_partition_size=64)
-    assert step_plan.kernel.split_rows is not None
+    step_plan = plan_for(case, starts, 8, "metal", max_query_tokens=8, partition_size=64, min_partition_size=64)
+    assert step_plan.kernel.split_rows is not None and not step_plan.kernel.decode.plan.partitioned
     queries = random_stored(rng, (int(starts[-1]), 8, 64), "float32")
     out = PagedVarlenKernels("metal", EmulatedCompiler(emulator_dir))(queries, case.key_cache, case.value_cache, step_plan, 0.125)
     assert_close(out, oracle_prefill(case, queries, starts, 0.125), "float32")
