@@ -7,7 +7,7 @@ OPENBLAS = $(shell $(PY) -m node.openblas 2>/dev/null)
 export RAY_USAGE_STATS_ENABLED := 0
 export PYTHONHASHSEED := 0
 
-.PHONY: venv test test-fast serve bench clean
+.PHONY: venv lint test test-fast serve bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,10 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+test: lint
 	LD_PRELOAD=$(OPENBLAS) $(PY) -m pytest tests -q
 
 test-fast: $(STAMP)

@@ -24,52 +24,13 @@ import argparse
 import logging
 import os
 import sys
-import threading
-
-log = logging.getLogger("orchard.deploy")
 
 DEFAULT_PLACE_EVERY_S = 5.0
 
 
-class LatePlacer:
-    """Every `every_s` seconds, a node actor on each `orchard_node` machine that has none.
-
-    The actors are not detached: they belong to this driver and end with it.
-    """
-
-    def __init__(self, engine_config, every_s: float):
-        self._engine_config = engine_config
-        self._every_s = every_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="orchard-placer", daemon=True)
-
-    def start(self) -> None:
-        if self._every_s > 0:
-            self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=30)
-
-    def _loop(self) -> None:
-        from cluster.ray_cluster import place_node_actors
-
-        last_error = ""
-        while not self._stop.wait(self._every_s):
-            try:
-                for node_id in place_node_actors(self._engine_config):
-                    log.warning("node %s joined: its node actor is serving", node_id)
-                last_error = ""
-            except Exception as exc:  # a machine that left mid-placement; the next round retries
-                if str(exc) != last_error:
-                    log.warning("placing node actors failed: %s", exc)
-                last_error = str(exc)
-
-
 def parser() -> argparse.ArgumentParser:
     """`orchard serve`'s own options (so the two never disagree), attached by default."""
-    from cluster.commands import serve
+    from cluster.cli import serve
 
     holder = argparse.ArgumentParser(add_help=False)
     sub = holder.add_subparsers()
@@ -87,8 +48,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cluster.commands import serve
-    from cluster.ray_access import UnauthenticatedRay, check_driver_has_token
+    from cluster.cli import serve
+    from cluster.runtime.ray_access import UnauthenticatedRay, check_driver_has_token
     from node.openblas import reexec_with_openblas
 
     args = parser().parse_args(argv)
@@ -109,14 +70,16 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     reexec_with_openblas()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("orchard.placement").setLevel(logging.INFO)  # say when a machine joins
     return serve_with_placer(args, keys)
 
 
 def serve_with_placer(args, keys: frozenset[str]) -> int:
-    from cluster.commands import serve
+    from cluster.cli import serve
+    from cluster.runtime.placement import Placer
 
     started = serve.start_backend(args)
-    placer = LatePlacer(serve.engine_config(args), args.place_every)
+    placer = Placer(serve.engine_config(args), args.place_every)
     stop_backend = started.stop
 
     def stop() -> None:

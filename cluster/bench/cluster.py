@@ -24,8 +24,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
-from cluster.coordinator import Coordinator
-from cluster.membership import NodeInfo
+from cluster.coordinator.coordinator import Coordinator
+from cluster.coordinator.membership import NodeInfo
 from kvcache.events import BlockStored
 from kvcache.hashing import block_hashes, root_hash
 
@@ -181,10 +181,10 @@ async def _drive(backend, model, requests, params):
 def bench_policy(policy: str, cfg: WorkloadConfig, requests: list[Request], nodes: int = 3) -> PolicyFigures:
     import ray
 
-    from cluster.coordinator import CoordinatorConfig
-    from cluster.ray_backend import RayBackend, RayBackendConfig
-    from cluster.ray_cluster import LocalCluster, ensure_coordinator, node_actor_config, start_node_actor
-    from cluster.router import RouterConfig
+    from cluster.coordinator.coordinator import CoordinatorConfig
+    from cluster.coordinator.router import RouterConfig
+    from cluster.gateway.ray_backend import RayBackend, RayBackendConfig
+    from cluster.runtime.ray_cluster import LocalCluster, ensure_coordinator, node_actor_config, start_node_actor
     from node.engine import EngineConfig
     from node.types import SamplingParams
 

@@ -1,4 +1,4 @@
-"""What the HTTP front costs and what it delivers: `python -m cluster.bench_gateway`.
+"""What the HTTP front costs and what it delivers: `python -m cluster.bench.gateway`.
 
 One run on one model measures, in order:
 
@@ -130,7 +130,7 @@ def http_ttft(base_url: str, model: str, prompts: list[list[int]]) -> list[float
 # ---- 2. throughput under concurrent streaming clients ------------------------------------
 def throughput(base_url: str, model: str, tokenizer_path: str, cfg: GatewayBenchConfig) -> dict:
     """`orchard bench serve`'s summary of one burst of `requests` at `clients` concurrency."""
-    from cluster.loadgen import DatasetConfig, EndpointConfig, LengthRange, LoadConfig, ServeBenchConfig, run_bench
+    from cluster.bench.loadgen import DatasetConfig, EndpointConfig, LengthRange, LoadConfig, ServeBenchConfig, run_bench
 
     bench = ServeBenchConfig(
         endpoint=EndpointConfig(base_url, model, ignore_eos=True),
@@ -157,7 +157,7 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{port}"
         self._proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
         self._proc = subprocess.Popen(self.cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -308,7 +308,7 @@ def table(result: dict) -> str:
 
 def parse_args(argv: list[str] | None) -> tuple[GatewayBenchConfig, str | None]:
     d = GatewayBenchConfig()
-    p = argparse.ArgumentParser(prog="python -m cluster.bench_gateway", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m cluster.bench.gateway", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=d.model, help="mlx-lm model path (default: the bundled demo model)")
     p.add_argument("--ttft-samples", type=int, default=d.ttft_samples)
     p.add_argument("--ttft-prompt-tokens", type=int, default=d.ttft_prompt_tokens)

@@ -1,4 +1,4 @@
-"""KV-memory benchmark: `python -m kvcache.bench`.
+"""KV-memory benchmark: `python -m cluster.bench.kvcache`.
 
 Measures what the paged design is meant to buy: cheap block bookkeeping, little
 wasted KV memory against contiguous preallocation, and a cold tier that restores a
@@ -303,11 +303,11 @@ def write_section(path: Path, section: str) -> None:
 def command_line(argv: list[str] | None) -> str:
     args = sys.argv[1:] if argv is None else argv
     preload = os.environ.get("LD_PRELOAD")
-    return (f"LD_PRELOAD={preload} " if preload else "") + " ".join([".venv/bin/python -m kvcache.bench", *args])
+    return (f"LD_PRELOAD={preload} " if preload else "") + " ".join([".venv/bin/python -m cluster.bench.kvcache", *args])
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvcache.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m cluster.bench.kvcache", description=__doc__.splitlines()[0])
     parser.add_argument("--sequences", type=int, default=10_000, help="sequences to allocate and free")
     parser.add_argument("--cold-blocks", type=int, default=128, help="2 MiB blocks for the cold-tier restore")
     parser.add_argument("--no-recompute", action="store_true", help="skip the model prefill comparison")

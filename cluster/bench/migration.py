@@ -12,7 +12,7 @@ here), one node actor on each (node "a" on the head, node "b" on the worker):
 4. per case (model x prefix length), the router's choice for b (coordinator `route` with a
    excluded) against which of the two measured TTFTs was lower.
 
-    python -m cluster.bench_migration [--prefix-tokens 2048] [--sizes small,large]
+    python -m cluster.bench.migration [--prefix-tokens 2048] [--sizes small,large]
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class NodePair:
     def __init__(self, local, size: str, config: BenchConfig, num_blocks: int):
         import ray
 
-        from cluster.ray_cluster import node_actor_config, start_node_actor
+        from cluster.runtime.ray_cluster import node_actor_config, start_node_actor
         from node.demo_model import default_demo_model_path
         from node.engine import EngineConfig
 
@@ -259,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     from node.openblas import openblas_in_use, reexec_with_openblas
 
     reexec_with_openblas()
-    from cluster.coordinator import CoordinatorConfig
-    from cluster.ray_cluster import LocalCluster, ensure_coordinator
+    from cluster.coordinator.coordinator import CoordinatorConfig
+    from cluster.runtime.ray_cluster import LocalCluster, ensure_coordinator
 
     tcp_Bps = tcp_throughput(config.tcp_mib << 20)
     rows, cases = [], []

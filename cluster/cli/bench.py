@@ -1,9 +1,8 @@
 """`orchard bench`: benchmarks, one subcommand each.
 
-`serve` and `compare` live here (the load generator in `cluster/loadgen`). The others
-belong to the package they measure and are found at run time: each is a module with
-`main(argv) -> int`, so this group only forwards its arguments, and says plainly when
-a benchmark has not been written yet.
+`serve` and `compare` live here (the load generator in `cluster/bench/loadgen`). The others
+are modules with `main(argv) -> int` (in `cluster/bench/`, or beside the engine and the
+kernels they measure), so this group only forwards their arguments.
 """
 
 from __future__ import annotations
@@ -16,17 +15,13 @@ import sys
 
 # subcommand -> (module with main(argv), what it measures)
 DELEGATED = {
-    "kv": ("kvcache.bench", "KV block pool and prefix cache"),
+    "kv": ("cluster.bench.kvcache", "KV block pool and prefix cache"),
     "kernels": ("kernels.bench", "paged attention kernels"),
     "engine": ("node.bench", "one node's engine, offline"),
-    "cluster": ("cluster.bench_cluster", "routing across nodes"),
-    "migration": ("cluster.bench_migration", "KV block migration between nodes"),
-    "gateway": ("cluster.bench_gateway", "HTTP front vs engine; orchard serve vs mlx_lm.server"),
+    "cluster": ("cluster.bench.cluster", "routing across nodes"),
+    "migration": ("cluster.bench.migration", "KV block migration between nodes"),
+    "gateway": ("cluster.bench.gateway", "HTTP front vs engine; orchard serve vs mlx_lm.server"),
 }
-
-
-class BenchNotAvailable(RuntimeError):
-    """The module behind a delegated `orchard bench` subcommand does not exist yet."""
 
 
 def register(sub) -> None:
@@ -38,29 +33,12 @@ def register(sub) -> None:
         # '+' as the only prefix char: every argument, '--help' included, goes to the module.
         q = group.add_parser(name, help=f"{what} (runs {module})", add_help=False, prefix_chars="+")
         q.add_argument("argv", nargs=argparse.REMAINDER)
-        q.set_defaults(func=lambda args, module=module, name=name: run_delegated(name, module, args.argv))
+        q.set_defaults(func=lambda args, module=module: run_delegated(module, args.argv))
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
-def run_delegated(name: str, module_name: str, argv: list[str]) -> int:
-    try:
-        module = load_bench_module(module_name)
-    except BenchNotAvailable as exc:
-        print(f"orchard bench {name}: {exc}", file=sys.stderr)
-        return 2
-    return int(module.main(list(argv)) or 0)
-
-
-def load_bench_module(module_name: str):
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name == module_name or module_name.startswith(f"{exc.name}."):
-            raise BenchNotAvailable(f"not available yet: module {module_name} does not exist") from exc
-        raise
-    if not callable(getattr(module, "main", None)):
-        raise BenchNotAvailable(f"module {module_name} has no main(argv)")
-    return module
+def run_delegated(module_name: str, argv: list[str]) -> int:
+    return int(importlib.import_module(module_name).main(list(argv)) or 0)
 
 
 def _add_serve(group) -> None:
@@ -114,7 +92,7 @@ def _add_compare(group) -> None:
 
 def serve_config(args):
     """The benchmark configuration the parsed arguments describe (validated here, once)."""
-    from cluster.loadgen import DatasetConfig, EndpointConfig, LengthRange, LoadConfig, ServeBenchConfig, SLO
+    from cluster.bench.loadgen import SLO, DatasetConfig, EndpointConfig, LengthRange, LoadConfig, ServeBenchConfig
 
     sweep = tuple(int(x) for x in args.sweep_concurrency.split(",")) if args.sweep_concurrency else ()
     num_prompts = args.num_prompts if args.num_prompts is not None or args.duration is not None else 100
@@ -136,8 +114,8 @@ def serve_config(args):
 def run_serve(args) -> int:
     from rich.console import Console
 
-    from cluster.loadgen import run_bench
-    from cluster.loadgen.report import print_summary, write_json
+    from cluster.bench.loadgen import run_bench
+    from cluster.bench.loadgen.report import print_summary, write_json
 
     try:
         cfg = serve_config(args)
@@ -152,7 +130,7 @@ def run_serve(args) -> int:
         console.print(f"result written to {args.result_file}")
     plot_dir = args.plot_dir or (os.path.dirname(os.path.abspath(args.result_file)) if args.result_file else None)
     if plot_dir:
-        from cluster.loadgen.plots import write_plots
+        from cluster.bench.loadgen.plots import write_plots
 
         stem = os.path.splitext(os.path.basename(args.result_file))[0] if args.result_file else "bench"
         for path in write_plots(doc, plot_dir, stem):
@@ -161,8 +139,8 @@ def run_serve(args) -> int:
 
 
 def run_compare(args) -> int:
-    from cluster.loadgen.compare import compare_documents, print_comparison
-    from cluster.loadgen.report import load_json
+    from cluster.bench.loadgen.compare import compare_documents, print_comparison
+    from cluster.bench.loadgen.report import load_json
 
     rows = compare_documents(load_json(args.a), load_json(args.b))
     print_comparison(rows, args.a, args.b)

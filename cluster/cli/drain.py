@@ -18,9 +18,9 @@ def register(sub) -> None:
 def run(args) -> int:
     import ray
 
-    from cluster.coordinator import COORDINATOR_NAME, NAMESPACE
-    from cluster.membership import UnknownNode
-    from cluster.ray_cluster import connect
+    from cluster.coordinator.coordinator import COORDINATOR_NAME, NAMESPACE
+    from cluster.coordinator.membership import UnknownNode
+    from cluster.runtime.ray_cluster import connect
 
     connect(args.address)
     coordinator = ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)

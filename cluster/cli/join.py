@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster.commands.lifecycle import stop_on_signals
+from cluster.cli.lifecycle import stop_on_signals
 
 DEFAULT_CLUSTER = "orchard"
 DEFAULT_RAY_PORT = 6379
@@ -49,8 +49,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from cluster import cluster_token as ct
-    from cluster.ray_access import require_token_auth
+    from cluster.discovery import cluster_token as ct
+    from cluster.runtime.ray_access import require_token_auth
     from node.agent import AgentConfig, JoinAgent
 
     _setup_logging()
@@ -111,7 +111,7 @@ def head_is_loopback(head: str | None) -> bool:
 
 def _watch_head(args, agent, key: bytes):
     """Report the head to the agent: once for --head, else on every valid advertisement."""
-    from cluster.discovery import AdvertBrowser, AdvertVerifier, instance_name
+    from cluster.discovery.adverts import AdvertBrowser, AdvertVerifier, instance_name
     from node.agent import HeadSighting
 
     if args.head:
@@ -141,7 +141,7 @@ def drain_this_node(agent, timeout_s: float) -> None:
     """
     import ray
 
-    from cluster.coordinator import COORDINATOR_NAME, NAMESPACE
+    from cluster.coordinator.coordinator import COORDINATOR_NAME, NAMESPACE
     from node.agent import LABEL_AGENT
 
     joined = agent.joined

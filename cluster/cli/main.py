@@ -1,25 +1,23 @@
 """`orchard`: one entry point, one module per subcommand.
 
 Each subcommand lives in its own module exposing `register(subparsers)`, which adds its
-parser and sets `func`; modules are imported only when present so the CLI stays usable
-while commands are added, and heavy imports (MLX, Ray) happen inside the commands.
+parser and sets `func`; heavy imports (MLX, Ray) happen inside the commands.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 
-# (module, attribute) for each subcommand group, in help order.
+# One module per subcommand, in help order.
 _COMMANDS = [
-    "cluster.commands.serve",
-    "cluster.commands.head",
-    "cluster.commands.join",
-    "cluster.commands.status",
-    "cluster.commands.drain",
-    "cluster.commands.bench",
-    "cluster.commands.demo_model",
+    "cluster.cli.serve",
+    "cluster.cli.head",
+    "cluster.cli.join",
+    "cluster.cli.status",
+    "cluster.cli.drain",
+    "cluster.cli.bench",
+    "cluster.cli.demo_model",
 ]
 
 
@@ -27,13 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="orchard", description="Serve LLMs from a set of Macs as one endpoint.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMANDS:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 
@@ -48,6 +40,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     return int(args.func(args) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

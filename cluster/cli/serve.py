@@ -68,7 +68,7 @@ def register(sub) -> None:
 
 def _router_policies() -> tuple[str, ...] | None:
     try:
-        from cluster.router import POLICIES
+        from cluster.coordinator.router import POLICIES
     except ImportError:
         return None
     return POLICIES
@@ -107,35 +107,20 @@ def engine_config(args):
     )
 
 
-def ray_backend_available(*, import_ray: bool = True) -> bool:
-    """Whether this build has the Ray backend; `import_ray=False` answers without importing Ray,
-    whose access settings must be made before its first import."""
-    if not import_ray:
-        import importlib.util
-
-        return all(importlib.util.find_spec(m) is not None for m in ("ray", "cluster.ray_backend", "cluster.ray_cluster"))
-    try:
-        import cluster.ray_backend  # noqa: F401
-        import cluster.ray_cluster  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def starts_local_ray(args) -> bool:
-    return not args.no_ray and not args.address and ray_backend_available(import_ray=False)
+    return not args.no_ray and not args.address
 
 
 def lock_down_local_ray() -> None:
     """The private Ray that `serve` starts: a fresh token that only this process tree knows,
     everything on loopback whatever `--host` says (only the gateway faces clients)."""
-    from cluster.ray_access import new_ray_token, require_token_auth
+    from cluster.runtime.ray_access import new_ray_token, require_token_auth
 
     require_token_auth(new_ray_token(), loopback=True)
 
 
 def start_local(args, step) -> Started:
-    from cluster.backend import LocalBackend
+    from cluster.gateway.backend import LocalBackend
     from node.async_engine import AsyncEngine
 
     step("loading model")
@@ -146,8 +131,8 @@ def start_local(args, step) -> Started:
 def start_ray(args, step) -> Started:
     import ray
 
-    from cluster.ray_backend import RayBackend, RayBackendConfig
-    from cluster.ray_cluster import LocalCluster, connect, ensure_coordinator, place_node_actors
+    from cluster.gateway.ray_backend import RayBackend, RayBackendConfig
+    from cluster.runtime.ray_cluster import LocalCluster, connect, ensure_coordinator, place_node_actors
 
     local = None
     if args.address:
@@ -203,7 +188,7 @@ def start_backend(args) -> Started:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    use_ray = not args.no_ray and ray_backend_available()
+    use_ray = not args.no_ray
     console = Console(stderr=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("starting", total=None)
@@ -271,7 +256,8 @@ def serve_started(started: Started, args, keys: frozenset[str]) -> int:
     """
     import uvicorn
 
-    from cluster.gateway import GatewayConfig, create_app
+    from cluster.gateway.app import create_app
+    from cluster.gateway.state import GatewayConfig
 
     try:
         config = GatewayConfig(api_keys=keys, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
@@ -284,12 +270,26 @@ def serve_started(started: Started, args, keys: frozenset[str]) -> int:
         port = sock.getsockname()[1]
         host = f"[{args.host}]" if ":" in args.host else args.host
         auth = "API key required" if keys else "no API key"
-        print(f"orchard: serving {started.model} at http://{host}:{port}/v1 ({auth}; Ctrl-C to stop)", flush=True)
+        line = f"orchard: serving {started.model} at http://{host}:{port}/v1 ({auth}; Ctrl-C to stop)"
         with _stop_signals_end_quietly():
+            _announce_when_listening(server, line)
             server.run(sockets=[sock])
     finally:
         started.stop()
     return 0
+
+
+def _announce_when_listening(server, line: str) -> None:
+    """Print `line` once uvicorn listens and handles SIGTERM itself: a stop signal sent on
+    seeing it then drains the server instead of landing in the quiet handler below."""
+    startup = server.startup
+
+    async def startup_then_announce(sockets=None):
+        await startup(sockets=sockets)
+        if not server.should_exit:
+            print(line, flush=True)
+
+    server.startup = startup_then_announce
 
 
 @contextlib.contextmanager

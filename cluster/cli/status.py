@@ -15,8 +15,8 @@ def register(sub) -> None:
 def run(args) -> int:
     import ray
 
-    from cluster.coordinator import COORDINATOR_NAME, NAMESPACE
-    from cluster.ray_cluster import connect
+    from cluster.coordinator.coordinator import COORDINATOR_NAME, NAMESPACE
+    from cluster.runtime.ray_cluster import connect
 
     connect(args.address)
     try:

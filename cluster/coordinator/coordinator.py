@@ -17,17 +17,17 @@ a joining node asks `link_peers` whom to probe.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import ray
 
-from cluster.migration import LinkCostFit
-from cluster.membership import Membership, MembershipConfig, NodeId, NodeInfo, NodeLoad, NodeStatus, UnknownNode
-from cluster.pending_prefixes import PendingPrefixes
-from cluster.prefix_index import PrefixIndex
-from cluster.replication import BlockMove, NodeLoadView, ReplicationConfig, ReplicationPlanner
-from cluster.router import RouteDecision, Router, RouterConfig, RouteRequest
+from cluster.coordinator.link_cost import LinkCostFit
+from cluster.coordinator.membership import Membership, MembershipConfig, NodeId, NodeInfo, NodeLoad, NodeStatus, UnknownNode
+from cluster.coordinator.pending_prefixes import PendingPrefixes
+from cluster.coordinator.prefix_index import PrefixIndex
+from cluster.coordinator.replication import BlockMove, NodeLoadView, ReplicationConfig, ReplicationPlanner
+from cluster.coordinator.router import RouteDecision, Router, RouterConfig, RouteRequest
 from kvcache.events import KVEvent
 from kvcache.hashing import BlockHash
 

@@ -9,12 +9,13 @@ for `dead_after_s` is declared dead; a node that registers again starts from scr
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable
 
 from node.rates import Ewma
 
+#: A serving machine's name in the cluster, as its node actor registered it; defined here, imported everywhere else.
 NodeId = str
 
 
@@ -48,7 +49,7 @@ class NodeInfo:
     memory_bytes: int = 0
 
     @classmethod
-    def from_dict(cls, d: dict) -> "NodeInfo":
+    def from_dict(cls, d: dict) -> NodeInfo:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
@@ -68,7 +69,7 @@ class NodeLoad:
     requests_total: int = 0
 
     @classmethod
-    def from_dict(cls, d: dict) -> "NodeLoad":
+    def from_dict(cls, d: dict) -> NodeLoad:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 

@@ -11,11 +11,10 @@ on their own (a request that fails never reports its blocks) and vanish with the
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+from cluster.coordinator.membership import NodeId
 from kvcache.hashing import BlockHash
-
-NodeId = str
 
 
 class PendingPrefixes:

@@ -13,13 +13,12 @@ so the node's entries can no longer be trusted until it sends a full snapshot.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
 
+from cluster.coordinator.membership import NodeId
 from kvcache.events import DISK, MEMORY, BlockRemoved, BlockStored, KVEvent
 from kvcache.hashing import BlockHash
-
-NodeId = str
 
 #: One bit per tier so a block held in memory and on disk at once costs one int.
 TIER_BITS = {MEMORY: 1, DISK: 2}

@@ -15,12 +15,11 @@ the source node with its next heartbeat reply; the source asks the target to pul
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
 
+from cluster.coordinator.membership import NodeId
 from kvcache.hashing import BlockHash
-
-NodeId = str
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ import itertools
 import random
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Sequence
 
-from cluster.membership import NodeId, NodeState
+from cluster.coordinator.membership import NodeId, NodeState
 
 POLICIES = ("prefix", "round_robin", "least_loaded", "random")
 

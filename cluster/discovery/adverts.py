@@ -23,8 +23,8 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Mapping
 
 SERVICE_TYPE = "_orchard._tcp.local."
 PROTOCOL = "1"

@@ -1,16 +1,14 @@
 """The OpenAI-compatible HTTP front: `create_app(backend, config)` builds the FastAPI app.
 
-Handlers here only validate, tokenize, admit and translate; generation belongs to the
-`Backend`, wire shapes to `openai_protocol`, statuses to `http_errors`, and the turning of
-engine outputs into OpenAI responses to `openai_serving`. Every route is declared with its
+Handlers here only route; the shared state and admission live in `state`, generation
+belongs to the `Backend`, wire shapes to `protocol`, statuses to `errors`, and the turning
+of engine outputs into OpenAI responses to `serving`. Every route is declared with its
 response model and its error responses so /openapi.json states what the server does.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
-from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -18,19 +16,17 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic.json_schema import models_json_schema
 
-from cluster.backend import Backend, ModelInfo
-from cluster.dashboard import install_dashboard
-from cluster.gateway_guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
-from cluster.http_errors import (
-    ModelNotFound,
-    QueueFull,
+from cluster.gateway.backend import Backend
+from cluster.gateway.dashboard import install_dashboard
+from cluster.gateway.errors import (
     ServiceUnavailable,
     Unauthorized,
     declared_errors,
     install_error_handlers,
 )
-from cluster.metrics import CONTENT_TYPE, GatewayMetrics
-from cluster.openai_protocol import (
+from cluster.gateway.guard import RequestGuard
+from cluster.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from cluster.gateway.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -42,11 +38,8 @@ from cluster.openai_protocol import (
     ModelCard,
     ModelList,
 )
-from cluster.gateway_jobs import Generation
-from cluster.openai_serving import ChatServing, CompletionServing
-
-
-log = logging.getLogger("orchard.gateway")
+from cluster.gateway.serving import ChatServing, CompletionServing
+from cluster.gateway.state import Gateway, GatewayConfig
 
 
 def _sse_doc(chunk_model: type) -> dict:
@@ -62,73 +55,6 @@ def _sse_doc(chunk_model: type) -> dict:
 
 #: Models that appear only inside event streams, so FastAPI would not list them itself.
 _STREAM_ONLY_MODELS = (ChatCompletionChunk, ErrorResponse)
-
-
-@dataclass
-class GatewayConfig:
-    """What the operator decides about the HTTP front; the model's limits come from the backend."""
-
-    api_keys: frozenset[str] = field(default_factory=frozenset)
-    max_queue: int = 1024  # requests waiting for their first token before new ones get 429
-    retry_after_s: int = 1
-    request_timeout_s: float | None = 600.0
-    max_chat_tokens: int | None = None  # chat's default max_tokens; None: the rest of the context
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413 before they are read
-
-
-class Admission:
-    """Queue places held by one HTTP request's jobs, each given back once (first output or end)."""
-
-    def __init__(self, gateway: "Gateway", places: int):
-        self._gateway, self._held = gateway, places
-
-    def release(self, places: int = 1) -> None:
-        places = min(places, self._held)
-        self._held -= places
-        self._gateway.waiting -= places
-
-    def release_all(self) -> None:
-        self.release(self._held)
-
-
-class Gateway:
-    """The state the routes share: backend, config, metrics, and the admission checks."""
-
-    def __init__(self, backend: Backend, config: GatewayConfig):
-        self.backend = backend
-        self.config = config
-        self.metrics = GatewayMetrics()
-        self.waiting = 0  # admitted jobs that have not produced their first output yet
-
-    async def model(self, name: str) -> ModelInfo:
-        if not await self.backend.ready():
-            raise ServiceUnavailable("No node is ready to serve yet; retry shortly.")
-        served = await self.backend.models()
-        for info in served:
-            if info.name == name:
-                return info
-        raise ModelNotFound(name, [m.name for m in served])
-
-    def admit(self, new_requests: int) -> Admission:
-        """Take `new_requests` places in the queue or raise QueueFull. Counting and taking
-        happen with no await between them, so a burst cannot pass the limit."""
-        if self.waiting + new_requests > self.config.max_queue:
-            raise QueueFull(self.waiting, self.config.max_queue, self.config.retry_after_s)
-        self.waiting += new_requests
-        return Admission(self, new_requests)
-
-    async def cluster_snapshot(self) -> dict:
-        """The backend's cluster view, or ServiceUnavailable when it cannot give one."""
-        if not await self.backend.ready():
-            raise ServiceUnavailable("No node is ready yet; the cluster has nothing to report.")
-        try:
-            return await self.backend.cluster_info()
-        except Exception as exc:  # a coordinator that is restarting or unreachable
-            log.warning("cluster info unavailable: %s", exc)
-            raise ServiceUnavailable("The cluster's state is unavailable right now; retry shortly.") from exc
-
-    def generation(self, info: ModelInfo, request: Request, admission: Admission) -> Generation:
-        return Generation(self.backend, info, request, self.metrics, self.config.request_timeout_s, admission)
 
 
 def _bearer_check(keys: frozenset[str]):

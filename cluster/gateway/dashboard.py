@@ -5,7 +5,7 @@ The page itself holds no data, so it is public; it reads /v1/cluster and
 `/dashboard?key=...`), kept in the tab's sessionStorage. Activity is what /v1/cluster
 does not say: the coordinator's recent routing decisions with their reason, and the
 gateway's running totals, from which the page derives throughput between two polls.
-Static files are read from the package (`cluster/static/`), so serving needs no build step.
+Static files are read from the package (`cluster/gateway/static/`), so serving needs no build step.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class ClusterActivity(BaseModel):
 
 
 def static_text(name: str) -> str:
-    return resources.files("cluster").joinpath("static", name).read_text(encoding="utf-8")
+    return resources.files("cluster.gateway").joinpath("static", name).read_text(encoding="utf-8")
 
 
 async def recent_decisions(backend: Any, info: dict[str, Any], limit: int = DECISIONS_SHOWN) -> list[dict]:

@@ -16,10 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from cluster.chat_template import ChatTemplateError
-from cluster.openai_protocol import ErrorResponse
-from node.errors import InvalidPrompt
-from node.errors import PromptTooLong as EnginePromptTooLong
+from cluster.gateway.chat_template import ChatTemplateError
+from cluster.gateway.protocol import ErrorResponse
+from node.errors import InvalidPrompt, PromptTooLong
 from node.types import InvalidSamplingParams
 
 log = logging.getLogger("orchard.gateway")
@@ -47,25 +46,10 @@ class InvalidRequest(APIError):
     type = "invalid_request_error"
 
 
-class PromptTooLong(InvalidRequest):
-    """The prompt, or the prompt plus the tokens asked for, exceeds the model's context."""
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt (the engine's `PromptTooLong`), or the prompt plus the tokens asked for, exceeds the context."""
 
     code = "context_length_exceeded"
-
-    def __init__(self, *, prompt_tokens: int, max_model_len: int, completion_tokens: int | None = None, param: str):
-        if completion_tokens is None:
-            message = (
-                f"This model's maximum context length is {max_model_len} tokens, "
-                f"but the prompt has {prompt_tokens} tokens."
-            )
-        else:
-            message = (
-                f"This model's maximum context length is {max_model_len} tokens, but {prompt_tokens + completion_tokens} "
-                f"were requested ({prompt_tokens} in the prompt, {completion_tokens} for the completion)."
-            )
-        super().__init__(message, param=param)
-        self.prompt_tokens = prompt_tokens
-        self.max_model_len = max_model_len
 
 
 class Unauthorized(APIError):
@@ -158,8 +142,8 @@ def as_api_error(exc: BaseException) -> APIError:
         return InvalidRequest(str(exc), param=exc.param)
     if isinstance(exc, ChatTemplateError):
         return InvalidRequest(str(exc), param="messages")
-    if isinstance(exc, EnginePromptTooLong):
-        return PromptTooLong(prompt_tokens=exc.prompt_tokens, max_model_len=exc.max_model_len, param="prompt")
+    if isinstance(exc, PromptTooLong):
+        return ContextLengthExceeded(str(exc), param="prompt")
     if isinstance(exc, InvalidPrompt):
         return InvalidRequest(str(exc), param="prompt")
     for cls in type(exc).__mro__:  # errors of the Ray side, known by name so Ray stays unimported here

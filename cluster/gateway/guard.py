@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from starlette.exceptions import HTTPException
 
-from cluster.http_errors import APIError, Unauthorized, error_response
+from cluster.gateway.errors import APIError, Unauthorized, error_response
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import anyio
 from fastapi import Request
 
-from cluster.backend import Backend, ModelInfo
-from cluster.http_errors import ClientClosedRequest, RequestTimedOut
-from cluster.metrics import GatewayMetrics
+from cluster.gateway.backend import Backend, ModelInfo
+from cluster.gateway.errors import ClientClosedRequest, RequestTimedOut
+from cluster.gateway.metrics import GatewayMetrics
 from node.types import RequestOutput, SamplingParams
 
 

@@ -9,12 +9,12 @@ work starts; the engine's own `SamplingParams` checks remain the second line.
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
-StopField = Union[Annotated[str, Field(min_length=1)], Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)], None]
+StopField = Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None
 
 # Cross-field rules, stated in the schema so clients (and fuzzers) can see them.
 _STREAM_OPTIONS_NEED_STREAM = {
@@ -91,12 +91,12 @@ class _SamplingFields(_Request):
 
 # ---- /v1/completions ------------------------------------------------------------------
 
-PromptField = Union[
-    Annotated[str, Field(min_length=1)],
-    Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=64)],
-    Annotated[list[TokenId], Field(min_length=1)],
-    Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)],
-]
+PromptField = (
+    Annotated[str, Field(min_length=1)]
+    | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=64)]
+    | Annotated[list[TokenId], Field(min_length=1)]
+    | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=64)]
+)
 
 
 class CompletionRequest(_SamplingFields):

@@ -12,7 +12,7 @@ seeded output, with or without penalties, are therefore the same as without the 
 after streaming ends with an error instead (`ResumeImpossible`).
 
 When the route carries a migration plan, the target node first pulls those blocks from
-the source node (`cluster.migration`); any failure there only means the target recomputes.
+the source node (`cluster.gateway.block_pull`); any failure there only means the target recomputes.
 
 Everything here is awaited: no `ray.get` runs on the event loop.
 """
@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator
+from typing import Any
 
 import ray
 import ray.exceptions as rex
 
-from cluster.backend import ModelInfo, node_entry, summarize_nodes
-from cluster.coordinator import COORDINATOR_NAME, NAMESPACE
-from cluster.migration import MigrationOutcome, MigrationPolicy, migration_hashes, pull_for_request
-from cluster.ray_cluster import node_actor_name
-from cluster.router import NoNodeAvailable
+from cluster.coordinator.coordinator import COORDINATOR_NAME, NAMESPACE
+from cluster.coordinator.router import NoNodeAvailable
+from cluster.gateway.backend import ModelInfo, node_entry, summarize_nodes
+from cluster.gateway.block_pull import MigrationOutcome, MigrationPolicy, migration_hashes, pull_for_request
+from cluster.gateway.resume import Progress, resume_params, seeded
+from cluster.runtime.ray_cluster import node_actor_name
 from kvcache.hashing import block_hashes, root_hash
 from node.types import RequestOutput, SamplingParams
 
@@ -86,33 +87,6 @@ class _ModelSpec:
     tokenizer: Any = None
 
 
-@dataclass
-class _Progress:
-    """What the client has received so far for one request, and where this attempt began.
-
-    Token ids and text are tracked for n = 1, the only case that resumes mid-stream; for
-    n > 1 it only records that something was streamed, which makes a resume impossible.
-    """
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    base_ids: list[int] = field(default_factory=list)  # streamed before the current attempt
-    base_text: str = ""
-    unsent_text: str = ""  # text of base_ids the client has not seen yet; goes out first
-    streamed: bool = False  # any choice has produced a token
-
-    def record(self, out: RequestOutput) -> None:
-        self.streamed = self.streamed or any(c.token_ids for c in out.outputs)
-        if len(out.outputs) == 1:
-            self.token_ids = list(out.outputs[0].token_ids)
-            self.text = out.outputs[0].text
-
-    def resume(self, tokenizer) -> None:
-        self.unsent_text = _held_back_text(tokenizer, self.token_ids, self.text)
-        self.base_ids = list(self.token_ids)
-        self.base_text = self.text + self.unsent_text
-
-
 class RayBackend:
     def __init__(self, config: RayBackendConfig | None = None):
         self.config = config or RayBackendConfig()
@@ -144,9 +118,9 @@ class RayBackend:
         self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
         spec = await self._spec(model)
-        params = _seeded(params)
+        params = seeded(params)
         hashes = block_hashes(prompt_token_ids, spec.block_size, spec.root)
-        progress = _Progress()
+        progress = Progress()
         lost: list[str] = []
         self._awaiting_first_output.add(request_id)
         try:
@@ -206,7 +180,7 @@ class RayBackend:
     async def _attempt(self, node_id, request_id, attempt, prompt, params, progress) -> AsyncIterator[RequestOutput]:
         """Stream from one node, turning every sign of its death into NodeLost."""
         attempt_id = request_id if attempt == 0 else f"{request_id}#resume{attempt}"
-        attempt_params = _resume_params(params, len(progress.token_ids))
+        attempt_params = resume_params(params, len(progress.token_ids))
         self._active[request_id] = (node_id, attempt_id)
         try:
             actor = await self._actor(node_id)
@@ -288,7 +262,7 @@ class RayBackend:
             # restarting choices whose first tokens the client already has.
             raise ResumeImpossible(f"request {request_id}: lost its node mid-stream; n={params.n} cannot resume")
 
-    def _rebase(self, out: RequestOutput, request_id, prompt, progress: _Progress, spec) -> RequestOutput:
+    def _rebase(self, out: RequestOutput, request_id, prompt, progress: Progress, spec) -> RequestOutput:
         """Make an output of a resumed attempt look like one of the original request."""
         if progress.base_ids and out.outputs:
             first = out.outputs[0]
@@ -353,23 +327,6 @@ class RayBackend:
         return self._actors[node_id]
 
 
-def _seeded(params: SamplingParams) -> SamplingParams:
-    """Sampled requests get a seed here if they have none, so that a resume on another node
-    draws the same noise the lost one would have (the sampler keys it by seed and position)."""
-    if params.seed is not None or params.greedy:
-        return params
-    return replace(params, seed=secrets.randbits(62))
-
-
-def _resume_params(params: SamplingParams, streamed: int) -> SamplingParams:
-    """An attempt that replays `streamed` generated tokens as prompt: they count as output
-    (penalties, noise positions, the token budget), so the continuation is the one the lost
-    node would have produced."""
-    if not streamed:
-        return params
-    return replace(params, max_tokens=params.max_tokens - streamed, resumed_outputs=streamed)
-
-
 def _cancel(stream) -> None:
     """Stop a node's stream the client no longer reads (the node aborts the request)."""
     try:
@@ -384,14 +341,6 @@ async def _next_value(stream) -> RequestOutput | None:
     except StopAsyncIteration:
         return None
     return await ref
-
-
-def _held_back_text(tokenizer, token_ids: list[int], sent_text: str) -> str:
-    """Text of streamed tokens the client has not seen yet (held back while a stop string could match)."""
-    if tokenizer is None or not token_ids:
-        return ""
-    full = tokenizer.decode(token_ids)
-    return full[len(sent_text):] if full.startswith(sent_text) else ""
 
 
 def _node_extras(row: dict) -> dict:

@@ -1,7 +1,7 @@
 """From a validated OpenAI request to engine jobs, and from engine outputs back to OpenAI.
 
 Both endpoints share the same steps: resolve the model, tokenize, check the context and
-the queue, build `SamplingParams`, run the jobs (`gateway_jobs.Generation`), then either
+the queue, build `SamplingParams`, run the jobs (`jobs.Generation`), then either
 collect the choices into one response or render each output as a server-sent event.
 """
 
@@ -14,16 +14,16 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from cluster.backend import ModelInfo
-from cluster.chat_template import build_chat_prompt
-from cluster.gateway_jobs import Job
-from cluster.http_errors import APIError, InvalidRequest, PromptTooLong, as_api_error
-from cluster.openai_protocol import (
+from cluster.gateway.backend import ModelInfo
+from cluster.gateway.chat_template import build_chat_prompt
+from cluster.gateway.errors import APIError, ContextLengthExceeded, InvalidRequest, as_api_error
+from cluster.gateway.jobs import Job
+from cluster.gateway.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -40,10 +40,9 @@ from cluster.openai_protocol import (
     TopLogprob,
     Usage,
 )
+from cluster.gateway.state import Gateway
+from node.errors import PromptTooLong
 from node.types import RequestOutput, SamplingParams, TokenLogprob
-
-if TYPE_CHECKING:
-    from cluster.gateway import Gateway
 
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf; OpenAI reports impossible tokens with this value
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -152,14 +151,18 @@ def check_token_ids(ids: list[int], info: ModelInfo) -> None:
 
 
 def token_budget(prompt_len: int, asked: int | None, default: int | None, info: ModelInfo, param: str) -> int:
-    """max_tokens for one prompt: what was asked if it fits, else PromptTooLong."""
+    """max_tokens for one prompt: what was asked if it fits, else ContextLengthExceeded."""
     room = info.max_model_len - prompt_len
     if room < 1:
-        raise PromptTooLong(prompt_tokens=prompt_len, max_model_len=info.max_model_len, param=param)
+        raise ContextLengthExceeded(str(PromptTooLong(prompt_len, info.max_model_len)), param=param)
     if asked is None:
         return room if default is None else min(default, room)
     if asked > room:
-        raise PromptTooLong(prompt_tokens=prompt_len, max_model_len=info.max_model_len, completion_tokens=asked, param=param)
+        raise ContextLengthExceeded(
+            f"This model's maximum context length is {info.max_model_len} tokens, but {prompt_len + asked} "
+            f"were requested ({prompt_len} in the prompt, {asked} for the completion).",
+            param=param,
+        )
     return asked
 
 
@@ -203,7 +206,7 @@ class _Serving:
 
     id_prefix = "cmpl"
 
-    def __init__(self, gateway: "Gateway"):
+    def __init__(self, gateway: Gateway):
         self.gateway = gateway
 
     def new_id(self) -> str:

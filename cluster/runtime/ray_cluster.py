@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.coordinator import COORDINATOR_NAME, NAMESPACE, CoordinatorActor, CoordinatorConfig
+from cluster.coordinator.coordinator import COORDINATOR_NAME, NAMESPACE, CoordinatorActor, CoordinatorConfig
 
 NODE_RESOURCE = "orchard_node"
 NODE_ACTOR_PREFIX = "orchard-node-"
@@ -152,7 +152,7 @@ class LocalCluster:
     _tmpdir: str = ""
     _saved_env: dict = field(default_factory=dict)
 
-    def start(self, extra_nodes: int) -> "LocalCluster":
+    def start(self, extra_nodes: int) -> LocalCluster:
         from ray.cluster_utils import Cluster
 
         self._isolate()
@@ -185,7 +185,7 @@ class LocalCluster:
         return node
 
     def _address_args(self) -> dict:
-        """Loopback raylets, once Ray has been told to keep a loopback address (see `cluster.ray_access`)."""
+        """Loopback raylets, once Ray has been told to keep a loopback address (see `cluster.runtime.ray_access`)."""
         if not self.loopback:
             return {}
         from ray._private import ray_constants
@@ -223,7 +223,7 @@ class LocalCluster:
             self._restore_env()
             shutil.rmtree(self._tmpdir, ignore_errors=True)
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self
 
     def __exit__(self, *exc) -> None:

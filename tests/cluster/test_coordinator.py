@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.coordinator import Coordinator, CoordinatorConfig
-from cluster.membership import MembershipConfig, NodeInfo, NodeLoad
-from cluster.router import NoNodeAvailable, RouterConfig
+from cluster.coordinator.coordinator import Coordinator, CoordinatorConfig
+from cluster.coordinator.membership import MembershipConfig, NodeInfo
+from cluster.coordinator.router import NoNodeAvailable, RouterConfig
 from kvcache.events import MEMORY, EventLog
 from kvcache.hashing import block_hashes, root_hash
 

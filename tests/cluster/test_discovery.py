@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from cluster import cluster_token as ct
-from cluster.discovery import (
+from cluster.discovery import cluster_token as ct
+from cluster.discovery.adverts import (
     SIGNED_KEYS,
     Advertisement,
     AdvertVerifier,
@@ -158,7 +158,7 @@ def test_rejected_advert_does_not_move_the_replay_mark():
 @pytest.mark.parametrize("ts", ["nan", "inf", "soon"])
 def test_non_numeric_or_infinite_timestamp_is_malformed(ts):
     fields = advert().txt_fields() | {"ts": ts}
-    from cluster.discovery import signature
+    from cluster.discovery.adverts import signature
 
     txt = {**fields, "sig": signature(fields, KEY)}
     with pytest.raises(MalformedField):
@@ -445,13 +445,14 @@ def test_stopping_waits_for_grandchildren_and_kills_those_that_ignore_sigterm(tm
 
 # ---- `orchard head` pieces ----------------------------------------------------------
 def _head_args(*argv: str):
-    from cluster.cli import build_parser
+    from cluster.cli.main import build_parser
 
     return build_parser().parse_args(["head", *argv])
 
 
 def test_head_defaults_to_loopback_and_then_does_not_advertise(caplog):
-    from cluster.commands.head import Head, config_from_args
+    from cluster.cli.head import config_from_args
+    from cluster.runtime.head import Head
 
     config = config_from_args(_head_args())
     assert (config.bind, config.ray_address, config.loopback) == ("127.0.0.1", "127.0.0.1:6379", True)
@@ -462,7 +463,7 @@ def test_head_defaults_to_loopback_and_then_does_not_advertise(caplog):
 
 
 def test_head_refuses_a_lan_bind_without_api_key_before_starting_ray(config_dir, capsys, monkeypatch):
-    from cluster.commands import head
+    from cluster.cli import head
 
     monkeypatch.delenv("ORCHARD_API_KEYS", raising=False)
     monkeypatch.setattr(head.Head, "run", lambda *a: pytest.fail("Ray must not start"))
@@ -472,7 +473,8 @@ def test_head_refuses_a_lan_bind_without_api_key_before_starting_ray(config_dir,
 
 
 def test_head_ray_command_binds_as_asked_and_offers_orchard_node():
-    from cluster.commands.head import config_from_args, ray_head_command
+    from cluster.cli.head import config_from_args
+    from cluster.runtime.head import ray_head_command
 
     cmd = ray_head_command(config_from_args(_head_args("--bind", "10.213.0.2", "--ray-port", "6380", "--num-cpus",
                                                        "1", "--ray-only")), ray="ray")
@@ -485,7 +487,7 @@ def test_head_ray_command_binds_as_asked_and_offers_orchard_node():
 
 
 def test_serve_child_gets_the_head_address_and_only_the_options_set():
-    from cluster.commands.head import config_from_args, serve_argv
+    from cluster.cli.head import config_from_args, serve_argv
 
     args = _head_args("--bind", "10.213.0.2", "--port", "8100", "--api-key", "k1", "--api-key", "k2",
                       "--max-num-seqs", "4")
@@ -496,9 +498,9 @@ def test_serve_child_gets_the_head_address_and_only_the_options_set():
 
 
 def test_stale_ray_address_file_is_removed_only_when_nothing_listens(tmp_path):
-    from cluster.commands.head import HeadConfig, clear_stale_ray_address
-
     import socket
+
+    from cluster.runtime.head import HeadConfig, clear_stale_ray_address
 
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
@@ -516,7 +518,7 @@ def test_stale_ray_address_file_is_removed_only_when_nothing_listens(tmp_path):
 
 
 def test_join_labels_and_static_head_address():
-    from cluster.commands.join import parse_labels, static_head_address
+    from cluster.cli.join import parse_labels, static_head_address
 
     assert parse_labels(["orchard/rack=a", "x=y=z"]) == {"orchard/rack": "a", "x": "y=z"}
     with pytest.raises(ValueError, match="KEY=VALUE"):
@@ -526,7 +528,7 @@ def test_join_labels_and_static_head_address():
 
 
 def test_browser_logs_each_rejection_once_per_instance_and_reason(caplog):
-    from cluster.discovery import AdvertBrowser
+    from cluster.discovery.adverts import AdvertBrowser
 
     class Info:
         def __init__(self, properties):

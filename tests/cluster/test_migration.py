@@ -13,11 +13,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cluster.coordinator import CoordinatorConfig  # noqa: E402
-from cluster.membership import MembershipConfig  # noqa: E402
-from cluster.metrics import GatewayMetrics  # noqa: E402
-from cluster.ray_backend import RayBackend  # noqa: E402
-from cluster.ray_cluster import LocalCluster, ensure_coordinator, node_actor_config, start_node_actor  # noqa: E402
+from cluster.coordinator.coordinator import CoordinatorConfig  # noqa: E402
+from cluster.coordinator.membership import MembershipConfig  # noqa: E402
+from cluster.gateway.metrics import GatewayMetrics  # noqa: E402
+from cluster.gateway.ray_backend import RayBackend  # noqa: E402
+from cluster.runtime.ray_cluster import LocalCluster, ensure_coordinator, node_actor_config, start_node_actor  # noqa: E402
 from kvcache.geometry import KVGeometry  # noqa: E402
 from kvcache.hashing import block_hashes, root_hash  # noqa: E402
 from kvcache.wire import decode_blocks, encode_blocks  # noqa: E402

@@ -9,11 +9,12 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.coordinator import Coordinator, CoordinatorConfig
-from cluster.membership import NodeInfo, NodeLoad
-from cluster.migration import LinkCostFit, MigrationPolicy, migration_hashes, pull_for_request
-from cluster.replication import NodeLoadView, ReplicationConfig, ReplicationPlanner
-from cluster.router import MigrationPlan, Router, RouteRequest
+from cluster.coordinator.coordinator import Coordinator, CoordinatorConfig
+from cluster.coordinator.link_cost import LinkCostFit
+from cluster.coordinator.membership import NodeLoad
+from cluster.coordinator.replication import NodeLoadView, ReplicationConfig, ReplicationPlanner
+from cluster.coordinator.router import MigrationPlan, Router
+from cluster.gateway.block_pull import MigrationPolicy, migration_hashes, pull_for_request
 from kvcache.wire import decode_blocks, encode_blocks
 from node.async_engine import AsyncEngine
 from node.engine import EngineConfig, LLMEngine

@@ -203,7 +203,7 @@ def _log(lab: NetLab, name: str) -> str:
 
 
 def test_node_joins_by_itself_ignores_a_rogue_rejoins_a_restarted_head_and_leaves(lab, tmp_path):
-    from cluster import cluster_token as ct
+    from cluster.discovery import cluster_token as ct
 
     head_cfg, node_cfg, rogue_cfg = (tmp_path / f"{r}-cfg" for r in ("head", "node", "rogue"))
 
@@ -285,8 +285,8 @@ _WRONG_TOKEN_CLIENT = textwrap.dedent("""
 # A stranger: advertises cluster "netns" with its own token; records anyone who connects.
 _ROGUE = textwrap.dedent("""
     import socket, sys, threading, time
-    from cluster import cluster_token as ct
-    from cluster.discovery import Advertisement, Advertiser
+    from cluster.discovery import cluster_token as ct
+    from cluster.discovery.adverts import Advertisement, Advertiser
     address, contacts = sys.argv[1], sys.argv[2]
     advert = Advertisement("netns", f"{address}:6379", f"http://{address}:8000", "0.1.0", "badbadbadbad", time.time())
     Advertiser(advert, ct.advert_key(ct.new_token()), address, refresh_s=2).start()
@@ -359,7 +359,7 @@ def _row(nodes: list[dict], ray_node_id: str) -> dict | None:
 
 
 def test_orchard_head_and_join_make_one_serving_cluster(lab, tmp_path):
-    from cluster import cluster_token as ct
+    from cluster.discovery import cluster_token as ct
 
     head_cfg, node_cfg = tmp_path / "head-cfg", tmp_path / "node-cfg"
     rogue = lab.start("rogue", [PYTHON, "-c", _ROGUE, HOSTS["rogue"], str(tmp_path / "rogue-contacts")],

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.prefix_index import PrefixIndex, UnknownTier
+from cluster.coordinator.prefix_index import PrefixIndex, UnknownTier
 from kvcache.events import DISK, MEMORY, BlockRemoved, BlockStored, EventLog
 from kvcache.hashing import block_hashes, root_hash
 

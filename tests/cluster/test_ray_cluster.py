@@ -10,10 +10,10 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cluster.coordinator import CoordinatorConfig  # noqa: E402
-from cluster.membership import MembershipConfig  # noqa: E402
-from cluster.ray_backend import RayBackend, RayBackendConfig  # noqa: E402
-from cluster.ray_cluster import (  # noqa: E402
+from cluster.coordinator.coordinator import CoordinatorConfig  # noqa: E402
+from cluster.coordinator.membership import MembershipConfig  # noqa: E402
+from cluster.gateway.ray_backend import RayBackend, RayBackendConfig  # noqa: E402
+from cluster.runtime.ray_cluster import (  # noqa: E402
     LocalCluster,
     ensure_coordinator,
     node_actor_config,
@@ -223,8 +223,8 @@ def test_penalised_greedy_and_seeded_streams_continue_exactly_after_their_node_d
 
 
 def test_a_stream_with_n_choices_that_loses_its_node_ends_with_an_error_not_repeated_text(cluster):
-    from cluster.http_errors import as_api_error
-    from cluster.ray_backend import ResumeImpossible
+    from cluster.gateway.errors import as_api_error
+    from cluster.gateway.ray_backend import ResumeImpossible
 
     victim = _fresh_victim(cluster, "w1-choices")
     backend = RayBackend(RayBackendConfig(policy="round_robin", stall_check_s=0.5))

@@ -6,8 +6,8 @@ import collections
 
 import pytest
 
-from cluster.membership import Membership, NodeInfo, NodeLoad
-from cluster.router import NoNodeAvailable, Router, RouterConfig, RouteRequest, UnknownPolicy
+from cluster.coordinator.membership import Membership, NodeInfo, NodeLoad
+from cluster.coordinator.router import NoNodeAvailable, Router, RouterConfig, RouteRequest, UnknownPolicy
 
 BS = 16
 

@@ -47,7 +47,7 @@ class Chromium:
         self._proc: subprocess.Popen | None = None
         self._session = ""
 
-    def __enter__(self) -> "Chromium":
+    def __enter__(self) -> Chromium:
         self._profile = tempfile.mkdtemp(prefix="orchard-chromium-")
         to_browser_r, self._to_browser = os.pipe()
         self._from_browser, from_browser_w = os.pipe()

@@ -11,9 +11,9 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
-import sys
 from pathlib import Path
 
 import httpx

@@ -7,9 +7,10 @@ import asyncio
 import pytest
 from fastapi.testclient import TestClient
 
-from cluster.dashboard import gateway_totals, recent_decisions
-from cluster.gateway import GatewayConfig, create_app
-from cluster.metrics import GatewayMetrics
+from cluster.gateway.app import create_app
+from cluster.gateway.dashboard import gateway_totals, recent_decisions
+from cluster.gateway.metrics import GatewayMetrics
+from cluster.gateway.state import GatewayConfig
 
 KEY = "dash-key"
 DECISIONS = [

@@ -85,7 +85,7 @@ class RayHead:
             cmd += [flag, str(port)]
         return cmd
 
-    def start(self) -> "RayHead":
+    def start(self) -> RayHead:
         # Short: raylet socket paths have a length limit.
         self.temp_dir = tempfile.mkdtemp(prefix="orc-", dir="/tmp")
         self.gcs_port, self.dashboard_port = free_port(), free_port()
@@ -142,7 +142,7 @@ class RayHead:
             self._log = None
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
-    def __enter__(self) -> "RayHead":
+    def __enter__(self) -> RayHead:
         return self.start()
 
     def __exit__(self, *exc) -> None:

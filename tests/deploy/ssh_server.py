@@ -65,7 +65,7 @@ class SSHServer:
     def proxy_command(self) -> str:
         return str(self.root / "proxy.sh")
 
-    def __enter__(self) -> "SSHServer":
+    def __enter__(self) -> SSHServer:
         self.root = Path(tempfile.mkdtemp(prefix="orc-ssh-", dir="/tmp"))
         try:
             self._write_files()

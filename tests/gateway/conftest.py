@@ -6,8 +6,9 @@ import httpx
 import openai
 import pytest
 
-from cluster.backend import LocalBackend
-from cluster.gateway import GatewayConfig, create_app
+from cluster.gateway.app import create_app
+from cluster.gateway.backend import LocalBackend
+from cluster.gateway.state import GatewayConfig
 from tests.gateway.live_server import LiveServer
 
 API_KEY = "test-key-123"

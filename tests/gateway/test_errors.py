@@ -7,9 +7,10 @@ import threading
 import httpx
 import pytest
 
+from cluster.gateway.app import create_app
+from cluster.gateway.state import GatewayConfig
 from tests.gateway.conftest import API_KEY, KeepEngine, serve
 from tests.gateway.live_server import LiveServer
-from cluster.gateway import GatewayConfig, create_app
 
 
 def assert_error(response: httpx.Response, status: int, param: str | None = None, code: str | None = None) -> dict:

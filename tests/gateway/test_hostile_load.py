@@ -8,7 +8,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from tests.gateway.conftest import serve
 
@@ -102,7 +101,8 @@ class GatedBackend:
 
 
 def test_max_queue_is_exact_under_a_burst_and_refusals_say_when_to_retry(engine, model_name):
-    from cluster.gateway import GatewayConfig, create_app
+    from cluster.gateway.app import create_app
+    from cluster.gateway.state import GatewayConfig
     from tests.gateway.conftest import KeepEngine
     from tests.gateway.live_server import LiveServer
 

@@ -11,9 +11,10 @@ import httpx
 import openai
 import pytest
 
+from cluster.gateway.app import create_app
+from cluster.gateway.state import GatewayConfig
 from tests.gateway.conftest import KeepEngine
 from tests.gateway.live_server import LiveServer
-from cluster.gateway import GatewayConfig, create_app
 
 LONG = 200  # tokens: far more than a test waits for
 

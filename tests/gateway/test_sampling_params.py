@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from cluster.openai_protocol import ChatCompletionRequest, CompletionRequest
-from cluster.openai_serving import sampling_params
+from cluster.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.gateway.serving import sampling_params
 from node.types import SamplingParams
 
 

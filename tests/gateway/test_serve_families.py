@@ -90,7 +90,6 @@ def test_serve_without_ray_answers_with_mlx_lm_greedy_tokens(family, checkpoints
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("family", ["llama3", "qwen3_moe"])
 def test_serve_with_ray_answers_with_mlx_lm_greedy_tokens(family, checkpoints, tmp_path):
-    pytest.importorskip("cluster.ray_backend", reason="the Ray backend is not part of this build")
     with served(checkpoints[family], tmp_path / "serve.log") as (url, model):
         completion = greedy_completion(url, model)
     assert_is_mlx_lm_greedy(completion, checkpoints[family])

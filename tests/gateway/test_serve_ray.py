@@ -17,8 +17,6 @@ import pytest
 
 from tests.gateway.listening import listeners
 
-pytest.importorskip("cluster.ray_backend", reason="the Ray backend is not part of this build")
-
 ORCHARD = Path(sys.executable).with_name("orchard")
 
 

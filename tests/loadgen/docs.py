@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from cluster.loadgen.benchmark import ServeBenchConfig
-from cluster.loadgen.client import EndpointConfig
-from cluster.loadgen.datasets import DatasetConfig
-from cluster.loadgen.metrics import SLO
-from cluster.loadgen.prompts import WordPrompts
-from cluster.loadgen.report import result_document
-from cluster.loadgen.runner import LoadConfig, RunResult
+from cluster.bench.loadgen.client import EndpointConfig
+from cluster.bench.loadgen.config import ServeBenchConfig
+from cluster.bench.loadgen.datasets import DatasetConfig
+from cluster.bench.loadgen.metrics import SLO
+from cluster.bench.loadgen.prompts import WordPrompts
+from cluster.bench.loadgen.report import result_document
+from cluster.bench.loadgen.runner import LoadConfig, RunResult
 from tests.loadgen.records import record
 
 

@@ -6,12 +6,13 @@ import json
 import httpx
 from rich.console import Console
 
-from cluster.loadgen.benchmark import ServeBenchConfig, resolve_model, run_bench_async
-from cluster.loadgen.client import EndpointConfig
-from cluster.loadgen.datasets import DatasetConfig
-from cluster.loadgen.prompts import LengthRange
-from cluster.loadgen.report import print_summary
-from cluster.loadgen.runner import LoadConfig
+from cluster.bench.loadgen.benchmark import resolve_model, run_bench_async
+from cluster.bench.loadgen.client import EndpointConfig
+from cluster.bench.loadgen.config import ServeBenchConfig
+from cluster.bench.loadgen.datasets import DatasetConfig
+from cluster.bench.loadgen.prompts import LengthRange
+from cluster.bench.loadgen.report import print_summary
+from cluster.bench.loadgen.runner import LoadConfig
 
 
 def scripted_server(models=("served-model",), tokens_per_reply=3):

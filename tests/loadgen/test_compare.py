@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from cluster.cli import main
-from cluster.loadgen.compare import compare_documents
-from cluster.loadgen.report import write_json
+from cluster.bench.loadgen.compare import compare_documents
+from cluster.bench.loadgen.report import write_json
+from cluster.cli.main import main
 from tests.loadgen.docs import document
 
 
@@ -48,7 +48,7 @@ def test_compare_command_prints_the_ratio_table(tmp_path, capsys):
     assert json.loads(a.read_text())["schema"] == "orchard-bench-serve/1"
     assert main(["bench", "compare", str(a), str(b)]) == 0
     out = capsys.readouterr().out
-    line = next(l for l in out.splitlines() if "request_throughput" in l)
+    line = next(row for row in out.splitlines() if "request_throughput" in row)
     cells = [c.strip() for c in line.strip("│ \n").split("│")]
     assert cells == ["unbounded", "request_throughput", "2.00", "1.00", "0.500x", "A"]  # A is better
 

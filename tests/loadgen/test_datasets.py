@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from cluster.loadgen.datasets import DatasetConfig, UnknownDataset, conversations
-from cluster.loadgen.prompts import LengthRange, TokenizerPrompts, WordPrompts, prompt_source
+from cluster.bench.loadgen.datasets import DatasetConfig, UnknownDataset, conversations
+from cluster.bench.loadgen.prompts import LengthRange, TokenizerPrompts, WordPrompts, prompt_source
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.cli import main
+from cluster.cli.main import main
 from tests.loadgen.live_server import free_port, stop, wait_healthy
-
-pytest.importorskip("cluster.commands.serve", reason="orchard serve is not built yet")
 
 
 def counter(base: str, name: str, **labels: str) -> float:

@@ -1,4 +1,4 @@
-from cluster.loadgen.plots import latency_samples, write_plots
+from cluster.bench.loadgen.plots import latency_samples, write_plots
 from tests.loadgen.docs import document
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

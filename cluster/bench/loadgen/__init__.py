@@ -3,15 +3,17 @@
 Modules, one job each: `prompts` (text of a length), `datasets` (workloads),
 `arrivals` (when requests are due), `client` (one timed streamed request), `runner`
 (drives a workload), `metrics` (figures), `report` (the JSON document and its table),
-`compare` (two documents side by side), `plots` (PNG figures), `benchmark` (all of it).
+`compare` (two documents side by side), `plots` (PNG figures), `config` (what one run is
+asked to do), `benchmark` (all of it).
 """
 
-from cluster.loadgen.benchmark import ServeBenchConfig, run_bench
-from cluster.loadgen.client import EndpointConfig, RequestRecord
-from cluster.loadgen.datasets import DatasetConfig
-from cluster.loadgen.metrics import SLO, summarize
-from cluster.loadgen.prompts import LengthRange
-from cluster.loadgen.runner import LoadConfig
+from cluster.bench.loadgen.benchmark import run_bench
+from cluster.bench.loadgen.client import EndpointConfig, RequestRecord
+from cluster.bench.loadgen.config import ServeBenchConfig
+from cluster.bench.loadgen.datasets import DatasetConfig
+from cluster.bench.loadgen.metrics import SLO, summarize
+from cluster.bench.loadgen.prompts import LengthRange
+from cluster.bench.loadgen.runner import LoadConfig
 
 __all__ = [
     "DatasetConfig",

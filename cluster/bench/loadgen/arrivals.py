@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Iterator
+from collections.abc import Iterator
 
 
 def is_burst(rate: float) -> bool:

@@ -7,36 +7,18 @@ only in load. The result is a plain JSON-ready dict (see `report.result_document
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import httpx
 from rich.console import Console
 
-from cluster.loadgen.client import EndpointConfig, StreamClient
-from cluster.loadgen.datasets import DatasetConfig, conversations
-from cluster.loadgen.metrics import SLO
-from cluster.loadgen.progress import RequestProgress
-from cluster.loadgen.prompts import prompt_source
-from cluster.loadgen.report import result_document
-from cluster.loadgen.runner import LoadConfig, RunResult, run_load
-
-
-@dataclass(frozen=True)
-class ServeBenchConfig:
-    """Everything one `bench serve` invocation needs."""
-
-    endpoint: EndpointConfig
-    dataset: DatasetConfig
-    load: LoadConfig
-    tokenizer: str | None = None
-    slo: SLO | None = None
-    sweep_concurrency: tuple[int, ...] = ()
-    progress: bool = True
-    save_text: bool = False
-
-    @property
-    def levels(self) -> tuple[int | None, ...]:
-        return self.sweep_concurrency or (self.load.max_concurrency,)
+from cluster.bench.loadgen.client import EndpointConfig, StreamClient
+from cluster.bench.loadgen.config import ServeBenchConfig
+from cluster.bench.loadgen.datasets import conversations
+from cluster.bench.loadgen.progress import RequestProgress
+from cluster.bench.loadgen.prompts import prompt_source
+from cluster.bench.loadgen.report import result_document
+from cluster.bench.loadgen.runner import RunResult, run_load
 
 
 def run_bench(cfg: ServeBenchConfig, console: Console | None = None) -> dict:

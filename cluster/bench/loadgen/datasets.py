@@ -10,10 +10,10 @@ requests, which is what makes two servers comparable.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
-from cluster.loadgen.prompts import LengthRange, PromptSource
+from cluster.bench.loadgen.prompts import LengthRange, PromptSource
 
 DATASETS = ("random", "prefix-repetition", "multi-turn")
 APIS = ("completions", "chat")

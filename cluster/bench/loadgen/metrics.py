@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from cluster.loadgen.client import RequestRecord
+from cluster.bench.loadgen.client import RequestRecord
 
 SLO_KEYS = ("ttft", "tpot", "e2el")
 
@@ -31,7 +31,7 @@ class SLO:
     e2el_ms: float | None = None
 
     @classmethod
-    def parse(cls, items: list[str] | None) -> "SLO | None":
+    def parse(cls, items: list[str] | None) -> SLO | None:
         """`["ttft:500", "tpot:50"]` -> SLO(ttft_ms=500, tpot_ms=50); None when empty."""
         if not items:
             return None
@@ -75,7 +75,7 @@ class Distribution:
     p99: float | None = None
 
     @classmethod
-    def of_seconds(cls, values: list[float]) -> "Distribution":
+    def of_seconds(cls, values: list[float]) -> Distribution:
         if not values:
             return cls(count=0)
         ms = np.asarray(values, dtype=np.float64) * 1000.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cluster.loadgen.client import RequestRecord
+from cluster.bench.loadgen.client import RequestRecord
 
 
 class RequestProgress:
@@ -26,7 +26,7 @@ class RequestProgress:
             )
             self._task = self._bar.add_task(label, total=total, failed=0)
 
-    def __enter__(self) -> "RequestProgress":
+    def __enter__(self) -> RequestProgress:
         if self._bar is not None:
             self._bar.start()
         return self

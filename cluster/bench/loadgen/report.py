@@ -17,20 +17,20 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.table import Table
 
-from cluster.loadgen.client import RequestRecord
-from cluster.loadgen.metrics import summarize
+from cluster.bench.loadgen.client import RequestRecord
+from cluster.bench.loadgen.metrics import summarize
 
 if TYPE_CHECKING:
-    from cluster.loadgen.benchmark import ServeBenchConfig
-    from cluster.loadgen.client import EndpointConfig
-    from cluster.loadgen.prompts import PromptSource
-    from cluster.loadgen.runner import RunResult
+    from cluster.bench.loadgen.client import EndpointConfig
+    from cluster.bench.loadgen.config import ServeBenchConfig
+    from cluster.bench.loadgen.prompts import PromptSource
+    from cluster.bench.loadgen.runner import RunResult
 
 SCHEMA = "orchard-bench-serve/1"
 
 
-def result_document(cfg: "ServeBenchConfig", endpoint: "EndpointConfig", source: "PromptSource",
-                    runs: list["RunResult"]) -> dict:
+def result_document(cfg: ServeBenchConfig, endpoint: EndpointConfig, source: PromptSource,
+                    runs: list[RunResult]) -> dict:
     dataset = asdict(cfg.dataset)
     dataset["prompt_lengths"] = source.describe()
     dataset["lengths_exact"] = source.exact
@@ -46,7 +46,7 @@ def result_document(cfg: "ServeBenchConfig", endpoint: "EndpointConfig", source:
     }
 
 
-def _run_entry(run: "RunResult", cfg: "ServeBenchConfig") -> dict:
+def _run_entry(run: RunResult, cfg: ServeBenchConfig) -> dict:
     return {
         "max_concurrency": run.max_concurrency,
         "summary": summarize(run.records, run.duration_s, cfg.slo).to_dict(),

@@ -13,12 +13,12 @@ import asyncio
 import contextlib
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
-from cluster.loadgen.arrivals import arrival_offsets
-from cluster.loadgen.client import Outgoing, RequestRecord, StreamClient
-from cluster.loadgen.datasets import Conversation, Turn
+from cluster.bench.loadgen.arrivals import arrival_offsets
+from cluster.bench.loadgen.client import Outgoing, RequestRecord, StreamClient
+from cluster.bench.loadgen.datasets import Conversation, Turn
 
 
 @dataclass(frozen=True)
