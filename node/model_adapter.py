@@ -117,9 +117,9 @@ class StepContext:
     """A step's metadata, built once and read by every layer: device arrays for the
     per-token ops, host arrays for the kernel's planning.
 
-    A step of decode rows only (the steady state) takes the kernels' decode entry, with
-    its table and lengths as device arrays for compiled backends (checked by shape only,
-    so no host sync per layer) and as host arrays for the reference backend.
+    Every step, decode-only or mixed, gets one `kernels.VarlenPlan`: checked and uploaded
+    here once, then only launched by each layer (decode rows run the decode kernel from it).
+    Without the model's head count the decode entry is used instead, planning per layer.
     """
 
     pool: Any  # KVPool-like: `keys` / `values` lists of per-layer arrays
@@ -149,9 +149,9 @@ class StepContext:
             context_lens=lengths,
             backend=backend,
         )
-        if step.num_tokens == step.num_seqs:
+        context.decode_only = step.num_tokens == step.num_seqs
+        if num_heads is None and context.decode_only:  # no step plan: the decode entry plans per layer
             on_device = backend != "reference"
-            context.decode_only = True
             context.decode_tables = mx.array(tables) if on_device else tables
             context.decode_lens = mx.array(lengths) if on_device else lengths
         elif num_heads is not None:
@@ -205,12 +205,12 @@ class PagedLayerCache:
         ctx, layer = self.context, self.layer
         packed = queries[0].transpose(1, 0, 2)
         keys, values = ctx.pool.keys[layer], ctx.pool.values[layer]
-        if ctx.decode_only:
+        if ctx.varlen_plan is not None:
+            out = kernels.paged_varlen_attention(packed, keys, values, ctx.varlen_plan, scale=scale)
+        elif ctx.decode_only:
             out = kernels.paged_attention(
                 packed, keys, values, ctx.decode_tables, ctx.decode_lens, scale=scale, backend=ctx.backend
             )
-        elif ctx.varlen_plan is not None:
-            out = kernels.paged_varlen_attention(packed, keys, values, ctx.varlen_plan, scale=scale)
         else:
             out = kernels.paged_prefill_attention(
                 packed, keys, values, ctx.block_tables, ctx.query_start_loc, ctx.context_lens,
