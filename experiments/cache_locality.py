@@ -22,8 +22,7 @@ import os
 import mlx.core as mx
 import numpy as np
 
-from experiments.common import (gigabytes_per_s, markdown_table, best_time, new_figure, print_header,
-                                save_figure, save_results)
+from experiments.common import best_time, gigabytes_per_s, markdown_table, new_figure, print_header, save_figure, save_results
 
 HEADS_Q, HEADS_KV, HEAD_DIM = 32, 8, 128  # one layer of a Llama-3.1-8B-shaped model
 LAYOUTS = ("separate", "interleaved", "dense")

@@ -17,8 +17,16 @@ import argparse
 import numpy as np
 
 from experiments.cold_rig import ColdRig, random_prefix
-from experiments.common import (gigabytes_per_s, markdown_table, median_time, new_figure, print_header,
-                                save_figure, save_results, timed)
+from experiments.common import (
+    gigabytes_per_s,
+    markdown_table,
+    median_time,
+    new_figure,
+    print_header,
+    save_figure,
+    save_results,
+    timed,
+)
 from experiments.models import DEMO_SHAPES, PUBLIC_SHAPES, load_demo, prefill_seconds
 
 MODES = ("warm", "dropped", "dropped+prefetch")

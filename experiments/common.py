@@ -15,8 +15,8 @@ import shutil
 import statistics
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 IMG_DIR = Path(__file__).resolve().parent.parent / "docs" / "img"

@@ -24,8 +24,16 @@ from pathlib import Path
 import numpy as np
 
 from experiments.cold_rig import ColdRig, random_prefix
-from experiments.common import (drop_file_cache, gigabytes_per_s, markdown_table, new_figure, print_header,
-                                save_figure, save_results, timed)
+from experiments.common import (
+    drop_file_cache,
+    gigabytes_per_s,
+    markdown_table,
+    new_figure,
+    print_header,
+    save_figure,
+    save_results,
+    timed,
+)
 from experiments.models import DEMO_LARGE, PUBLIC_SHAPES, decode_tokens_per_s, load_demo
 
 #: Published figures (see docs/uma-kv-design.md for sources): internal SSD sequential reads of

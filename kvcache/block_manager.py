@@ -14,8 +14,8 @@ it is reused, which is what lets the facade spill it to the cold tier in time.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Mapping, Sequence
 
 from kvcache.errors import KVCacheError, OutOfBlocks, UnknownSequence
 from kvcache.events import MEMORY, BlockStored, EventLog

@@ -23,7 +23,7 @@ MIN_BLOCKS = 2  # the null block and one usable block
 DEFAULT_MEMORY_FRACTION = 0.5
 
 
-def num_blocks_for(geometry: KVGeometry, config, *, budget: "MemoryBudget | None" = None,
+def num_blocks_for(geometry: KVGeometry, config, *, budget: MemoryBudget | None = None,
                    model_name: str | None = None) -> int:
     """Blocks for a pool of `geometry` under `config` (fields num_blocks, kv_memory_gb,
     memory_fraction, block_size), capped by `model_name`'s unreserved quota in `budget`."""
@@ -62,7 +62,7 @@ def _memory_for_kv(config) -> int:
     return int(fraction * free_memory_bytes())
 
 
-def _capped_by_quota(blocks: int, geometry: KVGeometry, budget: "MemoryBudget", model_name: str) -> int:
+def _capped_by_quota(blocks: int, geometry: KVGeometry, budget: MemoryBudget, model_name: str) -> int:
     affordable = budget.available(model_name) // geometry.bytes_per_block
     if affordable < MIN_BLOCKS:
         raise QuotaExceeded(

@@ -12,8 +12,8 @@ from that thread too (or serialized with it).
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable, Sequence
 from dataclasses import replace
-from typing import Hashable, Sequence
 
 import numpy as np
 import xxhash
@@ -237,7 +237,7 @@ class KVCache:
             budget.release(model_name, nbytes)
             self._reservation = None
 
-    def __enter__(self) -> "KVCache":
+    def __enter__(self) -> KVCache:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -28,9 +28,10 @@ import mmap
 import os
 import struct
 from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, NamedTuple, Sequence
+from typing import NamedTuple
 
 import msgpack
 import numpy as np
@@ -110,7 +111,7 @@ class SlotLayout:
     slot_count: int
 
     @classmethod
-    def for_geometry(cls, geometry: KVGeometry, capacity_bytes: int) -> "SlotLayout":
+    def for_geometry(cls, geometry: KVGeometry, capacity_bytes: int) -> SlotLayout:
         record_size = _round_up(_RECORD.size + 4 * geometry.block_size, SLOT_ALIGN)
         kv_half = geometry.num_layers * geometry.bytes_per_block_layer
         stride = _round_up(record_size + 2 * kv_half, SLOT_ALIGN)
@@ -251,7 +252,7 @@ class ColdTier:
         if getattr(self, "_fd", None) is not None:
             self.close()
 
-    def __enter__(self) -> "ColdTier":
+    def __enter__(self) -> ColdTier:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -272,7 +273,7 @@ class ColdTier:
         else:
             self._free = list(range(self.layout.slot_count - 1, -1, -1))
 
-    def _resizable_from(self) -> "SlotLayout | None":
+    def _resizable_from(self) -> SlotLayout | None:
         """The layout of a file that holds this model's blocks in slots of this size, only fewer or more."""
         size = os.fstat(self._fd).st_size
         reason = self._header_mismatch(size) if size else None
@@ -294,7 +295,7 @@ class ColdTier:
         stored = msgpack.unpackb(head[_PREFIX.size : _PREFIX.size + body_len])
         return stored if isinstance(stored, dict) else {}
 
-    def _resize(self, old: "SlotLayout") -> None:
+    def _resize(self, old: SlotLayout) -> None:
         """Keep the most recent blocks that fit the new slot count: moved into the low slots,
         then the file is cut or extended (new slots are zero, i.e. empty) and re-headed."""
         new, self.layout = self.layout, old
@@ -470,7 +471,7 @@ class ColdTier:
         start = self.layout.offset(slot)
         self._mm[start : start + len(stamped)] = stamped
 
-    def _valid_record(self, slot: int) -> "SlotRecord | None":
+    def _valid_record(self, slot: int) -> SlotRecord | None:
         start = self.layout.offset(slot)
         raw = self._mm[start : start + _RECORD.size + 4 * self.geometry.block_size]
         record = SlotRecord(*_RECORD.unpack_from(raw), raw[_RECORD.size :])

@@ -64,10 +64,10 @@ class KVGeometry:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "KVGeometry":
+    def from_dict(cls, d: dict) -> KVGeometry:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__})
 
-    def mismatch(self, other: "KVGeometry") -> str | None:
+    def mismatch(self, other: KVGeometry) -> str | None:
         """Name the first field on which `other` differs, or None when they match."""
         for name in self.__dataclass_fields__:
             mine, theirs = getattr(self, name), getattr(other, name)

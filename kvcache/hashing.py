@@ -9,7 +9,8 @@ Python's `hash()` (salted per process) is never involved.
 
 from __future__ import annotations
 
-from typing import NewType, Sequence
+from collections.abc import Sequence
+from typing import NewType
 
 import numpy as np
 import xxhash

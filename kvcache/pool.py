@@ -12,7 +12,7 @@ both read old KV and stop MLX from updating the buffer in place.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np

@@ -8,8 +8,8 @@ that length, which `contiguous_waste` computes for the same workload.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
-from typing import Iterable
 
 
 @dataclass(frozen=True)

@@ -22,15 +22,14 @@ import asyncio
 import logging
 import socket
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import ray
 
-
 from node.async_engine import AsyncEngine
-from node.hardware import describe_machine
 from node.engine import EngineConfig
+from node.hardware import describe_machine
 from node.migration import BlockMover, PullResult
 from node.types import RequestOutput, SamplingParams
 

@@ -28,9 +28,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 ORCHARD_NODE_RESOURCE = "orchard_node"
 LABEL_CHIP = "orchard/chip"

@@ -13,7 +13,7 @@ import atexit
 import logging
 import queue
 import threading
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import mlx.core as mx
 
@@ -43,7 +43,7 @@ class AsyncEngine:
         atexit.register(self.shutdown)  # a live MLX thread at interpreter exit aborts the process
 
     @classmethod
-    def from_config(cls, config: EngineConfig | None = None) -> "AsyncEngine":
+    def from_config(cls, config: EngineConfig | None = None) -> AsyncEngine:
         return cls(LLMEngine(config))
 
     @property

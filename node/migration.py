@@ -17,8 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Awaitable, Callable, Sequence
 
 import numpy as np
 

@@ -146,7 +146,7 @@ def check_supported(config: dict) -> None:
         raise UnsupportedModel(str(config.get("model_type")), reason)
 
 
-def loaded_reason(loaded: "LoadedModel") -> str | None:
+def loaded_reason(loaded: LoadedModel) -> str | None:
     """Why a loaded model cannot run over the pool: its KV layout and dtype, then its ropes and layers."""
     from node.capability import paging_reason
 

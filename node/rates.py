@@ -29,7 +29,7 @@ class NodeRates:
     restore_s_per_byte: Ewma
 
     @classmethod
-    def new(cls) -> "NodeRates":
+    def new(cls) -> NodeRates:
         return cls(Ewma(), Ewma(), Ewma())
 
     def observe_step(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
