@@ -14,7 +14,13 @@ import mlx.core as mx
 
 from kernels import reference
 from kernels.dispatch import (
-    ENV_VAR, available_backends, checked_decode_metadata, decode_function, default_backend, resolve_backend, varlen_function,
+    ENV_VAR,
+    available_backends,
+    checked_decode_metadata,
+    decode_function,
+    default_backend,
+    resolve_backend,
+    varlen_function,
 )
 from kernels.errors import (
     BackendUnavailable,

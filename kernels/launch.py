@@ -7,9 +7,9 @@ both launch the same kernel the same way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
-from typing import Callable
+from functools import cache
 
 import mlx.core as mx
 import numpy as np
@@ -108,14 +108,14 @@ class PagedDecodeKernels:
         self.compile_kernel = compile_kernel
         self.tuning = tuning
 
-    @lru_cache(maxsize=None)
+    @cache  # noqa: B019 -- one instance per dialect lives as long as the process
     def _decode_kernel(self, partitioned: bool):
         header, body = source.render_decode(self.dialect, partitioned)
         outputs = source.PARTITION_OUTPUTS if partitioned else source.SINGLE_OUTPUTS
         name = "orchard_paged_decode_split" if partitioned else "orchard_paged_decode"
         return self.compile_kernel(name, source.DECODE_INPUTS, outputs, header, body)
 
-    @lru_cache(maxsize=None)
+    @cache  # noqa: B019 -- one instance per dialect lives as long as the process
     def _reduce_kernel(self):
         header, body = source.render_reduce(self.dialect)
         return self.compile_kernel("orchard_paged_reduce", source.REDUCE_INPUTS, source.REDUCE_OUTPUTS, header, body)

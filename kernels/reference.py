@@ -9,8 +9,8 @@ then gives those duplicates zero weight.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import mlx.core as mx
 import numpy as np

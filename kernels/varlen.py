@@ -8,7 +8,7 @@ sends the step's decode rows through the decode kernel, scattering them back.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import mlx.core as mx
 
@@ -26,12 +26,12 @@ class PagedVarlenKernels:
         self.compile_kernel = compile_kernel
         self.decode_kernels = PagedDecodeKernels(dialect, compile_kernel)
 
-    @lru_cache(maxsize=None)
+    @cache  # noqa: B019 -- one instance per dialect lives as long as the process
     def _varlen_kernel(self):
         header, body = source.render_varlen(self.dialect)
         return self.compile_kernel("orchard_paged_varlen", source.VARLEN_INPUTS, source.VARLEN_OUTPUTS, header, body)
 
-    @lru_cache(maxsize=None)
+    @cache  # noqa: B019 -- one instance per dialect lives as long as the process
     def _merge_kernel(self):
         header, body = source.render_varlen_merge(self.dialect)
         return self.compile_kernel("orchard_paged_varlen_merge", source.VARLEN_MERGE_INPUTS, source.VARLEN_MERGE_OUTPUTS, header, body)

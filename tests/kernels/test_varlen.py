@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels import dispatch, plan as varlen_plan, source
+from kernels import dispatch, source
+from kernels import plan as varlen_plan
 from tests.kernels import emulator
 from tests.kernels.backends import ALL_BACKENDS, CUDA
 from tests.kernels.paged_case import PagedCase, assert_close, make_paged_case, oracle_prefill, random_stored, to_float64
@@ -195,7 +196,7 @@ def test_every_chunk_row_is_in_exactly_one_tile_and_each_tile_covers_its_causal_
         assert position == lengths[seq] - q_lens[seq] + (row - starts_of(q_lens)[seq])
     rows = sorted(r + i for (r, c, _), _ in covered.items() for i in range(c))
     assert rows == list(range(1, 41))  # rows 0 and 41 are decode rows: the decode kernel takes them
-    for (row, count, position), ranges in covered.items():
+    for (_row, count, position), ranges in covered.items():
         ranges.sort()
         assert ranges[0][0] == 0 and ranges[-1][1] == position + count
         assert all(a[1] == b[0] and a[1] - a[0] == 512 for a, b in zip(ranges, ranges[1:]))
@@ -378,7 +379,9 @@ def test_launcher_runs_plan_and_merge_through_the_emulated_kernel(emulator_dir, 
     from kernels.varlen import PagedVarlenKernels
 
     monkeypatch.setattr(dispatch, "metal_available", lambda: True)
-    q_lens, lengths = mixed_step(rng, [7, 17], num_decodes=4, max_decode_context=200)
+    # Both chunks reach past one 64-token partition, so they split and the merge kernel runs.
+    q_lens = np.array([7, 1, 17, 1, 1, 1], dtype=np.int32)
+    lengths = q_lens + np.array([80, 150, 70, 30, 199, 12], dtype=np.int32)
     case = make_paged_case(rng, lengths, 2, 64, 16, "float32")
     starts = starts_of(q_lens)
     step_plan = plan_for(case, starts, 8, "metal", max_query_tokens=8, partition_size=64, min_partition_size=64)
