@@ -22,11 +22,17 @@ class Ewma:
         return default if self.value is None else self.value
 
 
+#: Steps a node runs before its rates count: the first ones compile kernels and fault weights
+#: in, and a rate taken from them made a cold node look several times slower than it is.
+WARMUP_STEPS = 3
+
+
 @dataclass
 class NodeRates:
     prefill_s_per_token: Ewma
     decode_s_per_token: Ewma
     restore_s_per_byte: Ewma
+    warmup_steps_left: int = WARMUP_STEPS
 
     @classmethod
     def new(cls) -> NodeRates:
@@ -37,9 +43,13 @@ class NodeRates:
 
         A step mixes both; attributing time in proportion to token counts is crude but
         unbiased over many steps, and pure steps (all decode, all prefill) correct it.
+        The first WARMUP_STEPS steps are not steady state and are left out.
         """
         total = prefill_tokens + decode_tokens
         if total == 0 or seconds <= 0:
+            return
+        if self.warmup_steps_left:
+            self.warmup_steps_left -= 1
             return
         per_token = seconds / total
         if prefill_tokens:

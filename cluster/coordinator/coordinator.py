@@ -172,7 +172,7 @@ class Coordinator:
         candidates = [n for n in self.membership.candidates(model) if n.node_id not in exclude]
         held = self.pending.extend(self.index.match(block_hashes), block_hashes, self._index_holds)
         request = RouteRequest(model, num_tokens, block_size, held, request_id)
-        decision = self.router.route(request, candidates, self.link_rate, policy, self.link_latency)
+        decision = self.router.route(request, candidates, self.link_rate, policy, self.link_latency, self.index.node_block_count)
         self.pending.note(decision.node_id, block_hashes)
         uncached = max(1, num_tokens - decision.cached_blocks * block_size)
         self.membership.note_routed(decision.node_id, request_id or f"anonymous-{self._totals.requests}", uncached)

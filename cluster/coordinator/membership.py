@@ -83,6 +83,8 @@ class NodeState:
     load: NodeLoad = field(default_factory=NodeLoad)
     prefill_s_per_token: Ewma = field(default_factory=Ewma)
     decode_s_per_token: Ewma = field(default_factory=Ewma)
+    rate_evidence: int = 0  # heartbeats whose rates followed new work
+    rates_updated_at: float = 0.0
     # Requests routed here whose prefill has not been seen to finish: request id ->
     # (when routed, prompt tokens to prefill). Fresher than any heartbeat.
     pending: dict[str, tuple[float, int]] = field(default_factory=dict)
@@ -154,14 +156,19 @@ class Membership:
         state = self.get(node_id)
         if state.status is NodeStatus.DEAD:
             raise UnknownNode(node_id)
+        new_evidence = state.rate_evidence == 0 or load.requests_total > state.load.requests_total
         state.last_heartbeat = self._clock()
         state.load = load
         state.prefilled_since_heartbeat = 0
         self._expire_pending(state)
-        if load.prefill_tokens_per_s:
-            state.prefill_s_per_token.update(1.0 / load.prefill_tokens_per_s)
-        if load.decode_tokens_per_s:
-            state.decode_s_per_token.update(1.0 / load.decode_tokens_per_s)
+        if new_evidence and (load.prefill_tokens_per_s or load.decode_tokens_per_s):
+            # An idle node repeats its last rates; only heartbeats after new work are new evidence.
+            state.rate_evidence += 1
+            state.rates_updated_at = state.last_heartbeat
+            if load.prefill_tokens_per_s:
+                state.prefill_s_per_token.update(1.0 / load.prefill_tokens_per_s)
+            if load.decode_tokens_per_s:
+                state.decode_s_per_token.update(1.0 / load.decode_tokens_per_s)
         return state
 
     def note_routed(self, node_id: NodeId, request_id: str, prefill_tokens: int) -> None:

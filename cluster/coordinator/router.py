@@ -7,11 +7,14 @@ Under the `prefix` policy each candidate's cost is an estimate in seconds:
 
 where `fill` covers blocks another node holds beyond this node's own prefix: the cheaper
 of recomputing them here and pulling them over the measured link (a migration). Rates are
-moving averages fed by heartbeats; a node not yet measured borrows the mean of those that
-are, and only when none is measured does the configured prior apply, which then ranks
-every node alike. Lowest cost wins; exact ties are broken at random. The other policies
-exist to measure against and ignore the prefix. Every policy returns a node whenever at
-least one candidate exists.
+moving averages fed by heartbeats after new work, shrunk toward the cluster's mean by how
+little evidence they rest on and how long ago it was gathered: a node that never got work
+after one slow sample is not frozen as slow, and is tried again. A node not measured at all
+borrows the mean; only when none is measured does the configured prior apply. Costs within
+TIE_TOLERANCE of the lowest, among nodes holding as much of the prompt, count as a tie won by
+the node with the most free KV blocks (exact ties at random), so new prefixes spread over the
+pools and the cluster's cache is the sum of its nodes'. The other policies exist to measure against and ignore the prefix. Every
+policy returns a node whenever at least one candidate exists.
 """
 
 from __future__ import annotations
@@ -27,7 +30,16 @@ from cluster.coordinator.membership import NodeId, NodeState
 
 POLICIES = ("prefix", "round_robin", "least_loaded", "random")
 
+#: Costs this close to the lowest (relative) are a tie, broken by free KV capacity.
+TIE_TOLERANCE = 0.1
+#: Heartbeats of evidence that weigh as much as the cluster's mean rate.
+EVIDENCE_PRIOR = 2
+#: A node's own rates lose half their weight against the mean per this many idle seconds.
+RATE_HALF_LIFE_S = 60.0
+
 LinkRate = Callable[[NodeId, NodeId], "float | None"]
+#: Blocks of KV the coordinator knows a node holds (its prefix index).
+HeldBlocks = Callable[[NodeId], int]
 #: Fixed seconds one pull costs on a link besides its bytes (round trips, hand-offs).
 LinkLatency = Callable[[NodeId, NodeId], float]
 
@@ -124,6 +136,7 @@ class Router:
         link_rate: LinkRate = lambda source, target: None,
         policy: str | None = None,
         link_latency: LinkLatency = lambda source, target: 0.0,
+        held_blocks: HeldBlocks = lambda node_id: 0,
     ) -> RouteDecision:
         started = time.perf_counter()
         policy = policy or self.config.policy
@@ -133,7 +146,7 @@ class Router:
             raise NoNodeAvailable(request.model)
         rates = self._rates(candidates)
         if policy == "prefix":
-            decision = self._by_cost(request, candidates, rates, (link_rate, link_latency))
+            decision = self._by_cost(request, candidates, rates, (link_rate, link_latency), held_blocks)
         else:
             decision = self._by_policy(policy, request, candidates, rates)
         decision = _stamp(decision, request.request_id, started)
@@ -146,10 +159,14 @@ class Router:
         return {n.node_id: (_load_s(n, rates[n.node_id]), rates[n.node_id].prefill) for n in candidates}
 
     # ---- prefix policy -------------------------------------------------------------
-    def _by_cost(self, request, candidates, rates, link) -> RouteDecision:
+    def _by_cost(self, request, candidates, rates, link, held_blocks) -> RouteDecision:
         costed = [self._cost(request, node, rates[node.node_id], link) for node in candidates]
-        best = min(c.cost for c in costed)
-        winner = self._rng.choice([c for c in costed if c.cost <= best])
+        cheapest = min(costed, key=lambda c: c.cost)
+        # A prefix hit is never traded for room: only nodes holding as much of it tie.
+        near = [c for c in costed if c.cost <= cheapest.cost * (1 + TIE_TOLERANCE) and c.own_blocks == cheapest.own_blocks]
+        room = {c.node.node_id: _free_blocks(c.node, held_blocks) for c in near}
+        most = max(room.values())
+        winner = self._rng.choice([c for c in near if room[c.node.node_id] >= most])
         if winner.migration:
             reason = "migrate"
         elif len(candidates) == 1:
@@ -213,11 +230,28 @@ class Router:
         decode_default = _mean([n.decode_s_per_token.value for n in candidates], self.config.prior_decode_s_per_token)
         return {
             n.node_id: _Rates(
-                n.prefill_s_per_token.value or prefill_default,
-                n.decode_s_per_token.value or decode_default,
+                _shrunk(n.prefill_s_per_token.value, prefill_default, _confidence(n)),
+                _shrunk(n.decode_s_per_token.value, decode_default, _confidence(n)),
             )
             for n in candidates
         }
+
+
+def _confidence(node: NodeState) -> float:
+    """Weight of a node's own rates against the cluster mean: more evidence, more weight; idle time decays it."""
+    idle_s = max(0.0, node.last_heartbeat - node.rates_updated_at)
+    evidence = node.rate_evidence
+    return evidence / (evidence + EVIDENCE_PRIOR) * 0.5 ** (idle_s / RATE_HALF_LIFE_S)
+
+
+def _shrunk(own: float | None, mean: float, weight: float) -> float:
+    return mean if not own else weight * own + (1 - weight) * mean
+
+
+def _free_blocks(node: NodeState, held_blocks: HeldBlocks) -> int:
+    """Blocks of the node's pool not holding KV the coordinator knows of, less its routed prefills."""
+    total = node.load.kv_blocks_total or node.info.kv_blocks_total
+    return total - max(held_blocks(node.node_id), node.load.kv_blocks_used) - node.pending_prefill_tokens // max(node.info.block_size, 1)
 
 
 def _load_s(node: NodeState, rates: _Rates) -> float:

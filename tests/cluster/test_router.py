@@ -214,3 +214,48 @@ def test_recent_decisions_are_bounded():
     for i in range(5):
         router.route(RouteRequest("m", 32, BS, {}, request_id=f"r{i}"), members.candidates("m"))
     assert [d.request_id for d in router.recent] == ["r2", "r3", "r4"]
+
+
+def test_two_idle_nodes_share_new_prefixes_and_every_repeat_goes_to_its_holder():
+    """a has one measurement, b five and a slightly faster rate: new prefixes still spread over both pools."""
+    members = Membership(clock=Clock())
+    for node_id in ("a", "b"):
+        members.register(node_id, NodeInfo(model="m", block_size=BS, kv_blocks_total=1000))
+    members.heartbeat("a", NodeLoad(kv_blocks_total=1000, prefill_tokens_per_s=1200.0, decode_tokens_per_s=85.0, requests_total=1))
+    for requests in range(1, 6):  # b kept working and measuring
+        members.heartbeat("b", NodeLoad(kv_blocks_total=1000, prefill_tokens_per_s=1333.0, decode_tokens_per_s=90.0, requests_total=requests))
+    router = Router(RouterConfig(seed=3))
+    holders: dict[int, str] = {}
+    held_blocks = collections.Counter()
+    for i in range(16):
+        prefix = i % 4
+        held = {holders[prefix]: 16} if prefix in holders else {}
+        decision = router.route(request(held), members.candidates("m"), held_blocks=lambda n: held_blocks[n])
+        if prefix in holders:
+            assert decision.node_id == holders[prefix], f"repeat of prefix {prefix} left its holder"
+        else:
+            holders[prefix] = decision.node_id
+            held_blocks[decision.node_id] += 16
+    assert set(holders.values()) == {"a", "b"}, f"one pool took every prefix: {holders}"
+
+
+def test_an_idle_nodes_old_rate_weighs_less_as_time_passes():
+    clock = Clock()
+    members = Membership(clock=clock)
+    for node_id in ("a", "b"):
+        members.register(node_id, NodeInfo(model="m", block_size=BS))
+        members.heartbeat(node_id, NodeLoad(prefill_tokens_per_s=100.0 if node_id == "a" else 1000.0, requests_total=1))
+    before = Router().load_seconds(members.candidates("m"))["a"][1]
+    clock.now += 300.0
+    members.heartbeat("a", NodeLoad(prefill_tokens_per_s=100.0, requests_total=1))  # idle: no new work
+    after = Router().load_seconds(members.candidates("m"))["a"][1]
+    assert after < before  # drifted toward the cluster's mean
+
+
+def test_heartbeats_without_new_work_are_not_new_rate_evidence():
+    members = cluster("a")
+    node = members.get("a")
+    assert node.rate_evidence == 1
+    for _ in range(5):
+        members.heartbeat("a", NodeLoad(prefill_tokens_per_s=10.0, decode_tokens_per_s=1.0))  # idle repeats
+    assert node.rate_evidence == 1 and node.prefill_s_per_token.value == pytest.approx(1e-3)

@@ -100,3 +100,14 @@ def test_temperatures_below_1e_5_decode_greedily(model_dirs):
                 final = out if out.finished else final
         runs.append(final.outputs[0].token_ids)
     assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
+def test_the_first_steps_of_a_node_do_not_set_its_rates():
+    from node.rates import WARMUP_STEPS, NodeRates
+
+    rates = NodeRates.new()
+    for _ in range(WARMUP_STEPS):
+        rates.observe_step(5.0, 100, 0)  # compiling kernels: far slower than steady state
+    assert rates.prefill_s_per_token.value is None
+    rates.observe_step(0.1, 100, 0)
+    assert rates.prefill_s_per_token.value == pytest.approx(1e-3)
