@@ -22,7 +22,7 @@ rope against per-token calls.
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -52,10 +52,6 @@ def _stack_reason(model) -> str | None:
         attention = getattr(layer, "self_attn", None)
         if attention is None or "rope" not in attention:
             return f"layer {index} has no attention module with a rope at layers[{index}].self_attn"
-        if type(attention).__module__ != type(model).__module__:
-            # The adapter routes the attention call of the model's own module only.
-            return (f"its attention class {type(attention).__qualname__} lives in {type(attention).__module__}, "
-                    f"not in {type(model).__module__}")
         if not hasattr(sys.modules[type(attention).__module__], "scaled_dot_product_attention"):
             # Gemma 2, for one: it soft-caps the scores, so it multiplies queries and keys itself.
             return f"its layers compute attention themselves ({type(attention).__module__} has no scaled_dot_product_attention)"
@@ -111,9 +107,24 @@ class ProbeCache:
         return keys, values
 
 
+def attention_modules(model) -> list:
+    """The Python modules whose `scaled_dot_product_attention` the layers call: each layer's
+    attention class's own module (SmolLM3 reuses Llama's attention class, for one)."""
+    names = dict.fromkeys(type(layer.self_attn).__module__ for layer in model.layers)
+    return [sys.modules[name] for name in names]
+
+
 @contextmanager
-def _recording_attention(module):
-    """Swap the module's attention call for one that records probe calls and passes others on."""
+def _recording_attention(modules):
+    """Swap each module's attention call for one that records probe calls and passes others on."""
+    with ExitStack() as stack:
+        for module in modules:
+            stack.enter_context(_recording_one(module))
+        yield
+
+
+@contextmanager
+def _recording_one(module):
     original = module.scaled_dot_product_attention
 
     def record(queries, keys, values, cache, scale, mask, **kwargs):
@@ -136,12 +147,13 @@ def trace_layers(model) -> list[ProbeCache]:
     the model raises when handed per-token positions.
     """
     install_positional_rope(model)
-    module = sys.modules[type(model).__module__]
-    if not hasattr(module, "scaled_dot_product_attention"):
-        raise AttributeError(f"{module.__name__} does not call scaled_dot_product_attention")
+    modules = attention_modules(model)
+    for module in modules:
+        if not hasattr(module, "scaled_dot_product_attention"):
+            raise AttributeError(f"{module.__name__} does not call scaled_dot_product_attention")
     positions = PackedPositions(mx.arange(_PROBE_TOKENS, dtype=mx.int32))
     caches = [ProbeCache(positions) for _ in model.layers]
-    with _recording_attention(module):
+    with _recording_attention(modules):
         model(mx.arange(_PROBE_TOKENS, dtype=mx.int32)[None], cache=caches)
     return caches
 

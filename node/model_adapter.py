@@ -19,7 +19,6 @@ Metadata arrays are built once per step and shared by every layer through `StepC
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 import kernels
+from node.capability import attention_modules
 from node.head import ModelHead
 from node.models import LoadedModel
 from node.positions import PackedPositions, install_positional_rope
@@ -220,8 +220,13 @@ class PagedLayerCache:
 
 
 def install_paged_attention(model) -> bool:
-    """Route the model module's attention call through the pool for paged caches; once per module."""
-    module = sys.modules[type(model).__module__]
+    """Route the attention call of every module the model's layers use through the pool for
+    paged caches; once per module. True when any module was newly routed."""
+    installed = [_install_in(module) for module in attention_modules(model)]
+    return any(installed)
+
+
+def _install_in(module) -> bool:
     original = module.scaled_dot_product_attention
     if getattr(original, _PAGED_MARK, False):
         return False

@@ -106,7 +106,6 @@ MAMBA = dict(model_type="mamba", vocab_size=256, hidden_size=64, intermediate_si
     # Gemma 2 as published: a 4,096-token window under an 8,192-token context.
     ({"model_type": "gemma2", "sliding_window": 4096, "max_position_embeddings": 8192}, "sliding-window"),
     (full_config("gemma", model_type="gemma2", query_pre_attn_scalar=16), "compute attention themselves"),
-    (full_config("qwen3", model_type="smollm3", no_rope_layer_interval=4), "mlx_lm.models.llama"),
 ])
 def test_unsupported_models_fail_at_load_naming_type_and_reason(config, named, tmp_path):
     # The folder holds no weights: refusal must come from the config, before any loading.

@@ -62,6 +62,10 @@ TINY_CONFIGS = {
     # Mixtral's attention names its KV-head count num_key_value_heads.
     "mixtral": dict(_COMMON, model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
                     rms_norm_eps=1e-5, rope_theta=1_000_000.0),
+    # SmolLM3 reuses Llama's attention class (so Llama's module's attention call is routed) and
+    # leaves the rope out of every fourth layer.
+    "smollm3": dict(_COMMON, model_type="smollm3", num_hidden_layers=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                    rope_theta=1_000_000.0, tie_word_embeddings=True, no_rope_layer_interval=4),
 }
 
 #: Architectures the loader must refuse for what their loaded layers do (a rope or a query
