@@ -65,6 +65,7 @@ class BlockManager:
         watermark: float = 0.01,
         events: EventLog | None = None,
         on_evict: EvictHook | None = None,
+        prefix_caching: bool = True,
     ):
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be at least 2 (block 0 is reserved), got {num_blocks}")
@@ -76,6 +77,7 @@ class BlockManager:
         self.root = root
         self.events = events if events is not None else EventLog()
         self.on_evict = on_evict
+        self.prefix_caching = prefix_caching
         self.watermark_blocks = int(watermark * (num_blocks - 1))
         self._blocks = [Block(i) for i in range(num_blocks)]
         # Ref-0 blocks, least recently used first. An OrderedDict because eviction and
@@ -133,7 +135,10 @@ class BlockManager:
         return self._prefix_hits(token_ids, len(token_ids) // self.block_size)[0]
 
     def max_reusable_blocks(self, num_tokens: int) -> int:
-        """Full blocks strictly before the last token: one token is always left to compute."""
+        """Full blocks strictly before the last token: one token is always left to compute
+        (none at all with prefix caching off)."""
+        if not self.prefix_caching:
+            return 0
         return max(num_tokens - 1, 0) // self.block_size
 
     def cached_block(self, block_hash: BlockHash) -> int | None:

@@ -69,6 +69,7 @@ class KVCache:
             watermark=config.watermark,
             events=self.events,
             on_evict=self._spill if self.cold is not None else None,
+            prefix_caching=config.enable_prefix_caching,
         )
         self._disk_blocks: dict[BlockHash, tuple[BlockHash | None, tuple[int, ...]]] = {}
         self._swap_keys: set[bytes] = set()

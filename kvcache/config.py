@@ -33,6 +33,7 @@ class CacheConfig:
     cold_tier_dir: str | None = None
     cold_tier_gb: float = 4.0
     cache_salt: str | None = None
+    enable_prefix_caching: bool = True  # False: every prompt is computed afresh, no block is reused
 
     def __post_init__(self):
         checks = [

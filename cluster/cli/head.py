@@ -50,7 +50,8 @@ def register(sub) -> None:
 
 # `orchard serve` options that also make sense for a head (not its own Ray or bind choices).
 SHARED_SERVE_OPTIONS = ("model", "api_key", "kv_memory", "block_size", "max_num_seqs", "max_model_len", "router",
-                        "cold_tier", "cold_tier_gb",
+                        "cold_tier", "cold_tier_gb", "served_model_name", "tokenizer", "chat_template",
+                        "kv_memory_fraction", "dtype", "max_num_batched_tokens", "enable_prefix_caching", "seed",
                         "request_timeout", "max_queue", "max_body_mb", "grace")
 
 
@@ -75,6 +76,9 @@ def serve_argv(args, config: HeadConfig) -> list[str]:
     for action in shared_serve_actions():
         value = getattr(args, action.dest, action.default)
         if value == action.default or value is None:
+            continue
+        if isinstance(value, bool):  # --enable-prefix-caching / --no-enable-prefix-caching
+            argv.append(action.option_strings[0 if value else 1])
             continue
         for item in value if isinstance(value, list) else [value]:
             argv += [action.option_strings[0], str(item)]

@@ -10,20 +10,44 @@ seconds, then stops the engines.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import ipaddress
+import logging
 import os
 import signal
 import socket
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from cluster.cli.serving_logs import RequestLog, ServedBackend, StatsLine
 
 DEFAULT_PORT = 8000
 API_KEYS_ENV = "ORCHARD_API_KEYS"
 WARMUP_PROMPT = "Hello"
 WARMUP_PATIENCE_S = 120.0
+DEFAULT_KV_FRACTION = 0.3  # node.engine.EngineConfig's memory_fraction
+DEFAULT_BATCHED_TOKENS = 512  # node.engine.EngineConfig's max_num_batched_tokens
+DTYPES = ("auto", "float16", "bfloat16", "float32")
+PLACE_EVERY_S = 2.0  # how often `serve --nodes N` replaces a node actor that died
+STATS_EVERY_S = 5.0
+
+log = logging.getLogger("orchard.serve")
+
+
+class StartupStopped(Exception):
+    """SIGTERM or Ctrl-C arrived before the gateway listened."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class BadFlag(ValueError):
+    """A flag that cannot be honoured, said before anything is loaded."""
 
 
 class InsecureBind(ValueError):
@@ -37,33 +61,69 @@ class Started:
     backend: object
     model: str
     stop: Callable[[], None]
+    pool: list[str] = field(default_factory=list)  # one line per node: blocks, GB, tokens
 
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help="mlx-lm model path or hub id, as `--model` (default: the bundled demo model)")
     p.add_argument("--model", default=None, help="mlx-lm model path or hub id (default: the bundled demo model)")
+    p.add_argument("--version", action="version", version=f"orchard {_version()}")
+    p.add_argument("--served-model-name", nargs="+", action="extend", default=None, metavar="NAME",
+                   help="the name(s) /v1/models lists and requests use; the first is the main one, the others "
+                        "aliases (default: the model's own name)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer path or hub id (default: the model's; another one is refused, see README)")
+    p.add_argument("--chat-template", default=None, metavar="PATH_OR_JINJA",
+                   help="chat template for /v1/chat/completions: a file, or the Jinja text itself "
+                        "(default: the model's, else ChatML)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need an API key)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help=f"accept this bearer token (repeatable; also {API_KEYS_ENV}, comma-separated)")
-    p.add_argument("--kv-memory", type=float, default=None, metavar="GB", help="KV cache memory per node, in GB")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per engine batch (default 64)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length cap (default: the model's)")
+    p.add_argument("--kv-memory", type=float, default=None, metavar="GB",
+                   help="KV cache memory per node, in GB (default: --kv-memory-fraction of the memory free "
+                        "once the model is loaded; the size is printed at start)")
+    p.add_argument("--kv-memory-fraction", type=float, default=DEFAULT_KV_FRACTION, metavar="F",
+                   help="share of free memory the KV pool takes per node when --kv-memory is not given "
+                        "(default %(default)s)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default %(default)s)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="KV cache dtype; auto follows the model (default %(default)s)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per engine batch (default %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_BATCHED_TOKENS,
+                   help="tokens per engine step, prefill chunks and decodes together (default %(default)s)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length cap; longer prompts get 400 (default: the model's)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV of prompt prefixes seen before (default: on)")
+    p.add_argument("--seed", type=int, default=0, help="seed for requests that bring none (default %(default)s)")
     p.add_argument("--cold-tier", default=None, metavar="DIR",
                    help="spill evicted KV blocks to a file in DIR (made 0700) instead of dropping them")
-    p.add_argument("--cold-tier-gb", type=float, default=4.0, metavar="GB", help="cold tier size per node (default 4)")
-    p.add_argument("--nodes", type=int, default=1, help="engine nodes to start on this machine (default 1)")
+    p.add_argument("--cold-tier-gb", type=float, default=4.0, metavar="GB",
+                   help="cold tier size per node (default %(default)s)")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="engine nodes to start on this machine, each with the whole model (default %(default)s)")
     p.add_argument("--address", default=None, help="attach to this Ray cluster instead of starting one")
     p.add_argument("--router", default=None, choices=_router_policies(),
                    help="routing policy (default: the coordinator's, prefix-aware)")
     p.add_argument("--no-ray", action="store_true", help="one in-process engine, no Ray")
-    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S", help="abort requests running longer")
-    p.add_argument("--max-queue", type=int, default=1024, help="waiting requests before new ones get 429")
+    p.add_argument("--request-timeout", type=float, default=600.0, metavar="S",
+                   help="abort requests running longer (default %(default)s)")
+    p.add_argument("--max-queue", type=int, default=1024,
+                   help="waiting requests before new ones get 429 (default %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=32.0, metavar="MB",
-                   help="largest request body accepted; larger ones get 413 unread (default 32)")
-    p.add_argument("--grace", type=float, default=30.0, metavar="S", help="on SIGTERM, time left to in-flight requests")
+                   help="largest request body accepted; larger ones get 413 unread (default %(default)s)")
+    p.add_argument("--grace", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, time left to in-flight requests (default %(default)s)")
     p.set_defaults(func=run)
+
+
+def _version() -> str:
+    from cluster.discovery.adverts import orchard_version
+
+    return orchard_version()
 
 
 def _router_policies() -> tuple[str, ...] | None:
@@ -97,14 +157,93 @@ def check_bind(host: str, keys: frozenset[str]) -> None:
     )
 
 
+def model_of(args) -> str | None:
+    """`orchard serve MODEL` or `--model MODEL` (both only when they agree)."""
+    positional, flag = getattr(args, "model_arg", None), args.model
+    if positional and flag and positional != flag:
+        raise BadFlag(f"two models given: {positional!r} and --model {flag!r}")
+    return positional or flag
+
+
+def check_tokenizer(args) -> None:
+    """mlx-lm loads the tokenizer from the model's own folder; a different one is refused."""
+    tokenizer = getattr(args, "tokenizer", None)
+    if tokenizer is None:
+        return
+    model = model_of(args)
+    if model is not None and _same_source(tokenizer, model):
+        return
+    raise BadFlag(
+        f"--tokenizer {tokenizer!r}: a tokenizer other than the model's is not supported (mlx-lm loads it "
+        "from the model's folder). Copy its tokenizer files into the model folder and leave --tokenizer out."
+    )
+
+
+def _same_source(a: str, b: str) -> bool:
+    pa, pb = Path(a).expanduser(), Path(b).expanduser()
+    if pa.exists() and pb.exists():
+        return pa.resolve() == pb.resolve()
+    return a == b
+
+
+def chat_template_text(value: str | None) -> str | None:
+    """`--chat-template`: a readable file's text, else the value itself as Jinja."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError as exc:
+        raise BadFlag(f"--chat-template {value!r}: {exc.strerror or exc}") from exc
+    if "{" not in value:
+        raise BadFlag(f"--chat-template {value!r} is neither a file nor a Jinja template")
+    return value
+
+
 def engine_config(args):
     from node.engine import EngineConfig
 
-    return EngineConfig(
-        model=args.model, block_size=args.block_size, kv_memory_gb=args.kv_memory,
-        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-        cold_tier_dir=args.cold_tier, cold_tier_gb=args.cold_tier_gb,
+    dtype = getattr(args, "dtype", "auto")
+    config = EngineConfig(
+        model=model_of(args), block_size=args.block_size, kv_memory_gb=args.kv_memory,
+        memory_fraction=getattr(args, "kv_memory_fraction", DEFAULT_KV_FRACTION),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", DEFAULT_BATCHED_TOKENS),
+        max_model_len=args.max_model_len, dtype=None if dtype in (None, "auto") else dtype,
+        cold_tier_dir=args.cold_tier, cold_tier_gb=args.cold_tier_gb, seed=getattr(args, "seed", 0),
     )
+    if getattr(args, "enable_prefix_caching", True):
+        return config
+    return _no_prefix_caching_class()(**vars(config))
+
+
+def _no_prefix_cache_config(self):
+    from node.engine import EngineConfig
+
+    return replace(EngineConfig.cache_config(self), enable_prefix_caching=False)
+
+
+def _no_prefix_caching_class():
+    """EngineConfig whose KV cache reuses no prefix; built on first use (EngineConfig imports
+    MLX), and found by name when a Ray node unpickles it."""
+    cls = globals().get("NoPrefixCachingConfig")
+    if cls is None:
+        from node.engine import EngineConfig
+
+        cls = dataclass(type("NoPrefixCachingConfig", (EngineConfig,), {
+            "__module__": __name__, "__qualname__": "NoPrefixCachingConfig",
+            "__doc__": "EngineConfig whose KV cache reuses no prefix (`--no-enable-prefix-caching`).",
+            "cache_config": _no_prefix_cache_config,
+        }))
+        globals()["NoPrefixCachingConfig"] = cls
+    return cls
+
+
+def __getattr__(name: str):
+    if name == "NoPrefixCachingConfig":
+        return _no_prefix_caching_class()
+    raise AttributeError(name)
 
 
 def starts_local_ray(args) -> bool:
@@ -125,37 +264,60 @@ def start_local(args, step) -> Started:
 
     step("loading model")
     engine = AsyncEngine.from_config(engine_config(args))
-    return Started(LocalBackend(engine), engine.model_name, lambda: None)
+    kv = engine.engine.kv
+    pool = [pool_line("local", kv.num_blocks, kv.block_size, kv.num_blocks * kv.geometry.bytes_per_block)]
+    return Started(LocalBackend(engine), engine.model_name, engine.shutdown, pool)
+
+
+def pool_line(node: str, blocks: int, block_size: int, nbytes: int | None) -> str:
+    size = f"{nbytes / 1e9:.2f} GB, " if nbytes else ""
+    return f"{node}: {blocks} blocks of {block_size} tokens ({size}{blocks * block_size} tokens)"
 
 
 def start_ray(args, step) -> Started:
     import ray
 
     from cluster.gateway.ray_backend import RayBackend, RayBackendConfig
+    from cluster.runtime.placement import Placer
     from cluster.runtime.ray_cluster import LocalCluster, connect, ensure_coordinator, place_node_actors
 
-    local = None
-    if args.address:
-        step(f"attaching to Ray at {args.address}")
-        connect(args.address)
-    else:
-        step(f"starting Ray with {args.nodes} node(s), on loopback, token required")
-        local = LocalCluster(cpus_per_node=1, loopback=True).start(extra_nodes=max(args.nodes - 1, 0))
-    ensure_coordinator()
-    step("loading model on the nodes")
-    place_node_actors(engine_config(args))
-    backend = RayBackend(RayBackendConfig(policy=args.router))
+    local = placer = None
 
     def stop() -> None:
+        if placer is not None:
+            placer.stop()
         if local is not None:
             local.shutdown()
         elif ray.is_initialized():
             ray.shutdown()
 
+    # "Connecting to existing Ray cluster" right after starting that cluster says nothing.
+    logging.getLogger("ray._private.worker").setLevel(logging.WARNING)
+    try:
+        if args.address:
+            step(f"attaching to Ray at {args.address}")
+            connect(args.address)
+        else:
+            step(f"starting Ray with {args.nodes} node(s), on loopback, token required")
+            local = LocalCluster(cpus_per_node=1, loopback=True)
+            local.start(extra_nodes=max(args.nodes - 1, 0))
+            step(f"Ray started (temp folder {local._tmpdir})")
+        ensure_coordinator()
+        step("loading model on the nodes")
+        config = engine_config(args)
+        place_node_actors(config)
+        if local is not None:
+            # As `orchard head`'s placer: a node actor that died gets a new one on its machine.
+            placer = Placer(config, PLACE_EVERY_S)
+            placer.start()
+        backend = RayBackend(RayBackendConfig(policy=args.router))
+    except BaseException:
+        stop()
+        raise
     return Started(backend, "", stop)
 
 
-async def warm_up(backend, patience_s: float = WARMUP_PATIENCE_S) -> str:
+async def warm_up(backend, patience_s: float = WARMUP_PATIENCE_S, should_stop=lambda: False) -> str:
     """One short generation, so compilation and first allocations happen before any client.
 
     Nodes register before they can take requests, so a refusal is retried until
@@ -178,33 +340,76 @@ async def warm_up(backend, patience_s: float = WARMUP_PATIENCE_S) -> str:
                 pass
             return info.name
         except Exception:
-            if loop.time() > deadline:
+            if loop.time() > deadline or should_stop():
                 raise
             await asyncio.sleep(0.5)
 
 
 def start_backend(args) -> Started:
-    """Start everything behind the gateway under a progress display."""
+    """Start everything behind the gateway under a progress display.
+
+    SIGTERM or Ctrl-C meanwhile is held until the current step ends (Ray's own handler,
+    installed by ray.init, is replaced at each step); then what was started is stopped and
+    `StartupStopped` raised.
+    """
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     use_ray = not args.no_ray
     console = Console(stderr=True)
-    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("starting", total=None)
+    stop_signal: list[int] = []
 
-        def step(what: str) -> None:
-            bar.update(task, description=what)
-            console.print(f"[dim]{what}[/dim]")
+    def hold(signum, _frame) -> None:
+        stop_signal.append(signum)
 
-        started = (start_ray if use_ray else start_local)(args, step)
-        try:
-            step("warming up")
-            started.model = asyncio.run(warm_up(started.backend))
-        except BaseException:
-            started.stop()
-            raise
+    def hold_signals() -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, hold)
+
+    def check() -> None:
+        hold_signals()
+        if stop_signal:
+            raise StartupStopped(stop_signal[0])
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    hold_signals()
+    try:
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                      transient=True) as bar:
+            task = bar.add_task("starting", total=None)
+
+            def step(what: str) -> None:
+                check()
+                bar.update(task, description=what)
+                console.print(f"[dim]{what}[/dim]")
+
+            started = (start_ray if use_ray else start_local)(args, step)
+            try:
+                step("warming up")
+                backend = ServedBackend(started.backend, args.served_model_name,
+                                        chat_template_text(getattr(args, "chat_template", None)))
+                started.backend = backend
+                started.model = asyncio.run(warm_up(backend, should_stop=lambda: bool(stop_signal)))
+                if not started.pool:
+                    started.pool = asyncio.run(ray_pool_lines(backend, args.block_size))
+                check()
+            except BaseException:
+                started.stop()
+                raise
+    except SystemExit as exc:  # Ray's SIGTERM handler, between ray.init and the next step
+        raise StartupStopped(signal.SIGTERM) from exc
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return started
+
+
+async def ray_pool_lines(backend, block_size: int) -> list[str]:
+    try:
+        info = await backend.cluster_info()
+    except Exception:
+        return []
+    return [pool_line(n["node"], n["kv_blocks_total"], block_size, None) for n in info.get("nodes", [])]
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -224,9 +429,12 @@ def run(args) -> int:
 
     keys = api_keys(args.api_key, dict(os.environ))
     try:
+        model_of(args)
+        check_tokenizer(args)
+        chat_template_text(args.chat_template)
         check_bind(args.host, keys)
         sock = bind(args.host, args.port)
-    except InsecureBind as exc:
+    except (InsecureBind, BadFlag) as exc:
         print(f"orchard serve: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
@@ -245,7 +453,12 @@ def run(args) -> int:
 
 
 def serve(args, keys: frozenset[str]) -> int:
-    return serve_started(start_backend(args), args, keys)
+    try:
+        started = start_backend(args)
+    except StartupStopped as stopped:
+        print(f"orchard serve: stopped by {stopped} while starting", file=sys.stderr)
+        return 128 + stopped.signum
+    return serve_started(started, args, keys)
 
 
 def serve_started(started: Started, args, keys: frozenset[str]) -> int:
@@ -259,34 +472,56 @@ def serve_started(started: Started, args, keys: frozenset[str]) -> int:
     from cluster.gateway.app import create_app
     from cluster.gateway.state import GatewayConfig
 
+    setup_logging()
     try:
         config = GatewayConfig(api_keys=keys, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
                                max_body_bytes=int(args.max_body_mb * (1 << 20)))
-        app = create_app(started.backend, config)
+        app = RequestLog(create_app(started.backend, config))
         server = uvicorn.Server(uvicorn.Config(
             app, log_level="warning", timeout_graceful_shutdown=args.grace, access_log=False,
         ))
         sock = bind(args.host, args.port)
         port = sock.getsockname()[1]
         host = f"[{args.host}]" if ":" in args.host else args.host
+        base = f"http://{host}:{port}"
         auth = "API key required" if keys else "no API key"
-        line = f"orchard: serving {started.model} at http://{host}:{port}/v1 ({auth}; Ctrl-C to stop)"
+        summary = [f"orchard: model {started.model}"]
+        summary += [f"orchard: KV pool {line}" for line in started.pool]
+        summary += [f"orchard: API {base}/v1, metrics {base}/metrics, dashboard {base}/dashboard"]
+        for line in summary:
+            print(line, file=sys.stderr, flush=True)
+        line = f"orchard: serving {started.model} at {base}/v1 ({auth}; Ctrl-C to stop)"
+        stats = StatsLine(started.backend, STATS_EVERY_S)
         with _stop_signals_end_quietly():
-            _announce_when_listening(server, line)
+            _announce_when_listening(server, line, stats)
             server.run(sockets=[sock])
     finally:
         started.stop()
     return 0
 
 
-def _announce_when_listening(server, line: str) -> None:
+def setup_logging() -> None:
+    """Access and stats lines on stderr, as uvicorn's and vLLM's are."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    for name in ("orchard.access", "orchard.stats"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+def _announce_when_listening(server, line: str, stats: StatsLine | None = None) -> None:
     """Print `line` once uvicorn listens and handles SIGTERM itself: a stop signal sent on
-    seeing it then drains the server instead of landing in the quiet handler below."""
+    seeing it then drains the server instead of landing in the quiet handler below. The
+    periodic stats line starts then too."""
     startup = server.startup
 
     async def startup_then_announce(sockets=None):
         await startup(sockets=sockets)
         if not server.should_exit:
+            if stats is not None:
+                stats.start()
             print(line, flush=True)
 
     server.startup = startup_then_announce
