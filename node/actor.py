@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import ray
 
+from node.agent import COLD_TIER_DIR_ENV, COLD_TIER_GB_ENV
 from node.async_engine import AsyncEngine
 from node.engine import EngineConfig
 from node.hardware import describe_machine
@@ -36,6 +39,18 @@ from node.types import RequestOutput, SamplingParams
 log = logging.getLogger(__name__)
 
 _SNAPSHOT_ATTEMPTS = 5
+
+
+
+def local_engine_config(engine: EngineConfig, node_id: str, environ=None) -> EngineConfig:
+    """`engine` with this machine's cold tier when its join set one: a folder per node under
+    it (nodes sharing a machine cannot share one file), as `serve` and `head` give theirs."""
+    environ = os.environ if environ is None else environ
+    folder = environ.get(COLD_TIER_DIR_ENV)
+    if not folder:
+        return engine
+    size = float(environ.get(COLD_TIER_GB_ENV) or engine.cold_tier_gb)
+    return replace(engine, cold_tier_dir=str(Path(folder) / node_id), cold_tier_gb=size)
 
 
 @dataclass(frozen=True)
@@ -52,7 +67,7 @@ class NodeActor:
     def __init__(self, config: NodeActorConfig):
         self.config = config
         self.node_id = config.node_id
-        self.engine = AsyncEngine.from_config(config.engine)
+        self.engine = AsyncEngine.from_config(local_engine_config(config.engine, config.node_id))
         self.model_name = config.model_name or self.engine.model_name
         self._coordinator = None
         self._next_seq = 0  # one past the last KV event handed to the coordinator

@@ -36,6 +36,11 @@ ORCHARD_NODE_RESOURCE = "orchard_node"
 LABEL_CHIP = "orchard/chip"
 LABEL_MEMORY = "orchard/memory-gib"
 LABEL_DEVICE = "orchard/mlx-device"
+#: Set by `orchard join --cold-tier` in its raylet's environment (Ray's workers inherit it):
+#: this machine's own cold tier, which `node.actor.local_engine_config` puts in place of the
+#: cluster's engine setting for the node actors on this machine.
+COLD_TIER_DIR_ENV = "ORCHARD_COLD_TIER_DIR"
+COLD_TIER_GB_ENV = "ORCHARD_COLD_TIER_GB"
 LABEL_AGENT = "orchard/agent"  # random per agent: lets it find its own Ray node among many
 STATIC_HEAD_ID = "static"
 
@@ -61,6 +66,8 @@ class AgentConfig:
     ray_temp_dir: str | None = None
     object_store_memory: int | None = None  # bytes
     extra_labels: dict[str, str] = field(default_factory=dict)
+    cold_tier_dir: str | None = None  # this machine's own cold tier, for its node actor's engine
+    cold_tier_gb: float = 4.0
     stop_grace_s: float = 20.0
     backoff_initial_s: float = 1.0
     backoff_max_s: float = 30.0
@@ -153,9 +160,15 @@ def ray_start_command(config: AgentConfig, head: HeadSighting, labels: dict[str,
     return cmd
 
 
-def ray_environment(ray_token: str | None, base: dict[str, str] | None = None) -> dict[str, str]:
-    """The child's environment: Ray token authentication on when there is a token."""
+def ray_environment(ray_token: str | None, base: dict[str, str] | None = None,
+                    config: AgentConfig | None = None) -> dict[str, str]:
+    """The child's environment: Ray token authentication on when there is a token, and this
+    machine's cold tier for the node actor (Ray's workers inherit the raylet's environment;
+    the path never leaves the machine)."""
     env = dict(os.environ if base is None else base)
+    if config is not None and config.cold_tier_dir:
+        env[COLD_TIER_DIR_ENV] = str(Path(config.cold_tier_dir).expanduser().resolve())
+        env[COLD_TIER_GB_ENV] = repr(float(config.cold_tier_gb))
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     # Ray's own drain on SIGTERM waits for every lease to return, which a node actor never
     # does; orchard drains through the coordinator before it stops Ray instead.
@@ -175,7 +188,7 @@ class JoinAgent:
                  drain: Callable[[], None] | None = None, labels: dict[str, str] | None = None,
                  spawn: Callable[..., subprocess.Popen] = subprocess.Popen, clock: Callable[[], float] = time.monotonic):
         self.config = config
-        self._env = ray_environment(ray_token)
+        self._env = ray_environment(ray_token, config=config)
         self._drain = drain
         self._labels = labels if labels is not None else node_labels(config.extra_labels)
         self._spawn = spawn

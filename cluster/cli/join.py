@@ -41,6 +41,11 @@ def register(sub) -> None:
     p.add_argument("--ray-temp-dir", help="Ray's temp folder on this machine")
     p.add_argument("--label", action="append", default=[], metavar="KEY=VALUE",
                    help="extra Ray node label, e.g. orchard/rack=shelf-2 (repeatable)")
+    p.add_argument("--cold-tier", default=None, metavar="DIR",
+                   help="this machine's own cold tier (a file per node, 0600 in a 0700 folder); "
+                        "default: the head's --cold-tier setting, if any")
+    p.add_argument("--cold-tier-gb", type=float, default=4.0, metavar="GB",
+                   help="size of this machine's cold tier per node (default %(default)s)")
     p.add_argument("--replay-window", type=float, default=60.0, metavar="SECONDS",
                    help="accept advertisements whose timestamp is within this many seconds of now")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="SECONDS",
@@ -51,18 +56,12 @@ def register(sub) -> None:
 def run(args) -> int:
     from cluster.discovery import cluster_token as ct
     from cluster.runtime.ray_access import require_token_auth
-    from node.agent import AgentConfig, JoinAgent
+    from node.agent import JoinAgent
 
     _setup_logging()
     try:
         token = ct.load_token_file(args.token_file) if args.token_file else ct.load_token(args.cluster)
-        config = AgentConfig(
-            num_cpus=args.num_cpus,
-            node_ip=args.node_ip,
-            ray_temp_dir=args.ray_temp_dir,
-            object_store_memory=args.object_store_mb << 20 if args.object_store_mb else None,
-            extra_labels=parse_labels(args.label),
-        )
+        config = agent_config(args)
     except (ct.ClusterTokenError, ValueError) as exc:
         print(f"orchard join: {exc}", file=sys.stderr)
         return 2
@@ -80,6 +79,21 @@ def run(args) -> int:
             watcher.close()
 
 
+def agent_config(args):
+    """The join agent's settings from the command line (ValueError names a bad one)."""
+    from node.agent import AgentConfig
+
+    return AgentConfig(
+        num_cpus=args.num_cpus,
+        node_ip=args.node_ip,
+        ray_temp_dir=args.ray_temp_dir,
+        object_store_memory=args.object_store_mb << 20 if args.object_store_mb else None,
+        extra_labels=parse_labels(args.label),
+        cold_tier_dir=args.cold_tier,
+        cold_tier_gb=check_cold_tier_gb(args.cold_tier_gb),
+    )
+
+
 def parse_labels(pairs: list[str]) -> dict[str, str]:
     labels = {}
     for pair in pairs:
@@ -88,6 +102,12 @@ def parse_labels(pairs: list[str]) -> dict[str, str]:
             raise ValueError(f"label {pair!r} is not KEY=VALUE")
         labels[key] = value
     return labels
+
+
+def check_cold_tier_gb(gb: float) -> float:
+    if not gb > 0:
+        raise ValueError(f"--cold-tier-gb must be more than 0, not {gb:g}")
+    return gb
 
 
 def static_head_address(head: str) -> str:
