@@ -120,8 +120,13 @@ def run(args) -> int:
 
 
 def check_gateway_bind(args, config: HeadConfig) -> None:
-    """The gateway's own rule, checked before Ray starts: no API key, no listening beyond loopback."""
-    serve.check_bind(config.bind, serve.api_keys(getattr(args, "api_key", []), dict(os.environ)))
+    """The gateway's own rules, checked before Ray starts: no API key, no listening beyond
+    loopback; no key shorter than `MIN_API_KEY_CHARS`."""
+    from cluster.gateway.guard import check_api_keys
+
+    keys = serve.api_keys(getattr(args, "api_key", []), dict(os.environ))
+    check_api_keys(keys)
+    serve.check_bind(config.bind, keys)
 
 
 def _head_token(args, cluster: str) -> str:

@@ -8,8 +8,10 @@ response model and its error responses so /openapi.json states what the server d
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
+import anyio
 from fastapi import Depends, FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
@@ -20,6 +22,7 @@ from cluster.gateway.backend import Backend
 from cluster.gateway.dashboard import install_dashboard
 from cluster.gateway.errors import (
     ServiceUnavailable,
+    ShuttingDown,
     Unauthorized,
     declared_errors,
     install_error_handlers,
@@ -38,7 +41,7 @@ from cluster.gateway.protocol import (
     ModelCard,
     ModelList,
 )
-from cluster.gateway.serving import ChatServing, CompletionServing
+from cluster.gateway.serving import SSE_DONE, ChatServing, CompletionServing, sse_error
 from cluster.gateway.state import Gateway, GatewayConfig
 
 
@@ -115,6 +118,38 @@ class _CountRequests:
             self.metrics.count_request(path if path in self.endpoints else "other", status)
 
 
+class _EndCutStreams:
+    """ASGI middleware: an event stream cancelled from outside (uvicorn does so to every
+    request still running when `--grace` ends) closes with an error event and `[DONE]`,
+    so that a client can tell a cut stream from a finished one."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        streaming = ended = False
+
+        async def send_watched(message):
+            nonlocal streaming, ended
+            if message["type"] == "http.response.start":
+                streaming = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                for k, v in message.get("headers", ()))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_watched)
+        except asyncio.CancelledError:
+            if streaming and not ended:
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    tail = (sse_error(ShuttingDown()) + SSE_DONE).encode()
+                    await send({"type": "http.response.body", "body": tail, "more_body": False})
+            raise
+
+
 def create_app(backend: Backend, config: GatewayConfig | None = None) -> FastAPI:
     config = config or GatewayConfig()
     gw = Gateway(backend, config)
@@ -134,7 +169,7 @@ def create_app(backend: Backend, config: GatewayConfig | None = None) -> FastAPI
     install_error_handlers(app)
     auth = [Depends(_bearer_check(config.api_keys))] if config.api_keys else []
     auth_errors = (401,) if config.api_keys else ()
-    generation_errors = declared_errors(400, *auth_errors, 404, 408, 413, 429, 503)
+    generation_errors = declared_errors(400, *auth_errors, 404, 413, 429, 503, 504)
     completions, chats = CompletionServing(gw), ChatServing(gw)
 
     @app.post(
@@ -183,6 +218,7 @@ def create_app(backend: Backend, config: GatewayConfig | None = None) -> FastAPI
     install_dashboard(app, gw, auth, declared_errors(*auth_errors, 503))
     _truthful_openapi(app)
     endpoints = {route.path for route in app.routes}
+    app.add_middleware(_EndCutStreams)
     app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes, api_keys=config.api_keys)
     app.add_middleware(_CountRequests, metrics=gw.metrics, endpoints=endpoints)  # outermost: counts refusals too
     return app

@@ -85,13 +85,24 @@ def gateway_totals(registry) -> tuple[int, int]:
     return int(tokens), int(completed)
 
 
+#: The page loads only its own script and stylesheet and talks only to this server; it may
+#: not be framed (clickjacking), and its URL, which can hold `?key=`, is never sent as a Referer.
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; "
+                               "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "X-Content-Type-Options": "nosniff",
+}
+
+
 def install_dashboard(app: FastAPI, gateway, auth: list, errors: dict) -> None:
     """Add /dashboard (public), its assets, and /v1/cluster/activity (behind `auth`)."""
 
     @app.get("/dashboard", response_class=HTMLResponse,
              responses={200: {"description": "the live cluster page (it reads its data with the API key)"}})
     async def dashboard() -> HTMLResponse:
-        return HTMLResponse(static_text("dashboard.html"))
+        return HTMLResponse(static_text("dashboard.html"), headers=PAGE_HEADERS)
 
     for name, media_type in ASSETS.items():
         app.add_api_route(f"/dashboard/{name}", _asset(name, media_type), methods=["GET"], include_in_schema=False)
@@ -107,6 +118,6 @@ def install_dashboard(app: FastAPI, gateway, auth: list, errors: dict) -> None:
 
 def _asset(name: str, media_type: str):
     async def serve_asset() -> Response:
-        return Response(static_text(name), media_type=media_type)
+        return Response(static_text(name), media_type=media_type, headers=PAGE_HEADERS)
 
     return serve_asset

@@ -82,12 +82,19 @@ class ModelNotServed(APIError):
 
 
 class RequestTimedOut(APIError):
-    status = 408
+    """504, with `x-should-retry: false`: OpenAI's SDKs retry 408 and every 5xx unless that
+    header says not to, and the same request would only run past the same limit again."""
+
+    status = 504
     type = "timeout_error"
     code = "request_timeout"
 
     def __init__(self, seconds: float):
-        super().__init__(f"The request did not finish within the server's limit of {seconds:g} s and was aborted.")
+        super().__init__(
+            f"The request did not finish within the server's limit of {seconds:g} s and was aborted; "
+            "ask for fewer tokens rather than retrying it as it is.",
+            headers={"x-should-retry": "false"},
+        )
 
 
 class ClientClosedRequest(APIError):
@@ -116,6 +123,18 @@ class ServiceUnavailable(APIError):
     status = 503
     type = "service_unavailable_error"
     code = "no_node_ready"
+
+
+class ShuttingDown(APIError):
+    """A stream still running when the server's drain time (`--grace`) ran out."""
+
+    status = 503
+    type = "service_unavailable_error"
+    code = "server_shutting_down"
+
+    def __init__(self):
+        super().__init__("The server is shutting down and its drain time ran out before this stream finished; "
+                         "the request was aborted.")
 
 
 class NodeLost(APIError):
@@ -219,10 +238,10 @@ def declared_errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
         400: "Invalid parameter (the `param` field names it) or prompt longer than the context",
         401: "Missing or wrong API key",
         404: "Unknown model",
-        408: "The request ran past the server's time limit and was aborted",
         413: "The request body is larger than the server accepts",
         429: "Queue full; `Retry-After` says when to retry",
         500: "Unexpected server error",
         503: "No node ready to serve, or the server is shutting down",
+        504: "The request ran past the server's time limit and was aborted (`x-should-retry: false`)",
     }
     return {s: {"model": ErrorResponse, "description": descriptions[s]} for s in statuses}

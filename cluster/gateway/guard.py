@@ -13,6 +13,21 @@ from starlette.exceptions import HTTPException
 from cluster.gateway.errors import APIError, Unauthorized, error_response
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20
+MIN_API_KEY_CHARS = 16  # a short key is one a client can guess through the 401s
+
+
+class WeakApiKey(ValueError):
+    """An API key too short to stand between the network and the model."""
+
+
+def check_api_keys(keys) -> None:
+    """Refuse keys shorter than MIN_API_KEY_CHARS; the message never repeats a key."""
+    short = sum(1 for k in keys if len(k) < MIN_API_KEY_CHARS)
+    if short:
+        raise WeakApiKey(
+            f"{short} API key(s) shorter than {MIN_API_KEY_CHARS} characters; use long random keys, "
+            "e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`."
+        )
 
 
 class BodyTooLarge(APIError):

@@ -4,6 +4,10 @@ Requests forbid unknown fields, as OpenAI does ("Unrecognized request argument")
 client never believes a parameter took effect when it was ignored. Ranges are declared on
 the fields so that /openapi.json states them and pydantic rejects bad values before any
 work starts; the engine's own `SamplingParams` checks remain the second line.
+
+Requests are also strict, as OpenAI's own server is: `"stream": "yes"` or `"n": "2"` is a
+400, not a value pydantic guessed; a JSON integer still counts as a number where a float
+is asked for (`"temperature": 1`).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ _TOP_LOGPROBS_NEED_LOGPROBS = {
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Response(BaseModel):
@@ -100,7 +104,7 @@ PromptField = (
 
 
 class CompletionRequest(_SamplingFields):
-    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM]})
+    model_config = ConfigDict(extra="forbid", strict=True, json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM]})
 
     prompt: PromptField
     max_tokens: int | None = Field(None, ge=1, description="defaults to 16, as OpenAI's legacy endpoint")
@@ -154,7 +158,7 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     model_config = ConfigDict(
-        extra="forbid", json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS]}
+        extra="forbid", strict=True, json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS]}
     )
 
     messages: list[ChatMessage] = Field(min_length=1)

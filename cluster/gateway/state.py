@@ -12,7 +12,7 @@ from fastapi import Request
 
 from cluster.gateway.backend import Backend, ModelInfo
 from cluster.gateway.errors import ModelNotFound, QueueFull, ServiceUnavailable
-from cluster.gateway.guard import DEFAULT_MAX_BODY_BYTES
+from cluster.gateway.guard import DEFAULT_MAX_BODY_BYTES, check_api_keys
 from cluster.gateway.jobs import Generation
 from cluster.gateway.metrics import GatewayMetrics
 
@@ -29,6 +29,9 @@ class GatewayConfig:
     request_timeout_s: float | None = 600.0
     max_chat_tokens: int | None = None  # chat's default max_tokens; None: the rest of the context
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413 before they are read
+
+    def __post_init__(self) -> None:
+        check_api_keys(self.api_keys)  # WeakApiKey: no server starts with a guessable key
 
 
 class Admission:

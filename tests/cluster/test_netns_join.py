@@ -299,7 +299,7 @@ _ROGUE = textwrap.dedent("""
 
 
 # ---- the whole stack: `orchard head` serving, `orchard join`, the coordinator's view ----
-API_KEY = "netns-test-key"
+API_KEY = "netns-test-key-0123456789"
 
 # Runs in the head's namespace as a Ray driver: asks the coordinator, drains, or sends a request.
 _CLUSTER_PROBE = textwrap.dedent("""

@@ -12,7 +12,7 @@ from cluster.gateway.dashboard import gateway_totals, recent_decisions
 from cluster.gateway.metrics import GatewayMetrics
 from cluster.gateway.state import GatewayConfig
 
-KEY = "dash-key"
+KEY = "dash-key-0123456789"
 DECISIONS = [
     {"node_id": "a1", "reason": "prefix-hit", "cached_blocks": 3, "policy": "prefix", "num_candidates": 2,
      "request_id": "cmpl-1", "decided_at": 1.0, "migration": None, "est_cost_s": 0.01, "latency_s": 1e-5},

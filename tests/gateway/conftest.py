@@ -11,7 +11,7 @@ from cluster.gateway.backend import LocalBackend
 from cluster.gateway.state import GatewayConfig
 from tests.gateway.live_server import LiveServer
 
-API_KEY = "test-key-123"
+API_KEY = "test-key-0123456789"
 
 
 def _engine():

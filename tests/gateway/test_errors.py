@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -160,3 +161,61 @@ def test_bad_requests_do_not_disturb_a_running_stream(server, client, model_name
     worker.join(60)
     assert statuses == {400}
     assert texts == [reference]
+
+
+def test_lone_surrogate_in_chat_content_is_400_on_messages(http, model_name):
+    body = json.dumps({"model": model_name, "max_tokens": 2, "messages": [{"role": "user", "content": "hi \ud800"}]})
+    assert "\\ud800" in body  # JSON's escape for a lone surrogate, as a client sends it
+    raw = body
+    r = http.post("/v1/chat/completions", content=raw.encode(), headers={"Content-Type": "application/json"})
+    err = assert_error(r, 400, "messages")
+    assert "Unicode" in err["message"]
+
+
+@pytest.mark.parametrize(
+    "endpoint, field, value",
+    [
+        ("/v1/chat/completions", "stream", "yes"),
+        ("/v1/chat/completions", "logprobs", 1),
+        ("/v1/completions", "stream", 1),
+        ("/v1/completions", "n", "2"),
+        ("/v1/completions", "max_tokens", 2.0),
+        ("/v1/completions", "temperature", "0.5"),
+        ("/v1/completions", "ignore_eos", "false"),
+        ("/v1/completions", "seed", True),
+    ],
+)
+def test_numbers_and_booleans_are_strict(http, model_name, endpoint, field, value):
+    body = {"model": model_name, "max_tokens": 2, field: value}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in endpoint else {"prompt": "hi"})
+    assert_error(http.post(endpoint, json=body), 400, field)
+
+
+def test_an_integer_still_counts_where_a_float_is_asked_for(client, model_name):
+    out = client.completions.create(model=model_name, prompt="hi", max_tokens=2, temperature=0, top_p=1, presence_penalty=0)
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("key", ["Zq9-tiny", "fifteen-chars-x"])
+def test_api_keys_shorter_than_16_characters_are_refused_at_start(engine, key):
+    from cluster.gateway.guard import WeakApiKey
+
+    with pytest.raises(WeakApiKey, match="shorter than 16 characters") as refused:
+        create_app(KeepEngine(engine), GatewayConfig(api_keys=frozenset({key, API_KEY})))
+    assert key not in str(refused.value)  # the message does not repeat a secret
+
+
+def test_head_refuses_a_short_api_key_with_a_clear_message(capsys):
+    from cluster.cli.main import main
+
+    assert main(["head", "--bind", "127.0.0.1", "--no-advertise", "--api-key", "abc123"]) == 2
+    assert "shorter than 16 characters" in capsys.readouterr().err
+
+
+def test_dashboard_forbids_framing_foreign_code_and_referers(http):
+    for path in ("/dashboard", "/dashboard/dashboard.js"):
+        r = http.get(path)
+        assert r.status_code == 200
+        csp = r.headers["Content-Security-Policy"]
+        assert "frame-ancestors 'none'" in csp and "script-src 'self'" in csp and "default-src 'none'" in csp
+        assert r.headers["X-Frame-Options"] == "DENY" and r.headers["Referrer-Policy"] == "no-referrer"

@@ -69,12 +69,23 @@ def impatient(engine):
         yield live
 
 
-def test_request_past_the_timeout_is_408_and_aborted(impatient, engine, model_name):
+def test_request_past_the_timeout_is_504_not_to_be_retried_and_aborted(impatient, engine, model_name):
     before = aborted(engine)
     body = {"model": model_name, "prompt": "a long story", "max_tokens": long_budget(engine), "temperature": 0}
     r = httpx.post(impatient.url + "/v1/completions", json=body, timeout=30)
-    assert r.status_code == 408 and r.json()["error"]["code"] == "request_timeout"
+    assert r.status_code == 504 and r.json()["error"]["code"] == "request_timeout"
+    assert r.headers["x-should-retry"] == "false"
     wait_until(lambda: aborted(engine) == before + 1, 2.0)
+
+
+def test_the_openai_client_sends_a_timed_out_request_once(impatient, engine, model_name):
+    sent: list[str] = []
+    http_client = httpx.Client(event_hooks={"request": [lambda request: sent.append(request.url.path)]})
+    client = openai.OpenAI(base_url=impatient.url + "/v1", api_key="unused", max_retries=2, timeout=30, http_client=http_client)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model=model_name, prompt="a long story", max_tokens=long_budget(engine), temperature=0)
+    assert refused.value.status_code == 504
+    assert sent == ["/v1/completions"]
 
 
 def test_stream_past_the_timeout_ends_with_an_error_event(impatient, engine, model_name):
@@ -138,3 +149,22 @@ def test_shutdown_lets_an_inflight_stream_finish_then_stops_the_backend(engine, 
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == expected
     assert backend.shut_down_at is not None and backend.shut_down_at >= finished_at - 0.5
+
+
+def test_streams_still_running_when_the_grace_ends_close_with_an_error_and_done(engine, model_name):
+    live = LiveServer(create_app(KeepEngine(engine), GatewayConfig()), graceful_s=0.3)
+    body = {"model": model_name, "prompt": "a long story", "max_tokens": long_budget(engine), "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with live:
+        with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            data = [next(lines)]
+            stopper = threading.Thread(target=live.__exit__, args=(None, None, None))
+            stopper.start()  # SIGTERM: drain for graceful_s, then cut what still runs
+            data.extend(lines)
+        stopper.join(30)
+    events = [d[6:] for d in data if d.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+    texts = [json.loads(e)["choices"][0]["text"] for e in events[:-2]]
+    assert 0 < len(texts) < long_budget(engine)
