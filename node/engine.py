@@ -43,6 +43,7 @@ class EngineConfig:
     cold_tier_gb: float = 4.0
     preemption: str = "auto"  # "auto" (measured cost), "swap" or "recompute"
     cache_salt: str | None = None
+    enable_prefix_caching: bool = True  # False: no prompt reuses another's blocks (vLLM's flag)
     seed: int = 0
     async_scheduling: bool = True  # overlap host work for step N+1 with the device's step N
 
@@ -60,6 +61,7 @@ class EngineConfig:
             cold_tier_dir=self.cold_tier_dir,
             cold_tier_gb=self.cold_tier_gb,
             cache_salt=self.cache_salt,
+            enable_prefix_caching=self.enable_prefix_caching,
         )
 
 

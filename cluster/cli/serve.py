@@ -20,7 +20,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cluster.cli.serving_logs import RequestLog, ServedBackend, StatsLine
@@ -212,38 +212,9 @@ def engine_config(args):
         max_num_batched_tokens=getattr(args, "max_num_batched_tokens", DEFAULT_BATCHED_TOKENS),
         max_model_len=args.max_model_len, dtype=None if dtype in (None, "auto") else dtype,
         cold_tier_dir=args.cold_tier, cold_tier_gb=args.cold_tier_gb, seed=getattr(args, "seed", 0),
+        enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
     )
-    if getattr(args, "enable_prefix_caching", True):
-        return config
-    return _no_prefix_caching_class()(**vars(config))
-
-
-def _no_prefix_cache_config(self):
-    from node.engine import EngineConfig
-
-    return replace(EngineConfig.cache_config(self), enable_prefix_caching=False)
-
-
-def _no_prefix_caching_class():
-    """EngineConfig whose KV cache reuses no prefix; built on first use (EngineConfig imports
-    MLX), and found by name when a Ray node unpickles it."""
-    cls = globals().get("NoPrefixCachingConfig")
-    if cls is None:
-        from node.engine import EngineConfig
-
-        cls = dataclass(type("NoPrefixCachingConfig", (EngineConfig,), {
-            "__module__": __name__, "__qualname__": "NoPrefixCachingConfig",
-            "__doc__": "EngineConfig whose KV cache reuses no prefix (`--no-enable-prefix-caching`).",
-            "cache_config": _no_prefix_cache_config,
-        }))
-        globals()["NoPrefixCachingConfig"] = cls
-    return cls
-
-
-def __getattr__(name: str):
-    if name == "NoPrefixCachingConfig":
-        return _no_prefix_caching_class()
-    raise AttributeError(name)
+    return config
 
 
 def starts_local_ray(args) -> bool:
@@ -425,6 +396,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(args) -> int:
+    from cluster.gateway.guard import WeakApiKey, check_api_keys
     from node.openblas import reexec_with_openblas
 
     keys = api_keys(args.api_key, dict(os.environ))
@@ -433,8 +405,9 @@ def run(args) -> int:
         check_tokenizer(args)
         chat_template_text(args.chat_template)
         check_bind(args.host, keys)
+        check_api_keys(keys)
         sock = bind(args.host, args.port)
-    except (InsecureBind, BadFlag) as exc:
+    except (InsecureBind, BadFlag, WeakApiKey) as exc:
         print(f"orchard serve: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:

@@ -212,6 +212,13 @@ def test_head_refuses_a_short_api_key_with_a_clear_message(capsys):
     assert "shorter than 16 characters" in capsys.readouterr().err
 
 
+def test_serve_refuses_a_short_api_key_before_starting_anything(capsys):
+    from cluster.cli.main import main
+
+    assert main(["serve", "--no-ray", "--port", "0", "--api-key", "abc123"]) == 2
+    assert "shorter than 16 characters" in capsys.readouterr().err
+
+
 def test_dashboard_forbids_framing_foreign_code_and_referers(http):
     for path in ("/dashboard", "/dashboard/dashboard.js"):
         r = http.get(path)
