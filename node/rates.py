@@ -22,9 +22,9 @@ class Ewma:
         return default if self.value is None else self.value
 
 
-#: Steps a node runs before its rates count: the first ones compile kernels and fault weights
-#: in, and a rate taken from them made a cold node look several times slower than it is.
-WARMUP_STEPS = 3
+#: Steps a node runs before its rates count: the first compiles kernels and faults weights in,
+#: and a rate taken from it made a cold node look several times slower than it is.
+WARMUP_STEPS = 1
 
 
 @dataclass

@@ -156,13 +156,16 @@ class Membership:
         state = self.get(node_id)
         if state.status is NodeStatus.DEAD:
             raise UnknownNode(node_id)
-        new_evidence = state.rate_evidence == 0 or load.requests_total > state.load.requests_total
+        previous = state.load
+        new_evidence = (state.rate_evidence == 0 or load.requests_total > previous.requests_total
+                        or (load.prefill_tokens_per_s, load.decode_tokens_per_s)
+                        != (previous.prefill_tokens_per_s, previous.decode_tokens_per_s))
         state.last_heartbeat = self._clock()
         state.load = load
         state.prefilled_since_heartbeat = 0
         self._expire_pending(state)
         if new_evidence and (load.prefill_tokens_per_s or load.decode_tokens_per_s):
-            # An idle node repeats its last rates; only heartbeats after new work are new evidence.
+            # An idle node repeats its last rates: only new work or a changed rate is new evidence.
             state.rate_evidence += 1
             state.rates_updated_at = state.last_heartbeat
             if load.prefill_tokens_per_s:

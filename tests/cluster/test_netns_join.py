@@ -321,7 +321,7 @@ _CLUSTER_PROBE = textwrap.dedent("""
             if n["ray_node_id"] != arg:
                 ray.get(coordinator.drain.remote(n["node_id"]))
     elif action == "complete":
-        auth = {"Authorization": "Bearer netns-test-key"}
+        auth = {"Authorization": "Bearer netns-test-key-0123456789"}  # API_KEY
         model = httpx.get(arg + "/v1/models", headers=auth, timeout=timeout).json()["data"][0]["id"]
         r = httpx.post(arg + "/v1/completions", timeout=timeout, headers=auth,
                        json={"model": model, "prompt": "hello orchard", "max_tokens": 4, "temperature": 0})

@@ -256,6 +256,8 @@ def test_heartbeats_without_new_work_are_not_new_rate_evidence():
     members = cluster("a")
     node = members.get("a")
     assert node.rate_evidence == 1
-    for _ in range(5):
-        members.heartbeat("a", NodeLoad(prefill_tokens_per_s=10.0, decode_tokens_per_s=1.0))  # idle repeats
-    assert node.rate_evidence == 1 and node.prefill_s_per_token.value == pytest.approx(1e-3)
+    for _ in range(5):  # idle: the same rates again and again
+        members.heartbeat("a", NodeLoad(prefill_tokens_per_s=1000.0, decode_tokens_per_s=100.0))
+    assert node.rate_evidence == 1
+    members.heartbeat("a", NodeLoad(prefill_tokens_per_s=500.0, decode_tokens_per_s=100.0))  # measured anew
+    assert node.rate_evidence == 2
