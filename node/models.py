@@ -16,16 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from kvcache.geometry import DTYPE_SIZES, KVGeometry
 
 DEMO_MODEL_NAME = "orchard-demo"
 #: Used when a config states no maximum position.
 DEFAULT_MAX_CONTEXT = 4096
-#: How much of each end of a weight file goes into the fingerprint.
-FINGERPRINT_EDGE_BYTES = 1 << 20
-_FINGERPRINT_VERSION = b"orchard-model-fingerprint-v1"
 
 
 class ModelNotFound(FileNotFoundError):
@@ -158,38 +153,6 @@ def loaded_reason(loaded: LoadedModel) -> str | None:
     if dtype not in DTYPE_SIZES:
         return f"activation dtype {dtype} has no KV pool layout"
     return paging_reason(loaded.model, num_kv_heads, head_dim)
-
-
-# ---------------------------------------------------------------- fingerprint
-
-
-def model_fingerprint(path: Path) -> str:
-    """A stable id of a checkpoint that costs milliseconds even for many-GB weights.
-
-    Hashes config.json, the safetensors index when present, and per weight file its name,
-    size and first and last MiB. The first MiB holds the safetensors header (every tensor's
-    name, dtype, shape and offset) and the start of the data, the last MiB the end of the
-    data, so two checkpoints that differ in shape or in trained values differ here in
-    practice, while hashing every byte would add seconds to minutes per start. KV computed
-    by one fingerprint is never served under another (block hashes and the wire format
-    carry it).
-    """
-    digest = xxhash.xxh3_128(_FINGERPRINT_VERSION)
-    for name in ("config.json", "model.safetensors.index.json"):
-        if (path / name).exists():
-            digest.update(name.encode() + b"\0" + (path / name).read_bytes())
-    for weight_file in sorted(path.glob("model*.safetensors")):
-        digest.update(_edges_digest(weight_file))
-    return digest.hexdigest()
-
-
-def _edges_digest(weight_file: Path) -> bytes:
-    size = weight_file.stat().st_size
-    with weight_file.open("rb") as f:
-        head = f.read(FINGERPRINT_EDGE_BYTES)
-        f.seek(max(0, size - FINGERPRINT_EDGE_BYTES))
-        tail = f.read(FINGERPRINT_EDGE_BYTES)
-    return weight_file.name.encode() + b"\0" + str(size).encode() + b"\0" + xxhash.xxh3_128_digest(head + tail)
 
 
 # ---------------------------------------------------------------- loading

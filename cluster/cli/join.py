@@ -16,9 +16,7 @@ import time
 from pathlib import Path
 
 from cluster.cli.lifecycle import stop_on_signals
-
-DEFAULT_CLUSTER = "orchard"
-DEFAULT_RAY_PORT = 6379
+from cluster.runtime.head import DEFAULT_CLUSTER, DEFAULT_RAY_PORT
 
 log = logging.getLogger("orchard.join")
 
