@@ -5,7 +5,8 @@ actor's event loop only moves requests in and outputs out. Two duties beyond ser
 
 - after every engine step, that step's KV events go to the coordinator in one call,
   straight from the engine thread (calls from one caller reach the actor in order);
-- every `heartbeat_s`, the node's load and measured rates go to the coordinator, whose
+- every `heartbeat_s`, and soon after a request finishes (so the router does not count a
+  finished request as running), the node's load and measured rates go to the coordinator, whose
   reply may ask for a snapshot of the prefix cache or for the node to register again
   (after a coordinator restart), or hand over block moves (hot-prefix copies, drain);
 - KV migration (`node.migration`): a target pulls blocks from a source with
@@ -39,6 +40,8 @@ from node.types import RequestOutput, SamplingParams
 log = logging.getLogger(__name__)
 
 _SNAPSHOT_ATTEMPTS = 5
+#: Early heartbeats (after a request finishes) come at most this often.
+_MIN_BEAT_GAP_S = 0.05
 
 
 
@@ -74,6 +77,7 @@ class NodeActor:
         self._queued_prompt_tokens = 0  # prompts accepted here whose prefill has not finished
         self._requests_total = 0
         self._heartbeat_task: asyncio.Task | None = None
+        self._beat_soon = asyncio.Event()
         self._started_at = time.time()
         self.mover = BlockMover(self.engine)
         self._background: set[asyncio.Task] = set()
@@ -123,6 +127,7 @@ class NodeActor:
                 yield output
         finally:
             self._queued_prompt_tokens -= pending_prefill
+            self._beat_soon.set()
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
@@ -252,6 +257,7 @@ class NodeActor:
 
     async def _heartbeat_loop(self) -> None:
         while True:
+            self._beat_soon.clear()  # the load read next covers every request finished so far
             try:
                 reply = await self._coord().heartbeat.remote(self.node_id, self._load())
                 if not reply.get("known", True):
@@ -263,7 +269,15 @@ class NodeActor:
             except Exception as exc:  # the coordinator may be restarting; try again next beat
                 log.warning("node %s: heartbeat failed: %s", self.node_id, exc)
                 self._coordinator = None
-            await asyncio.sleep(self.config.heartbeat_s)
+            await self._until_next_beat()
+
+    async def _until_next_beat(self) -> None:
+        """Sleep `heartbeat_s`, or less when a request finished meanwhile."""
+        await asyncio.sleep(_MIN_BEAT_GAP_S)
+        try:
+            await asyncio.wait_for(self._beat_soon.wait(), self.config.heartbeat_s - _MIN_BEAT_GAP_S)
+        except asyncio.TimeoutError:
+            pass
 
     def _load(self) -> dict:
         stats = self.engine.stats()

@@ -11,9 +11,10 @@ moving averages fed by heartbeats after new work, shrunk toward the cluster's me
 little evidence they rest on and how long ago it was gathered: a node that never got work
 after one slow sample is not frozen as slow, and is tried again. A node not measured at all
 borrows the mean; only when none is measured does the configured prior apply. Costs within
-TIE_TOLERANCE of the lowest, among nodes holding as much of the prompt, count as a tie won by
-the node with the most free KV blocks (exact ties at random), so new prefixes spread over the
-pools and the cluster's cache is the sum of its nodes'. The other policies exist to measure against and ignore the prefix. Every
+TIE_TOLERANCE (and TIE_FLOOR_S) of the lowest count as a tie, won by the node holding most of
+the prompt in its own cache, then by the node with the most free KV blocks (exact ties at
+random), so repeats stay with their holder, new prefixes spread over the pools and the
+cluster's cache is the sum of its nodes'. The other policies exist to measure against and ignore the prefix. Every
 policy returns a node whenever at least one candidate exists.
 """
 
@@ -30,8 +31,11 @@ from cluster.coordinator.membership import NodeId, NodeState
 
 POLICIES = ("prefix", "round_robin", "least_loaded", "random")
 
-#: Costs this close to the lowest (relative) are a tie, broken by free KV capacity.
+#: Costs this close to the lowest (relative, plus an absolute floor in seconds) are a tie,
+#: won by the node holding most of the prompt itself, then by free KV capacity. The floor
+#: covers what a heartbeat's staleness can add (about one engine step of a finished request).
 TIE_TOLERANCE = 0.1
+TIE_FLOOR_S = 0.005
 #: Heartbeats of evidence that weigh as much as the cluster's mean rate.
 EVIDENCE_PRIOR = 2
 #: A node's own rates lose half their weight against the mean per this many idle seconds.
@@ -161,9 +165,12 @@ class Router:
     # ---- prefix policy -------------------------------------------------------------
     def _by_cost(self, request, candidates, rates, link, held_blocks) -> RouteDecision:
         costed = [self._cost(request, node, rates[node.node_id], link) for node in candidates]
-        cheapest = min(costed, key=lambda c: c.cost)
-        # A prefix hit is never traded for room: only nodes holding as much of it tie.
-        near = [c for c in costed if c.cost <= cheapest.cost * (1 + TIE_TOLERANCE) and c.own_blocks == cheapest.own_blocks]
+        lowest = min(c.cost for c in costed)
+        near = [c for c in costed if c.cost <= lowest * (1 + TIE_TOLERANCE) + TIE_FLOOR_S]
+        # Within the band, the node holding most of the prompt itself wins: a prefix hit is
+        # never traded for room, nor for a migration whose estimated gain is within noise.
+        held_most = max(c.own_blocks for c in near)
+        near = [c for c in near if c.own_blocks == held_most]
         room = {c.node.node_id: _free_blocks(c.node, held_blocks) for c in near}
         most = max(room.values())
         winner = self._rng.choice([c for c in near if room[c.node.node_id] >= most])

@@ -261,3 +261,17 @@ def test_heartbeats_without_new_work_are_not_new_rate_evidence():
     assert node.rate_evidence == 1
     members.heartbeat("a", NodeLoad(prefill_tokens_per_s=500.0, decode_tokens_per_s=100.0))  # measured anew
     assert node.rate_evidence == 2
+
+
+def test_a_migration_whose_gain_is_within_noise_does_not_take_a_repeat_from_its_holder():
+    # Same machine, noisy measurements: the holder measured at half b's prefill rate. Pulling its
+    # 16 blocks to b would save about 1 ms on a 3-token prefill, within the tie band: stay.
+    members = cluster("a", "b", bytes_per_block=1000)
+    members.heartbeat("a", NodeLoad(prefill_tokens_per_s=500.0, decode_tokens_per_s=100.0))
+    members.record_link_rate("a", "b", 1e9)
+    decision = Router().route(request({"a": 16}, num_tokens=259), members.candidates("m"), members.link_rate)
+    assert (decision.node_id, decision.reason, decision.cached_blocks) == ("a", "prefix-hit", 16)
+    # A holder far behind still loses the repeat to a migration.
+    members.heartbeat("a", NodeLoad(running=20, prefill_tokens_per_s=500.0, decode_tokens_per_s=100.0))
+    decision = Router().route(request({"a": 16}, num_tokens=259), members.candidates("m"), members.link_rate)
+    assert (decision.node_id, decision.reason) == ("b", "migrate")
