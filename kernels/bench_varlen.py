@@ -176,7 +176,8 @@ def cuda_rows(copy_tb: float) -> list[bench.Row]:
     for head_dim in (128, 64):
         for problem, iters in ((MIXED, 10), (PREFILL, 10)):
             problem = replace(problem, head_dim=head_dim)
-            rows.append(measure_varlen(problem, "cuda", "gpu", iters, copy_tb))
+            rows.append(measure_varlen(problem, "cuda", "gpu", iters, copy_tb, label="varlen cuda mma"))
+            rows.append(measure_varlen(problem, "cuda", "gpu", iters, copy_tb, kernels.VarlenTuning(tensor_cores=False), "varlen cuda simt"))
             rows.append(measure_varlen(problem, "reference", "gpu", 3, copy_tb))
     rows.append(measure_varlen(DECODE, "cuda", "gpu", 20, copy_tb))
     rows.append(measure_decode_kernel(DECODE, 20, copy_tb))

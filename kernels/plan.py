@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from kernels import reference, source
+from kernels import mma_source, reference, source
 from kernels.dispatch import resolve_backend
 from kernels.errors import InvalidAttentionMetadata, UnsupportedAttentionShape
 from kernels.launch import DecodePlan, KernelTuning, plan_decode
@@ -49,6 +49,7 @@ class VarlenTuning:
     merge_threads: int = 128
     kv_tile: int | None = None  # most keys loaded per step (32, 16, 8 or 4); None: the widest that fits
     decode: KernelTuning = KernelTuning()  # the decode kernel that serves the step's q_len 1 rows
+    tensor_cores: bool = True  # CUDA, half pools: chunks through the MMA body (kernels/mma_source.py)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class KernelPlan:
     shape: TileShape
     tuning: VarlenTuning
     work: WorkList
+    mma_kv_tile: int | None  # keys per tile of the tensor-core body; None: the SIMT body for every pool
     units: mx.array
     split_rows: mx.array | None
     split_query_rows: mx.array | None  # packed rows the merged outputs go back to
@@ -218,11 +220,16 @@ def plan_kernel(
     q_lens = np.diff(starts)
     chunked = q_lens > 1
     longest = int(q_lens[chunked].max()) if chunked.any() else 2
-    shape = tile_shape_for(num_heads // num_kv_heads, head_dim, longest, SHARED_BYTES[dialect], tuning)
+    group, budget = num_heads // num_kv_heads, SHARED_BYTES[dialect]
+    mma_kv_tile = mma_kv_tile_for(dialect, group, head_dim, tuning)
+    if mma_kv_tile is not None:
+        shape = mma_tile_shape(group, head_dim, budget, tuning)
+    else:
+        shape = tile_shape_for(group, head_dim, longest, budget, tuning)
     work = work_list(starts, lengths, shape.q_tokens, num_heads // shape.heads_per_tile, tuning)
     split = work.split_rows.shape[0] > 0
     return KernelPlan(
-        shape=shape, tuning=tuning, work=work, units=mx.array(work.units),
+        shape=shape, tuning=tuning, work=work, mma_kv_tile=mma_kv_tile, units=mx.array(work.units),
         split_rows=mx.array(work.split_rows) if split else None,
         split_query_rows=mx.array(work.split_rows[:, 0]) if split else None,
         dims=mx.array([max(tables.shape[1], 1)], dtype=mx.int32),
@@ -282,6 +289,23 @@ def tile_shape_for(group: int, head_dim: int, longest_query: int, budget_bytes: 
                 return TileShape(tokens, heads, *tiles)
             tokens //= 2
     raise UnsupportedAttentionShape(f"head_dim {head_dim} leaves no shared memory for one query tile")
+
+
+def mma_kv_tile_for(dialect: str, group: int, head_dim: int, tuning: VarlenTuning) -> int | None:
+    """Key tile of the tensor-core body when it serves this model on this backend, else None."""
+    if dialect != "cuda" or not tuning.tensor_cores or not mma_source.supports(head_dim):
+        return None
+    return mma_source.kv_tile_for(head_dim, SHARED_BYTES[dialect])
+
+
+def mma_tile_shape(group: int, head_dim: int, budget_bytes: int, tuning: VarlenTuning) -> TileShape:
+    """64 rows (four warps of 16) of as many heads of the GQA group as divide 64; float32 pools keep
+    the SIMT body on the same rows, so its key tile for them is chosen as `tile_shape_for` would."""
+    heads = int(np.gcd(group, mma_source.ROWS))
+    wide = kv_tile_for(mma_source.ROWS, head_dim, 4, budget_bytes, tuning)
+    if wide is None:
+        raise UnsupportedAttentionShape(f"head_dim {head_dim} leaves no shared memory for a 64-row float32 tile")
+    return TileShape(mma_source.ROWS // heads, heads, mma_source.kv_tile_for(head_dim, budget_bytes), wide)
 
 
 def work_list(starts: np.ndarray, lengths: np.ndarray, q_tokens: int, head_tiles: int, tuning: VarlenTuning) -> WorkList:

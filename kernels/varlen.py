@@ -12,7 +12,7 @@ from functools import cache
 
 import mlx.core as mx
 
-from kernels import source
+from kernels import mma_source, source
 from kernels.errors import UnsupportedAttentionShape
 from kernels.launch import SUPPORTED_DTYPES, KernelCompiler, PagedDecodeKernels
 from kernels.plan import VarlenPlan
@@ -30,6 +30,11 @@ class PagedVarlenKernels:
     def _varlen_kernel(self):
         header, body = source.render_varlen(self.dialect)
         return self.compile_kernel("orchard_paged_varlen", source.VARLEN_INPUTS, source.VARLEN_OUTPUTS, header, body)
+
+    @cache  # noqa: B019 -- one instance per dialect lives as long as the process
+    def _mma_kernel(self):
+        header, body = mma_source.render()
+        return self.compile_kernel("orchard_paged_varlen_mma", source.VARLEN_INPUTS, source.VARLEN_OUTPUTS, header, body)
 
     @cache  # noqa: B019 -- one instance per dialect lives as long as the process
     def _merge_kernel(self):
@@ -59,15 +64,19 @@ class PagedVarlenKernels:
         if kernel.num_units == 0:
             return mx.zeros(queries.shape, dtype=key_cache.dtype)
         shape, head_dim, itemsize = kernel.shape, plan.head_dim, key_cache.dtype.size
-        threads = shape.threads_for(itemsize)
+        tensor_cores = kernel.mma_kv_tile is not None and itemsize == 2
+        if tensor_cores:
+            compiled, threads, kv_tile = self._mma_kernel(), shape.rows // mma_source.ROWS_PER_WARP * 32, kernel.mma_kv_tile
+        else:
+            compiled, threads, kv_tile = self._varlen_kernel(), shape.threads_for(itemsize), shape.kv_tile_for(itemsize)
         template = [
             ("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", plan.block_size),
             ("NUM_KV_HEADS", plan.num_kv_heads), ("GROUP", plan.num_heads // plan.num_kv_heads),
-            ("HEADS_PER_TILE", shape.heads_per_tile), ("Q_TOKENS", shape.q_tokens), ("KV_TILE", shape.kv_tile_for(itemsize)),
+            ("HEADS_PER_TILE", shape.heads_per_tile), ("Q_TOKENS", shape.q_tokens), ("KV_TILE", kv_tile),
             ("NUM_THREADS", threads),
         ]
         partial_rows = max(kernel.work.num_partial_rows, 1)
-        out, part_out, part_max, part_sum = self._varlen_kernel()(
+        out, part_out, part_max, part_sum = compiled(
             inputs=[
                 queries if queries.dtype == key_cache.dtype else queries.astype(key_cache.dtype),
                 key_cache, value_cache, plan.block_tables, kernel.units, plan.scale_array(scale), kernel.dims,

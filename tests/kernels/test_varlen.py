@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels import dispatch, source
+from kernels import dispatch, mma_source, source
 from kernels import plan as varlen_plan
 from tests.kernels import emulator
 from tests.kernels.backends import ALL_BACKENDS, CUDA
@@ -389,3 +389,31 @@ def test_launcher_runs_plan_and_merge_through_the_emulated_kernel(emulator_dir, 
     queries = random_stored(rng, (int(starts[-1]), 8, 64), "float32")
     out = PagedVarlenKernels("metal", EmulatedCompiler(emulator_dir))(queries, case.key_cache, case.value_cache, step_plan, 0.125)
     assert_close(out, oracle_prefill(case, queries, starts, 0.125), "float32")
+
+
+@pytest.mark.parametrize("group,head_dim,kv_tile", [(4, 64, 64), (4, 128, 32), (1, 128, 32), (8, 64, 64)])
+def test_cuda_plans_chunks_for_the_tensor_core_body_in_64_row_tiles(group, head_dim, kv_tile):
+    tables = np.arange(8, dtype=np.int32).reshape(2, 4)
+    step = varlen_plan.plan_kernel("cuda", starts_of([7, 1]), np.array([40, 20], dtype=np.int32), tables,
+                                   8 * group, 8, head_dim, kernels.VarlenTuning())
+    assert step.mma_kv_tile == kv_tile and step.shape.rows == 64 and step.shape.heads_per_tile == group
+    assert step.work.units[:, 2].max() <= step.shape.q_tokens
+    simt = varlen_plan.plan_kernel("cuda", starts_of([7, 1]), np.array([40, 20], dtype=np.int32), tables,
+                                   8 * group, 8, head_dim, kernels.VarlenTuning(tensor_cores=False))
+    metal = varlen_plan.plan_kernel("metal", starts_of([7, 1]), np.array([40, 20], dtype=np.int32), tables,
+                                    8 * group, 8, head_dim, kernels.VarlenTuning())
+    assert simt.mma_kv_tile is None and metal.mma_kv_tile is None
+    assert mma_source.shared_bytes(kv_tile, head_dim) <= varlen_plan.SHARED_BYTES["cuda"]
+
+
+@pytest.mark.parametrize("backend", [CUDA])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cuda_tensor_core_and_simt_bodies_agree(rng, backend, dtype):
+    q_lens, lengths = mixed_step(rng, [3, 64, 65, 300], num_decodes=6, max_decode_context=2000)
+    case = make_paged_case(rng, lengths, 8, 128, 16, dtype)
+    starts = starts_of(q_lens)
+    queries = random_stored(rng, (int(starts[-1]), 32, 128), dtype)
+    outs = [kernels.paged_varlen_attention(queries, case.key_cache, case.value_cache,
+                                           plan_for(case, starts, 32, backend, tensor_cores=cores), scale=0.09)
+            for cores in (True, False)]
+    np.testing.assert_allclose(to_float64(outs[0]), to_float64(outs[1]), rtol=2e-2, atol=2e-2)

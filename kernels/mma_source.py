@@ -1,0 +1,291 @@
+"""The varlen kernel on NVIDIA's tensor cores: the same work units as VARLEN_BODY, both matmuls in `mma.sync`.
+
+Why a second body: the SIMT body (kernels/source.py) computes one score per lane with
+float32 FMAs, 10-16x slower than dense SDPA on prefill chunks (docs/benchmarks.md); the
+matrix units are the only way to chunk attention at the speed the rest of a prefill runs.
+It reads the same plan (`units`, partial rows, the merge kernel) and writes the same
+outputs, so the host side only picks which body to launch; float32 pools, and Metal, keep
+the SIMT body (a `simdgroup_matrix` twin for Metal is the next step, not written yet).
+
+One threadgroup: WARPS warps x 16 query rows (rows are tokens x heads of one KV group, as
+in the SIMT body). Per key tile of KV_TILE keys, loaded from the pool through the block
+table into shared memory:
+- S = Q K^T with m16n8k16 MMAs (Q fragments stay in registers for the whole unit);
+- online softmax on the accumulator fragments in registers, base 2 (log2 e folded into the
+  scale), row maxima shared by the four lanes of a row through two shuffles;
+- O += P V: the S accumulators of two adjacent 8-key tiles are exactly the A fragment of a
+  16-key MMA, so P never touches shared memory (FlashAttention-2's register reuse).
+Fragment layouts follow the PTX ISA for `mma.sync.aligned.m16n8k16.row.col` (lane = 4 x
+group + thread-in-group). Shared rows are padded by 8 elements so fragment loads hit 32
+distinct banks.
+"""
+
+from __future__ import annotations
+
+from kernels import source
+
+#: query rows of one warp's MMA tile
+ROWS_PER_WARP = 16
+#: query rows of one threadgroup (4 warps)
+ROWS = 64
+#: elements each shared row is padded by (16 bytes of a half type)
+ROW_PAD = 8
+
+MMA_HEADER = source.CUDA_HEADER + r"""
+template <typename U> struct MmaTile;
+
+template <> struct MmaTile<__half> {
+  static __device__ __forceinline__ void run(float* c, const unsigned int* a, const unsigned int* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+
+template <> struct MmaTile<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(float* c, const unsigned int* a, const unsigned int* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+};
+
+// Two consecutive half elements as one 32-bit register (the operand unit of an MMA fragment).
+template <typename U>
+__device__ __forceinline__ unsigned int pair_at(const U* p) {
+  return *reinterpret_cast<const unsigned int*>(p);
+}
+
+template <typename U>
+__device__ __forceinline__ unsigned int pair_of(U lo, U hi) {
+  alignas(4) U pair[2] = {lo, hi};
+  return *reinterpret_cast<const unsigned int*>(pair);
+}
+
+template <typename U>
+__device__ __forceinline__ unsigned int pack_floats(float lo, float hi) {
+  return pair_of<U>(static_cast<U>(lo), static_cast<U>(hi));
+}
+"""
+
+MMA_PROLOGUE = source.CUDA_VARLEN_PROLOGUE
+
+MMA_BODY = r"""
+  constexpr int NUM_HEADS = NUM_KV_HEADS * GROUP;
+  constexpr int TILES_PER_KV = GROUP / HEADS_PER_TILE;
+  constexpr int ROWS = Q_TOKENS * HEADS_PER_TILE;
+  constexpr int STRIDE = HEAD_DIM + ROW_PAD;
+  constexpr int K_STEPS = HEAD_DIM / 16;
+  constexpr int S_TILES = KV_TILE / 8;
+  constexpr int P_STEPS = KV_TILE / 16;
+  constexpr int O_TILES = HEAD_DIM / 8;
+  constexpr int VEC = 16 / int(sizeof(T));
+  constexpr int CHUNKS = HEAD_DIM / VEC;
+  constexpr float NEG_BIG = -1.0e30f;
+  constexpr float MASKED = -2.0e30f;  // below any running max: exp2(MASKED - max) is 0
+  SHARED TILE_ALIGN T q_tile[ROWS * STRIDE];
+  SHARED TILE_ALIGN T k_tile[KV_TILE * STRIDE];
+  SHARED TILE_ALIGN T v_tile[KV_TILE * STRIDE];
+
+  const int max_blocks = dims[0];
+  const int u0 = unit * UNIT_FIELDS;
+  const int seq = units[u0 + 0];
+  const int query_row = units[u0 + 1];
+  const int query_count = units[u0 + 2];
+  const int query_position = units[u0 + 3];
+  const int kv_start = units[u0 + 4];
+  const int kv_end = units[u0 + 5];
+  const int partial_row = units[u0 + 6];
+  const bool split = units[u0 + 7] != 0;
+  const int kv_head = head_tile / TILES_PER_KV;
+  const int first_head = kv_head * GROUP + (head_tile % TILES_PER_KV) * HEADS_PER_TILE;
+  const int active_rows = query_count * HEADS_PER_TILE;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int group_id = lane / 4;
+  const int in_group = lane % 4;
+
+  // Row r of the tile is query token r / HEADS_PER_TILE, head first_head + r % HEADS_PER_TILE.
+  for (int idx = tid; idx < ROWS * CHUNKS; idx += NUM_THREADS) {
+    const int r = idx / CHUNKS;
+    const int c = idx % CHUNKS;
+    ROW_ALIGN T row[VEC];
+    if (r < active_rows) {
+      const size_t q_at = (size_t(query_row + r / HEADS_PER_TILE) * NUM_HEADS + first_head + r % HEADS_PER_TILE) * HEAD_DIM + c * VEC;
+      COPY_VEC(row, queries + q_at);
+    } else {
+      for (int e = 0; e < VEC; ++e) {
+        row[e] = static_cast<T>(0.0f);
+      }
+    }
+    COPY_VEC(q_tile + r * STRIDE + c * VEC, row);
+  }
+  BARRIER();
+
+  // This lane's two rows: r (accumulator elements 0, 1) and r + 8 (elements 2, 3).
+  const int my_row[2] = {warp * 16 + group_id, warp * 16 + group_id + 8};
+  unsigned int qa[K_STEPS][4];
+  for (int kk = 0; kk < K_STEPS; ++kk) {
+    const T* q0 = q_tile + my_row[0] * STRIDE + kk * 16 + in_group * 2;
+    const T* q8 = q0 + 8 * STRIDE;
+    qa[kk][0] = pair_at(q0);
+    qa[kk][1] = pair_at(q8);
+    qa[kk][2] = pair_at(q0 + 8);
+    qa[kk][3] = pair_at(q8 + 8);
+  }
+  bool row_live[2];
+  int row_position[2];
+  float run_max[2];
+  float run_sum[2];
+  for (int h = 0; h < 2; ++h) {
+    row_live[h] = my_row[h] < active_rows;
+    row_position[h] = query_position + my_row[h] / HEADS_PER_TILE;
+    run_max[h] = NEG_BIG;
+    run_sum[h] = 0.0f;
+  }
+  float o[O_TILES][4];
+  for (int t = 0; t < O_TILES; ++t) {
+    for (int e = 0; e < 4; ++e) {
+      o[t][e] = 0.0f;
+    }
+  }
+
+  const float softmax_scale = scale[0] * 1.4426950408889634f;
+  const auto table = block_tables + size_t(seq) * max_blocks;
+  for (int base = kv_start; base < kv_end; base += KV_TILE) {
+    for (int idx = tid; idx < KV_TILE * CHUNKS; idx += NUM_THREADS) {
+      const int j = idx / CHUNKS;
+      const int c = idx % CHUNKS;
+      const int t = base + j;
+      ROW_ALIGN T k_row[VEC];
+      ROW_ALIGN T v_row[VEC];
+      if (t < kv_end) {
+        const size_t slot = size_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE;
+        const size_t at = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + c * VEC;
+        COPY_VEC(k_row, key_cache + at);
+        COPY_VEC(v_row, value_cache + at);
+      } else {
+        // Zeros, not the pool's contents: a weight of 0 times an unowned (NaN) slot would still be NaN.
+        for (int e = 0; e < VEC; ++e) {
+          k_row[e] = static_cast<T>(0.0f);
+          v_row[e] = static_cast<T>(0.0f);
+        }
+      }
+      COPY_VEC(k_tile + j * STRIDE + c * VEC, k_row);
+      COPY_VEC(v_tile + j * STRIDE + c * VEC, v_row);
+    }
+    BARRIER();
+
+    float s[S_TILES][4];
+    for (int nt = 0; nt < S_TILES; ++nt) {
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] = 0.0f;
+      }
+      const T* k_at = k_tile + (nt * 8 + group_id) * STRIDE + in_group * 2;
+      for (int kk = 0; kk < K_STEPS; ++kk) {
+        const unsigned int b[2] = {pair_at(k_at + kk * 16), pair_at(k_at + kk * 16 + 8)};
+        MmaTile<T>::run(s[nt], qa[kk], b);
+      }
+    }
+
+    // Below the diagonal every key of the tile is visible to every live row.
+    const bool unmasked = base + KV_TILE <= kv_end && base + KV_TILE - 1 <= query_position;
+    for (int h = 0; h < 2; ++h) {
+      float tile_max = NEG_BIG;
+      for (int nt = 0; nt < S_TILES; ++nt) {
+        for (int e = 0; e < 2; ++e) {
+          const int key = base + nt * 8 + in_group * 2 + e;
+          const bool visible = row_live[h] && (unmasked || (key < kv_end && key <= row_position[h]));
+          const float v = visible ? s[nt][2 * h + e] * softmax_scale : MASKED;
+          s[nt][2 * h + e] = v;
+          tile_max = v > tile_max ? v : tile_max;
+        }
+      }
+      for (int mask = 1; mask < 4; mask *= 2) {
+        const float other = SIMD_XOR(tile_max, mask);
+        tile_max = other > tile_max ? other : tile_max;
+      }
+      const float new_max = tile_max > run_max[h] ? tile_max : run_max[h];
+      const float correction = FEXP2(run_max[h] - new_max);
+      float tile_sum = 0.0f;
+      for (int nt = 0; nt < S_TILES; ++nt) {
+        for (int e = 0; e < 2; ++e) {
+          const float p = FEXP2(s[nt][2 * h + e] - new_max);
+          s[nt][2 * h + e] = p;
+          tile_sum += p;
+        }
+      }
+      run_sum[h] = run_sum[h] * correction + tile_sum;
+      run_max[h] = new_max;
+      for (int t = 0; t < O_TILES; ++t) {
+        o[t][2 * h] *= correction;
+        o[t][2 * h + 1] *= correction;
+      }
+    }
+
+    for (int kk = 0; kk < P_STEPS; ++kk) {
+      const unsigned int pa[4] = {
+          pack_floats<T>(s[2 * kk][0], s[2 * kk][1]), pack_floats<T>(s[2 * kk][2], s[2 * kk][3]),
+          pack_floats<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_floats<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]),
+      };
+      const T* v_at = v_tile + (kk * 16 + in_group * 2) * STRIDE + group_id;
+      for (int t = 0; t < O_TILES; ++t) {
+        const T* v0 = v_at + t * 8;
+        const unsigned int b[2] = {pair_of(v0[0], v0[STRIDE]), pair_of(v0[8 * STRIDE], v0[9 * STRIDE])};
+        MmaTile<T>::run(o[t], pa, b);
+      }
+    }
+    BARRIER();
+  }
+
+  for (int h = 0; h < 2; ++h) {
+    float total = run_sum[h];
+    total += SIMD_XOR(total, 1);
+    total += SIMD_XOR(total, 2);
+    if (!row_live[h]) {
+      continue;
+    }
+    const int token = my_row[h] / HEADS_PER_TILE;
+    const int head = first_head + my_row[h] % HEADS_PER_TILE;
+    const size_t out_row = split ? size_t(partial_row + token) * NUM_HEADS + head : size_t(query_row + token) * NUM_HEADS + head;
+    for (int t = 0; t < O_TILES; ++t) {
+      for (int e = 0; e < 2; ++e) {
+        const int d = t * 8 + in_group * 2 + e;
+        if (!split) {
+          out[out_row * HEAD_DIM + d] = static_cast<T>(o[t][2 * h + e] / total);
+        } else {
+          part_out[out_row * HEAD_DIM + d] = total > 0.0f ? o[t][2 * h + e] / total : 0.0f;
+        }
+      }
+    }
+    if (split && in_group == 0) {
+      part_max[out_row] = run_max[h];
+      part_sum[out_row] = total;
+    }
+  }
+"""
+
+
+def shared_bytes(kv_tile: int, head_dim: int, itemsize: int = 2) -> int:
+    """Threadgroup memory MMA_BODY declares: the Q tile and the K and V tiles, rows padded."""
+    return itemsize * (head_dim + ROW_PAD) * (ROWS + 2 * kv_tile)
+
+
+def kv_tile_for(head_dim: int, budget_bytes: int) -> int | None:
+    """The widest key tile (a multiple of the 16-key MMA step) whose tiles fit the budget."""
+    for kv_tile in (64, 32, 16):
+        if shared_bytes(kv_tile, head_dim) <= budget_bytes:
+            return kv_tile
+    return None
+
+
+def supports(head_dim: int) -> bool:
+    """Head dims the body serves: whole 16-wide MMA steps, and at most 128 (accumulators live in registers)."""
+    return head_dim % 16 == 0 and head_dim <= 128
+
+
+def render() -> tuple[str, str]:
+    constants = f"  constexpr int ROW_PAD = {ROW_PAD};\n"
+    return MMA_HEADER, MMA_PROLOGUE + source._field_count("UNIT_FIELDS", source.UNIT_FIELDS) + constants + MMA_BODY
