@@ -417,3 +417,32 @@ def test_cuda_tensor_core_and_simt_bodies_agree(rng, backend, dtype):
                                            plan_for(case, starts, 32, backend, tensor_cores=cores), scale=0.09)
             for cores in (True, False)]
     np.testing.assert_allclose(to_float64(outs[0]), to_float64(outs[1]), rtol=2e-2, atol=2e-2)
+
+
+#: (num_kv_heads, group, head_dim, block_size, chunk lens, tuning) of the emulated tensor-core body
+MMA_EMULATED = [
+    (2, 4, 64, 16, [7, 40, 100], {}),
+    (1, 1, 128, 16, [3, 70], dict(partition_size=64, min_partition_size=64)),
+    (1, 8, 64, 32, [17, 2], dict(partition_size=64, min_partition_size=64)),
+]
+
+
+@pytest.mark.parametrize("config", range(len(MMA_EMULATED)))
+def test_tensor_core_body_on_cpu_emulator_matches_float64_oracle(emulator_dir, monkeypatch, rng, config):
+    from tests.kernels import mma_emulator
+
+    num_kv_heads, group, head_dim, block_size, chunks, tuning = MMA_EMULATED[config]
+    monkeypatch.setattr(dispatch, "cuda_available", lambda: True)  # plan for CUDA; the emulator runs the body
+    q_lens = np.array(chunks, dtype=np.int32)
+    lengths = (q_lens + rng.integers(0, 90, size=q_lens.size)).astype(np.int32)
+    case = make_paged_case(rng, lengths, num_kv_heads, head_dim, block_size, "bfloat16")
+    starts, num_heads = starts_of(q_lens), num_kv_heads * group
+    step_plan = plan_for(case, starts, num_heads, "cuda", **tuning)
+    assert step_plan.kernel.mma_kv_tile is not None and step_plan.kernel.decode is None
+    assert bool(tuning) == (step_plan.kernel.split_rows is not None)  # the small partitions split, so the merge runs
+    library = emulator.compile_library(mma_emulator.mma_varlen_source(mma_emulator.mma_constants(step_plan)), emulator_dir)
+    queries = random_stored(rng, (int(starts[-1]), num_heads, head_dim), "bfloat16")
+    out = mma_emulator.run_mma_varlen(library, step_plan, to_float64(queries), case.keys64, case.values64,
+                                      case.block_tables, 0.11)
+    assert np.isfinite(out).all(), "a NaN-poisoned slot or an unwritten row reached the output"
+    assert_close(mx.array(out), oracle_prefill(case, queries, starts, 0.11), "bfloat16")

@@ -1,0 +1,160 @@
+"""Run the tensor-core varlen body (kernels/mma_source.py) on the CPU emulator, in bfloat16.
+
+The emulator's threads stand in for a warp's lanes; `mma.sync` becomes a warp-wide
+exchange: every lane posts its A, B and C fragment registers, each lane rebuilds the
+16x16 and 16x8 operands from the PTX ISA's fragment layout and computes its own four
+accumulators. Storage is a 16-bit bfloat16 type, so the body's register pairs (two
+elements per 32-bit word) are what is checked, not a float stand-in.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from kernels import mma_source, source
+from tests.kernels import emulator
+
+EMU_MMA_HEADER = r"""
+#include <cstdint>
+#include <cstring>
+
+struct EmuBf16 {
+  uint16_t bits;
+  EmuBf16() = default;
+  EmuBf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) { bits = 0x7fc0; return; }  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+    bits = uint16_t(u >> 16);
+  }
+  operator float() const {
+    uint32_t u = uint32_t(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+
+static float emu_bf16_half(uint32_t word, int high) {
+  EmuBf16 h;
+  h.bits = uint16_t(high ? word >> 16 : word & 0xffffu);
+  return float(h);
+}
+
+static uint32_t emu_frag_a[1024][4];
+static uint32_t emu_frag_b[1024][2];
+
+template <typename U>
+static uint32_t pair_at(const U* p) { return uint32_t(p[0].bits) | (uint32_t(p[1].bits) << 16); }
+
+template <typename U>
+static uint32_t pair_of(U lo, U hi) { return uint32_t(lo.bits) | (uint32_t(hi.bits) << 16); }
+
+template <typename U>
+static uint32_t pack_floats(float lo, float hi) { return pair_of<U>(U(lo), U(hi)); }
+
+template <typename U> struct MmaTile {
+  // m16n8k16, row-major A, column-major B: lane = 4 * group + thread-in-group.
+  static void run(float* c, const unsigned int* a, const unsigned int* b) {
+    const int warp = emu_tid / 32, lane = emu_tid % 32;
+    for (int i = 0; i < 4; ++i) emu_frag_a[emu_tid][i] = a[i];
+    for (int i = 0; i < 2; ++i) emu_frag_b[emu_tid][i] = b[i];
+    emu_warp_barriers[warp]->arrive_and_wait();
+    const int group = lane / 4, in_group = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+      const int row = group + (i >= 2 ? 8 : 0);
+      const int col = in_group * 2 + (i % 2);
+      float sum = 0.0f;
+      for (int k = 0; k < 16; ++k) {
+        const int a_lane = warp * 32 + (row % 8) * 4 + (k % 8) / 2;
+        const int a_reg = (row >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+        const int b_lane = warp * 32 + col * 4 + (k % 8) / 2;
+        const int b_reg = k >= 8 ? 1 : 0;
+        sum += emu_bf16_half(emu_frag_a[a_lane][a_reg], k % 2) * emu_bf16_half(emu_frag_b[b_lane][b_reg], k % 2);
+      }
+      c[i] += sum;
+    }
+    emu_warp_barriers[warp]->arrive_and_wait();
+  }
+};
+"""
+
+MMA_ARGS = (
+    "const EmuBf16* queries, const EmuBf16* key_cache, const EmuBf16* value_cache, "
+    "const int* block_tables, const int* units, const float* scale, const int* dims"
+)
+
+
+def mma_varlen_source(constants: dict) -> str:
+    """The tensor-core body and the merge kernel (float partials), template constants baked in."""
+    body = mma_source.render()[1].replace(mma_source.MMA_PROLOGUE, emulator.VARLEN_PROLOGUE)
+    merge = source.render_varlen_merge("metal")[1].replace(source.METAL_VARLEN_MERGE_PROLOGUE, emulator.VARLEN_MERGE_PROLOGUE)
+    merge_consts = emulator._constants({
+        "HEAD_DIM": constants["HEAD_DIM"], "NUM_HEADS": constants["NUM_KV_HEADS"] * constants["GROUP"],
+        "NUM_THREADS": emulator.MERGE_THREADS,
+    })
+    return emulator.EMU_HEADER + EMU_MMA_HEADER + f"""
+static void mma_unit({MMA_ARGS}, EmuBf16* out, float* part_out, float* part_max, float* part_sum) {{
+  using T = EmuBf16;
+{emulator._constants(constants)}{body}
+}}
+static void varlen_merge(const float* part_out, const float* part_max, const float* part_sum, const int* split_rows, float* merged) {{
+  using T = float;
+{merge_consts}{merge}
+}}
+extern "C" void run_mma({MMA_ARGS}, EmuBf16* out, float* part_out, float* part_max, float* part_sum, int units_count, int head_tiles) {{
+  emu_launch(units_count, head_tiles, 1, {constants["NUM_THREADS"]}, [=] {{
+    mma_unit(queries, key_cache, value_cache, block_tables, units, scale, dims, out, part_out, part_max, part_sum); }});
+}}
+extern "C" void run_varlen_merge(const float* part_out, const float* part_max, const float* part_sum, const int* split_rows,
+                                 float* merged, int heads, int rows) {{
+  emu_launch(heads, rows, 1, {emulator.MERGE_THREADS}, [=] {{ varlen_merge(part_out, part_max, part_sum, split_rows, merged); }});
+}}
+"""
+
+
+def mma_constants(plan) -> dict:
+    """Template constants as kernels/varlen.py passes them to the tensor-core body."""
+    shape = plan.kernel.shape
+    return dict(
+        HEAD_DIM=plan.head_dim, BLOCK_SIZE=plan.block_size, NUM_KV_HEADS=plan.num_kv_heads,
+        GROUP=plan.num_heads // plan.num_kv_heads, HEADS_PER_TILE=shape.heads_per_tile, Q_TOKENS=shape.q_tokens,
+        KV_TILE=plan.kernel.mma_kv_tile, NUM_THREADS=shape.rows // mma_source.ROWS_PER_WARP * 32,
+    )
+
+
+def to_bf16_bits(values: np.ndarray) -> np.ndarray:
+    """float values (already bfloat16-representable) as their 16-bit patterns."""
+    return (np.ascontiguousarray(values, dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def run_mma_varlen(library: ctypes.CDLL, plan, queries, key_cache, value_cache, block_tables, scale: float) -> np.ndarray:
+    """The chunk rows of a step through the emulated tensor-core body and the merge; decode rows stay NaN."""
+    work, shape = plan.kernel.work, plan.kernel.shape
+    total_q, num_heads, head_dim = queries.shape
+    halves = [to_bf16_bits(a) for a in (queries, key_cache, value_cache)]
+    ints = [np.ascontiguousarray(block_tables, dtype=np.int32), np.ascontiguousarray(work.units, dtype=np.int32)]
+    extras = [np.array([scale], dtype=np.float32), np.array([block_tables.shape[1]], dtype=np.int32)]
+    out = np.full((total_q, num_heads, head_dim), 0x7fc0, dtype=np.uint16)  # NaN until written
+    partial_rows = max(work.num_partial_rows, 1)
+    part_out = np.full((partial_rows, num_heads, head_dim), np.nan, dtype=np.float32)
+    part_max = np.full((partial_rows, num_heads), np.nan, dtype=np.float32)
+    part_sum = np.full_like(part_max, np.nan)
+    ptr = emulator._ptr
+    library.run_mma(*map(ptr, halves + ints + extras), ptr(out), ptr(part_out), ptr(part_max), ptr(part_sum),
+                    ctypes.c_int(work.units.shape[0]), ctypes.c_int(num_heads // shape.heads_per_tile))
+    result = from_bf16_bits(out)
+    if work.split_rows.shape[0]:
+        split_rows = np.ascontiguousarray(work.split_rows, dtype=np.int32)
+        merged = np.zeros((split_rows.shape[0], num_heads, head_dim), dtype=np.float32)
+        library.run_varlen_merge(ptr(part_out), ptr(part_max), ptr(part_sum), ptr(split_rows), ptr(merged),
+                                 ctypes.c_int(num_heads), ctypes.c_int(split_rows.shape[0]))
+        result[split_rows[:, 0]] = from_bf16_bits(to_bf16_bits(merged))
+    return result
