@@ -116,6 +116,7 @@ MMA_BODY = r"""
       const size_t q_at = (size_t(query_row + r / HEADS_PER_TILE) * NUM_HEADS + first_head + r % HEADS_PER_TILE) * HEAD_DIM + c * VEC;
       COPY_VEC(row, queries + q_at);
     } else {
+      #pragma unroll
       for (int e = 0; e < VEC; ++e) {
         row[e] = static_cast<T>(0.0f);
       }
@@ -127,6 +128,7 @@ MMA_BODY = r"""
   // This lane's two rows: r (accumulator elements 0, 1) and r + 8 (elements 2, 3).
   const int my_row[2] = {warp * 16 + group_id, warp * 16 + group_id + 8};
   unsigned int qa[K_STEPS][4];
+  #pragma unroll
   for (int kk = 0; kk < K_STEPS; ++kk) {
     const T* q0 = q_tile + my_row[0] * STRIDE + kk * 16 + in_group * 2;
     const T* q8 = q0 + 8 * STRIDE;
@@ -139,6 +141,7 @@ MMA_BODY = r"""
   int row_position[2];
   float run_max[2];
   float run_sum[2];
+  #pragma unroll
   for (int h = 0; h < 2; ++h) {
     row_live[h] = my_row[h] < active_rows;
     row_position[h] = query_position + my_row[h] / HEADS_PER_TILE;
@@ -146,7 +149,9 @@ MMA_BODY = r"""
     run_sum[h] = 0.0f;
   }
   float o[O_TILES][4];
+  #pragma unroll
   for (int t = 0; t < O_TILES; ++t) {
+    #pragma unroll
     for (int e = 0; e < 4; ++e) {
       o[t][e] = 0.0f;
     }
@@ -168,6 +173,7 @@ MMA_BODY = r"""
         COPY_VEC(v_row, value_cache + at);
       } else {
         // Zeros, not the pool's contents: a weight of 0 times an unowned (NaN) slot would still be NaN.
+        #pragma unroll
         for (int e = 0; e < VEC; ++e) {
           k_row[e] = static_cast<T>(0.0f);
           v_row[e] = static_cast<T>(0.0f);
@@ -179,11 +185,14 @@ MMA_BODY = r"""
     BARRIER();
 
     float s[S_TILES][4];
+    #pragma unroll
     for (int nt = 0; nt < S_TILES; ++nt) {
+      #pragma unroll
       for (int e = 0; e < 4; ++e) {
         s[nt][e] = 0.0f;
       }
       const T* k_at = k_tile + (nt * 8 + group_id) * STRIDE + in_group * 2;
+      #pragma unroll
       for (int kk = 0; kk < K_STEPS; ++kk) {
         const unsigned int b[2] = {pair_at(k_at + kk * 16), pair_at(k_at + kk * 16 + 8)};
         MmaTile<T>::run(s[nt], qa[kk], b);
@@ -192,9 +201,12 @@ MMA_BODY = r"""
 
     // Below the diagonal every key of the tile is visible to every live row.
     const bool unmasked = base + KV_TILE <= kv_end && base + KV_TILE - 1 <= query_position;
+    #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float tile_max = NEG_BIG;
+      #pragma unroll
       for (int nt = 0; nt < S_TILES; ++nt) {
+        #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int key = base + nt * 8 + in_group * 2 + e;
           const bool visible = row_live[h] && (unmasked || (key < kv_end && key <= row_position[h]));
@@ -203,6 +215,7 @@ MMA_BODY = r"""
           tile_max = v > tile_max ? v : tile_max;
         }
       }
+      #pragma unroll
       for (int mask = 1; mask < 4; mask *= 2) {
         const float other = SIMD_XOR(tile_max, mask);
         tile_max = other > tile_max ? other : tile_max;
@@ -210,7 +223,9 @@ MMA_BODY = r"""
       const float new_max = tile_max > run_max[h] ? tile_max : run_max[h];
       const float correction = FEXP2(run_max[h] - new_max);
       float tile_sum = 0.0f;
+      #pragma unroll
       for (int nt = 0; nt < S_TILES; ++nt) {
+        #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float p = FEXP2(s[nt][2 * h + e] - new_max);
           s[nt][2 * h + e] = p;
@@ -219,18 +234,21 @@ MMA_BODY = r"""
       }
       run_sum[h] = run_sum[h] * correction + tile_sum;
       run_max[h] = new_max;
+      #pragma unroll
       for (int t = 0; t < O_TILES; ++t) {
         o[t][2 * h] *= correction;
         o[t][2 * h + 1] *= correction;
       }
     }
 
+    #pragma unroll
     for (int kk = 0; kk < P_STEPS; ++kk) {
       const unsigned int pa[4] = {
           pack_floats<T>(s[2 * kk][0], s[2 * kk][1]), pack_floats<T>(s[2 * kk][2], s[2 * kk][3]),
           pack_floats<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_floats<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]),
       };
       const T* v_at = v_tile + (kk * 16 + in_group * 2) * STRIDE + group_id;
+      #pragma unroll
       for (int t = 0; t < O_TILES; ++t) {
         const T* v0 = v_at + t * 8;
         const unsigned int b[2] = {pair_of(v0[0], v0[STRIDE]), pair_of(v0[8 * STRIDE], v0[9 * STRIDE])};
@@ -240,6 +258,7 @@ MMA_BODY = r"""
     BARRIER();
   }
 
+  #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float total = run_sum[h];
     total += SIMD_XOR(total, 1);
@@ -250,7 +269,9 @@ MMA_BODY = r"""
     const int token = my_row[h] / HEADS_PER_TILE;
     const int head = first_head + my_row[h] % HEADS_PER_TILE;
     const size_t out_row = split ? size_t(partial_row + token) * NUM_HEADS + head : size_t(query_row + token) * NUM_HEADS + head;
+    #pragma unroll
     for (int t = 0; t < O_TILES; ++t) {
+      #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int d = t * 8 + in_group * 2 + e;
         if (!split) {

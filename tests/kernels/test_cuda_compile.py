@@ -1,0 +1,79 @@
+"""The CUDA text of the varlen bodies compiles for the H200 (sm_90) without a GPU: NVRTC, then ptxas.
+
+The GPU machine is lent for minutes; a syntax error, a bad inline-PTX operand or a spill
+into local memory should not wait for it. The NVIDIA compiler packages of the test extra
+provide libnvrtc and ptxas on Linux x86-64; elsewhere the test skips.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kernels import mma_source, source
+
+nvidia = pytest.importorskip("nvidia", reason="the NVIDIA compiler packages of the test extra are not installed")
+ROOTS = [Path(p) for p in nvidia.__path__]
+NVRTC = next((p for root in ROOTS for p in root.glob("cuda_nvrtc/lib/libnvrtc.so*") if "alt" not in p.name), None)
+PTXAS = next((p for root in ROOTS for p in root.glob("cuda_nvcc/bin/ptxas")), None)
+INCLUDE = next((p for root in ROOTS for p in root.glob("cuda_runtime/include") if (p / "cuda_fp16.h").exists()), None)
+if not (NVRTC and PTXAS and INCLUDE):
+    pytest.skip("libnvrtc, ptxas or the CUDA headers are missing", allow_module_level=True)
+
+PARAMS = ("const T* queries, const T* key_cache, const T* value_cache, const int* block_tables, const int* units, "
+          "const float* scale, const int* dims, T* out, float* part_out, float* part_max, float* part_sum")
+TEMPLATE = "typename T, int HEAD_DIM, int BLOCK_SIZE, int NUM_KV_HEADS, int GROUP, int HEADS_PER_TILE, int Q_TOKENS, int KV_TILE, int NUM_THREADS"
+CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+
+
+def nvrtc_ptx(text: str) -> str:
+    lib = ctypes.CDLL(str(NVRTC))
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), text.encode(), b"orchard.cu", 0, None, None) == 0
+    opts = [b"--gpu-architecture=compute_90", b"--std=c++17", b"-I" + str(INCLUDE).encode()]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    assert rc == 0, log.value.decode()
+    lib.nvrtcGetPTXSize(prog, ctypes.byref(size))
+    ptx = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetPTX(prog, ptx)
+    return ptx.value.decode()
+
+
+def kernel_text(header: str, body: str, dtype: str, constants: tuple) -> str:
+    t = CUDA_TYPES[dtype]
+    args = PARAMS.replace("const T*", f"const {t}*").replace("T* out", f"{t}* out")
+    return (f"#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n{header}\n"
+            f"template <{TEMPLATE}>\n__global__ void orchard_varlen({PARAMS}) {{\n{body}\n}}\n"
+            f"template __global__ void orchard_varlen<{t}, {', '.join(map(str, constants))}>({args});\n")
+
+
+#: (dtype, HEAD_DIM, BLOCK_SIZE, NUM_KV_HEADS, GROUP, HEADS_PER_TILE, Q_TOKENS, KV_TILE, NUM_THREADS) as kernels/varlen.py passes them
+MMA_SHAPES = [("float16", 128, 16, 8, 4, 4, 16, 32, 128), ("bfloat16", 64, 16, 8, 4, 4, 16, 64, 128), ("float16", 64, 32, 8, 1, 1, 64, 64, 128)]
+
+
+@pytest.mark.parametrize("dtype,constants", [(s[0], s[1:]) for s in MMA_SHAPES])
+def test_tensor_core_body_compiles_for_sm90_without_local_memory(tmp_path, dtype, constants):
+    header, body = mma_source.render()
+    (tmp_path / "k.ptx").write_text(nvrtc_ptx(kernel_text(header, body, dtype, constants)))
+    done = subprocess.run([str(PTXAS), "-arch=sm_90", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "mma.sync.aligned.m16n8k16" in (tmp_path / "k.ptx").read_text()
+    frames = [int(n) for n in re.findall(r"(\d+) bytes stack frame", done.stderr)]
+    assert frames and max(frames) == 0, done.stderr  # accumulators that spill to the stack would halve the speed
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_simt_varlen_body_compiles_for_sm90(tmp_path, dtype):
+    header, body = source.render_varlen("cuda")
+    (tmp_path / "k.ptx").write_text(nvrtc_ptx(kernel_text(header, body, dtype, (128, 16, 8, 4, 4, 16, 32 if dtype != "float32" else 8, 128))))
+    done = subprocess.run([str(PTXAS), "-arch=sm_90", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
