@@ -35,6 +35,7 @@ from node.async_engine import AsyncEngine
 from node.engine import EngineConfig
 from node.hardware import describe_machine
 from node.migration import BlockMover, PullResult
+from node.stream_delta import only_new
 from node.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,8 @@ class NodeActor:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs (call with `num_returns="streaming"`)."""
+        """Stream one request's outputs (call with `num_returns="streaming"`), deltas only: the
+        receiver rebuilds the rest with `node.stream_delta.Cumulative`."""
         pending_prefill = len(prompt_token_ids)
         self._queued_prompt_tokens += pending_prefill
         self._requests_total += 1
@@ -124,7 +126,7 @@ class NodeActor:
             async for output in self.engine.generate(request_id, prompt_token_ids, params):
                 self._queued_prompt_tokens -= pending_prefill
                 pending_prefill = 0
-                yield output
+                yield only_new(output)
         finally:
             self._queued_prompt_tokens -= pending_prefill
             self._beat_soon.set()

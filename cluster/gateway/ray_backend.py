@@ -35,6 +35,7 @@ from cluster.gateway.block_pull import MigrationOutcome, MigrationPolicy, migrat
 from cluster.gateway.resume import Progress, resume_params, seeded
 from cluster.runtime.ray_cluster import node_actor_name
 from kvcache.hashing import block_hashes, root_hash
+from node.stream_delta import Cumulative
 from node.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -188,11 +189,13 @@ class RayBackend:
         except (ValueError, *NODE_LOST_ERRORS) as exc:  # ValueError: no actor by that name any more
             raise NodeLost(repr(exc)) from exc
         finished = prefilled = False
+        cumulative = Cumulative(prompt)  # the node streams deltas only
         try:
             while True:
                 out = await self._next(stream, node_id)
                 if out is None:
                     return
+                out = cumulative(out)
                 if not prefilled:
                     prefilled = True
                     self._coordinator.prefill_done.remote(node_id, request_id)  # no need to wait

@@ -64,9 +64,11 @@ def hashes_of(tokens: list[int]) -> list[bytes]:
 
 def generate_on(actor, request_id: str, tokens: list[int]) -> tuple[list[int], int]:
     """Greedy tokens and prefix-cache hit tokens of one request run on `actor` itself."""
-    last = None
+    from node.stream_delta import Cumulative
+
+    rebuild, last = Cumulative(tokens), None
     for ref in actor.generate.options(num_returns="streaming").remote(request_id, tokens, GREEDY):
-        last = ray.get(ref)
+        last = rebuild(ray.get(ref))  # the node streams deltas only
     return last.outputs[0].token_ids, last.num_cached_tokens
 
 
@@ -188,3 +190,23 @@ def test_draining_a_node_moves_its_used_prefix_to_the_other(cluster):
         assert wait_for(lambda: ray.get(coordinator().match.remote(hashes)) == {"a": 4, "b": 4})
     finally:
         ray.get(coordinator().undrain.remote("a"))
+
+
+def test_a_node_streams_only_what_is_new_so_bytes_per_token_stay_bounded(cluster):
+    import pickle
+
+    from node.stream_delta import Cumulative
+
+    tokens = prompt(77, 300)
+    params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
+    rebuild, sizes, last = Cumulative(tokens), [], None
+    for ref in cluster["a"].generate.options(num_returns="streaming").remote("bytes-per-token", tokens, params):
+        out = ray.get(ref)
+        sizes.append(len(pickle.dumps(out)))
+        assert out.prompt_token_ids == [] and out.outputs[0].token_ids == [] and out.outputs[0].text == ""
+        last = rebuild(out)
+    assert len(last.outputs[0].token_ids) == 120 and last.prompt_token_ids == tokens
+    assert last.outputs[0].token_ids[:6] == generate_on(cluster["b"], "bytes-per-token-b", tokens)[0]  # greedy: same start
+    # Neither the 300-token prompt nor the answer so far rides along: the last outputs cost what the first did.
+    assert sum(sizes) / 120 < 400, sizes
+    assert max(sizes[-10:]) < min(sizes[:10]) + 100, sizes
