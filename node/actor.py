@@ -3,8 +3,9 @@
 The actor is asynchronous: `AsyncEngine` already runs `step()` on its own thread, so the
 actor's event loop only moves requests in and outputs out. Two duties beyond serving:
 
-- after every engine step, that step's KV events go to the coordinator in one call,
-  straight from the engine thread (calls from one caller reach the actor in order);
+- after every engine step, that step's KV events go to the coordinator in one call, sent
+  from the actor's event loop, not the engine thread (calls from one caller reach the
+  actor in order);
 - every `heartbeat_s`, and soon after a request finishes (so the router does not count a
   finished request as running), the node's load and measured rates go to the coordinator, whose
   reply may ask for a snapshot of the prefix cache or for the node to register again
@@ -79,6 +80,7 @@ class NodeActor:
         self._requests_total = 0
         self._heartbeat_task: asyncio.Task | None = None
         self._beat_soon = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None  # the actor's event loop, once started
         self._started_at = time.time()
         self.mover = BlockMover(self.engine)
         self._background: set[asyncio.Task] = set()
@@ -87,6 +89,7 @@ class NodeActor:
     # ---- lifecycle -----------------------------------------------------------------
     async def start(self) -> dict:
         """Register with the coordinator and start heartbeating; returns this node's info."""
+        self._loop = asyncio.get_running_loop()
         await self._register()
         if self._heartbeat_task is None:
             self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
@@ -218,12 +221,19 @@ class NodeActor:
         return self._coordinator
 
     def _push_kv_events(self, events) -> None:
-        """Engine thread, once per step: hand the step's events over without waiting."""
+        """Engine thread, once per step: pass the step's events to the actor's event loop, which
+        sends them (in step order), so the engine thread spends no time on Ray calls."""
         if not events:
             return
         self._next_seq = events[-1].seq + 1
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._send_kv_events, list(events))
+        else:  # not started yet: nothing serves on this node, send from here
+            self._send_kv_events(list(events))
+
+    def _send_kv_events(self, events: list) -> None:
         try:
-            self._coord().kv_events.remote(self.node_id, list(events))
+            self._coord().kv_events.remote(self.node_id, events)
         except Exception as exc:  # coordinator away: the gap makes it ask for a snapshot later
             log.warning("node %s: KV events not delivered: %s", self.node_id, exc)
             self._coordinator = None

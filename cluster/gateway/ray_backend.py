@@ -75,6 +75,8 @@ class RayBackendConfig:
     # How long to ride out a coordinator restart (or nodes not registered yet) before failing.
     coordinator_wait_s: float = 10.0
     migration: MigrationPolicy = field(default_factory=MigrationPolicy)
+    # How stale the gateway's list of served models may be (a new model shows up within this).
+    specs_refresh_s: float = 1.0
 
 
 @dataclass
@@ -94,7 +96,9 @@ class RayBackend:
         if not ray.is_initialized():
             ray.init(address=self.config.address or "auto", namespace=self.config.namespace, log_to_driver=False)
         self._coordinator = ray.get_actor(self.config.coordinator_name, namespace=self.config.namespace)
-        self._specs: dict[str, _ModelSpec] = {}
+        self._specs: dict[str, _ModelSpec] = {}  # every model seen, kept for its tokenizer
+        self._served: set[str] = set()  # models with a live node at the last refresh
+        self._specs_at = float("-inf")
         self._actors: dict[str, Any] = {}
         self._active: dict[str, tuple[str, str]] = {}  # request id -> (node id, id on that node)
         self._awaiting_first_output: set[str] = set()
@@ -104,16 +108,18 @@ class RayBackend:
 
     # ---- Backend protocol ----------------------------------------------------------
     async def models(self) -> list[ModelInfo]:
-        await self._refresh_specs()
-        return [ModelInfo(s.name, s.max_model_len, await self._tokenizer(s), s.vocab_size) for s in self._specs.values()]
+        await self._fresh_specs()
+        return [ModelInfo(s.name, s.max_model_len, await self._tokenizer(s), s.vocab_size)
+                for s in self._specs.values() if s.name in self._served]
 
     async def ready(self) -> bool:
         if self._closed:
             return False
         try:
-            return bool(await self._coordinator.models.remote())
+            await self._fresh_specs()
         except rex.RayError:
             return False
+        return bool(self._served)
 
     async def generate(
         self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingParams
@@ -289,8 +295,17 @@ class RayBackend:
             log.warning("could not report node %s lost: %s", node_id, exc)
 
     # ---- models and handles --------------------------------------------------------
-    async def _refresh_specs(self) -> None:
-        for name, info in (await self._ask("model_specs")).items():
+    async def _fresh_specs(self) -> None:
+        """The served models as local state: asked of the coordinator at most once per
+        `specs_refresh_s`, however many requests arrive, so `route` is a request's one call."""
+        if asyncio.get_running_loop().time() - self._specs_at >= self.config.specs_refresh_s:
+            await self._refresh_specs(patient=False)
+
+    async def _refresh_specs(self, patient: bool = True) -> None:
+        """Patient: ride out a coordinator restart (a request waiting for its model); else one call."""
+        served = await (self._ask("model_specs") if patient else self._coordinator.model_specs.remote())
+        self._served, self._specs_at = set(served), asyncio.get_running_loop().time()
+        for name, info in served.items():
             if name in self._specs:
                 continue
             self._specs[name] = _ModelSpec(

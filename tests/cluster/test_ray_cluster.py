@@ -101,6 +101,36 @@ def test_second_request_with_a_prefix_goes_to_the_node_holding_it(cluster):
         second, ray.get(coordinator().nodes.remote()))
 
 
+class CountingCoordinator:
+    """The coordinator handle with a tally of the methods called through it."""
+
+    def __init__(self, handle):
+        self.handle, self.calls = handle, []
+
+    def __getattr__(self, method):
+        self.calls.append(method)
+        return getattr(self.handle, method)
+
+
+def test_route_is_the_one_coordinator_call_a_request_waits_for(cluster):
+    from cluster.gateway.state import Gateway, GatewayConfig
+
+    backend = RayBackend(RayBackendConfig(specs_refresh_s=60.0))
+    gateway = Gateway(backend, GatewayConfig())
+
+    async def requests(count: int):
+        for i in range(count):
+            info = await gateway.model(MODEL)  # what every API route does first
+            await collect(backend, f"one-call-{i}", prompt(3000 + i, 20), GREEDY)
+        return info
+
+    assert asyncio.run(requests(1)).name == MODEL  # warm: specs and tokenizer fetched once
+    backend._coordinator = CountingCoordinator(backend._coordinator)
+    asyncio.run(requests(5))
+    awaited = [m for m in backend._coordinator.calls if m != "prefill_done"]  # prefill_done is not awaited
+    assert awaited == ["route"] * 5, backend._coordinator.calls
+
+
 def test_round_robin_ignores_the_prefix(cluster):
     backend = RayBackend(RayBackendConfig(policy="round_robin"))
     shared = prompt(2000, 64)
