@@ -108,3 +108,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     finished: bool = False
+    node_id: str | None = None  # the node that produced it, set by the backend that streamed it

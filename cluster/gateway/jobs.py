@@ -105,7 +105,7 @@ class Generation:
         if not any(c.token_ids_delta for c in out.outputs):
             return
         now = time.perf_counter()
-        node = str(getattr(out, "node", None) or "local")
+        node = out.node_id or "local"
         last = self._last_token_at.get(job)
         if last is None:
             self.metrics.ttft.labels(node=node).observe(now - self.started)

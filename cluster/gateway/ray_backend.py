@@ -41,6 +41,8 @@ from node.types import RequestOutput, SamplingParams
 log = logging.getLogger(__name__)
 
 _RETRY_S = 0.25
+#: How long a scrape waits for a node's fresh counters before using its last heartbeat's.
+NODE_STATS_TIMEOUT_S = 1.0
 
 #: Errors that mean "the node is gone", as opposed to the request being refused.
 NODE_LOST_ERRORS = (
@@ -171,11 +173,21 @@ class RayBackend:
 
     async def cluster_info(self) -> dict[str, Any]:
         info = await self._coordinator.cluster_info.remote()
-        nodes = [{**node_entry(row["node_id"], row), **_node_extras(row)} for row in info["nodes"]]
+        fresh = await asyncio.gather(*(self._node_stats(row) for row in info["nodes"]))
+        nodes = [{**node_entry(row["node_id"], stats or row), **_node_extras(row)} for row, stats in zip(info["nodes"], fresh)]
         summary = summarize_nodes(", ".join(info["models"]), nodes, await self.queue_depth())
         summary["coordinator"] = {k: info[k] for k in ("policy", "index", "routing", "recent_decisions", "uptime_s")}
         summary["resumed_mid_stream"] = self.resumed_mid_stream
         return summary
+
+    async def _node_stats(self, row: dict) -> dict:
+        """A live node's counters pulled now (a heartbeat's may be a second old); {} when it does not answer."""
+        if row.get("status") != "alive":
+            return {}
+        try:
+            return await asyncio.wait_for((await self._actor(row["node_id"])).stats.remote(), NODE_STATS_TIMEOUT_S)
+        except (asyncio.TimeoutError, ValueError, *NODE_LOST_ERRORS):
+            return {}
 
     async def queue_depth(self) -> int:
         return len(self._awaiting_first_output)
@@ -201,7 +213,7 @@ class RayBackend:
                 out = await self._next(stream, node_id)
                 if out is None:
                     return
-                out = cumulative(out)
+                out = replace(cumulative(out), node_id=node_id)
                 if not prefilled:
                     prefilled = True
                     self._coordinator.prefill_done.remote(node_id, request_id)  # no need to wait

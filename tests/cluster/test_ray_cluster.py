@@ -131,6 +131,21 @@ def test_route_is_the_one_coordinator_call_a_request_waits_for(cluster):
     assert awaited == ["route"] * 5, backend._coordinator.calls
 
 
+def test_a_scrape_right_after_a_request_counts_it_on_the_node_that_served_it(cluster):
+    from cluster.gateway.metrics import GatewayMetrics
+
+    backend = RayBackend()
+    before = {n["node"]: n for n in asyncio.run(backend.cluster_info())["nodes"]}
+    tokens = prompt(4000, 37)
+    asyncio.run(collect(backend, "fresh-metrics", tokens, GREEDY))
+    served = ray.get(coordinator().recent_decisions.remote(1))[0]["node_id"]
+    after = {n["node"]: n for n in asyncio.run(backend.cluster_info())["nodes"]}  # no wait for a heartbeat
+    looked_up = {n: after[n]["prefix_cache_query_tokens"] - before[n]["prefix_cache_query_tokens"] for n in after}
+    assert looked_up[served] == len(tokens) and sum(looked_up.values()) == len(tokens), looked_up
+    text = GatewayMetrics().render(asyncio.run(backend.cluster_info())).decode()
+    assert f'orchard_prefix_cache_query_tokens_total{{node="{served}"}} {float(after[served]["prefix_cache_query_tokens"])}' in text
+
+
 def test_round_robin_ignores_the_prefix(cluster):
     backend = RayBackend(RayBackendConfig(policy="round_robin"))
     shared = prompt(2000, 64)

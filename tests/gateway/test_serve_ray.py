@@ -83,6 +83,12 @@ def test_ray_served_stream_matches_the_whole_answer_and_disconnects_free_blocks(
 
     info = httpx.get(url + "/v1/cluster").json()
     assert len(info["nodes"]) == 1 and info["model"] == model
+    # Latencies carry the serving node's label, and its counters are fresh right after the requests.
+    node = info["nodes"][0]["node"]
+    metrics = httpx.get(url + "/metrics").text
+    assert f'orchard_time_to_first_token_seconds_count{{node="{node}"}} 2.0' in metrics, metrics
+    assert 'node="local"' not in metrics
+    assert info["nodes"][0]["prefix_cache_query_tokens"] >= 2 * whole.usage.prompt_tokens - 1
 
     body = {"model": model, "prompt": "a long one", "max_tokens": 200, "temperature": 0, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
