@@ -25,6 +25,7 @@ from node.residency import wire_model_and_pool
 from node.sampling import DeviceSample, SampleRow, sample_on_device
 from node.scheduler import PreemptionNeeded, ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from node.sequence import PENDING_TOKEN, Request, Sequence, Status
+from node.structured import GrammarMasks
 from node.types import RequestOutput, SamplingParams
 
 
@@ -117,6 +118,7 @@ class LLMEngine:
         self._in_flight: _InFlightStep | None = None
         self._rng = np.random.default_rng(self.config.seed)
         self.counters = _StepCounters()
+        self.grammars = GrammarMasks(self.tokenizer, self.model.vocab_size, self.eos_token_ids)
 
     # -- requests -------------------------------------------------------------------
 
@@ -125,7 +127,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise DuplicateRequest(f"request id {request_id!r} is already in the engine")
         self._check_prompt(prompt_token_ids)
-        request = Request(request_id, list(prompt_token_ids), params)
+        request = Request(request_id, list(prompt_token_ids), params, grammar=self.grammars.start(params, prompt_token_ids))
         request.seed = params.seed if params.seed is not None else int(self._rng.integers(2**62))
         request.sequences.append(self._new_sequence(request, 0))
         self.requests[request_id] = request
@@ -149,6 +151,7 @@ class LLMEngine:
             index=index,
             token_ids=list(token_ids if token_ids is not None else request.prompt_token_ids),
             detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, self._decode),
+            matcher=request.grammar.deep_copy() if request.grammar is not None else None,
         )
 
     def abort(self, request_id: str) -> bool:
@@ -211,8 +214,8 @@ class LLMEngine:
 
     def _schedule(self, outputs: list[RequestOutput]) -> SchedulerOutput:
         flight = self._in_flight
-        if flight is not None and any(s.params.has_penalty for s in flight.owners):
-            outputs += self._settle_in_flight()  # penalties count the tokens still in flight
+        if flight is not None and any(s.params.reads_outputs for s in flight.owners):
+            outputs += self._settle_in_flight()  # penalties and grammars read the tokens still in flight
         if self._in_flight is None:
             return self.scheduler.schedule()
         try:
@@ -306,6 +309,7 @@ class LLMEngine:
                 rows.append(self._sample_row(target))
         if len(owners) != len(seqs):
             logits = logits[mx.array(row_logits)]
+        logits = self.grammars.apply(logits, [s.matcher for s in owners])
         return owners, sample_on_device(logits, rows)
 
     def _fork_if_first(self, seq: Sequence) -> list[Sequence]:
@@ -351,6 +355,8 @@ class LLMEngine:
             seq.text += delta
             if params.stop and self._cut_at_stop(seq, len(delta)):
                 return None
+        if seq.matcher is not None and (done := self.grammars.advance(seq.matcher, token)):
+            return self._finish(seq, done, None)
         known = len(seq.token_ids) - seq.num_unresolved
         if len(seq.output_token_ids) >= params.max_tokens or known >= self.max_model_len:
             return self._finish(seq, "length", None)

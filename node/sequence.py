@@ -16,6 +16,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from node.detokenizer import IncrementalDetokenizer
 from node.types import CompletionOutput, SamplingParams, TokenLogprob
@@ -55,6 +56,7 @@ class Sequence:
     num_unresolved: int = 0  # trailing PENDING_TOKEN placeholders
     device_row: int = 0  # row of the in-flight step's sampled tokens that holds the newest placeholder
     last_in_flight: bool = False  # the in-flight token is its last (length limit): schedule nothing more
+    matcher: Any = None  # a constrained continuation's grammar state, fed each settled token (node/structured.py)
 
     @property
     def params(self) -> SamplingParams:
@@ -122,6 +124,7 @@ class Request:
     num_cached_tokens: int = 0
     seed: int = 0  # the request's seed, or one the engine drew for it
     forked: bool = False  # the n > 1 continuations have been created
+    grammar: Any = None  # the constraint's matcher at the output's start; each continuation works on a copy
 
     @property
     def sort_key(self) -> tuple[int, int]:

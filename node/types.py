@@ -7,6 +7,10 @@ once, in `SamplingParams.__post_init__`, and raises `InvalidSamplingParams` nami
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from node.constraint import Constraint
 
 
 class InvalidSamplingParams(ValueError):
@@ -42,6 +46,8 @@ class SamplingParams:
     # after a lost node): the sampler counts them as output, so penalties and seeded noise
     # continue as if that attempt had gone on.
     resumed_outputs: int = 0
+    # What the output must match (node/constraint.py); the gateway's dict shape is accepted and compiled here.
+    constraint: Constraint | dict[str, Any] | None = None
 
     def __post_init__(self):
         checks = [
@@ -64,6 +70,10 @@ class SamplingParams:
             self.stop = [self.stop]
         if any(not s for s in self.stop):
             raise InvalidSamplingParams("stop", "stop strings must not be empty")
+        if isinstance(self.constraint, dict):
+            from node.constraint import Constraint  # llguidance loads only once a request asks for a grammar
+
+            self.constraint = Constraint.from_dict(self.constraint)
 
     @property
     def greedy(self) -> bool:
@@ -74,6 +84,11 @@ class SamplingParams:
     def has_penalty(self) -> bool:
         """Penalties read the output so far, so their next token waits for the last one's value."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def reads_outputs(self) -> bool:
+        """Penalties and grammars read the output so far: with overlapped steps the last token must settle first."""
+        return self.has_penalty or self.constraint is not None
 
 
 @dataclass
