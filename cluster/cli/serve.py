@@ -78,6 +78,12 @@ def register(sub) -> None:
     p.add_argument("--chat-template", default=None, metavar="PATH_OR_JINJA",
                    help="chat template for /v1/chat/completions: a file, or the Jinja text itself "
                         "(default: the model's, else ChatML)")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="how the model writes tool calls, by vLLM's name: hermes, llama3_json, mistral, openai, ... "
+                        "(default: chosen from the chat template)")
+    p.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="how the model writes its reasoning, by vLLM's name: qwen3, deepseek_r1, openai_gptoss "
+                        "(default: chosen from the chat template)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; others need an API key)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -199,6 +205,19 @@ def chat_template_text(value: str | None) -> str | None:
     if "{" not in value:
         raise BadFlag(f"--chat-template {value!r} is neither a file nor a Jinja template")
     return value
+
+
+def check_parsers(args) -> None:
+    from cluster.gateway.reasoning import reasoning_parser_named
+    from cluster.gateway.tool_parsers import parser_named
+
+    for flag, named in (("tool_call_parser", parser_named), ("reasoning_parser", reasoning_parser_named)):
+        value = getattr(args, flag, None)
+        if value is not None:
+            try:
+                named(value)
+            except ValueError as exc:
+                raise BadFlag(f"--{flag.replace('_', '-')}: {exc}") from exc
 
 
 def engine_config(args):
@@ -404,6 +423,7 @@ def run(args) -> int:
         model_of(args)
         check_tokenizer(args)
         chat_template_text(args.chat_template)
+        check_parsers(args)
         check_bind(args.host, keys)
         check_api_keys(keys)
         sock = bind(args.host, args.port)
@@ -448,7 +468,9 @@ def serve_started(started: Started, args, keys: frozenset[str]) -> int:
     setup_logging()
     try:
         config = GatewayConfig(api_keys=keys, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
-                               max_body_bytes=int(args.max_body_mb * (1 << 20)))
+                               max_body_bytes=int(args.max_body_mb * (1 << 20)),
+                               tool_call_parser=getattr(args, "tool_call_parser", None),
+                               reasoning_parser=getattr(args, "reasoning_parser", None))
         app = RequestLog(create_app(started.backend, config))
         server = uvicorn.Server(uvicorn.Config(
             app, log_level="warning", timeout_graceful_shutdown=args.grace, access_log=False,

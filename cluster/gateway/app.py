@@ -19,6 +19,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic.json_schema import models_json_schema
 
 from cluster.gateway.backend import Backend
+from cluster.gateway.chat_serving import ChatServing
 from cluster.gateway.dashboard import install_dashboard
 from cluster.gateway.errors import (
     ServiceUnavailable,
@@ -41,7 +42,7 @@ from cluster.gateway.protocol import (
     ModelCard,
     ModelList,
 )
-from cluster.gateway.serving import SSE_DONE, ChatServing, CompletionServing, sse_error
+from cluster.gateway.serving import SSE_DONE, CompletionServing, sse_error
 from cluster.gateway.state import Gateway, GatewayConfig
 
 

@@ -10,10 +10,17 @@ as plain text (`split_special_tokens`), so a user who writes `<|im_end|>` gets t
 characters, not the end of their turn. A template that does not keep the placeholders as
 they are (one that inspects or rewrites the content) renders the real text instead, and
 content that holds a control token's text is then refused.
+
+Tools, the calls of earlier assistant turns and `chat_template_kwargs` reach the template
+as themselves (that is where templates lay them out), so their text may hold no control
+token either. Without a template, ChatML presents tools the Hermes way (a `<tools>` block
+in the system turn, calls as `<tool_call>` JSON, results as `<tool_response>`), which the
+`hermes` parser reads back.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,9 +50,33 @@ def has_template(tokenizer: Any) -> bool:
     return getattr(tokenizer, "chat_template", None) is not None
 
 
-def render_chatml(messages: list[dict[str, str]]) -> str:
-    turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}{CHATML_END}\n" for m in messages)
+def render_chatml(messages: list[dict], tools: list[dict] | None = None) -> str:
+    messages = _with_tools_turn(messages, tools) if tools else messages
+    turns = "".join(f"<|im_start|>{m['role']}\n{_chatml_body(m)}{CHATML_END}\n" for m in messages)
     return turns + "<|im_start|>assistant\n"
+
+
+def _with_tools_turn(messages: list[dict], tools: list[dict]) -> list[dict]:
+    listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    text = (f"# Tools\n\nYou may call one or more functions. Their signatures are within <tools></tools>:\n"
+            f"<tools>\n{listing}\n</tools>\n\nFor each call, answer a JSON object with the function's name and "
+            f"arguments within <tool_call></tool_call>:\n<tool_call>\n{{\"name\": <name>, \"arguments\": <object>}}\n"
+            f"</tool_call>")
+    if messages and messages[0]["role"] == "system":
+        return [{**messages[0], "tools_text": text}, *messages[1:]]
+    return [{"role": "system", "content": "", "tools_text": text}, *messages]
+
+
+def _chatml_body(m: dict) -> str:
+    body = m["content"]
+    if m.get("tools_text"):
+        body = f"{body}\n\n{m['tools_text']}" if body else m["tools_text"]
+    for call in m.get("tool_calls") or []:
+        fn = call["function"]
+        body += f"\n<tool_call>\n{json.dumps({'name': fn['name'], 'arguments': fn['arguments']}, ensure_ascii=False)}\n</tool_call>"
+    if m["role"] == "tool":
+        body = f"<tool_response>\n{body}\n</tool_response>"
+    return body
 
 
 def _single_token_id(tokenizer: Any, text: str) -> int | None:
@@ -63,9 +94,10 @@ def _placeholder(i: int) -> str:
 _PLACEHOLDER = re.compile("\ue000orchard-content-(\\d+)\ue001")
 
 
-def _render_template(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+def _render_template(tokenizer: Any, messages: list[dict], tools: list[dict] | None, kwargs: dict) -> str:
+    extra = {"tools": tools} if tools else {}
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **extra, **kwargs)
     except Exception as exc:  # a template raises whatever jinja or its author chose
         raise ChatTemplateError(f"the model's chat template rejected the messages: {exc}") from exc
 
@@ -127,7 +159,7 @@ def _encode_pieces(tokenizer: Any, rendered: str, contents: list[str]) -> list[i
     return ids
 
 
-def _checked_contents(tokenizer: Any, messages: list[dict[str, str]]) -> None:
+def _checked_contents(tokenizer: Any, messages: list[dict]) -> None:
     markers = control_token_texts(tokenizer)
     for m in messages:
         for marker in markers:
@@ -135,23 +167,52 @@ def _checked_contents(tokenizer: Any, messages: list[dict[str, str]]) -> None:
                 raise ChatTemplateError(f"message content may not contain the model's control token {marker!r}")
 
 
-def build_chat_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> ChatPrompt:
-    """Token ids for `messages` (dicts with role and content) plus the turn's stop markers."""
-    contents = [m["content"] for m in messages]
-    for text in contents:
+def _checked_layout(tokenizer: Any, what: str, value: Any) -> None:
+    """Text the template lays out itself (tools, earlier calls, template variables) may hold no control token."""
+    if not value:
+        return
+    text = json.dumps(value, ensure_ascii=False)
+    for marker in control_token_texts(tokenizer):
+        if marker in text or json.dumps(marker)[1:-1] in text:
+            raise ChatTemplateError(f"{what} may not contain the model's control token {marker!r}")
+
+
+def _masked(messages: list[dict]) -> tuple[list[dict], list[str]]:
+    """Messages with each non-empty content replaced by a numbered placeholder (an empty one
+    stays empty: templates test `if message.content`), and those contents in order."""
+    contents: list[str] = []
+    masked = []
+    for m in messages:
+        if m["content"]:
+            masked.append({**m, "content": _placeholder(len(contents))})
+            contents.append(m["content"])
+        else:
+            masked.append(m)
+    return masked, contents
+
+
+def build_chat_prompt(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None,
+                      template_kwargs: dict | None = None) -> ChatPrompt:
+    """Token ids for `messages` (dicts with role and content, and the template's other keys:
+    tool_calls, tool_call_id, name, reasoning_content) plus the turn's stop markers."""
+    for m in messages:
         try:
-            text.encode("utf-8")
+            m["content"].encode("utf-8")
         except UnicodeEncodeError as exc:  # a lone surrogate (JSON's "\ud800") has no UTF-8 form
             raise InvalidContent(f"message content is not valid Unicode: {exc.reason} at position {exc.start}") from exc
-    masked = [{**m, "content": _placeholder(i)} for i, m in enumerate(messages)]
+    kwargs = dict(template_kwargs or {})
+    _checked_layout(tokenizer, "tools", tools)
+    _checked_layout(tokenizer, "chat_template_kwargs", kwargs)
+    _checked_layout(tokenizer, "tool_calls", [m.get("tool_calls") for m in messages if m.get("tool_calls")])
+    masked, contents = _masked(messages)
     if has_template(tokenizer):
-        ids = _encode_pieces(tokenizer, _render_template(tokenizer, masked), contents)
+        ids = _encode_pieces(tokenizer, _render_template(tokenizer, masked, tools, kwargs), contents)
         if ids is None:
             _checked_contents(tokenizer, messages)
-            rendered = _render_template(tokenizer, messages)
+            rendered = _render_template(tokenizer, messages, tools, kwargs)
             ids = [int(t) for t in tokenizer.encode(rendered, add_special_tokens=False)]
         return ChatPrompt(ids)
     before, after = _around(tokenizer)
-    ids = before + (_encode_pieces(tokenizer, render_chatml(masked), contents) or []) + after
+    ids = before + (_encode_pieces(tokenizer, render_chatml(masked, tools), contents) or []) + after
     end_id = _single_token_id(tokenizer, CHATML_END)
     return ChatPrompt(ids, stop=[CHATML_END], stop_token_ids=[end_id] if end_id is not None else [])

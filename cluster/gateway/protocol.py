@@ -13,9 +13,26 @@ is asked for (`"temperature": 1`).
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from cluster.gateway.protocol_fields import (
+    ConstraintFields,
+    ContentPart,
+    LogitBias,
+    Metadata,
+    Modalities,
+    OmitsNone,
+    ServiceTier,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolCallIn,
+    ToolChoice,
+    _only,
+    _refused,
+)
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 StopField = Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=16)] | None
@@ -58,6 +75,7 @@ class ErrorResponse(_Response):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    include_obfuscation: bool | None = Field(None, description="accepted, ignored: streams here are not padded")
 
 
 class Usage(_Response):
@@ -66,8 +84,12 @@ class Usage(_Response):
     total_tokens: int
 
 
-class _SamplingFields(_Request):
-    """Parameters both endpoints share, with OpenAI's ranges (`n` capped by the engine)."""
+class _SamplingFields(ConstraintFields):
+    """Parameters both endpoints share, with OpenAI's ranges (`n` capped by the engine).
+
+    Ignored here, accepted for clients that send them (docs/api-fields.md): `user`,
+    `metadata`, `store`, `service_tier`, `safety_identifier`, `prompt_cache_key`,
+    `prompt_cache_retention`."""
 
     model: str = Field(min_length=1)
     n: int = Field(1, ge=1, le=64)
@@ -79,7 +101,14 @@ class _SamplingFields(_Request):
     seed: int | None = Field(None, description="any integer; the same seed repeats a sampled completion")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    user: str | None = None
+    logit_bias: LogitBias = None
+    user: str | None = Field(None, description="accepted, ignored")
+    metadata: Metadata = Field(None, description="accepted, ignored")
+    store: bool | None = Field(None, description="accepted, ignored: nothing is stored")
+    service_tier: ServiceTier = Field(None, description="accepted, ignored: one tier")
+    safety_identifier: str | None = Field(None, description="accepted, ignored")
+    prompt_cache_key: str | None = Field(None, description="accepted, ignored: prefix caching is automatic")
+    prompt_cache_retention: Literal["in-memory", "24h"] | None = Field(None, description="accepted, ignored")
     # Extensions that vLLM also accepts; OpenAI's own clients send them through `extra_body`.
     top_k: int | None = Field(None, ge=0, description="orchard/vLLM extension: sample from the k likeliest; 0 disables")
     min_p: float | None = Field(None, ge=0.0, le=1.0, description="orchard/vLLM extension")
@@ -109,6 +138,23 @@ class CompletionRequest(_SamplingFields):
     prompt: PromptField
     max_tokens: int | None = Field(None, ge=1, description="defaults to 16, as OpenAI's legacy endpoint")
     logprobs: int | None = Field(None, ge=0, le=20, description="how many top alternatives to report per token")
+    echo: bool = Field(False, description="the prompt's text before each completion (not with logprobs)")
+    suffix: Annotated[str | None, _refused("suffix is not supported: the engine only appends")] = None
+    best_of: int | None = Field(None, ge=1, le=64, description="only equal to n (no ranking of candidates)")
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of other than n is not supported: candidates are not ranked")
+        return value
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_without_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs is not supported: prompt tokens get no logprobs")
+        return value
 
 
 class CompletionLogprobs(_Response):
@@ -138,22 +184,45 @@ class CompletionResponse(_Response):
 # ---- /v1/chat/completions -------------------------------------------------------------
 
 
-class TextContentPart(_Request):
-    type: Literal["text"]
-    text: str
-
-
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    """One turn. Checked by role as OpenAI does: `tool` turns answer a `tool_call_id`,
+    only assistants carry `tool_calls`; non-text content and deprecated function turns
+    are refused with the reason."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+    reasoning_content: str | None = Field(None, description="orchard/vLLM extension: an assistant turn's thinking")
+    function_call: Annotated[dict | None, _refused("function_call is deprecated and not supported: use tool_calls")] = None
+    audio: Annotated[dict | None, _refused("audio is not supported: these models read and write text only")] = None
+
+    @model_validator(mode="after")
+    def _fits_its_role(self) -> ChatMessage:
+        for part in self.content if isinstance(self.content, list) else []:
+            if part.type in ("image_url", "input_audio", "file"):
+                raise ValueError(f"{part.type} content is not supported: the served model reads text only")
+        if self.role == "function":
+            raise ValueError("the function role is deprecated and not supported: use the tool role")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs the tool_call_id it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id belongs on tool messages only")
+        if self.role != "assistant" and (self.tool_calls or self.reasoning_content or self.refusal):
+            raise ValueError("tool_calls, reasoning_content and refusal belong on assistant messages only")
+        return self
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(p.text if p.type == "text" else p.refusal for p in self.content)
+
+
+ChatTemplateKwargs = dict[str, Any] | None
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -166,6 +235,22 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20, description="needs logprobs: true")
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = Field(
+        None, description="handed to the chat template (gpt-oss reads it); no effect on models that do not")
+    chat_template_kwargs: ChatTemplateKwargs = Field(None, description="orchard/vLLM extension: extra template variables")
+    modalities: Modalities = None
+    prediction: dict[str, Any] | None = Field(None, description="accepted, ignored: a latency hint; the output is the same")
+    verbosity: Annotated[
+        Literal["low", "medium", "high"] | None,
+        _only({"medium"}, "verbosity other than medium is not supported: the model's length is its own"),
+    ] = None
+    audio: Annotated[dict[str, Any] | None, _refused("audio output is not supported: these models write text")] = None
+    web_search_options: Annotated[dict[str, Any] | None, _refused("web_search_options is not supported: no search here")] = None
+    functions: Annotated[list | None, _refused("functions is deprecated and not supported: use tools")] = None
+    function_call: Annotated[Any, _refused("function_call is deprecated and not supported: use tool_choice")] = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -188,16 +273,23 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
-class AssistantMessage(_Response):
+class AssistantMessage(OmitsNone):
+    """OpenAI's message, plus vLLM's `reasoning_content` (left out when there is none)."""
+
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = None
+
+    omit_when_none: ClassVar[tuple[str, ...]] = ("tool_calls", "reasoning_content")
 
 
 class ChatChoice(_Response):
     index: int
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(_Response):
@@ -210,16 +302,20 @@ class ChatCompletionResponse(_Response):
     system_fingerprint: str | None = None
 
 
-class ChatDelta(_Response):
+class ChatDelta(OmitsNone):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+    omit_when_none: ClassVar[tuple[str, ...]] = ("tool_calls", "reasoning_content")
 
 
 class ChatChunkChoice(_Response):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(_Response):

@@ -1,8 +1,9 @@
 """From a validated OpenAI request to engine jobs, and from engine outputs back to OpenAI.
 
-Both endpoints share the same steps: resolve the model, tokenize, check the context and
-the queue, build `SamplingParams`, run the jobs (`jobs.Generation`), then either
-collect the choices into one response or render each output as a server-sent event.
+Both endpoints (completions here, chat in `chat_serving`) share the same steps: resolve
+the model, tokenize, check the context and the queue, build `SamplingParams`, run the jobs
+(`jobs.Generation`), then either collect the choices into one response or render each
+output as a server-sent event.
 """
 
 from __future__ import annotations
@@ -20,17 +21,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from cluster.gateway.backend import ModelInfo
-from cluster.gateway.chat_template import build_chat_prompt
 from cluster.gateway.errors import APIError, ContextLengthExceeded, InvalidRequest, as_api_error
 from cluster.gateway.jobs import Job
 from cluster.gateway.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionChoice,
@@ -41,6 +34,7 @@ from cluster.gateway.protocol import (
     Usage,
 )
 from cluster.gateway.state import Gateway
+from cluster.gateway.structured import constraint_for
 from node.errors import PromptTooLong
 from node.types import RequestOutput, SamplingParams, TokenLogprob
 
@@ -251,6 +245,7 @@ class CompletionServing(_Serving):
     async def serve(self, body: CompletionRequest, request: Request):
         gw = self.gateway
         check_stream_options(body)
+        constraint_for(body)  # the structured-output work hands its result to SamplingParams
         info = await gw.model(body.model)
         prompts = await asyncio.to_thread(self.prompts, body, info)  # a long prompt must not stall other requests
         if len(prompts) * body.n > MAX_SEQUENCES_PER_REQUEST:
@@ -266,21 +261,35 @@ class CompletionServing(_Serving):
             events = await gen.open_stream(jobs, params)
             return self.streaming_response(self._stream(gen, events, body, rid, prompts, choices, text))
         await gen.collect(jobs, params, choices.add)
+        echoed = self.echoed(body, prompts, info)
         return CompletionResponse(
             id=rid, model=info.name, usage=choices.usage(prompts),
             choices=[
                 CompletionChoice(
-                    index=i, text=s.text, finish_reason=s.finish_reason,
+                    index=i, text=echoed[i // body.n] + s.text, finish_reason=s.finish_reason,
                     logprobs=None if body.logprobs is None else completion_logprobs(s.logprobs, text, 0),
                 )
                 for i, s in enumerate(choices.states)
             ],
         )
 
+    def echoed(self, body: CompletionRequest, prompts: list[list[int]], info: ModelInfo) -> list[str]:
+        """Each prompt's text when `echo` asks for it before its completions, else ""."""
+        if not body.echo:
+            return [""] * len(prompts)
+        if isinstance(body.prompt, str) or all(isinstance(p, str) for p in body.prompt):
+            return [body.prompt] if isinstance(body.prompt, str) else list(body.prompt)
+        return [info.tokenizer.decode(p) for p in prompts]
+
     async def _stream(self, gen, events, body, rid, prompts, choices: Choices, text: TokenText):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         exclude = None if include_usage else {"usage"}
         created = int(time.time())
+        for i, echo in enumerate(self.echoed(body, prompts, gen.info)):
+            for k in range(body.n) if echo else ():
+                chunk = CompletionResponse(id=rid, created=created, model=gen.info.name,
+                                           choices=[CompletionChoice(index=i * body.n + k, text=echo)])
+                yield sse(chunk.model_dump_json(exclude=exclude))
 
         def render(job: int, out: RequestOutput):
             for c in out.outputs:
@@ -301,69 +310,5 @@ class CompletionServing(_Serving):
             yield frame
         if include_usage:
             final = CompletionResponse(id=rid, created=created, model=gen.info.name, choices=[], usage=choices.usage(prompts))
-            yield sse(final.model_dump_json())
-        yield SSE_DONE
-
-
-class ChatServing(_Serving):
-    id_prefix = "chatcmpl"
-
-    async def serve(self, body: ChatCompletionRequest, request: Request):
-        gw = self.gateway
-        check_stream_options(body)
-        if body.top_logprobs is not None and not body.logprobs:
-            raise InvalidRequest("top_logprobs needs logprobs set to true", param="top_logprobs")
-        info = await gw.model(body.model)
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        prompt = await asyncio.to_thread(build_chat_prompt, info.tokenizer, messages)  # templates and long turns, off the loop
-        max_tokens = token_budget(len(prompt.token_ids), body.token_limit(), gw.config.max_chat_tokens, info, "messages")
-        rid = self.new_id()
-        jobs = [Job(rid, prompt.token_ids)]
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        params = sampling_params(body, max_tokens, logprobs, body.stop_list() + prompt.stop, prompt.stop_token_ids)
-        gen = gw.generation(info, request, gw.admit(1))
-        choices = Choices(body.n, 1)
-        text = TokenText(info.tokenizer)
-        k = body.top_logprobs or 0
-        if body.stream:
-            events = await gen.open_stream(jobs, params)
-            return self.streaming_response(self._stream(gen, events, body, rid, [prompt.token_ids], choices, text))
-        await gen.collect(jobs, params, choices.add)
-        return ChatCompletionResponse(
-            id=rid, model=info.name, usage=choices.usage([prompt.token_ids]),
-            choices=[
-                ChatChoice(
-                    index=i, message=AssistantMessage(content=s.text), finish_reason=s.finish_reason,
-                    logprobs=chat_logprobs(s.logprobs, text, k) if body.logprobs else None,
-                )
-                for i, s in enumerate(choices.states)
-            ],
-        )
-
-    async def _stream(self, gen, events, body, rid, prompts, choices: Choices, text: TokenText):
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        exclude = None if include_usage else {"usage"}
-        created = int(time.time())
-        k = body.top_logprobs or 0
-
-        def chunk(choice: ChatChunkChoice) -> str:
-            return sse(ChatCompletionChunk(id=rid, created=created, model=gen.info.name, choices=[choice]).model_dump_json(exclude=exclude))
-
-        for index in range(len(choices.states)):
-            yield chunk(ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content="")))
-
-        def render(job: int, out: RequestOutput):
-            choices.add(job, out)
-            for c in out.outputs:
-                if not (c.token_ids_delta or c.text_delta or c.finished):
-                    continue
-                logprobs = chat_logprobs(c.logprobs_delta, text, k) if body.logprobs else None
-                delta = ChatDelta(content=c.text_delta) if (c.text_delta or not c.finished) else ChatDelta()
-                yield chunk(ChatChunkChoice(index=choices.index(job, c.index), delta=delta, logprobs=logprobs, finish_reason=c.finish_reason))
-
-        async for frame in self.frames(events, render):
-            yield frame
-        if include_usage:
-            final = ChatCompletionChunk(id=rid, created=created, model=gen.info.name, choices=[], usage=choices.usage(prompts))
             yield sse(final.model_dump_json())
         yield SSE_DONE

@@ -11,10 +11,13 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from cluster.gateway.backend import Backend, ModelInfo
+from cluster.gateway.chat_output import ChatFormat
 from cluster.gateway.errors import ModelNotFound, QueueFull, ServiceUnavailable
 from cluster.gateway.guard import DEFAULT_MAX_BODY_BYTES, check_api_keys
 from cluster.gateway.jobs import Generation
 from cluster.gateway.metrics import GatewayMetrics
+from cluster.gateway.reasoning import reasoning_parser_named
+from cluster.gateway.tool_parsers import parser_named
 
 log = logging.getLogger("orchard.gateway")
 
@@ -29,9 +32,15 @@ class GatewayConfig:
     request_timeout_s: float | None = 600.0
     max_chat_tokens: int | None = None  # chat's default max_tokens; None: the rest of the context
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413 before they are read
+    tool_call_parser: str | None = None  # vLLM's names; None: chosen from each model's chat template
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         check_api_keys(self.api_keys)  # WeakApiKey: no server starts with a guessable key
+        if self.tool_call_parser is not None:
+            parser_named(self.tool_call_parser)  # ValueError naming the choices
+        if self.reasoning_parser is not None:
+            reasoning_parser_named(self.reasoning_parser)
 
 
 class Admission:
@@ -57,6 +66,14 @@ class Gateway:
         self.config = config
         self.metrics = GatewayMetrics()
         self.waiting = 0  # admitted jobs that have not produced their first output yet
+        self._formats: dict[int, ChatFormat] = {}
+
+    def chat_format(self, info: ModelInfo) -> ChatFormat:
+        """How `info`'s answers read, worked out once per tokenizer (its template is fixed)."""
+        key = id(info.tokenizer)
+        if key not in self._formats:
+            self._formats[key] = ChatFormat.of(info.tokenizer, self.config.tool_call_parser, self.config.reasoning_parser)
+        return self._formats[key]
 
     async def model(self, name: str) -> ModelInfo:
         if not await self.backend.ready():

@@ -36,8 +36,8 @@ def test_out_of_range_parameter_is_400_naming_it(http, model_name, field, value)
 
 
 def test_unknown_parameter_is_400_naming_it(http, model_name):
-    err = assert_error(http.post("/v1/completions", json={"model": model_name, "prompt": "hi", "best_of": 2}), 400, "best_of")
-    assert "best_of" in err["message"]
+    err = assert_error(http.post("/v1/completions", json={"model": model_name, "prompt": "hi", "beam_width": 2}), 400, "beam_width")
+    assert "beam_width" in err["message"]
 
 
 def test_chat_message_with_bad_role_is_400_on_messages(http, model_name):
