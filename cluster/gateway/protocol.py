@@ -247,8 +247,8 @@ class ChatCompletionRequest(_SamplingFields):
         Literal["low", "medium", "high"] | None,
         _only({"medium"}, "verbosity other than medium is not supported: the model's length is its own"),
     ] = None
-    audio: Annotated[dict[str, Any] | None, _refused("audio output is not supported: these models write text")] = None
-    web_search_options: Annotated[dict[str, Any] | None, _refused("web_search_options is not supported: no search here")] = None
+    audio: Annotated[dict[str, Any] | None, _refused("audio output is not supported: these models write text", empty_ok=False)] = None
+    web_search_options: Annotated[dict[str, Any] | None, _refused("web_search_options is not supported: no search here", empty_ok=False)] = None
     functions: Annotated[list | None, _refused("functions is deprecated and not supported: use tools")] = None
     function_call: Annotated[Any, _refused("function_call is deprecated and not supported: use tool_choice")] = None
 

@@ -26,11 +26,12 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def _refused(why: str):
-    """A validator refusing any value but an empty one (None, False, {}, [], "")."""
+def _refused(why: str, empty_ok: bool = True):
+    """A validator refusing any value but None, and but an empty one (False, {}, [], "")
+    unless `empty_ok` is false (where sending the field at all asks for something)."""
 
     def check(value: Any) -> Any:
-        if value:
+        if value or (value is not None and not empty_ok):
             raise ValueError(why)
         return value
 

@@ -34,7 +34,8 @@ def served(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     proc, url = start(["--served-model-name", "tiny", "tiny-alias", "--max-model-len", "64",
                        "--no-enable-prefix-caching", "--chat-template", TEMPLATE, "--seed", "7",
-                       "--dtype", "float32", "--max-num-batched-tokens", "64", "--max-num-seqs", "4"], log)
+                       "--dtype", "float32", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
+                       "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"], log)
     try:
         yield url, log, openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
     finally:
@@ -107,6 +108,20 @@ def test_a_tokenizer_other_than_the_models_is_refused_before_loading():
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2
     assert "--tokenizer 'some/other-tokenizer': a tokenizer other than the model's is not supported" in run.stderr
+
+
+def test_tool_call_parser_flag_lets_a_template_without_a_call_format_take_tools(served):
+    _, _, client = served  # the "Hi" template writes no call format: without the flag, tools are a 400
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}]
+    done = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "time?"}], tools=tools,
+                                          max_tokens=2)
+    assert done.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("flag", ["--tool-call-parser", "--reasoning-parser"])
+def test_an_unknown_parser_name_is_refused_before_loading(flag):
+    run = subprocess.run([str(ORCHARD), "serve", "--no-ray", flag, "nope"], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and f"{flag}: unknown" in run.stderr
 
 
 def test_version():
