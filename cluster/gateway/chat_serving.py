@@ -41,6 +41,7 @@ from cluster.gateway.structured import constraint_for
 from cluster.gateway.tool_calls import (
     allowed_calls,
     check_tool_choice,
+    forced_parser,
     template_arguments,
     template_tools,
     tool_call,
@@ -101,7 +102,7 @@ class ChatServing(_Serving):
         info = await gw.model(body.model)
         fmt = gw.chat_format(info)
         tools = tools_offered(body)
-        if tools and fmt.tool_parser is None:
+        if tools and fmt.tool_parser is None and forced_parser(body) is None:
             raise InvalidRequest("this model's tool-call format is not known: the server must be started with "
                                  "--tool-call-parser NAME to take tools", param="tools")
         messages, kwargs = template_messages(body), template_kwargs(body)
@@ -112,7 +113,7 @@ class ChatServing(_Serving):
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, max_tokens, logprobs, body.stop_list() + prompt.stop, prompt.stop_token_ids)
         tail = info.tokenizer.decode(prompt.token_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False) if fmt.reasoning_parser else ""
-        reader = AnswerReader(fmt, bool(tools), tail, allowed_calls(body))
+        reader = AnswerReader(fmt, bool(tools), tail, allowed_calls(body), forced_parser(body))
         hidden = set(getattr(info.tokenizer, "eos_token_ids", None) or []) | set(params.stop_token_ids)
         texts = [AnswerText(info.tokenizer, prompt.token_ids, hidden, reader.needs_special_tokens) for _ in range(body.n)]
         gen = gw.generation(info, request, gw.admit(1))

@@ -15,6 +15,8 @@ from typing import Any
 
 from cluster.gateway.errors import InvalidRequest
 from cluster.gateway.protocol_fields import FunctionCall, NamedToolChoice, Tool, ToolCall
+from cluster.gateway.tool_parsers.base import ToolParser
+from cluster.gateway.tool_parsers.forced import NamedCallParser, RequiredCallsParser
 
 
 def check_tool_choice(body: Any) -> None:
@@ -61,6 +63,14 @@ def forced_call_schema(body: Any) -> dict | None:
     if body.parallel_tool_calls is False:
         schema["maxItems"] = 1
     return schema
+
+
+def forced_parser(body: Any) -> ToolParser | None:
+    """The parser of the answer a forced tool_choice constrains, else None."""
+    choice = getattr(body, "tool_choice", None)
+    if isinstance(choice, NamedToolChoice):
+        return NamedCallParser(choice.function.name)
+    return RequiredCallsParser() if choice == "required" else None
 
 
 def new_call_id() -> str:

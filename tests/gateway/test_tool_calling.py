@@ -196,3 +196,26 @@ def test_reasoning_then_a_tool_call(thinking):
     message = ask(client, tools=TOOLS, extra_body={"chat_template_kwargs": {"enable_thinking": True}}).choices[0].message
     assert message.reasoning_content == "I need the weather."
     assert message.tool_calls[0].function.name == "get_weather" and message.content is None
+
+
+@pytest.mark.parametrize(("choice", "script", "names"), [
+    ({"type": "function", "function": {"name": "get_time"}}, "{}", ["get_time"]),
+    ("required", '[{"name": "get_weather", "parameters": {"city": "Paris"}}]', ["get_weather"]),
+])
+def test_forced_tool_choice_answers_are_read_as_calls_once_constrained(chatml, monkeypatch, choice, script, names):
+    """With the engine holding the answer to the call's JSON (here the script stands in for it), the
+    unwrapped answer is the call."""
+    import cluster.gateway.chat_serving as chat_serving
+    import cluster.gateway.serving as serving
+    from cluster.gateway.tool_calls import forced_call_schema
+
+    for module in (chat_serving, serving):
+        if hasattr(module, "constraint_for"):
+            monkeypatch.setattr(module, "constraint_for", lambda body: {"json_schema": forced_call_schema(body)})
+    backend, client = chatml
+    backend.script = script
+    choice_out = ask(client, tools=TOOLS, tool_choice=choice).choices[0]
+    assert [c.function.name for c in choice_out.message.tool_calls] == names
+    assert choice_out.finish_reason == "tool_calls" and choice_out.message.content is None
+    streamed = list(ask(client, tools=TOOLS, tool_choice=choice, stream=True))
+    assert [tc.function.name for c in streamed for tc in (c.choices[0].delta.tool_calls or []) if tc.id] == names

@@ -127,3 +127,14 @@ def test_parsers_are_chosen_from_the_template(template, tools, reasoning):
 def test_unknown_parser_names_are_refused_with_the_choices():
     with pytest.raises(ValueError, match="hermes"):
         parser_named("nope")
+
+
+@pytest.mark.parametrize("step", [1, 5, 1000])
+def test_forced_calls_are_read_unwrapped(step):
+    from cluster.gateway.tool_parsers.forced import NamedCallParser, RequiredCallsParser
+
+    named = AnswerReader(ChatFormat("hermes", "qwen3"), True, "<think>", None, NamedCallParser("get_weather"))
+    assert _stream(named, W, step) == ("", [("get_weather", WEATHER)])
+    required = AnswerReader(ChatFormat("hermes", None), True, "", None, RequiredCallsParser())
+    text = f'[{{"name": "get_weather", "parameters": {W}}}, {{"name": "b", "parameters": {{}}}}]'
+    assert _stream(required, text, step) == ("", [("get_weather", WEATHER), ("b", {})])
