@@ -36,6 +36,7 @@ from node.async_engine import AsyncEngine
 from node.engine import EngineConfig
 from node.hardware import describe_machine
 from node.migration import BlockMover, PullResult
+from node.output_streams import Subscribers
 from node.stream_delta import only_new
 from node.types import RequestOutput, SamplingParams
 
@@ -83,6 +84,7 @@ class NodeActor:
         self._loop: asyncio.AbstractEventLoop | None = None  # the actor's event loop, once started
         self._started_at = time.time()
         self.mover = BlockMover(self.engine)
+        self.subscribers = Subscribers()
         self._background: set[asyncio.Task] = set()
         self.engine.add_kv_listener(self._push_kv_events)
 
@@ -118,7 +120,7 @@ class NodeActor:
 
     # ---- serving -------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, on_accepted=None
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs (call with `num_returns="streaming"`), deltas only: the
         receiver rebuilds the rest with `node.stream_delta.Cumulative`."""
@@ -126,13 +128,24 @@ class NodeActor:
         self._queued_prompt_tokens += pending_prefill
         self._requests_total += 1
         try:
-            async for output in self.engine.generate(request_id, prompt_token_ids, params):
+            async for output in self.engine.generate(request_id, prompt_token_ids, params, on_accepted):
                 self._queued_prompt_tokens -= pending_prefill
                 pending_prefill = 0
                 yield only_new(output)
         finally:
             self._queued_prompt_tokens -= pending_prefill
             self._beat_soon.set()
+
+    async def submit(self, receiver: str, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Start a request whose outputs go out on `receiver`'s `outputs` stream, coalesced with
+        its other requests'; returns once the engine accepted it (raises what refused it)."""
+        await self.subscribers.submit(receiver, request_id, lambda accepted: self.generate(request_id, prompt_token_ids, params, accepted))
+
+    async def outputs(self, receiver: str) -> AsyncIterator[list]:
+        """`receiver`'s outputs of every request it submitted, a list per message (call with
+        `num_returns="streaming"`, one per receiver); closing it aborts them."""
+        async for batch in self.subscribers.outputs(receiver):
+            yield batch
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

@@ -13,7 +13,7 @@ import atexit
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import mlx.core as mx
 
@@ -63,9 +63,13 @@ class AsyncEngine:
         self._kv_listeners.append(callback)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+        on_accepted: Callable[[], None] | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs (deltas); raises the engine's error if it refuses it."""
+        """Stream a request's outputs (deltas); raises the engine's error if it refuses it.
+
+        `on_accepted` runs once the engine has taken the request, before its first output:
+        a caller that streams elsewhere can answer "accepted" without waiting for a token."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         accepted: asyncio.Future = loop.create_future()
@@ -74,6 +78,8 @@ class AsyncEngine:
         finished = False
         try:
             await accepted
+            if on_accepted is not None:
+                on_accepted()
             while True:
                 out = await outputs.get()
                 if isinstance(out, Exception):
@@ -129,12 +135,13 @@ class AsyncEngine:
             except Exception as exc:  # a broken step must not leave its callers waiting forever
                 self._fail_all(exc)
                 continue
+            # Stats first: whoever wakes on an output (a heartbeat after a finished request) reads them fresh.
+            self._stats = self.engine.stats()
             for out in outputs:
                 self._deliver(out)
             events = self.engine.drain_kv_events()
             for listener in self._kv_listeners:
                 listener(events)
-            self._stats = self.engine.stats()
 
     def _fail_all(self, exc: Exception) -> None:
         """Abort every request in the engine and hand `exc` to each waiting stream."""

@@ -32,9 +32,12 @@ from cluster.coordinator.coordinator import COORDINATOR_NAME, NAMESPACE
 from cluster.coordinator.router import NoNodeAvailable
 from cluster.gateway.backend import ModelInfo, node_entry, summarize_nodes
 from cluster.gateway.block_pull import MigrationOutcome, MigrationPolicy, migration_hashes, pull_for_request
+from cluster.gateway.node_streams import NodeLost, NodeStreams, next_item
 from cluster.gateway.resume import Progress, resume_params, seeded
 from cluster.runtime.ray_cluster import node_actor_name
 from kvcache.hashing import block_hashes, root_hash
+from node.async_engine import EngineStepFailed
+from node.output_streams import StreamFailed
 from node.stream_delta import Cumulative
 from node.types import RequestOutput, SamplingParams
 
@@ -52,10 +55,6 @@ NODE_LOST_ERRORS = (
     rex.NodeDiedError,
     rex.LocalRayletDiedError,
 )
-
-
-class NodeLost(RuntimeError):
-    """The node serving a stream went away."""
 
 
 class ResumeImpossible(RuntimeError):
@@ -104,6 +103,7 @@ class RayBackend:
         self._actors: dict[str, Any] = {}
         self._active: dict[str, tuple[str, str]] = {}  # request id -> (node id, id on that node)
         self._awaiting_first_output: set[str] = set()
+        self._streams = NodeStreams()  # one coalesced output stream per node
         self._closed = False
         self.resumed_mid_stream = 0  # requests that lost a node after streaming some tokens
         self.last_migration: MigrationOutcome | None = None
@@ -194,6 +194,7 @@ class RayBackend:
 
     async def shutdown(self) -> None:
         self._closed = True
+        self._streams.shutdown()
 
     # ---- one attempt on one node ---------------------------------------------------
     async def _attempt(self, node_id, request_id, attempt, prompt, params, progress) -> AsyncIterator[RequestOutput]:
@@ -203,31 +204,34 @@ class RayBackend:
         self._active[request_id] = (node_id, attempt_id)
         try:
             actor = await self._actor(node_id)
-            stream = actor.generate.options(num_returns="streaming").remote(attempt_id, prompt, attempt_params)
+            queue, receiver = self._streams.open(node_id, actor, attempt_id)  # before submitting: no output is missed
+            await actor.submit.remote(receiver, attempt_id, prompt, attempt_params)
         except (ValueError, *NODE_LOST_ERRORS) as exc:  # ValueError: no actor by that name any more
+            self._streams.close(node_id, attempt_id)
             raise NodeLost(repr(exc)) from exc
         finished = prefilled = False
         cumulative = Cumulative(prompt)  # the node streams deltas only
         try:
-            while True:
-                out = await self._next(stream, node_id)
-                if out is None:
-                    return
-                out = replace(cumulative(out), node_id=node_id)
+            while not finished:
+                item = await self._next(queue, node_id)
+                if isinstance(item, StreamFailed):
+                    raise EngineStepFailed(item.message)
+                out = replace(cumulative(item), node_id=node_id)
                 if not prefilled:
                     prefilled = True
                     self._coordinator.prefill_done.remote(node_id, request_id)  # no need to wait
                 finished = out.finished
                 yield out
         finally:
+            self._streams.close(node_id, attempt_id)
             if not prefilled:
                 self._coordinator.prefill_done.remote(node_id, request_id)
             if not finished:
-                _cancel(stream)
+                _abort_on(actor, attempt_id)
 
-    async def _next(self, stream, node_id: str) -> RequestOutput | None:
-        """The stream's next output, None at its end; NodeLost when its node is gone."""
-        task = asyncio.ensure_future(_next_value(stream))
+    async def _next(self, queue: asyncio.Queue, node_id: str):
+        """The request's next item from its node's stream; NodeLost when the node is gone."""
+        task = asyncio.ensure_future(next_item(queue))
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=self.config.stall_check_s)
@@ -235,8 +239,6 @@ class RayBackend:
                     return task.result()
                 if await self._node_is_dead(node_id):
                     raise NodeLost("node stopped heartbeating")
-        except NODE_LOST_ERRORS as exc:
-            raise NodeLost(repr(exc)) from exc
         finally:
             if not task.done():
                 task.cancel()
@@ -357,20 +359,12 @@ class RayBackend:
         return self._actors[node_id]
 
 
-def _cancel(stream) -> None:
-    """Stop a node's stream the client no longer reads (the node aborts the request)."""
+def _abort_on(actor, request_id: str) -> None:
+    """Tell a node to stop a request the client no longer reads (without waiting)."""
     try:
-        ray.cancel(stream)
+        actor.abort.remote(request_id)
     except Exception as exc:  # the node may already be gone
-        log.debug("cancel failed: %s", exc)
-
-
-async def _next_value(stream) -> RequestOutput | None:
-    try:
-        ref = await stream.__anext__()
-    except StopAsyncIteration:
-        return None
-    return await ref
+        log.debug("abort failed: %s", exc)
 
 
 def _node_extras(row: dict) -> dict:

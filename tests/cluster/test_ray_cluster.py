@@ -146,6 +146,16 @@ def test_a_scrape_right_after_a_request_counts_it_on_the_node_that_served_it(clu
     assert f'orchard_prefix_cache_query_tokens_total{{node="{served}"}} {float(after[served]["prefix_cache_query_tokens"])}' in text
 
 
+def test_a_node_sends_its_requests_outputs_coalesced_not_one_object_per_token(cluster):
+    backend = RayBackend(RayBackendConfig(policy="round_robin"))
+    prompts = [prompt(5000 + i, 24) for i in range(12)]
+    asyncio.run(run_all(backend, prompts, GREEDY))  # every output checked against its deltas in collect()
+    streams = backend._streams
+    assert streams.outputs >= 12 * GREEDY.max_tokens
+    # Four requests per node decode in the same steps: a message carries a step's outputs of all of them.
+    assert streams.messages * 2 <= streams.outputs, (streams.messages, streams.outputs)
+
+
 def test_round_robin_ignores_the_prefix(cluster):
     backend = RayBackend(RayBackendConfig(policy="round_robin"))
     shared = prompt(2000, 64)

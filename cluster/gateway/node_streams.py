@@ -1,0 +1,96 @@
+"""The gateway's end of the nodes' coalesced output streams (node/output_streams.py).
+
+One `outputs` stream per node for this gateway process, read by one task that fans each
+message's outputs out to the queues of the requests waiting for them. A stream that
+breaks or ends means its node is gone: every request waiting on it gets `NodeLost`,
+which the caller turns into a resume elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+
+import ray
+
+from node.types import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class NodeLost(RuntimeError):
+    """The node serving a stream went away."""
+
+
+class NodeStreams:
+    """Per node one reader task; per (node, request id on that node) one queue."""
+
+    def __init__(self):
+        self.receiver = f"gateway-{uuid.uuid4().hex[:12]}"
+        self._queues: dict[tuple[str, str], asyncio.Queue] = {}
+        self._readers: dict[str, asyncio.Task] = {}
+        self._names: dict[str, str] = {}  # node -> receiver name of its current reader
+        self._numbers = itertools.count()
+        self.messages = 0  # messages received, for tests and stats: about one per engine step
+        self.outputs = 0
+
+    def open(self, node_id: str, actor, request_id: str) -> tuple[asyncio.Queue, str]:
+        """The queue `request_id`'s outputs from `node_id` will arrive on, and the receiver name to
+        submit it under; starts reading the node if no reader runs (each reader its own name, so a
+        stream left behind by an ended event loop never takes another reader's outputs)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[(node_id, request_id)] = queue
+        reader = self._readers.get(node_id)
+        if reader is None or reader.done():
+            name = f"{self.receiver}-{next(self._numbers)}"
+            reader = asyncio.get_running_loop().create_task(self._read(node_id, actor, name))
+            self._readers[node_id], self._names[node_id] = reader, name
+        return queue, self._names[node_id]
+
+    def close(self, node_id: str, request_id: str) -> None:
+        self._queues.pop((node_id, request_id), None)
+
+    def shutdown(self) -> None:
+        for reader in self._readers.values():
+            reader.cancel()
+
+    async def _read(self, node_id: str, actor, name: str) -> None:
+        stream = actor.outputs.options(num_returns="streaming").remote(name)
+        try:
+            async for ref in stream:
+                batch = await ref
+                self.messages += 1
+                self.outputs += len(batch)
+                for item in batch:
+                    queue = self._queues.get((node_id, item.request_id))
+                    if queue is not None:
+                        queue.put_nowait(item)
+            lost = NodeLost("the node's output stream ended")
+        except asyncio.CancelledError:
+            _cancel(stream)  # the node then aborts this reader's requests
+            raise
+        except Exception as exc:  # the actor died, its raylet went away, or Ray is shutting down
+            lost = NodeLost(repr(exc))
+        log.warning("output stream of node %s closed: %s", node_id, lost)
+        if self._readers.get(node_id) is asyncio.current_task():
+            del self._readers[node_id]
+        for (node, _), queue in list(self._queues.items()):
+            if node == node_id:
+                queue.put_nowait(lost)
+
+
+def _cancel(stream) -> None:
+    try:
+        ray.cancel(stream)
+    except Exception as exc:  # the node may already be gone
+        log.debug("cancel failed: %s", exc)
+
+
+async def next_item(queue: asyncio.Queue) -> RequestOutput:
+    """The next output on a request's queue; raises what the reader put there instead."""
+    item = await queue.get()
+    if isinstance(item, Exception):
+        raise item
+    return item
