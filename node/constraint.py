@@ -11,6 +11,7 @@ whitespace: free whitespace is a place where a weak model can spin until `max_to
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -79,6 +80,7 @@ def _parse_json(text: str) -> Any:
         raise UnsupportedConstraint(f"json_schema is not valid JSON: {exc}") from None
 
 
+@functools.lru_cache(maxsize=256)  # the gateway validates a constraint, then SamplingParams compiles the same text
 def _compile(kind: Kind, source: str) -> str:
     try:
         grammar = _to_llguidance(kind, source)

@@ -30,8 +30,6 @@ from node.types import SamplingParams
 
 log = logging.getLogger("orchard.node")
 
-_BITS = mx.arange(32, dtype=mx.uint32)
-
 
 class GrammarMasks:
     """The engine's grammar side: llguidance's view of the tokenizer (built on first use) and the batched masks."""
@@ -95,5 +93,6 @@ def apply_bitmask(logits: mx.array, bitmask: np.ndarray) -> mx.array:
     rows, vocab = logits.shape
     assert bitmask.shape == (rows, (vocab + 31) // 32) and bitmask.dtype == np.int32, (bitmask.shape, logits.shape)
     words = mx.array(bitmask.view(np.uint32))
-    allowed = ((words[:, :, None] >> _BITS) & 1).reshape(rows, -1)[:, :vocab]
+    bits = mx.arange(32, dtype=mx.uint32)  # made here, not at import: MLX arrays belong to the thread's stream
+    allowed = ((words[:, :, None] >> bits) & 1).reshape(rows, -1)[:, :vocab]
     return mx.where(allowed.astype(mx.bool_), logits, mx.array(-mx.inf, dtype=logits.dtype))

@@ -176,6 +176,7 @@ def sampling_params(body: Any, max_tokens: int, logprobs: int | None, stop: list
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         n=body.n,
+        constraint=constraint_for(body),  # refused earlier if it cannot be enforced; compiled once (cached)
     )
 
 

@@ -31,8 +31,6 @@ def test_fields_without_effect_are_accepted(http, model_name, path):
 CHAT_REFUSED = [
     ("logit_bias", {"50256": -100}), ("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
     ("verbosity", "low"), ("web_search_options", {}), ("functions", [{"name": "f"}]), ("function_call", "auto"),
-    ("response_format", {"type": "json_object"}), ("structured_outputs", {"regex": "[a-z]+"}),
-    ("guided_json", {"type": "object"}), ("guided_regex", "a+"), ("guided_choice", ["a", "b"]), ("guided_grammar", "root ::= 'a'"),
     ("chat_template_kwargs", {"tokenize": True}),
 ]
 
@@ -40,13 +38,6 @@ CHAT_REFUSED = [
 @pytest.mark.parametrize(("field", "value"), CHAT_REFUSED, ids=[f for f, _ in CHAT_REFUSED])
 def test_chat_fields_that_cannot_be_honoured_are_400_naming_them(http, model_name, field, value):
     assert_error(post(http, model_name, "/v1/chat/completions", **{field: value}), 400, field)
-
-
-def test_a_constraint_is_refused_as_not_supported_yet(http, model_name):
-    schema = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {"type": "object"}, "strict": True}}
-    err = assert_error(post(http, model_name, "/v1/chat/completions", response_format=schema), 400, "response_format")
-    assert err["message"] == "response_format is not supported yet"
-    assert_error(post(http, model_name, "/v1/completions", guided_choice=["yes", "no"]), 400, "guided_choice")
 
 
 @pytest.mark.parametrize("fields", [
