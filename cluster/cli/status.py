@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import socket
+import sys
+
+NO_CLUSTER = "orchard status: no orchard cluster is running{where} (start one with `orchard head`, or `orchard serve`)"
 
 
 def register(sub) -> None:
@@ -18,11 +22,19 @@ def run(args) -> int:
     from cluster.coordinator.coordinator import COORDINATOR_NAME, NAMESPACE
     from cluster.runtime.ray_cluster import connect
 
-    connect(args.address)
+    where = "" if args.address in ("auto", "", None) else f" at {args.address}"
+    if not reachable(args.address):
+        print(NO_CLUSTER.format(where=where), file=sys.stderr)
+        return 1
+    try:
+        connect(args.address)
+    except ConnectionError:  # Ray found no running instance to join
+        print(NO_CLUSTER.format(where=where), file=sys.stderr)
+        return 1
     try:
         coordinator = ray.get_actor(COORDINATOR_NAME, namespace=NAMESPACE)
     except ValueError:
-        print("no orchard coordinator in this Ray cluster (start one with `orchard head`)")
+        print("orchard status: no orchard coordinator in this Ray cluster (start one with `orchard head`)", file=sys.stderr)
         return 1
     info = ray.get(coordinator.cluster_info.remote())
     if args.json:
@@ -30,6 +42,19 @@ def run(args) -> int:
     else:
         print_table(info)
     return 0
+
+
+def reachable(address: str | None, timeout_s: float = 2.0) -> bool:
+    """Whether a `host:port` address answers at all (Ray itself would retry for a minute or more);
+    "auto" is left to Ray, which answers at once when no local cluster runs."""
+    if not address or address == "auto" or "://" in address or ":" not in address:
+        return True
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def print_table(info: dict) -> None:

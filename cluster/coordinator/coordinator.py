@@ -50,6 +50,7 @@ class _RoutingTotals:
     cached_tokens: int = 0  # tokens the chosen node already held when routed
     migrations: int = 0
     block_moves: int = 0  # hot-prefix copies and drain moves handed to nodes
+    by_reason: dict[tuple[NodeId, str], int] = field(default_factory=dict)  # (node, reason) -> decisions
 
 
 @dataclass
@@ -171,7 +172,7 @@ class Coordinator:
         self.reap()
         candidates = [n for n in self.membership.candidates(model) if n.node_id not in exclude]
         held = self.pending.extend(self.index.match(block_hashes), block_hashes, self._index_holds)
-        request = RouteRequest(model, num_tokens, block_size, held, request_id)
+        request = RouteRequest(model, num_tokens, block_size, held, request_id, prefix_name(block_hashes))
         decision = self.router.route(request, candidates, self.link_rate, policy, self.link_latency, self.index.node_block_count)
         self.pending.note(decision.node_id, block_hashes)
         uncached = max(1, num_tokens - decision.cached_blocks * block_size)
@@ -264,6 +265,8 @@ class Coordinator:
                 "routed_hit_rate": totals.cached_tokens / totals.prompt_tokens if totals.prompt_tokens else 0.0,
                 "migrations": totals.migrations,
                 "block_moves": totals.block_moves,
+                "decisions": [{"node": node, "reason": reason, "count": count}
+                              for (node, reason), count in sorted(totals.by_reason.items())],
             },
             "recent_decisions": self.recent_decisions(20),
         }
@@ -305,6 +308,13 @@ class Coordinator:
         self._totals.prompt_tokens += num_tokens
         self._totals.cached_tokens += decision.cached_blocks * block_size
         self._totals.migrations += decision.migration is not None
+        key = (decision.node_id, decision.reason)
+        self._totals.by_reason[key] = self._totals.by_reason.get(key, 0) + 1
+
+
+def prefix_name(block_hashes: Sequence[BlockHash]) -> str:
+    """The first block's hash, shortened: prompts that share their first block share this name."""
+    return bytes(block_hashes[0])[:6].hex() if block_hashes else ""
 
 
 def _node_row(state, index: PrefixIndex) -> dict:

@@ -91,6 +91,7 @@ class RouteRequest:
     block_size: int
     held: dict[NodeId, int]  # leading blocks of the prompt each node holds (PrefixIndex.match)
     request_id: str = ""
+    prefix: str = ""  # a short name for the prompt's first block, so prompts sharing it can be grouped
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,7 @@ class RouteDecision:
     request_id: str = ""
     decided_at: float = 0.0
     latency_s: float = 0.0
+    prefix: str = ""  # RouteRequest.prefix
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -153,7 +155,7 @@ class Router:
             decision = self._by_cost(request, candidates, rates, (link_rate, link_latency), held_blocks)
         else:
             decision = self._by_policy(policy, request, candidates, rates)
-        decision = _stamp(decision, request.request_id, started)
+        decision = _stamp(decision, request, started)
         self.recent.append(decision)
         return decision
 
@@ -283,5 +285,6 @@ def _mean(values, default: float) -> float:
     return sum(measured) / len(measured) if measured else default
 
 
-def _stamp(decision: RouteDecision, request_id: str, started: float) -> RouteDecision:
-    return replace(decision, request_id=request_id, decided_at=time.time(), latency_s=time.perf_counter() - started)
+def _stamp(decision: RouteDecision, request: RouteRequest, started: float) -> RouteDecision:
+    return replace(decision, request_id=request.request_id, prefix=request.prefix, decided_at=time.time(),
+                   latency_s=time.perf_counter() - started)
