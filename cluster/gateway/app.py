@@ -29,6 +29,7 @@ from cluster.gateway.errors import (
     install_error_handlers,
 )
 from cluster.gateway.guard import RequestGuard
+from cluster.gateway.messages_api import install_messages_api
 from cluster.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from cluster.gateway.protocol import (
     ChatCompletionChunk,
@@ -216,6 +217,7 @@ def create_app(backend: Backend, config: GatewayConfig | None = None) -> FastAPI
             info = {"nodes": [], "queue_depth": 0}  # the gateway's own figures still count
         return Response(gw.metrics.render(info), media_type=CONTENT_TYPE)
 
+    install_messages_api(app, chats, config.api_keys)
     install_dashboard(app, gw, auth, declared_errors(*auth_errors, 503))
     _truthful_openapi(app)
     endpoints = {route.path for route in app.routes}

@@ -186,7 +186,7 @@ def _validation_param(loc: tuple) -> str | None:
     return str(parts[0]) if parts and isinstance(parts[0], str) else None
 
 
-def _validation_message(err: dict) -> str:
+def validation_message(err: dict) -> str:
     parts = [str(p) for p in err.get("loc", ()) if p != "body"]
     where = ".".join(parts) or "request body"
     if err.get("type") == "extra_forbidden":
@@ -199,7 +199,7 @@ def validation_error(exc: RequestValidationError) -> InvalidRequest:
     if not errors:
         return InvalidRequest("The request is not valid.")
     first = errors[0]
-    message = "; ".join(dict.fromkeys(_validation_message(e) for e in errors[:5]))
+    message = "; ".join(dict.fromkeys(validation_message(e) for e in errors[:5]))
     return InvalidRequest(message, param=_validation_param(tuple(first.get("loc", ()))))
 
 

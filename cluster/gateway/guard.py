@@ -62,6 +62,11 @@ def bearer_key(scope) -> str | None:
     return key.strip() if scheme.lower() == "bearer" else None
 
 
+def presented_key(scope) -> str | None:
+    """The API key a request presents: OpenAI clients send a bearer token, Anthropic's `x-api-key`."""
+    return bearer_key(scope) or _header(scope, b"x-api-key")
+
+
 class RequestGuard:
     """ASGI middleware: body-size limit on every request, key check before any body is read."""
 
@@ -78,7 +83,7 @@ class RequestGuard:
 
     def refusal(self, scope) -> APIError | None:
         """The error a request gets from its headers alone, if any."""
-        if self.api_keys and _has_body(scope) and bearer_key(scope) not in self.api_keys:
+        if self.api_keys and _has_body(scope) and presented_key(scope) not in self.api_keys:
             return Unauthorized()
         length = _header(scope, b"content-length")
         if length is not None and length.strip().isdigit() and int(length) > self.max_body_bytes:
