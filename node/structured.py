@@ -17,6 +17,7 @@ whether the KV is swapped or recomputed.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Sequence
 
 import llguidance
@@ -40,6 +41,8 @@ class GrammarMasks:
         self.eos_token_ids = sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
+        self.fill_seconds = 0.0  # host time in mask fills, and how many rows they filled (node/bench_grammar.py)
+        self.filled_rows = 0
 
     @property
     def tokenizer(self) -> llguidance.LLTokenizer:
@@ -75,8 +78,11 @@ class GrammarMasks:
     def fill(self, targets: list[tuple[llguidance.LLMatcher, int]], rows: int) -> np.ndarray:
         """One batched llguidance call: the mask of each (matcher, row) into an all-allowed bitmask."""
         self.tokenizer  # noqa: B018  (builds the executor with it)
+        t0 = time.perf_counter()
         bitmask = lln.allocate_token_bitmask(rows, self.vocab_size)
         lln.fill_next_token_bitmask_par(self._executor, targets, bitmask)
+        self.fill_seconds += time.perf_counter() - t0
+        self.filled_rows += len(targets)
         return bitmask
 
     @staticmethod
@@ -89,10 +95,12 @@ class GrammarMasks:
 
 
 def apply_bitmask(logits: mx.array, bitmask: np.ndarray) -> mx.array:
-    """Set to -inf every logit whose bit is 0 in `bitmask` `[rows, ceil(vocab / 32)]` (bit j of word w is token 32w + j)."""
+    """Set to -inf every logit whose bit is 0 in `bitmask` `[rows, ceil(vocab / 32)]` (bit j of word w is token 32w + j).
+
+    The bits are unpacked on the host (numpy's unpackbits, a few ms for 32 x 128k) and applied
+    in one `where`: on CPUs that measured faster than shifting the words on the device.
+    """
     rows, vocab = logits.shape
     assert bitmask.shape == (rows, (vocab + 31) // 32) and bitmask.dtype == np.int32, (bitmask.shape, logits.shape)
-    words = mx.array(bitmask.view(np.uint32))
-    bits = mx.arange(32, dtype=mx.uint32)  # made here, not at import: MLX arrays belong to the thread's stream
-    allowed = ((words[:, :, None] >> bits) & 1).reshape(rows, -1)[:, :vocab]
-    return mx.where(allowed.astype(mx.bool_), logits, mx.array(-mx.inf, dtype=logits.dtype))
+    allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab].view(np.bool_)
+    return mx.where(mx.array(allowed), logits, mx.array(-mx.inf, dtype=logits.dtype))

@@ -18,6 +18,7 @@ DELEGATED = {
     "kv": ("cluster.bench.kvcache", "KV block pool and prefix cache"),
     "kernels": ("kernels.bench", "paged attention kernels"),
     "engine": ("node.bench", "one node's engine, offline"),
+    "grammar": ("node.bench_grammar", "structured-output mask cost at batch 32"),
     "cluster": ("cluster.bench.cluster", "routing across nodes"),
     "migration": ("cluster.bench.migration", "KV block migration between nodes"),
     "gateway": ("cluster.bench.gateway", "HTTP front vs engine; orchard serve vs mlx_lm.server"),
