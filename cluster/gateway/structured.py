@@ -25,19 +25,17 @@ from node.constraint import Constraint, UnsupportedConstraint
 
 def constraint_for(request: Any) -> dict | None:
     """The decoding constraint `request` asks for, or None when its output is free."""
-    if forced_call_schema(request) is not None:
-        # Enforcing the call's JSON ({"json_schema": forced_call_schema(request)}) also needs the
-        # tool-call output path to read an unwrapped call: the tool-calling work's to wire.
-        raise InvalidRequest(
-            "tool_choice 'required' or a named function needs constrained decoding of the call, which is not "
-            "supported yet; use tool_choice 'auto'",
-            param="tool_choice",
-        )
+    forced = forced_call_schema(request)  # tool_choice required or named: the call's JSON, read unwrapped
     fields = request.constraint_fields() if hasattr(request, "constraint_fields") else []
-    if not fields:
+    if forced is not None:
+        if fields:
+            raise InvalidRequest(f"{fields[0]} cannot be combined with a tool_choice that forces a call", param=fields[0])
+        field, spec = "tool_choice", {"json_schema": forced}
+    elif not fields:
         return None
-    field = fields[0]
-    spec = _SPECS[field](getattr(request, field))
+    else:
+        field = fields[0]
+        spec = _SPECS[field](getattr(request, field))
     try:
         Constraint.from_dict(spec)  # compiled (and cached) now: an unsupported feature is a 400 naming the field
     except UnsupportedConstraint as exc:

@@ -160,14 +160,6 @@ def test_tool_turns_and_tools_are_checked(chatml):
         assert err.value.body["param"] == param, kw
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
-def test_forced_tool_choice_is_refused_until_constrained_decoding(chatml, choice):
-    _, client = chatml
-    with pytest.raises(openai.BadRequestError) as err:
-        ask(client, tools=TOOLS, tool_choice=choice)
-    assert err.value.body["param"] == "tool_choice" and "constrained decoding" in err.value.body["message"]
-
-
 def test_tools_reach_the_models_template(thinking):
     backend, client = thinking
     backend.script = "ok"
@@ -202,16 +194,9 @@ def test_reasoning_then_a_tool_call(thinking):
     ({"type": "function", "function": {"name": "get_time"}}, "{}", ["get_time"]),
     ("required", '[{"name": "get_weather", "parameters": {"city": "Paris"}}]', ["get_weather"]),
 ])
-def test_forced_tool_choice_answers_are_read_as_calls_once_constrained(chatml, monkeypatch, choice, script, names):
-    """With the engine holding the answer to the call's JSON (here the script stands in for it), the
-    unwrapped answer is the call."""
-    import cluster.gateway.chat_serving as chat_serving
-    import cluster.gateway.serving as serving
-    from cluster.gateway.tool_calls import forced_call_schema
-
-    for module in (chat_serving, serving):
-        if hasattr(module, "constraint_for"):
-            monkeypatch.setattr(module, "constraint_for", lambda body: {"json_schema": forced_call_schema(body)})
+def test_forced_tool_choice_answers_are_read_unwrapped_as_calls(chatml, choice, script, names):
+    """The engine holds a forced answer to the call's JSON (test_forced_tool_calls shows it on a real
+    model); here the script stands in for it: the unwrapped answer is the call."""
     backend, client = chatml
     backend.script = script
     choice_out = ask(client, tools=TOOLS, tool_choice=choice).choices[0]
