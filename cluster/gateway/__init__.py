@@ -12,6 +12,7 @@
     ray_backend.py    `RayBackend`: route with the coordinator, stream from node actors
     resume.py         continuing a stream on another node when its node is lost
     block_pull.py     carrying out a route's migration: the target pulls blocks from the source
-    metrics.py        Prometheus metrics of the gateway and the cluster
+    metrics.py        Prometheus metrics measured at the gateway (`orchard_*` and `vllm:*`)
+    cluster_metrics.py  the nodes' figures as Prometheus families, from one cluster snapshot
     dashboard.py      /dashboard and the JSON it polls (files in static/)
 """

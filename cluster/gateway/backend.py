@@ -69,6 +69,7 @@ def node_entry(node: str, stats: dict[str, Any]) -> dict[str, Any]:
         "prefix_cache_hit_rate": hit / query if query else 0.0,
         "kv_migrated_blocks": pick("kv_migrated_blocks", "migrated_blocks"),
         "preemptions": pick("preemptions", "num_preemptions", "preemptions_total"),
+        "generated_tokens": pick("generated_tokens"),  # the engine's own count, warm-up and aborts included
         "running": pick("running", "num_running"),
         "waiting": pick("waiting", "num_waiting"),
     }

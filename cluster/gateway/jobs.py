@@ -18,7 +18,7 @@ from fastapi import Request
 
 from cluster.gateway.backend import Backend, ModelInfo
 from cluster.gateway.errors import ClientClosedRequest, RequestTimedOut
-from cluster.gateway.metrics import GatewayMetrics
+from cluster.gateway.metrics import GatewayMetrics, JobTimes
 from node.types import RequestOutput, SamplingParams
 
 
@@ -74,15 +74,17 @@ class Generation:
         self.metrics, self.timeout_s = metrics, timeout_s
         self.admission = admission  # the queue places its jobs hold until their first output
         self.started = time.perf_counter()
-        self._last_token_at: dict[int, float] = {}
+        self._times: dict[int, JobTimes] = {}
 
     async def outputs(self, jobs: list[Job], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
         iterators = [self.backend.generate(j.request_id, self.info.name, j.prompt_token_ids, params) for j in jobs]
+        handed = time.perf_counter()
+        self._times = {i: JobTimes(self.started, handed, len(j.prompt_token_ids)) for i, j in enumerate(jobs)}
         finished: set[int] = set()
         started: set[int] = set()
         try:
             async for i, out in _merge(iterators):
-                self._observe(i, out)
+                self._observe(i, out, params)
                 if i not in started and self.admission is not None:
                     started.add(i)
                     self.admission.release()
@@ -101,18 +103,23 @@ class Generation:
         if self.admission is not None:
             self.admission.release_all()
 
-    def _observe(self, job: int, out: RequestOutput) -> None:
-        if not any(c.token_ids_delta for c in out.outputs):
-            return
-        now = time.perf_counter()
-        node = out.node_id or "local"
-        last = self._last_token_at.get(job)
-        if last is None:
-            self.metrics.ttft.labels(node=node).observe(now - self.started)
-        else:
-            self.metrics.inter_token.labels(node=node).observe(now - last)
-        self._last_token_at[job] = now
-        self.metrics.tokens.inc(sum(len(c.token_ids_delta) for c in out.outputs))
+    def _observe(self, job: int, out: RequestOutput, params: SamplingParams) -> None:
+        times, node, model = self._times[job], out.node_id or "local", self.info.name
+        delivered = sum(len(c.token_ids_delta) for c in out.outputs)
+        if delivered:
+            now = time.perf_counter()
+            for c in out.outputs:
+                times.tokens[c.index] = times.tokens.get(c.index, 0) + len(c.token_ids_delta)
+            if times.first is None:
+                times.first = now
+                self.metrics.first_tokens(times, model, node)
+            else:
+                self.metrics.next_tokens(times, now, model, node)
+            times.last = now
+            self.metrics.tokens.inc(delivered)
+        if out.finished:
+            reasons = [c.finish_reason or "abort" for c in out.outputs]
+            self.metrics.finished(times, model, node, reasons, params.max_tokens)
 
     async def collect(self, jobs: list[Job], params: SamplingParams, sink: Callable[[int, RequestOutput], None]) -> None:
         """Run to the end, unless the client leaves or time runs out; then abort and raise."""
