@@ -43,6 +43,7 @@ from cluster.gateway.protocol import (
     ModelCard,
     ModelList,
 )
+from cluster.gateway.responses_api import install_responses_api
 from cluster.gateway.serving import SSE_DONE, CompletionServing, sse_error
 from cluster.gateway.state import Gateway, GatewayConfig
 
@@ -218,6 +219,7 @@ def create_app(backend: Backend, config: GatewayConfig | None = None) -> FastAPI
         return Response(gw.metrics.render(info), media_type=CONTENT_TYPE)
 
     install_messages_api(app, chats, config.api_keys)
+    install_responses_api(app, chats, auth, generation_errors)
     install_dashboard(app, gw, auth, declared_errors(*auth_errors, 503))
     _truthful_openapi(app)
     endpoints = {route.path for route in app.routes}
