@@ -204,3 +204,32 @@ def test_forced_tool_choice_answers_are_read_unwrapped_as_calls(chatml, choice, 
     assert choice_out.finish_reason == "tool_calls" and choice_out.message.content is None
     streamed = list(ask(client, tools=TOOLS, tool_choice=choice, stream=True))
     assert [tc.function.name for c in streamed for tc in (c.choices[0].delta.tool_calls or []) if tc.id] == names
+
+
+def test_a_langchain_agent_completes_a_tool_round_trip(chatml):
+    """A framework client from a registry: LangChain's ChatOpenAI binds a tool, gets the call
+    (whole and streamed), runs the tool, and answers from its result."""
+    from langchain_core.messages import HumanMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return f"sunny in {city}"
+
+    backend, client = chatml
+    llm = ChatOpenAI(model=MODEL, base_url=str(client.base_url), api_key="none", max_retries=0).bind_tools([get_weather])
+    backend.script = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    ask_weather = HumanMessage("weather in Paris?")
+    ai = llm.invoke([ask_weather])
+    assert [(c["name"], c["args"]) for c in ai.tool_calls] == [("get_weather", {"city": "Paris"})]
+    streamed = None
+    for piece in llm.stream([ask_weather]):
+        streamed = piece if streamed is None else streamed + piece
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [("get_weather", {"city": "Paris"})]
+    result = get_weather.invoke(ai.tool_calls[0])
+    backend.script = "It is sunny in Paris."
+    final = llm.invoke([ask_weather, ai, result])
+    assert final.content == "It is sunny in Paris." and not final.tool_calls
+    assert "sunny in Paris" in backend.tokenizer.decode(backend.prompts[-1])
