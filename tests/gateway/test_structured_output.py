@@ -18,6 +18,8 @@ import jsonschema
 import openai
 import pytest
 
+from cluster.gateway.structured import closed_objects
+
 ORCHARD = Path(sys.executable).with_name("orchard")
 
 LEAVES = [
@@ -163,3 +165,14 @@ def test_a_malformed_regex_or_grammar_answers_400(server):
         with pytest.raises(openai.BadRequestError) as info:
             _chat(server, extra_body=extra, max_tokens=5)
         assert info.value.body["param"] == param
+
+
+def test_disable_additional_properties_closes_every_object_schema_but_not_values():
+    schema = {"type": "object", "properties": {"properties": {"type": "object"}, "c": {"const": {"type": "object"}}},
+              "$defs": {"d": {"properties": {"x": {"type": "array", "items": {"type": "object"}}}}}}
+    assert closed_objects(schema) == {
+        "type": "object", "additionalProperties": False,
+        "properties": {"properties": {"type": "object", "additionalProperties": False}, "c": {"const": {"type": "object"}}},
+        "$defs": {"d": {"additionalProperties": False,
+                        "properties": {"x": {"type": "array", "items": {"type": "object", "additionalProperties": False}}}}},
+    }
