@@ -470,7 +470,7 @@ def serve_started(started: Started, args, keys: frozenset[str]) -> int:
         config = GatewayConfig(api_keys=keys, max_queue=args.max_queue, request_timeout_s=args.request_timeout,
                                max_body_bytes=int(args.max_body_mb * (1 << 20)),
                                tool_call_parser=getattr(args, "tool_call_parser", None),
-                               reasoning_parser=getattr(args, "reasoning_parser", None))
+                               reasoning_parser=getattr(args, "reasoning_parser", None), history_every_s=2.0)
         app = RequestLog(create_app(started.backend, config))
         server = uvicorn.Server(uvicorn.Config(
             app, log_level="warning", timeout_graceful_shutdown=args.grace, access_log=False,

@@ -34,6 +34,7 @@ class GatewayConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413 before they are read
     tool_call_parser: str | None = None  # vLLM's names; None: chosen from each model's chat template
     reasoning_parser: str | None = None
+    history_every_s: float = 0.0  # the dashboard's charts sampled this often from start up; 0: only while viewed
 
     def __post_init__(self) -> None:
         check_api_keys(self.api_keys)  # WeakApiKey: no server starts with a guessable key

@@ -2,7 +2,10 @@
 
 The page gets the key once through `?key=`, shows one row per node, and after a
 completion shows it: the request counter moves and the routing decision for that request
-appears with its reason. A screenshot goes to docs/img/dashboard.png for a person to see.
+appears with its reason. Its charts (uPlot, from /v1/cluster/history) draw the nodes'
+generated tokens, TTFT, KV use per node, hit rate and errors, and the routing picture shows
+which node served the two requests' shared prefix. A screenshot goes to
+test-artifacts/dashboard.png for a person to see (docs/img/dashboard.png is a copy of one).
 """
 
 from __future__ import annotations
@@ -74,6 +77,13 @@ NODE_IDS = "[...document.querySelectorAll('#nodes tbody tr')].map(r => r.dataset
 REQUESTS = "Number(document.getElementById('sum-requests').textContent.replace(/,/g, ''))"
 NODE_REQUESTS = ("[...document.querySelectorAll('#nodes tbody td.requests')]"
                  ".reduce((sum, td) => sum + (Number(td.textContent) || 0), 0)")
+CHART_POINTS = "Object.fromEntries([...document.querySelectorAll('.chart')].map(c => [c.id, Number(c.dataset.points || 0)]))"
+CHART_CANVASES = "[...document.querySelectorAll('.chart')].every(c => c.querySelector('canvas') !== null)"
+GENERATED_DRAWN = "orchardCharts['chart-throughput'].plot.data.slice(1).some(s => s.some(v => v > 0))"
+TTFT_DRAWN = "orchardCharts['chart-ttft'].plot.data[1].some(v => v > 0)"
+KV_SERIES = "orchardCharts['chart-kv'].plot.series.slice(1).map(s => s.label).sort()"
+PREFIX_ROWS = ("[...document.querySelectorAll('#prefixes tbody tr')]"
+               ".map(r => [r.cells[0].textContent, r.cells[1].textContent, r.cells[3].textContent])")
 DECISIONS = ("[...document.querySelectorAll('#decisions tbody tr')]"
              ".map(r => [r.cells[1].textContent, r.cells[2].textContent, r.cells[3].textContent])")
 
@@ -83,7 +93,7 @@ def test_dashboard_shows_both_nodes_and_updates_after_a_request(served):
     nodes = sorted(n["node"] for n in httpx.get(url + "/v1/cluster", headers=AUTH, timeout=30).json()["nodes"])
     assert len(nodes) == 2
     with Chromium(CHROMIUM) as page:
-        page.open(f"{url}/dashboard?key={KEY}&every=400")
+        page.open(f"{url}/dashboard?key={KEY}&every=400", height=1250)
         page.wait_for(f"document.body.dataset.state === 'live' && {ROWS} === 2", timeout_s=90)
         assert page.evaluate(NODE_IDS) == nodes
         assert page.evaluate("location.search") == "?every=400"  # the key left the address bar
@@ -103,9 +113,24 @@ def test_dashboard_shows_both_nodes_and_updates_after_a_request(served):
         # The node table follows the nodes' heartbeats: warm-up plus the two completions.
         page.wait_for(f"{NODE_REQUESTS} === 3", timeout_s=30)
         assert page.evaluate(ROWS) == 2
+        check_charts(page, nodes)
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         assert page.screenshot(str(SCREENSHOT)) > 10_000
     assert SCREENSHOT.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def check_charts(page, nodes: list[str]) -> None:
+    """Every chart drew sampled points; the engines' tokens, a TTFT and one KV line per node among them."""
+    page.wait_for(f"{GENERATED_DRAWN} && {TTFT_DRAWN}", timeout_s=30)
+    page.wait_for(f"Object.values({CHART_POINTS}).every(n => n >= 3)", timeout_s=30)
+    assert page.evaluate(CHART_CANVASES)
+    assert page.evaluate(KV_SERIES) == nodes
+    # Both completions start with the same blocks: one prefix, served twice, by the nodes shown.
+    rows = page.wait_for(f"{PREFIX_ROWS}.filter(r => r[1].match(/× /g) && "
+                         "r[1].split(', ').reduce((n, s) => n + Number(s.split(' × ')[1]), 0) >= 2)", timeout_s=30)
+    served = dict(part.split(" × ") for part in rows[0][1].split(", "))
+    assert set(served) <= set(nodes) and sum(map(int, served.values())) >= 2
+    assert rows[0][2] in ("prefix-hit", "load", "migrate")
 
 
 def test_dashboard_without_a_key_asks_for_one(served):

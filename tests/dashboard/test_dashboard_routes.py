@@ -61,7 +61,9 @@ def test_dashboard_page_is_public_even_when_keys_are_required():
         assert http.get("/v1/cluster/activity").status_code == 401
 
 
-@pytest.mark.parametrize("name, media", [("dashboard.js", "text/javascript"), ("dashboard.css", "text/css")])
+@pytest.mark.parametrize("name, media", [("dashboard.js", "text/javascript"), ("dashboard.css", "text/css"),
+                                         ("charts.js", "text/javascript"), ("uPlot.iife.min.js", "text/javascript"),
+                                         ("uPlot.min.css", "text/css")])
 def test_dashboard_assets_are_served_with_their_media_type(name, media):
     with client(ScriptedBackend()) as http:
         resp = http.get(f"/dashboard/{name}")

@@ -1,15 +1,14 @@
-// The live cluster page: polls the gateway's JSON and redraws. No framework, no build step.
+// The live cluster page: polls the gateway's JSON and redraws. No framework, no build step;
+// the charts are charts.js over the vendored uPlot.
 // Data from the server only ever reaches the page through textContent, never as markup.
 "use strict";
 
 const KEY_STORE = "orchard-api-key";
 const params = new URLSearchParams(location.search);
 const EVERY_MS = Math.max(250, Number(params.get("every")) || 1000);
-const THROUGHPUT_WINDOW = 8; // polls the throughput is averaged over
 
 class NeedsKey extends Error {}
 
-const samples = []; // [seconds, generated tokens], oldest first
 let updates = 0;
 
 // A key given once as ?key=... moves into this tab's sessionStorage and out of the address bar.
@@ -111,14 +110,31 @@ function decisionRow(d) {
 }
 
 function renderActivity(activity) {
-  samples.push([activity.time, activity.generated_tokens]);
-  if (samples.length > THROUGHPUT_WINDOW) samples.shift();
-  const [t0, n0] = samples[0], [t1, n1] = samples[samples.length - 1];
-  setText("sum-throughput", t1 > t0 ? `${((n1 - n0) / (t1 - t0)).toFixed(1)} tok/s` : "–");
   setText("sum-requests", num(activity.completed_requests));
   const newestFirst = [...activity.decisions].reverse();
   document.querySelector("#decisions tbody").replaceChildren(...newestFirst.map(decisionRow));
   document.getElementById("no-decisions").hidden = activity.decisions.length > 0;
+}
+
+function prefixRow(route) {
+  const tr = el("tr");
+  tr.dataset.prefix = route.prefix;
+  const served = Object.entries(route.served).sort((a, b) => b[1] - a[1]).map(([node, n]) => `${node} × ${n}`).join(", ");
+  const when = new Date(route.last_at * 1000).toLocaleTimeString("en-GB");
+  [el("td", route.prefix, "prefix"), el("td", served, "served"), el("td", route.last_node)].forEach((c) => tr.append(c));
+  const reasonCell = el("td");
+  reasonCell.append(el("span", route.last_reason, "reason reason-" + route.last_reason));
+  tr.append(reasonCell);
+  [el("td", num(route.cached_blocks)), el("td", when)].forEach((c) => tr.append(c));
+  return tr;
+}
+
+function renderHistory(history) {
+  renderCharts(history);
+  const throughput = latestThroughput(history);
+  setText("sum-throughput", throughput === null ? "–" : `${throughput.toFixed(1)} tok/s`);
+  document.querySelector("#prefixes tbody").replaceChildren(...history.prefixes.map(prefixRow));
+  document.getElementById("no-prefixes").hidden = history.prefixes.length > 0;
 }
 
 function showState(state, message) {
@@ -130,9 +146,11 @@ function showState(state, message) {
 
 async function refresh() {
   try {
-    const [info, activity] = await Promise.all([getJson("v1/cluster"), getJson("v1/cluster/activity")]);
+    const [info, activity, history] = await Promise.all(
+      [getJson("v1/cluster"), getJson("v1/cluster/activity"), getJson("v1/cluster/history")]);
     renderCluster(info);
     renderActivity(activity);
+    renderHistory(history);
     updates += 1;
     document.body.dataset.updates = String(updates);
     showState("live", "live · updated " + new Date().toLocaleTimeString("en-GB"));
