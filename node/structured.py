@@ -4,9 +4,9 @@ The engine holds one `GrammarMasks`. A constrained request gets a matcher when i
 (a grammar the tokenizer cannot serve is refused there, before anything is queued); each of
 its `n` continuations works on its own copy. At a step, the masks of every constrained row
 are filled in one batched llguidance call while the device computes the logits, then applied
-as one `where` over the batch: unconstrained rows keep their logits untouched (their mask
-rows stay all ones). A matcher advances when its token's value reaches the host, so the
-engine settles an overlapped step before it masks the next one (`SamplingParams.reads_outputs`).
+to those rows only: unconstrained rows keep their logits, and no mask is built for them. A
+matcher advances when its token's value reaches the host, so the engine settles an overlapped
+step before it masks the next one (`SamplingParams.reads_outputs`, as penalties do).
 
 EOS is just another token of the mask: llguidance allows it only where the grammar accepts.
 A continuation whose grammar can take nothing more ends there ("stop"), without spending a
@@ -72,8 +72,12 @@ class GrammarMasks:
         if not targets:
             return logits
         mx.async_eval(logits)  # the device computes the logits while the host fills the masks
-        bitmask = self.fill(targets, len(matchers))
-        return apply_bitmask(logits, bitmask)
+        if len(targets) == len(matchers):
+            return apply_bitmask(logits, self.fill(targets, len(matchers)))
+        rows = mx.array([i for _, i in targets])  # only the constrained rows are read and written
+        bitmask = self.fill([(m, j) for j, (m, _) in enumerate(targets)], len(targets))
+        logits[rows] = apply_bitmask(logits[rows], bitmask)
+        return logits
 
     def fill(self, targets: list[tuple[llguidance.LLMatcher, int]], rows: int) -> np.ndarray:
         """One batched llguidance call: the mask of each (matcher, row) into an all-allowed bitmask."""
