@@ -10,8 +10,9 @@ step before it masks the next one (`SamplingParams.reads_outputs`, as penalties 
 
 EOS is just another token of the mask: llguidance allows it only where the grammar accepts.
 A continuation whose grammar can take nothing more ends there ("stop"), without spending a
-step on EOS. Preemption keeps a sequence's outputs, and so its matcher, which stays valid
-whether the KV is swapped or recomputed.
+step on EOS. Logprobs, when asked for, are those of the masked distribution. Preemption keeps
+a sequence's outputs, and so its matcher, which stays valid whether the KV is swapped or
+recomputed.
 """
 
 from __future__ import annotations
@@ -48,8 +49,13 @@ class GrammarMasks:
     def tokenizer(self) -> llguidance.LLTokenizer:
         if self._tokenizer is None:  # about a second for a 128k vocabulary: only once a grammar is asked for
             self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_token_ids)
-            self._executor = llguidance.LLExecutor()
         return self._tokenizer
+
+    @property
+    def executor(self) -> llguidance.LLExecutor:
+        if self._executor is None:  # llguidance's thread pool for batched fills, started with the first one
+            self._executor = llguidance.LLExecutor()
+        return self._executor
 
     def start(self, params: SamplingParams, prompt_token_ids: Sequence[int]) -> llguidance.LLMatcher | None:
         """A matcher at the start of the output, or None for an unconstrained request.
@@ -81,10 +87,9 @@ class GrammarMasks:
 
     def fill(self, targets: list[tuple[llguidance.LLMatcher, int]], rows: int) -> np.ndarray:
         """One batched llguidance call: the mask of each (matcher, row) into an all-allowed bitmask."""
-        self.tokenizer  # noqa: B018  (builds the executor with it)
         t0 = time.perf_counter()
         bitmask = lln.allocate_token_bitmask(rows, self.vocab_size)
-        lln.fill_next_token_bitmask_par(self._executor, targets, bitmask)
+        lln.fill_next_token_bitmask_par(self.executor, targets, bitmask)
         self.fill_seconds += time.perf_counter() - t0
         self.filled_rows += len(targets)
         return bitmask
