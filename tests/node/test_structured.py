@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import re
@@ -71,10 +72,13 @@ def test_an_unsupported_or_malformed_constraint_is_refused_by_name(spec):
     assert isinstance(info.value, InvalidSamplingParams) and info.value.param == "constraint"
 
 
-def test_a_constraint_crosses_pickle_with_its_compiled_grammar():
+def test_a_constraint_crosses_pickle_and_rays_serializer_with_its_compiled_grammar():
+    cloudpickle = pytest.importorskip("ray.cloudpickle")
     params = SamplingParams(constraint={"json_schema": PERSON})
-    back = pickle.loads(pickle.dumps(params))
-    assert back.constraint == params.constraint and back.constraint.grammar == params.constraint.grammar
+    for back in (pickle.loads(pickle.dumps(params)), cloudpickle.loads(cloudpickle.dumps(params))):
+        assert back.constraint == params.constraint and back.constraint.grammar == params.constraint.grammar
+    resumed = dataclasses.replace(params, resumed_outputs=3)  # the gateway's resume after a lost node
+    assert resumed.constraint is params.constraint
 
 
 def test_apply_bitmask_keeps_exactly_the_set_bits_of_each_row():
