@@ -10,6 +10,10 @@ Stand-alone on purpose (no project imports): xgrammar needs torch, which the pro
 does not carry, so it runs from a venv of its own.
 
     python experiments/grammar_engines.py --tokenizer PATH/tokenizer.json [--engines llguidance,xgrammar]
+    python experiments/grammar_engines.py --train-bpe PATH/tokenizer.json   # the 128k stand-in, offline
+
+No 128k-vocabulary tokenizer was in any offline cache, so `--train-bpe` makes one: a byte-level
+BPE trained to 128,256 tokens on up to 60 MB of the Python sources on the machine.
 """
 
 from __future__ import annotations
@@ -178,6 +182,33 @@ def _tokenizer(tokenizer_json: str):
     return Tokenizer.from_str(tokenizer_json)
 
 
+def train_bpe(out: str, vocab: int = 128_256, max_chars: float = 60e6) -> None:
+    import glob
+    import sys
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    roots = [f"{sys.base_prefix}/lib/python3.*/**/*.py", f"{sys.prefix}/lib/python3.*/site-packages/**/*.py"]
+    texts, total = [], 0
+    for path in (p for root in roots for p in sorted(glob.glob(root, recursive=True))):
+        try:
+            text = open(path, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError):
+            continue
+        texts.append(text)
+        total += len(text)
+        if total > max_chars:
+            break
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, min_frequency=2, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer)
+    tok.save(out)
+    print(f"{out}: vocab {tok.get_vocab_size()} from {total / 1e6:.0f} M characters")
+
+
 def measure(engine, tokens: list[int], schema: dict) -> dict:
     t0 = time.perf_counter()
     grammar = engine.compile(schema)
@@ -212,9 +243,14 @@ def measure(engine, tokens: list[int], schema: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokenizer", required=True, help="a tokenizers tokenizer.json")
+    ap.add_argument("--tokenizer", help="a tokenizers tokenizer.json")
     ap.add_argument("--engines", default="llguidance,xgrammar")
+    ap.add_argument("--train-bpe", metavar="OUT", help="write a 128k byte-level BPE trained on local Python sources, then stop")
     args = ap.parse_args()
+    if args.train_bpe:
+        return train_bpe(args.train_bpe)
+    if not args.tokenizer:
+        ap.error("--tokenizer is needed")
     text = open(args.tokenizer, encoding="utf-8").read()
     tok = _tokenizer(text)
     vocab = tok.get_vocab_size(with_added_tokens=True)
