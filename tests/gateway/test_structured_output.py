@@ -160,8 +160,9 @@ def test_an_unsupported_schema_feature_answers_400_naming_the_field(server, fmt,
     assert error["param"] == param and error["type"] == "invalid_request_error" and "cannot be enforced" in error["message"]
 
 
-def test_a_malformed_regex_or_grammar_answers_400(server):
-    for extra, param in (({"guided_regex": "[a-"}, "guided_regex"), ({"guided_grammar": "start: nowhere"}, "guided_grammar")):
+def test_a_malformed_regex_or_grammar_or_an_unhonoured_option_answers_400(server):
+    for extra, param in (({"guided_regex": "[a-"}, "guided_regex"), ({"guided_grammar": "start: nowhere"}, "guided_grammar"),
+                         ({"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " *"}}, "structured_outputs")):
         with pytest.raises(openai.BadRequestError) as info:
             _chat(server, extra_body=extra, max_tokens=5)
         assert info.value.body["param"] == param
