@@ -138,3 +138,19 @@ def test_forced_calls_are_read_unwrapped(step):
     required = AnswerReader(ChatFormat("hermes", None), True, "", None, RequiredCallsParser())
     text = f'[{{"name": "get_weather", "parameters": {W}}}, {{"name": "b", "parameters": {{}}}}]'
     assert _stream(required, text, step) == ("", [("get_weather", WEATHER), ("b", {})])
+
+
+def test_parsers_that_read_special_tokens_get_them_and_not_the_end_of_turn():
+    """Mistral's and harmony's markers are special tokens, which the engine's text drops: they
+    read the answer decoded from its ids with them, less the stop tokens."""
+    from cluster.gateway.chat_output import AnswerText
+    from node.types import CompletionOutput
+    from tests.gateway.scripted import demo_tokenizer
+
+    tokenizer = demo_tokenizer()
+    ids = tokenizer.encode("hi<|im_start|>there<|endoftext|>", add_special_tokens=False)
+    end = tokenizer.encode("<|endoftext|>", add_special_tokens=False)
+    kept, plain = AnswerText(tokenizer, [], set(end), True), AnswerText(tokenizer, [], set(end), False)
+    out = CompletionOutput(index=0, text="hithere", token_ids_delta=list(ids))
+    assert kept.update(out) == "hi<|im_start|>there"
+    assert plain.update(out) == "hithere"
