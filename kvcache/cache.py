@@ -29,6 +29,7 @@ from kvcache.hashing import BlockHash, block_hashes, hash_block, root_hash
 from kvcache.pool import KVPool
 from kvcache.stats import KVStats
 from kvcache.wire import KVBlockData, decode_blocks, encode_blocks
+from kvcache.wire_stream import BlockPieces
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +185,10 @@ class KVCache:
 
     def import_blocks(self, payload: bytes) -> int:
         """Cache the blocks of `payload` not held yet, in chain order; return how many."""
-        blocks = decode_blocks(payload, self.geometry)
+        return self.import_decoded(decode_blocks(payload, self.geometry))
+
+    def import_decoded(self, blocks: Sequence[KVBlockData]) -> int:
+        """Cache decoded blocks (`decode_blocks`, `decode_views`) not held yet, in chain order."""
         for block in blocks:
             if not _hash_checks_out(block):
                 raise IncompatibleKVPayload(f"block {block.block_hash.hex()}: hash does not match its parent and tokens")
@@ -202,10 +206,29 @@ class KVCache:
                 pinned.extend(self.manager.pin([block.block_hash]))
                 written.append(block)
             if written:
-                self.pool.write_blocks(pinned, *_stacked(written))
+                self.pool.write_block_arrays(pinned, [b.keys for b in written], [b.values for b in written])
             return len(written)
         finally:
             self.manager.unpin(list(reversed(pinned)))  # the chain's head ends most recent
+
+    def pin_export(self, hashes: Sequence[BlockHash]) -> tuple[list[int], list[BlockPieces]]:
+        """Pin the leading run of `hashes` held here (memory, then disk) and describe it as wire
+        pieces that point into the pool's arrays where it can; `unpin_export` when sent."""
+        pinned = self.manager.pin(hashes)
+        views = self.pool.layer_views()
+        if views is None:
+            blocks = [_pieces(b) for b in self._memory_blocks(pinned)]
+        else:
+            blocks = [self._view_pieces(block_id, views) for block_id in pinned]
+        for block_hash in hashes[len(pinned) :]:
+            data = self._cold_get(block_hash)
+            if data is None:
+                break
+            blocks.append(_pieces(data))
+        return pinned, blocks
+
+    def unpin_export(self, pinned: Sequence[int]) -> None:
+        self.manager.unpin(pinned)
 
     def prefetch(self, hashes: Sequence[BlockHash]) -> None:
         """Start reading, from disk, the blocks of `hashes` that memory does not hold."""
@@ -373,6 +396,12 @@ class KVCache:
             return True
         return self.manager.cached_block(parent) is not None or (self.cold is not None and parent in self.cold)
 
+    def _view_pieces(self, block_id: int, views) -> BlockPieces:
+        block = self.manager.block(block_id)
+        keys, values = views
+        return BlockPieces(block.block_hash, block.parent_hash, block.token_ids,
+                           [layer[block_id] for layer in keys], [layer[block_id] for layer in values])
+
     def _memory_blocks(self, block_ids: list[int]) -> list[KVBlockData]:
         if not block_ids:
             return []
@@ -382,6 +411,10 @@ class KVCache:
             block = self.manager.block(block_id)
             out.append(KVBlockData(block.block_hash, block.parent_hash, block.token_ids, keys[:, j], values[:, j]))
         return out
+
+
+def _pieces(block: KVBlockData) -> BlockPieces:
+    return BlockPieces(block.block_hash, block.parent_hash, block.token_ids, list(block.keys), list(block.values))
 
 
 def _hash_checks_out(block: KVBlockData) -> bool:

@@ -21,6 +21,11 @@ from kvcache.geometry import KVGeometry
 
 NULL_BLOCK = 0
 
+
+def _host_memory() -> bool:
+    """Whether MLX arrays live in memory numpy can address: the CPU, or Metal's unified memory."""
+    return mx.default_device() == mx.cpu or mx.metal.is_available()
+
 MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
 
@@ -59,6 +64,38 @@ class KVPool:
             self.keys[layer] = self._assign(self.keys[layer], index, self._to_mlx(keys_np[layer]))
             self.values[layer] = self._assign(self.values[layer], index, self._to_mlx(values_np[layer]))
         mx.eval(*self.keys, *self.values)
+
+    def layer_views(self) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
+        """numpy views of every layer's K and V arrays, sharing their memory (no copy), or None
+        where the device does not keep arrays in host memory or numpy has no such dtype.
+
+        Only between engine steps, and dropped before the next: a view holds the array, so the
+        step cannot update it in place (see the module docstring); pinned blocks stay exact.
+        """
+        if self.geometry.dtype == "bfloat16" or not _host_memory():
+            return None
+        mx.eval(*self.keys, *self.values)
+        keys, values = [np.asarray(layer) for layer in self.keys], [np.asarray(layer) for layer in self.values]
+        if not all(view.flags.c_contiguous and view.flags.writeable for view in keys + values):
+            return None  # a broadcast or strided array: writing through it would not mean one block
+        return keys, values
+
+    def write_block_arrays(self, block_ids: Sequence[int], keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
+        """Store each block's K and V (`[num_layers, block_size, heads, head_dim]`) into `block_ids`,
+        copied once, straight into the pool's memory where `layer_views` allows."""
+        ids = self._checked_targets(block_ids)
+        self._index(ids)
+        views = self.layer_views()
+        if views is None:
+            self.write_blocks(ids, np.stack(keys, axis=1), np.stack(values, axis=1))
+            return
+        shape = (self.geometry.num_layers, *self.geometry.block_shape)
+        for block_id, k, v in zip(ids, keys, values):
+            if k.shape != shape or v.shape != shape:
+                raise ValueError(f"a block's K/V have shapes {k.shape}/{v.shape}, expected {shape}")
+            for layer in range(self.geometry.num_layers):
+                views[0][layer][block_id] = k[layer]
+                views[1][layer][block_id] = v[layer]
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy each `(src, dst)` block in every layer; all sources are read before any write."""

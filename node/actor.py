@@ -33,8 +33,11 @@ import ray
 
 from node.agent import COLD_TIER_DIR_ENV, COLD_TIER_GB_ENV
 from node.async_engine import AsyncEngine
+from node.direct_path import DirectPath
 from node.engine import EngineConfig
 from node.hardware import describe_machine
+from node.kv_link import KVLinkConfig
+from node.link_auth import link_key
 from node.migration import BlockMover, PullResult
 from node.output_streams import Subscribers
 from node.stream_delta import only_new
@@ -67,6 +70,8 @@ class NodeActorConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     model_name: str | None = None  # served name; the loaded model's own name when None
     heartbeat_s: float = 1.0
+    link: KVLinkConfig = field(default_factory=KVLinkConfig)  # the direct KV path's listener
+    link_token: str | None = None  # its secret; None: Ray's token from the environment (`node.link_auth`)
 
 
 class NodeActor:
@@ -84,6 +89,7 @@ class NodeActor:
         self._loop: asyncio.AbstractEventLoop | None = None  # the actor's event loop, once started
         self._started_at = time.time()
         self.mover = BlockMover(self.engine)
+        self.direct = DirectPath(self.mover, config.node_id, link_key(config.link_token), config.link)
         self.subscribers = Subscribers()
         self._background: set[asyncio.Task] = set()
         self.engine.add_kv_listener(self._push_kv_events)
@@ -92,6 +98,7 @@ class NodeActor:
     async def start(self) -> dict:
         """Register with the coordinator and start heartbeating; returns this node's info."""
         self._loop = asyncio.get_running_loop()
+        self.direct.start(self._loop)  # before registering: the info carries its address
         await self._register()
         if self._heartbeat_task is None:
             self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
@@ -115,6 +122,7 @@ class NodeActor:
             "ray_node_id": ray.get_runtime_context().get_node_id(),
             "kv_blocks_total": int(engine.stats()["kv"].get("blocks_total", 0)),
             "actor_name": ray.get_runtime_context().get_actor_name(),
+            "kv_link": self.direct.address or "",
             **describe_machine(),
         }
 
@@ -170,8 +178,12 @@ class NodeActor:
         return self._report(await self.mover.import_payloads(payload_refs, source_id))
 
     async def pull_blocks(self, source, source_id: str, hashes: list[bytes]) -> dict:
-        """Fetch the blocks of `hashes` this node lacks from the `source` actor and import them."""
-        return self._report(await self.mover.pull(lambda chunk: source.export_blocks.remote(chunk), source_id, hashes))
+        """Fetch the blocks of `hashes` this node lacks from the `source` actor and import them: over
+        the direct path (`node.direct_path`) where one can be made, else through Ray's object store."""
+        result = await self.direct.pull(source_id, hashes, lambda peer: self._coord().kv_link.remote(peer))
+        if result is None:
+            result = await self.mover.pull(lambda chunk: source.export_blocks.remote(chunk), source_id, hashes)
+        return self._report(result)
 
     async def probe_payload(self, nbytes: int) -> bytes:
         return self.mover.make_probe(nbytes)
@@ -192,6 +204,7 @@ class NodeActor:
         }
 
     def shutdown(self) -> None:
+        self.direct.close()
         self.engine.shutdown()
 
     def _report(self, result: PullResult) -> dict:

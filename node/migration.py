@@ -54,6 +54,7 @@ class PullResult:
     seconds: float = 0.0  # from the first fetch to the last import
     ok: bool = True
     error: str = ""
+    via: str = "ray"  # the path the bytes took: "ray" (object store) or "direct" (`node.kv_link`)
 
     @property
     def bytes_per_s(self) -> float | None:

@@ -157,6 +157,10 @@ class Coordinator:
         fit = self._links.get((source, target))
         return fit.latency_s if fit is not None and self.membership.link_rate(source, target) is not None else 0.0
 
+    def kv_link(self, node_id: NodeId) -> str | None:
+        """Where `node_id`'s direct KV listener is ("host:port"), None when it has none or is unknown."""
+        return (self.membership.get(node_id).info.kv_link or None) if node_id in self.membership else None
+
     # ---- the gateway asking --------------------------------------------------------
     def route(
         self,

@@ -47,6 +47,7 @@ class NodeInfo:
     kv_blocks_total: int = 0
     chip: str = ""
     memory_bytes: int = 0
+    kv_link: str = ""  # "host:port" of the node's direct KV listener; "" when it has none
 
     @classmethod
     def from_dict(cls, d: dict) -> NodeInfo:

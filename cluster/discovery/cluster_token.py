@@ -8,7 +8,6 @@ from one place, e.g. Ray's token sent in clear on the wire, cannot forge another
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import os
 import re
@@ -16,6 +15,8 @@ import secrets
 import stat
 import sys
 from pathlib import Path
+
+from node.link_auth import derive_key as _derive_key
 
 CONFIG_DIR_ENV = "ORCHARD_CONFIG_DIR"
 TOKEN_ENV = "ORCHARD_CLUSTER_TOKEN"
@@ -136,7 +137,7 @@ def tokens_equal(a: str, b: str) -> bool:
 
 def derive_key(token: str, purpose: str) -> bytes:
     """A 32-byte key for one purpose; knowing it reveals neither the token nor other keys."""
-    return hmac.new(token.encode(), b"mlx-orchard/" + purpose.encode(), hashlib.sha256).digest()
+    return _derive_key(token, purpose)
 
 
 def advert_key(token: str) -> bytes:

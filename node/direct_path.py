@@ -1,0 +1,105 @@
+"""A node's two ends of the direct KV path: its listener, and pulls that use a peer's.
+
+`DirectPath.pull` answers None when no direct path can be made (no key, no address known
+for the source, nothing listening there, a handshake refused): the caller then pulls
+through Ray. Once the source has started replying, whatever goes wrong is a failed pull
+like any other (counted; the blocks imported so far are whole and verified; the request
+recomputes the rest), never a second try over Ray.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+from kvcache.hashing import BlockHash
+from node.kv_link import KVLinkConfig, KVLinkServer, LinkRefused, LinkStream, connect
+from node.migration import BlockMover, PullResult, local_prefix
+
+log = logging.getLogger(__name__)
+
+#: Where a node's listener is: the coordinator's answer for a node id, "host:port" or None.
+Resolve = Callable[[str], Awaitable[str | None]]
+
+
+class DirectPath:
+    def __init__(self, mover: BlockMover, node_id: str, key: bytes | None, config: KVLinkConfig | None = None):
+        self.mover, self.node_id, self.key = mover, node_id, key
+        self.config = config or KVLinkConfig()
+        self.server: KVLinkServer | None = None
+        self._addresses: dict[str, str] = {}
+        self._buffers: list[bytearray] = []  # receive buffers kept across pulls: no page faults on the next
+
+    @property
+    def address(self) -> str | None:
+        return self.server.address if self.server is not None else None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> str | None:
+        """Listen (only when a key is set); returns "host:port" or None."""
+        if self.key is None or self.server is not None:
+            return self.address
+        self.server = KVLinkServer(self.key, self.node_id, self.mover.geometry, self._export, self._release, self.config)
+        return self.server.start(loop)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+    async def pull(self, source_id: str, hashes: Sequence[BlockHash], resolve: Resolve) -> PullResult | None:
+        """Pull the blocks of `hashes` this node lacks from `source_id`'s listener, or None (see above)."""
+        address = await self._address(source_id, resolve)
+        if address is None or self.key is None:
+            return None
+        hashes = [BlockHash(bytes(h)) for h in hashes]
+        engine = self.mover.engine
+        local = await engine.run_on_engine(lambda e: local_prefix(e.kv, hashes))
+        result = PullResult(source_id, requested=len(hashes), local=local, via="direct")
+        if local == len(hashes):
+            return result
+        started = time.perf_counter()
+        try:
+            sock = await asyncio.to_thread(connect, address, self.key, source_id, self.config)
+        except (OSError, LinkRefused) as exc:
+            log.info("node %s: no direct KV path to %s at %s (%s); pulling through Ray", self.node_id, source_id, address, exc)
+            self._addresses.pop(source_id, None)
+            return None
+        return await self._receive(sock, hashes[local:], result, started)
+
+    async def _receive(self, sock, wanted: list[BlockHash], result: PullResult, started: float) -> PullResult:
+        buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(2)]
+        stream = LinkStream(sock, buffers, self.mover.geometry)
+        try:
+            stream.start(wanted, self.config.chunk_bytes)
+            async for buffer, size, blocks in stream.chunks():
+                result.bytes += size
+                result.imported += await self.mover.engine.run_on_engine(lambda e, b=blocks: e.kv.import_decoded(b))
+                stream.done(buffer)
+            result.seconds = time.perf_counter() - started
+        except Exception as exc:  # a refused payload, or the source went away mid-reply
+            self.mover._failed(result, exc)
+        finally:
+            stream.close()
+            self._buffers.extend(stream.buffers)
+        self.mover.counters.migrated_blocks += result.imported
+        self.mover.counters.migrated_bytes += result.bytes
+        return result
+
+    async def _address(self, source_id: str, resolve: Resolve) -> str | None:
+        if source_id not in self._addresses:
+            try:
+                address = await resolve(source_id)
+            except Exception as exc:  # the coordinator away: Ray still works
+                log.info("node %s: no KV link address for %s: %s", self.node_id, source_id, exc)
+                return None
+            if not address:
+                return None
+            self._addresses[source_id] = address
+        return self._addresses[source_id]
+
+    async def _export(self, hashes: list[BlockHash]):
+        return await self.mover.engine.run_on_engine(lambda e: e.kv.pin_export(hashes))
+
+    async def _release(self, pinned) -> None:
+        await self.mover.engine.run_on_engine(lambda e: e.kv.unpin_export(pinned))

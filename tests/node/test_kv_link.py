@@ -1,0 +1,195 @@
+"""The direct KV path without Ray: two in-process engines, each with its listener. Pins the
+handshake (wrong key, no key, replay, wrong node all refused and counted), pulls that give
+the greedy tokens of recomputing, and damaged, cut-off and foreign replies refused with the
+failure counted and the request recomputed exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from dataclasses import replace
+
+import pytest
+
+from kvcache.hashing import BlockHash
+from node import kv_link
+from node import link_auth as auth
+from node.async_engine import AsyncEngine
+from node.direct_path import DirectPath
+from node.engine import EngineConfig, LLMEngine
+from node.kv_link import KVLinkConfig, LinkRefused, connect
+from node.migration import BlockMover
+from node.types import SamplingParams
+
+BS = 16
+KEY = auth.link_key("a-cluster-token-of-at-least-32-characters")
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+CONFIG = KVLinkConfig(chunk_bytes=2 * 65536, handshake_timeout_s=2.0)  # two demo blocks a chunk: several chunks
+
+
+def prompt(seed: int, length: int = 90) -> list[int]:
+    return [(seed * 29 + j * 5) % 2000 + 10 for j in range(length)]
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    """Source "a" and target "b", each an engine with its listener, on one event loop."""
+    loop = asyncio.new_event_loop()
+    engines = [AsyncEngine(LLMEngine(EngineConfig(block_size=BS, num_blocks=64, max_num_batched_tokens=128)))
+               for _ in range(3)]
+    paths = {name: DirectPath(BlockMover(e), name, KEY, CONFIG) for name, e in zip("abc", engines)}
+    for path in paths.values():
+        path.start(loop)
+    yield loop, paths
+    for path in paths.values():
+        path.close()
+    for e in engines:
+        e.shutdown()
+    loop.close()
+
+
+async def generate(path: DirectPath, request_id: str, tokens: list[int]):
+    last = None
+    async for out in path.mover.engine.generate(request_id, tokens, GREEDY):
+        last = out
+    return last.outputs[0].token_ids, last.num_cached_tokens
+
+
+def hashes_of(path: DirectPath, tokens: list[int]) -> list[BlockHash]:
+    return path.mover.engine.engine.kv.block_hashes(tokens)
+
+
+def pull(loop, paths, tokens, source="a", target="b", address=None):
+    """Cache `tokens` on the source, pull them to the target; (result, migrated run, reference run)."""
+    async def run():
+        reference = await generate(paths[source], f"cache-{tokens[0]}-{len(tokens)}", tokens)
+
+        async def resolve(_peer):
+            return address or paths[source].address
+
+        result = await paths[target].pull(source, hashes_of(paths[source], tokens), resolve)
+        return result, await generate(paths[target], f"after-{tokens[0]}", tokens), reference
+
+    return loop.run_until_complete(run())
+
+
+# ---- the handshake ------------------------------------------------------------------------
+
+
+def test_a_wrong_key_is_refused_and_counted(nodes):
+    _, paths = nodes
+    server = paths["a"].server
+    refused = server.counters.refused
+    with pytest.raises(LinkRefused):
+        connect(server.address, auth.link_key("another-cluster-token-of-32-characters!"), "a", CONFIG)
+    assert wait_until(lambda: server.counters.refused == refused + 1)
+
+
+def test_a_client_without_the_handshake_is_refused_before_anything_is_read(nodes):
+    _, paths = nodes
+    server = paths["a"].server
+    refused, accepted = server.counters.refused, server.counters.accepted
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        hello = sock.recv(64)
+        assert hello.startswith(auth.MAGIC)
+        sock.sendall(b"\0" * 4 + b"GET / HTTP/1.1\r\n\r\n" + bytes(64))  # a request with no proof
+        assert closed_without_reply(sock)
+    assert wait_until(lambda: server.counters.refused == refused + 1)
+    assert server.counters.accepted == accepted
+
+
+def test_a_replayed_handshake_is_refused(nodes):
+    _, paths = nodes
+    server = paths["a"].server
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:  # a genuine exchange, recorded
+        server_nonce = sock.recv(len(auth.MAGIC) + auth.NONCE_SIZE)[len(auth.MAGIC):]
+        nonce = auth.new_nonce()
+        recorded = nonce + auth.client_proof(KEY, server_nonce, nonce)
+        sock.sendall(recorded)
+        assert len(sock.recv(auth.PROOF_SIZE + 2)) == auth.PROOF_SIZE + 2
+    refused = server.counters.refused
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.recv(len(auth.MAGIC) + auth.NONCE_SIZE)  # a fresh nonce the recording does not answer
+        sock.sendall(recorded)
+        assert closed_without_reply(sock)
+    assert wait_until(lambda: server.counters.refused == refused + 1)
+
+
+def test_a_listener_of_another_node_is_not_taken_for_the_source(nodes):
+    _, paths = nodes
+    with pytest.raises(LinkRefused, match="not node 'a'"):
+        connect(paths["c"].address, KEY, "a", CONFIG)
+
+
+# ---- pulls ----------------------------------------------------------------------------
+
+
+def test_direct_pull_gives_the_greedy_tokens_of_recomputing_and_is_a_prefix_hit(nodes):
+    loop, paths = nodes
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(1))
+    assert (result.ok, result.via, result.requested, result.local, result.imported) == (True, "direct", 5, 0, 5)
+    assert result.bytes > 5 * paths["a"].mover.geometry.bytes_per_block
+    assert (migrated, hit) == (reference, 5 * BS)
+    assert paths["b"].mover.counters.migrated_blocks >= 5
+
+
+def test_pull_from_an_address_where_nothing_listens_is_no_direct_path(nodes):
+    loop, paths = nodes
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{probe.getsockname()[1]}"
+    failures = paths["b"].mover.counters.migration_failures
+    result, _, _ = pull(loop, paths, prompt(2), source="c", address=closed)  # an address b has not used yet
+    assert result is None  # the actor falls back to Ray; nothing counted as a failed migration
+    assert paths["b"].mover.counters.migration_failures == failures
+
+
+@pytest.mark.parametrize("damage", ["flipped", "cut-off", "foreign"])
+def test_damaged_replies_are_refused_counted_and_the_request_recomputes(nodes, monkeypatch, damage):
+    loop, paths = nodes
+    server = paths["a"].server
+    if damage == "flipped":
+        real = kv_link.encode_pieces
+
+        def flipped(geometry, blocks):
+            pieces = real(geometry, blocks)
+            kv = bytearray(pieces[1])  # the first block's first layer of K, after the checksum was taken
+            kv[7] ^= 0x40
+            pieces[1] = bytes(kv)
+            return pieces
+
+        monkeypatch.setattr(kv_link, "encode_pieces", flipped)
+    elif damage == "cut-off":
+        def cut_off(sock, pieces):
+            sock.sendall(pieces[0] + bytes(pieces[1])[:100])  # the length promises more
+            sock.shutdown(socket.SHUT_RDWR)
+
+        monkeypatch.setattr(kv_link, "_send_pieces", cut_off)
+    else:
+        monkeypatch.setattr(server, "geometry", replace(server.geometry, model_fingerprint="another-model"))
+    failures = paths["b"].mover.counters.migration_failures
+    result, (after, hit), (reference, _) = pull(loop, paths, prompt({"flipped": 11, "cut-off": 12, "foreign": 13}[damage]))
+    expected = {"flipped": "CorruptKVPayload", "cut-off": "ConnectionError", "foreign": "IncompatibleKVPayload"}
+    assert (result.ok, result.imported) == (False, 0) and expected[damage] in result.error
+    assert paths["b"].mover.counters.migration_failures == failures + 1
+    assert (after, hit) == (reference, 0)
+
+
+def closed_without_reply(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:  # closed with our bytes unread
+        return True
+
+
+def wait_until(predicate, timeout: float = 5.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
