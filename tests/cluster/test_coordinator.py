@@ -176,6 +176,16 @@ def test_cluster_info_reports_nodes_index_and_routing_totals():
     assert {n["node_id"]: n["indexed_blocks"] for n in info["nodes"]} == {"a": len(HASHES), "b": 0}
 
 
+def test_routing_totals_count_decisions_by_node_and_reason_and_name_the_prefix():
+    coord, clock, logs = make("a", "b")
+    serve(coord, logs, "a", HASHES)
+    route(coord, request_id="r1")
+    route(coord, request_id="r2")
+    info = coord.cluster_info()
+    assert info["routing"]["decisions"] == [{"node": "a", "reason": "prefix-hit", "count": 2}]
+    assert {d["prefix"] for d in info["recent_decisions"]} == {bytes(HASHES[0])[:6].hex()}
+
+
 def test_set_policy_switches_router():
     coord, clock, logs = make("a", "b")
     serve(coord, logs, "b", HASHES)

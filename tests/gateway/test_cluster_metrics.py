@@ -1,0 +1,49 @@
+"""The nodes' figures as Prometheus families, from scripted cluster snapshots (no engine)."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from cluster.gateway.metrics import GatewayMetrics
+
+
+def snapshot(generated: int, decisions: list[dict] | None = None, model: str = "m") -> dict:
+    nodes = [{"node": "a", "model": "real/path", "generated_tokens": generated, "kv_blocks_used": 2, "kv_blocks_total": 8},
+             {"node": "b", "model": "real/path", "generated_tokens": 5, "kv_blocks_used": 0, "kv_blocks_total": 0}]
+    info = {"model": model, "nodes": nodes, "queue_depth": 0}
+    if decisions is not None:
+        info["coordinator"] = {"routing": {"decisions": decisions}}
+    return info
+
+
+def samples(text: bytes) -> dict[tuple[str, tuple], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text.decode()) for s in f.samples}
+
+
+def test_kv_use_is_a_fraction_per_node_under_both_vllm_spellings():
+    out = samples(GatewayMetrics().render(snapshot(10)))
+    for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+        assert out[(name, (("model_name", "m"), ("node", "a")))] == 0.25
+        assert out[(name, (("model_name", "m"), ("node", "b")))] == 0.0  # no pool yet: not a division by zero
+
+
+def test_a_node_counter_never_goes_down_between_scrapes():
+    metrics = GatewayMetrics()
+    key = ("vllm:generation_tokens_total", (("model_name", "m"), ("node", "a")))
+    assert samples(metrics.render(snapshot(40)))[key] == 40
+    assert samples(metrics.render(snapshot(0)))[key] == 40  # a heartbeat without the counter
+    assert samples(metrics.render(snapshot(55)))[key] == 55
+
+
+def test_routing_decisions_are_counted_by_node_and_reason_and_absent_without_a_coordinator():
+    decisions = [{"node": "a", "reason": "prefix-hit", "count": 3}, {"node": "b", "reason": "load", "count": 1}]
+    out = samples(GatewayMetrics().render(snapshot(1, decisions)))
+    assert out[("orchard_routing_decisions_total", (("node", "a"), ("reason", "prefix-hit")))] == 3
+    assert out[("orchard_routing_decisions_total", (("node", "b"), ("reason", "load")))] == 1
+    assert not [k for k in samples(GatewayMetrics().render(snapshot(1))) if k[0].startswith("orchard_routing")]
+
+
+def test_a_cluster_serving_several_models_labels_each_node_with_its_own():
+    out = samples(GatewayMetrics().render(snapshot(1, model="x, y")))
+    assert ("vllm:num_requests_running", (("model_name", "real/path"), ("node", "a"))) in out
