@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.gateway.protocol_fields import FUNCTION_NAME, _refused
+from cluster.gateway.protocol_fields import FUNCTION_NAME, refused
 
 
 class _Request(BaseModel):
@@ -31,7 +31,7 @@ class TextBlock(_Request):
     type: Literal["text"]
     text: str
     cache_control: CacheControl = None
-    citations: Annotated[list | None, _refused("citations are not supported")] = None
+    citations: Annotated[list | None, refused("citations are not supported")] = None
 
 
 class ToolUseBlock(_Request):
@@ -123,8 +123,8 @@ class MessagesRequest(_Request):
     thinking: ThinkingParam | None = None
     metadata: MetadataParam | None = Field(None, description="accepted, ignored")
     service_tier: Literal["auto", "standard_only"] | None = Field(None, description="accepted, ignored")
-    container: Annotated[Any, _refused("container is not supported: no code execution here")] = None
-    mcp_servers: Annotated[list | None, _refused("mcp_servers is not supported")] = None
+    container: Annotated[Any, refused("container is not supported: no code execution here")] = None
+    mcp_servers: Annotated[list | None, refused("mcp_servers is not supported")] = None
 
 
 class CountTokensRequest(_Request):

@@ -30,8 +30,8 @@ from cluster.gateway.protocol_fields import (
     ToolCallDelta,
     ToolCallIn,
     ToolChoice,
-    _only,
-    _refused,
+    only,
+    refused,
 )
 
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
@@ -139,7 +139,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(None, ge=1, description="defaults to 16, as OpenAI's legacy endpoint")
     logprobs: int | None = Field(None, ge=0, le=20, description="how many top alternatives to report per token")
     echo: bool = Field(False, description="the prompt's text before each completion (not with logprobs)")
-    suffix: Annotated[str | None, _refused("suffix is not supported: the engine only appends")] = None
+    suffix: Annotated[str | None, refused("suffix is not supported: the engine only appends")] = None
     best_of: int | None = Field(None, ge=1, le=64, description="only equal to n (no ranking of candidates)")
 
     @field_validator("best_of")
@@ -196,8 +196,8 @@ class ChatMessage(_Request):
     tool_call_id: str | None = None
     refusal: str | None = None
     reasoning_content: str | None = Field(None, description="orchard/vLLM extension: an assistant turn's thinking")
-    function_call: Annotated[dict | None, _refused("function_call is deprecated and not supported: use tool_calls")] = None
-    audio: Annotated[dict | None, _refused("audio is not supported: these models read and write text only")] = None
+    function_call: Annotated[dict | None, refused("function_call is deprecated and not supported: use tool_calls")] = None
+    audio: Annotated[dict | None, refused("audio is not supported: these models read and write text only")] = None
 
     @model_validator(mode="after")
     def _fits_its_role(self) -> ChatMessage:
@@ -245,12 +245,12 @@ class ChatCompletionRequest(_SamplingFields):
     prediction: dict[str, Any] | None = Field(None, description="accepted, ignored: a latency hint; the output is the same")
     verbosity: Annotated[
         Literal["low", "medium", "high"] | None,
-        _only({"medium"}, "verbosity other than medium is not supported: the model's length is its own"),
+        only({"medium"}, "verbosity other than medium is not supported: the model's length is its own"),
     ] = None
-    audio: Annotated[dict[str, Any] | None, _refused("audio output is not supported: these models write text", empty_ok=False)] = None
-    web_search_options: Annotated[dict[str, Any] | None, _refused("web_search_options is not supported: no search here", empty_ok=False)] = None
-    functions: Annotated[list | None, _refused("functions is deprecated and not supported: use tools")] = None
-    function_call: Annotated[Any, _refused("function_call is deprecated and not supported: use tool_choice")] = None
+    audio: Annotated[dict[str, Any] | None, refused("audio output is not supported: these models write text", empty_ok=False)] = None
+    web_search_options: Annotated[dict[str, Any] | None, refused("web_search_options is not supported: no search here", empty_ok=False)] = None
+    functions: Annotated[list | None, refused("functions is deprecated and not supported: use tools")] = None
+    function_call: Annotated[Any, refused("function_call is deprecated and not supported: use tool_choice")] = None
 
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

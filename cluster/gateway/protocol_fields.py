@@ -3,7 +3,7 @@ output constraints, and the fields this server accepts without effect or refuses
 
 Every field OpenAI defines is declared, so a client's request is never refused for a field
 it may send; a field that cannot be honoured here is refused by its validator with a 400
-naming it (`_refused`), and one that has no effect on the output (`user`, `metadata`,
+naming it (`refused`), and one that has no effect on the output (`user`, `metadata`,
 `store`, ...) is accepted and listed in docs/api-fields.md. The constraint fields are only
 parsed and validated here; what they mean for decoding is `structured.py`'s.
 """
@@ -26,7 +26,7 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def _refused(why: str, empty_ok: bool = True):
+def refused(why: str, empty_ok: bool = True):
     """A validator refusing any value but None, and but an empty one (False, {}, [], "")
     unless `empty_ok` is false (where sending the field at all asks for something)."""
 
@@ -38,7 +38,7 @@ def _refused(why: str, empty_ok: bool = True):
     return AfterValidator(check)
 
 
-def _only(allowed: set, why: str):
+def only(allowed: set, why: str):
     def check(value: Any) -> Any:
         if value is not None and value not in allowed:
             raise ValueError(why)
@@ -53,7 +53,7 @@ Metadata = dict[str, Annotated[str, Field(max_length=512)]] | None
 ServiceTier = Literal["auto", "default", "flex", "scale", "priority"] | None
 LogitBias = Annotated[
     dict[str, float] | None,
-    _refused("logit_bias is not supported: the engine applies no per-token bias"),
+    refused("logit_bias is not supported: the engine applies no per-token bias"),
 ]
 
 Modalities = Annotated[

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from cluster.gateway.protocol_fields import FUNCTION_NAME, Metadata, _only, _refused
+from cluster.gateway.protocol_fields import FUNCTION_NAME, Metadata, only, refused
 
 
 class _Request(BaseModel):
@@ -122,7 +122,7 @@ class TextFormatJSONSchema(_Request):
 class TextParam(_Request):
     format: Annotated[TextFormatText | TextFormatJSONObject | TextFormatJSONSchema, Field(discriminator="type")] | None = None
     verbosity: Annotated[Literal["low", "medium", "high"] | None,
-                         _only({"medium"}, "verbosity other than medium is not supported")] = None
+                         only({"medium"}, "verbosity other than medium is not supported")] = None
 
 
 class ReasoningParam(_Request):
@@ -161,10 +161,10 @@ class ResponsesRequest(_Request):
     prompt_cache_options: dict[str, Any] | None = None
     include: list[str] | None = None
     truncation: Annotated[Literal["auto", "disabled"] | None,
-                          _only({"disabled"}, "truncation auto is not supported: a prompt too long is a 400")] = None
+                          only({"disabled"}, "truncation auto is not supported: a prompt too long is a 400")] = None
     moderation: Any = None
-    top_logprobs: Annotated[int | None, _refused("top_logprobs is not supported on /v1/responses")] = None
-    background: Annotated[bool | None, _refused("background is not supported: responses run while the request waits")] = None
-    conversation: Annotated[Any, _refused("conversation is not supported: use previous_response_id")] = None
-    prompt: Annotated[Any, _refused("prompt templates are not supported")] = None
-    context_management: Annotated[Any, _refused("context_management is not supported")] = None
+    top_logprobs: Annotated[int | None, refused("top_logprobs is not supported on /v1/responses")] = None
+    background: Annotated[bool | None, refused("background is not supported: responses run while the request waits")] = None
+    conversation: Annotated[Any, refused("conversation is not supported: use previous_response_id")] = None
+    prompt: Annotated[Any, refused("prompt templates are not supported")] = None
+    context_management: Annotated[Any, refused("context_management is not supported")] = None
