@@ -1,6 +1,7 @@
 """KV migration across two real Ray nodes (two raylets on this machine): a prefix cached on
-one node is pulled by the other through Ray's object store, refused payloads fall back to
-recomputing, an export racing evictions stays whole, and the counters say what moved."""
+one node is pulled by the other over the direct KV path (Ray's object store when no direct
+path can be made), refused payloads fall back to recomputing, an export racing evictions
+stays whole, and the counters say what moved."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ MODEL = "orchard-demo"
 BLOCK = 16
 ENGINE = EngineConfig(block_size=BLOCK, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=128)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+LINK_TOKEN = "a-test-cluster-token-for-the-kv-link-000"
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +43,8 @@ def cluster():
         ensure_coordinator(CoordinatorConfig(membership=MembershipConfig(dead_after_s=10.0)))
         worker = local.worker_nodes[0].node_id
         actors = {
-            "a": start_node_actor(local.head_ray_node_id, node_actor_config("a", ENGINE, heartbeat_s=0.5)),
-            "b": start_node_actor(worker, node_actor_config("b", ENGINE, heartbeat_s=0.5)),
+            "a": start_node_actor(local.head_ray_node_id, node_actor_config("a", ENGINE, heartbeat_s=0.5, link_token=LINK_TOKEN)),
+            "b": start_node_actor(worker, node_actor_config("b", ENGINE, heartbeat_s=0.5, link_token=LINK_TOKEN)),
         }
         yield actors
     finally:
@@ -131,7 +133,7 @@ def test_migrated_blocks_counter_is_exposed_per_node(cluster):
     tokens = prompt(2)
     generate_on(cluster["a"], "cache-2", tokens)
     report = ray.get(cluster["b"].pull_blocks.remote(cluster["a"], "a", hashes_of(tokens)))
-    assert (report["ok"], report["imported"]) == (True, 4)
+    assert (report["ok"], report["imported"], report["via"]) == (True, 4, "direct")
     expected = node_row("b")["kv_migrated_blocks"]
     text = GatewayMetrics().render(asyncio.run(RayBackend().cluster_info())).decode()
     value = re.search(r'orchard_kv_migrated_blocks_total\{node="b"\} (\S+)', text)
@@ -210,3 +212,29 @@ def test_a_node_streams_only_what_is_new_so_bytes_per_token_stay_bounded(cluster
     # Neither the 300-token prompt nor the answer so far rides along: the last outputs cost what the first did.
     assert sum(sizes) / 120 < 400, sizes
     assert max(sizes[-10:]) < min(sizes[:10]) + 100, sizes
+
+
+def test_nodes_listen_on_loopback_and_the_coordinator_knows_where(cluster):
+    for node_id, actor in cluster.items():
+        address = ray.get(coordinator().kv_link.remote(node_id))
+        assert address == ray.get(actor.info.remote())["kv_link"] and address.startswith("127.0.0.1:")
+
+
+def test_a_source_whose_listener_is_unreachable_is_pulled_through_ray(cluster):
+    import socket
+
+    tokens = prompt(6)
+    reference, _ = generate_on(cluster["a"], "cache-6", tokens)
+    with socket.socket() as probe:  # a port where nothing listens
+        probe.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{probe.getsockname()[1]}"
+    # "a" under another name, whose listener the coordinator places at the closed port
+    ray.get(coordinator().register_node.remote("a-unreachable", {"model": "another-model", "kv_link": closed}))
+    try:
+        failures = node_row("b")["kv_migration_failures"]
+        report = ray.get(cluster["b"].pull_blocks.remote(cluster["a"], "a-unreachable", hashes_of(tokens)))
+    finally:
+        ray.get(coordinator().node_failed.remote("a-unreachable"))
+    assert (report["ok"], report["imported"], report["via"]) == (True, 4, "ray")
+    assert node_row("b")["kv_migration_failures"] == failures
+    assert generate_on(cluster["b"], "after-fallback", tokens) == (reference, 4 * BLOCK)
