@@ -76,6 +76,7 @@ def mlx_lm_step(model, batch: int, prompt: int, steps: int) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--shape", default="1b")
+    ap.add_argument("--model", default=None, help="a model path (e.g. the demo model) instead of --shape")
     ap.add_argument("--num-layers", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--batch", type=int, default=64)
@@ -85,7 +86,12 @@ def main(argv=None) -> int:
     ap.add_argument("--mixed-prompt", type=int, default=0, help="add one request of this many prompt tokens: the step mixes its chunk with the decodes")
     ap.add_argument("--budget", type=int, default=512, help="token budget of the mixed step")
     args = ap.parse_args(argv)
-    loaded = random_llama(args.shape, dtype=getattr(mx, args.dtype), num_layers=args.num_layers)
+    if args.model:
+        from node.models import load_model
+
+        loaded = load_model(args.model)
+    else:
+        loaded = random_llama(args.shape, dtype=getattr(mx, args.dtype), num_layers=args.num_layers)
     engine = decoding_engine(loaded, args.batch, args.prompt, args.kv_memory_gb, args.budget if args.mixed_prompt else None)
     rows = {}
     if args.mixed_prompt:
@@ -95,7 +101,8 @@ def main(argv=None) -> int:
     rows.update(forward_variants(engine, args.steps))
     rows["mlx-lm decode step (contiguous cache)"] = mlx_lm_step(loaded.model, args.batch, args.prompt, args.steps)
     mixed = f", plus a {args.mixed_prompt}-token prompt's chunk (budget {args.budget})" if args.mixed_prompt else ""
-    print(f"{args.shape} shape, batch {args.batch}, context ~{args.prompt}{mixed}, {mx.default_device()}, backend {engine.runner.attention_backend}")
+    what = args.model or f"{args.shape} shape"
+    print(f"{what}, batch {args.batch}, context ~{args.prompt}{mixed}, {mx.default_device()}, backend {engine.runner.attention_backend}")
     for name, ms in rows.items():
         print(f"  {name:45s} {ms:8.2f} ms")
     return 0

@@ -89,19 +89,7 @@ MMA_BODY = r"""
   SHARED TILE_ALIGN T k_tile[KV_TILE * STRIDE];
   SHARED TILE_ALIGN T v_tile[KV_TILE * STRIDE];
 
-  const int max_blocks = dims[0];
-  const int u0 = unit * UNIT_FIELDS;
-  const int seq = units[u0 + 0];
-  const int query_row = units[u0 + 1];
-  const int query_count = units[u0 + 2];
-  const int query_position = units[u0 + 3];
-  const int kv_start = units[u0 + 4];
-  const int kv_end = units[u0 + 5];
-  const int partial_row = units[u0 + 6];
-  const bool split = units[u0 + 7] != 0;
-  const int kv_head = head_tile / TILES_PER_KV;
-  const int first_head = kv_head * GROUP + (head_tile % TILES_PER_KV) * HEADS_PER_TILE;
-  const int active_rows = query_count * HEADS_PER_TILE;
+@UNIT@
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int group_id = lane / 4;
@@ -309,4 +297,5 @@ def supports(head_dim: int) -> bool:
 
 def render() -> tuple[str, str]:
     constants = f"  constexpr int ROW_PAD = {ROW_PAD};\n"
-    return MMA_HEADER, MMA_PROLOGUE + source._field_count("UNIT_FIELDS", source.UNIT_FIELDS) + constants + MMA_BODY
+    body = MMA_BODY.replace("@UNIT@", source.VARLEN_UNIT)
+    return MMA_HEADER, MMA_PROLOGUE + source._field_count("UNIT_FIELDS", source.UNIT_FIELDS) + constants + body

@@ -372,19 +372,7 @@ VARLEN_BODY = r"""
   SHARED TILE_ALIGN T v_tile[KV_TILE * V_STRIDE];
   SHARED TILE_ALIGN float p_tile[KV_TILE * ROWS];
 
-  const int max_blocks = dims[0];
-  const int u0 = unit * UNIT_FIELDS;
-  const int seq = units[u0 + 0];
-  const int query_row = units[u0 + 1];
-  const int query_count = units[u0 + 2];
-  const int query_position = units[u0 + 3];
-  const int kv_start = units[u0 + 4];
-  const int kv_end = units[u0 + 5];
-  const int partial_row = units[u0 + 6];
-  const bool split = units[u0 + 7] != 0;
-  const int kv_head = head_tile / TILES_PER_KV;
-  const int first_head = kv_head * GROUP + (head_tile % TILES_PER_KV) * HEADS_PER_TILE;
-  const int active_rows = query_count * HEADS_PER_TILE;
+@UNIT@
   const int key_lane = tid % KEY_LANES;
   const bool helper = tid / KEY_LANES >= ROW_BLOCKS;
   const int row0 = helper ? 0 : (tid / KEY_LANES) * SUB;
@@ -544,6 +532,24 @@ VARLEN_BODY = r"""
   }
 """
 
+#: Reading one work unit's fields (UNIT_FIELDS) and the query heads its threadgroup serves;
+#: shared by this body and the tensor-core one (kernels/mma_source.py).
+VARLEN_UNIT = r"""
+  const int max_blocks = dims[0];
+  const int u0 = unit * UNIT_FIELDS;
+  const int seq = units[u0 + 0];
+  const int query_row = units[u0 + 1];
+  const int query_count = units[u0 + 2];
+  const int query_position = units[u0 + 3];
+  const int kv_start = units[u0 + 4];
+  const int kv_end = units[u0 + 5];
+  const int partial_row = units[u0 + 6];
+  const bool split = units[u0 + 7] != 0;
+  const int kv_head = head_tile / TILES_PER_KV;
+  const int first_head = kv_head * GROUP + (head_tile % TILES_PER_KV) * HEADS_PER_TILE;
+  const int active_rows = query_count * HEADS_PER_TILE;
+"""
+
 VARLEN_MERGE_BODY = r"""
   constexpr float NEG_BIG = -1.0e30f;
   // Field 0 (the packed query row) is where the host scatters the merged row; the kernel writes row split_row.
@@ -598,7 +604,7 @@ def render_reduce(dialect: str) -> tuple[str, str]:
 def render_varlen(dialect: str) -> tuple[str, str]:
     """(header, body) of the varlen kernel: one work unit (query tile x context partition) per threadgroup."""
     header = DIALECTS[dialect][0]
-    return header, VARLEN_DIALECTS[dialect][0] + _field_count("UNIT_FIELDS", UNIT_FIELDS) + VARLEN_BODY
+    return header, VARLEN_DIALECTS[dialect][0] + _field_count("UNIT_FIELDS", UNIT_FIELDS) + VARLEN_BODY.replace("@UNIT@", VARLEN_UNIT)
 
 
 def render_varlen_merge(dialect: str) -> tuple[str, str]:
