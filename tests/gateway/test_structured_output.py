@@ -103,6 +103,9 @@ def test_fifty_json_schemas_each_give_output_that_validates(server):
     for schema, choice in zip(schemas, _all(ask, enumerate(schemas))):
         assert choice.finish_reason == "stop", (schema, choice.message.content)
         jsonschema.validate(json.loads(choice.message.content), schema)
+    free = _chat(server, max_tokens=40, seed=0).choices[0].message.content  # the control: unconstrained, no JSON
+    with pytest.raises(ValueError):
+        json.loads(free)
 
 
 def test_regex_choice_grammar_and_json_object_hold_on_both_endpoints(server):
