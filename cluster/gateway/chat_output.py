@@ -52,11 +52,13 @@ class AnswerReader:
     """One request's way of reading its answers."""
 
     def __init__(self, fmt: ChatFormat, tools_active: bool, prompt_text: str, max_calls: int | None,
-                 forced: ToolParser | None = None):
+                 forced: ToolParser | None = None, tools: list[dict] | None = None):
         """`forced`: the parser of a constrained call (tool_choice required or named), which
         reads the whole answer; no reasoning is split from it."""
         self.tools: ToolParser | None = forced or (
             parser_named(fmt.tool_parser) if tools_active and fmt.tool_parser else None)
+        if self.tools is not None and tools:
+            self.tools.configure(tools)
         self.reasoning: ReasoningParser | None = (
             reasoning_parser_named(fmt.reasoning_parser) if fmt.reasoning_parser and forced is None else None)
         self.harmony = fmt.tool_parser == "openai" or fmt.reasoning_parser == "openai_gptoss"

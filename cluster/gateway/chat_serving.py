@@ -156,7 +156,8 @@ class ChatServing(_Serving):
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling_params(body, max_tokens, logprobs, body.stop_list() + prompt.stop, prompt.stop_token_ids)
         tail = info.tokenizer.decode(prompt.token_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False) if fmt.reasoning_parser else ""
-        reader = AnswerReader(fmt, tools, tail, allowed_calls(body), forced_parser(body))
+        reader = AnswerReader(fmt, tools, tail, allowed_calls(body), forced_parser(body),
+                              template_tools(tools_offered(body)))
         hidden = set(getattr(info.tokenizer, "eos_token_ids", None) or []) | set(params.stop_token_ids)
         texts = [AnswerText(info.tokenizer, prompt.token_ids, hidden, reader.needs_special_tokens) for _ in range(body.n)]
         gen = gw.generation(info, request, gw.admit(1))

@@ -33,6 +33,9 @@ CASES = [
     ("openai", "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather "
                f"<|constrain|>json<|message|>{W}<|call|>", "", [("get_weather", WEATHER)]),
     ("openai", "<|channel|>final<|message|>Hello there.", "Hello there.", []),
+    ("qwen3_coder", "On it.<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n"
+                    "[1, 2]\n</parameter>\n</function>\n</tool_call><tool_call>\n<function=b>\n</function>\n</tool_call>",
+     "On it.", [("get_weather", {"city": "Paris", "days": [1, 2]}), ("b", {})]),
 ]
 
 
@@ -114,6 +117,7 @@ def test_json_scan_tells_incomplete_from_malformed():
 @pytest.mark.parametrize(("template", "tools", "reasoning"), [
     ("{{ '<tool_call>' }}{{ '<think>' }}...{{ '</think>' }}", "hermes", "qwen3"),
     ("{{ '[TOOL_CALLS]' }}", "mistral", None),
+    ("<tool_call>\n<function={{ name }}>\n<parameter=", "qwen3_coder", None),
     ("<|start_header_id|>ipython<|end_header_id|> <|python_tag|>", "llama3_json", None),
     ("<|start|>{{ m }}<|channel|>analysis<|message|><|call|>", "openai", "openai_gptoss"),
     ("{{ 'Hi' }}", None, None),
@@ -154,3 +158,11 @@ def test_parsers_that_read_special_tokens_get_them_and_not_the_end_of_turn():
     out = CompletionOutput(index=0, text="hithere", token_ids_delta=list(ids))
     assert kept.update(out) == "hi<|im_start|>there"
     assert plain.update(out) == "hithere"
+
+
+def test_qwen3_coder_values_take_their_type_from_the_tools_schema():
+    parser = parser_named("qwen3_coder")
+    parser.configure([{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"zip": {"type": "string"}, "n": {"type": "integer"}}}}}])
+    text = "<tool_call>\n<function=f>\n<parameter=zip>\n12345\n</parameter>\n<parameter=n>\n7\n</parameter>\n</function>"
+    assert json.loads(parser.parse(text).calls[0].arguments) == {"zip": "12345", "n": 7}

@@ -6,6 +6,8 @@
     llama3.py     `{"name": ..., "parameters": ...}` (Llama 3.x, after `<|python_tag|>` or bare)
     mistral.py    `[TOOL_CALLS]` in both of Mistral's forms
     harmony.py    gpt-oss's channels (`to=functions.NAME`)
+    qwen3_coder.py  Qwen3-Coder's `<function=NAME><parameter=KEY>` XML
+    forced.py     the unwrapped JSON a forced tool_choice's constrained answer is
 
 Names are vLLM's (`--tool-call-parser`). Without the flag, the parser is chosen from the
 markers the model's chat template writes (`detect`).
@@ -18,6 +20,7 @@ from cluster.gateway.tool_parsers.harmony import HarmonyParser
 from cluster.gateway.tool_parsers.hermes import HermesParser
 from cluster.gateway.tool_parsers.llama3 import Llama3JsonParser
 from cluster.gateway.tool_parsers.mistral import MistralParser
+from cluster.gateway.tool_parsers.qwen3_coder import Qwen3CoderParser
 
 PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesParser,
@@ -26,12 +29,15 @@ PARSERS: dict[str, type[ToolParser]] = {
     "llama4_json": Llama3JsonParser,
     "mistral": MistralParser,
     "openai": HarmonyParser,
+    "qwen3_coder": Qwen3CoderParser,
+    "qwen3_xml": Qwen3CoderParser,
 }
 
 #: Template markers, checked in order, and the parser that reads what such a template asks for.
 _SIGNS = (
     ("<|channel|>", "openai"),
     ("[TOOL_CALLS]", "mistral"),
+    ("<function=", "qwen3_coder"),
     ("<tool_call>", "hermes"),
     ("<|python_tag|>", "llama3_json"),
     ("<|start_header_id|>ipython", "llama3_json"),

@@ -36,6 +36,9 @@ class ToolParser:
     name: ClassVar[str]
     needs_special_tokens: ClassVar[bool] = False
 
+    def configure(self, tools: list[dict]) -> None:
+        """The request's tools (OpenAI's shape), for formats that need their schemas."""
+
     def scan(self, text: str, final: bool) -> Scan:
         raise NotImplementedError
 
