@@ -64,13 +64,12 @@ def encode_pieces(geometry: KVGeometry, blocks: Sequence[BlockPieces]) -> list[P
     for block in blocks:
         if not 0 < len(block.token_ids) <= geometry.block_size:
             raise ValueError(f"a block holds 1..{geometry.block_size} tokens, got {len(block.token_ids)}")
-        head += _map_header(5) + pack("hash") + pack(bytes(block.block_hash)) + pack("parent")
-        head += pack(None if block.parent_hash is None else bytes(block.parent_hash))
-        head += pack("tokens") + pack([int(t) for t in block.token_ids]) + pack("k") + kv_header
+        parent = b"\xc0" if block.parent_hash is None else _bin_header(len(block.parent_hash)) + bytes(block.parent_hash)
+        head += b"\x85\xa4hash" + _bin_header(len(block.block_hash)) + bytes(block.block_hash) + b"\xa6parent" + parent
+        head += b"\xa6tokens" + pack([int(t) for t in block.token_ids]) + b"\xa1k" + kv_header
         pieces.append(bytes(head))
         pieces.extend(_checked_layers(block.keys, geometry, layer_bytes))
-        head = bytearray(pack("v") + kv_header)
-        pieces.append(bytes(head))
+        pieces.append(b"\xa1v" + kv_header)
         pieces.extend(_checked_layers(block.values, geometry, layer_bytes))
         head = bytearray()
     head += pack("checksum") + _bin_header(CHECKSUM_SIZE)
@@ -149,28 +148,29 @@ def _read_envelope(reader: _Reader, expected: KVGeometry) -> list[KVBlockData]:
 
 
 def _read_block(reader: _Reader, geometry: KVGeometry, index: int) -> KVBlockData:
-    if reader.map_header() != 5:
-        raise CorruptKVPayload(f"block {index} is not a map of five fields")
-    reader.key("hash")
-    block_hash = reader.bin()
-    reader.key("parent")
-    parent = reader.nil_or_bin()
-    reader.key("tokens")
-    count = reader.array_header()
-    if not 0 < count <= geometry.block_size:
-        raise CorruptKVPayload(f"block {index} token count: expected 1..{geometry.block_size}, got {count}")
-    tokens = [reader.uint() for _ in range(count)]
+    """One block; its field names and K/V headers are compared as whole byte runs (few calls per block)."""
     nbytes = geometry.num_layers * geometry.bytes_per_block_layer
-    reader.key("k")
-    keys = _view(reader.bin(nbytes), geometry)
-    reader.key("v")
-    values = _view(reader.bin(nbytes), geometry)
+    kv_header = _bin_header(nbytes)
+    reader.expect(b"\x85\xa4hash", index)
+    block_hash = reader.bin()
+    reader.expect(b"\xa6parent", index)
+    parent = reader.nil_or_bin()
+    reader.expect(b"\xa6tokens", index)
+    tokens = reader.value(limit=3 + 9 * geometry.block_size)
+    if not isinstance(tokens, list) or not 0 < len(tokens) <= geometry.block_size:
+        raise CorruptKVPayload(f"block {index} token count: expected 1..{geometry.block_size}")
+    if not all(type(t) is int and t >= 0 for t in tokens):
+        raise CorruptKVPayload(f"block {index} token ids are not all non-negative integers")
+    reader.expect(b"\xa1k" + kv_header, index)
+    keys = _view(reader.take(nbytes), geometry)
+    reader.expect(b"\xa1v" + kv_header, index)
+    values = _view(reader.take(nbytes), geometry)
     return KVBlockData(bytes(block_hash), None if parent is None else bytes(parent), tuple(tokens), keys, values)
 
 
 def _view(data: memoryview, geometry: KVGeometry) -> np.ndarray:
     view = np.frombuffer(data, dtype=wire_dtype(geometry)).reshape(block_array_shape(geometry))
-    return view.view(geometry.numpy_storage_dtype)
+    return view if view.dtype == geometry.numpy_storage_dtype else view.view(geometry.numpy_storage_dtype)
 
 
 class _Reader:
@@ -178,24 +178,25 @@ class _Reader:
 
     def __init__(self, data: memoryview):
         self.data = data
+        self.size = len(data)
         self.pos = 0
 
-    def _take(self, n: int) -> memoryview:
-        if self.pos + n > len(self.data):
+    def take(self, n: int) -> memoryview:
+        start = self.pos
+        self.pos = start + n
+        if self.pos > self.size:
             raise CorruptKVPayload("KV payload ends inside its envelope")
-        out = self.data[self.pos : self.pos + n]
-        self.pos += n
-        return out
+        return self.data[start : self.pos]
 
     def _byte(self) -> int:
-        return self._take(1)[0]
+        return self.take(1)[0]
 
     def map_header(self) -> int:
         tag = self._byte()
         if 0x80 <= tag <= 0x8F:
             return tag & 0x0F
         if tag == 0xDE:
-            return struct.unpack(">H", self._take(2))[0]
+            return struct.unpack(">H", self.take(2))[0]
         raise CorruptKVPayload(f"expected a map at byte {self.pos - 1}")
 
     def array_header(self) -> int:
@@ -203,7 +204,7 @@ class _Reader:
         if 0x90 <= tag <= 0x9F:
             return tag & 0x0F
         if tag in (0xDC, 0xDD):
-            return struct.unpack(">H" if tag == 0xDC else ">I", self._take(2 if tag == 0xDC else 4))[0]
+            return struct.unpack(">H" if tag == 0xDC else ">I", self.take(2 if tag == 0xDC else 4))[0]
         raise CorruptKVPayload(f"expected an array at byte {self.pos - 1}")
 
     def bin(self, size: int | None = None) -> memoryview:
@@ -212,10 +213,10 @@ class _Reader:
         if tag not in widths:
             raise CorruptKVPayload(f"expected bytes at byte {self.pos - 1}")
         width, fmt = widths[tag]
-        n = struct.unpack(fmt, self._take(width))[0]
+        n = struct.unpack(fmt, self.take(width))[0]
         if size is not None and n != size:
             raise CorruptKVPayload(f"KV bytes: expected {size}, got {n}")
-        return self._take(n)
+        return self.take(n)
 
     def nil_or_bin(self) -> memoryview | None:
         if self.data[self.pos] == 0xC0:
@@ -223,24 +224,17 @@ class _Reader:
             return None
         return self.bin()
 
-    def uint(self) -> int:
-        """A non-negative integer in any of msgpack's unsigned forms (what token ids pack to)."""
-        tag = self._byte()
-        if tag < 0x80:
-            return tag
-        widths = {0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q"}
-        if tag not in widths:
-            raise CorruptKVPayload(f"expected a non-negative integer at byte {self.pos - 1}")
-        fmt = widths[tag]
-        return struct.unpack(fmt, self._take(struct.calcsize(fmt)))[0]
-
     def str(self) -> str:
         tag = self._byte()
         if 0xA0 <= tag <= 0xBF:
-            return str(self._take(tag & 0x1F), "utf-8")
+            return str(self.take(tag & 0x1F), "utf-8")
         if tag == 0xD9:
-            return str(self._take(self._byte()), "utf-8")
+            return str(self.take(self._byte()), "utf-8")
         raise CorruptKVPayload(f"expected a field name at byte {self.pos - 1}")
+
+    def expect(self, run: bytes, index: int) -> None:
+        if self.take(len(run)) != run:
+            raise CorruptKVPayload(f"block {index} is not laid out as the wire format lays blocks out")
 
     def key(self, name: str) -> None:
         if self.str() != name:
@@ -249,7 +243,7 @@ class _Reader:
     def value(self, limit: int = 4096):
         """One small value (str, int, nil, a token list, the geometry map) of at most `limit` bytes."""
         unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, read_size=limit, max_buffer_size=limit)
-        unpacker.feed(self.data[self.pos : min(len(self.data), self.pos + limit)])
+        unpacker.feed(self.data[self.pos : min(self.size, self.pos + limit)])
         try:
             value = unpacker.unpack()
         except (msgpack.OutOfData, msgpack.FormatError, msgpack.StackError, ValueError, TypeError) as err:
