@@ -191,9 +191,10 @@ class NodeActor:
     async def probe_link(self, source, source_id: str) -> list[tuple[int, float]]:
         """Measure the link from `source` to here with a small and a large probe; tell the coordinator."""
         measured = []
-        for nbytes in self.mover.probe_sizes():
-            measured.append(await self.mover.probe(source.probe_payload.remote(nbytes)))
-            await self._coord().record_transfer.remote(source_id, self.node_id, *measured[-1])
+        for nbytes in self.mover.probe_sizes():  # over the path pulls will take: direct, else Ray
+            direct = await self.direct.probe(source_id, nbytes, lambda peer: self._coord().kv_link.remote(peer))
+            measured.append(direct or await self.mover.probe(source.probe_payload.remote(nbytes)))
+            await self._coord().record_transfer.remote(source_id, self.node_id, *measured[-1], "ray" if direct is None else "direct")
         return measured
 
     def health(self) -> dict:

@@ -41,7 +41,9 @@ class DirectPath:
         if self.key is None or self.server is not None:
             return self.address
         self.server = KVLinkServer(self.key, self.node_id, self.mover.geometry, self._export, self._release, self.config)
-        return self.server.start(loop)
+        address = self.server.start(loop)
+        self.server.prepare_probes(self.mover.probe_sizes())
+        return address
 
     def close(self) -> None:
         if self.server is not None:
@@ -49,6 +51,7 @@ class DirectPath:
 
     async def pull(self, source_id: str, hashes: Sequence[BlockHash], resolve: Resolve) -> PullResult | None:
         """Pull the blocks of `hashes` this node lacks from `source_id`'s listener, or None (see above)."""
+        started = time.perf_counter()  # the fixed cost a pull pays counts from here: lookup, hops, handshake
         address = await self._address(source_id, resolve)
         if address is None or self.key is None:
             return None
@@ -58,14 +61,34 @@ class DirectPath:
         result = PullResult(source_id, requested=len(hashes), local=local, via="direct")
         if local == len(hashes):
             return result
+        sock = await self._connect(source_id, address)
+        return None if sock is None else await self._receive(sock, hashes[local:], result, started)
+
+    async def probe(self, source_id: str, nbytes: int, resolve: Resolve) -> tuple[int, float] | None:
+        """(bytes, seconds) of fetching and verifying a probe payload over the direct path, or None."""
         started = time.perf_counter()
+        address = await self._address(source_id, resolve)
+        sock = None if address is None or self.key is None else await self._connect(source_id, address)
+        if sock is None:
+            return None
+        stream = LinkStream(sock, [bytearray()], self.mover.geometry)
+        received = 0
         try:
-            sock = await asyncio.to_thread(connect, address, self.key, source_id, self.config)
+            stream.start([], 0, probe_bytes=nbytes)
+            async for buffer, size, _ in stream.chunks():
+                received += size
+                stream.done(buffer)
+        finally:
+            stream.close()
+        return received, time.perf_counter() - started
+
+    async def _connect(self, source_id: str, address: str):
+        try:
+            return await asyncio.to_thread(connect, address, self.key, source_id, self.config)
         except (OSError, LinkRefused) as exc:
-            log.info("node %s: no direct KV path to %s at %s (%s); pulling through Ray", self.node_id, source_id, address, exc)
+            log.info("node %s: no direct KV path to %s at %s (%s); using Ray", self.node_id, source_id, address, exc)
             self._addresses.pop(source_id, None)
             return None
-        return await self._receive(sock, hashes[local:], result, started)
 
     async def _receive(self, sock, wanted: list[BlockHash], result: PullResult, started: float) -> PullResult:
         buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(2)]

@@ -6,6 +6,7 @@ connection, straight from the pool's arrays, into buffers the target keeps for t
 pull. On the wire (after `node.link_auth`'s handshake):
 
     request   u32 length, msgpack {"hashes": [bytes, ...], "chunk_bytes": int}
+              or {"probe": nbytes}: a well-formed payload of blocks no model uses (`node.migration.probe_payload`)
     reply     per chunk: u64 length, then one `kvcache.wire` payload (checksummed); u64 0 ends it
 
 Each chunk is a whole payload, so the target verifies and imports chunk i on its engine
@@ -36,6 +37,7 @@ from kvcache.errors import KVCacheError
 from kvcache.hashing import BlockHash
 from kvcache.wire_stream import decode_views, encode_pieces
 from node import link_auth as auth
+from node.migration import probe_payload
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,7 @@ class KVLinkServer:
         self._sock: socket.socket | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-link-encode")
+        self._probes: dict[int, bytes] = {}
 
     @property
     def address(self) -> str | None:
@@ -140,6 +143,10 @@ class KVLinkServer:
         return True
 
     def _reply(self, conn: socket.socket, request: dict) -> None:
+        if "probe" in request:
+            payload = self._probe(min(int(request["probe"]), 64 << 20))
+            conn.sendall(_U64.pack(len(payload)) + payload + _U64.pack(0))
+            return
         hashes = [BlockHash(bytes(h)) for h in request["hashes"]]
         per_chunk = max(1, int(request.get("chunk_bytes", self.config.chunk_bytes)) // self.geometry.bytes_per_block)
         handle, blocks = self._on_loop(self._export(hashes))
@@ -155,6 +162,16 @@ class KVLinkServer:
             conn.sendall(_U64.pack(0))
         finally:
             self._on_loop(self._release(handle))
+
+    def prepare_probes(self, sizes) -> None:
+        """Encode probe payloads ahead (in the background), so a probe times the link, not the encoder."""
+        for nbytes in sizes:
+            self._encoder.submit(self._probe, nbytes)
+
+    def _probe(self, nbytes: int) -> bytes:
+        if nbytes not in self._probes:
+            self._probes[nbytes] = probe_payload(self.geometry, nbytes)
+        return self._probes[nbytes]
 
     def _on_loop(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(self.config.io_timeout_s)
@@ -176,8 +193,10 @@ class LinkStream:
         self.buffers = buffers
         self._thread: threading.Thread | None = None
 
-    def start(self, hashes: Sequence[bytes], chunk_bytes: int) -> None:
-        request = msgpack.packb({"hashes": [bytes(h) for h in hashes], "chunk_bytes": chunk_bytes}, use_bin_type=True)
+    def start(self, hashes: Sequence[bytes], chunk_bytes: int, probe_bytes: int = 0) -> None:
+        """Ask for the blocks of `hashes` (or, with `probe_bytes`, a probe payload of about that size)."""
+        ask = {"probe": probe_bytes} if probe_bytes else {"hashes": [bytes(h) for h in hashes], "chunk_bytes": chunk_bytes}
+        request = msgpack.packb(ask, use_bin_type=True)
         self.sock.sendall(_U32.pack(len(request)) + request)
         self._thread = threading.Thread(target=self._receive, name="kv-link-recv", daemon=True)
         self._thread.start()
@@ -264,7 +283,7 @@ def _read_request(conn: socket.socket) -> dict | None:
         raise ValueError(f"request of {size} bytes")
     body = _recv_exact(conn, size)
     request = msgpack.unpackb(body or b"", raw=False) if body is not None else None
-    if not isinstance(request, dict) or not isinstance(request.get("hashes"), list):
+    if not isinstance(request, dict) or not (isinstance(request.get("hashes"), list) or isinstance(request.get("probe"), int)):
         raise ValueError("malformed request")
     return request
 

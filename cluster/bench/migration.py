@@ -4,21 +4,25 @@ One run, two raylets on this machine (loopback; separate network namespaces are 
 here), one node actor on each (node "a" on the head, node "b" on the worker):
 
 1. raw TCP throughput of the loopback link with plain sockets, the ceiling to compare with;
-2. migration throughput of a cached prefix from a to b: `pull_blocks` end to end (export on
-   a, object-store transfer, checks and import on b) and, for payloads already exported,
-   transfer plus import alone;
+2. migration throughput of a prefix from a to b, per size: `pull_blocks` end to end (export
+   on a, transfer, checks and import on b, blocks usable by b's engine) over the direct KV
+   path (`node.kv_link`, the best of `--repeats`) and through Ray's object store, and Ray's
+   object-store transfer alone. These prefixes are placed on a by importing KV made up here
+   (the right hashes, arbitrary values), so sizes past the model's context and repeats cost
+   no prefill: a pull moves bytes, whatever they mean;
 3. time to first token on b of a request whose prefix a holds: migrated first vs recomputed,
    per model (the demo model and the large demo model);
 4. per case (model x prefix length), the router's choice for b (coordinator `route` with a
    excluded) against which of the two measured TTFTs was lower.
 
-    python -m cluster.bench.migration [--prefix-tokens 2048] [--sizes small,large]
+    python -m cluster.bench.migration [--prefix-tokens 2048] [--pull-tokens 2048,8192] [--sizes small,large]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import socket
 import threading
 import time
@@ -32,6 +36,8 @@ class BenchConfig:
     prefix_tokens: int = 2048
     sizes: tuple[str, ...] = ("small", "large")
     tcp_mib: int = 256
+    pull_tokens: tuple[int, ...] = (2048, 8192)
+    repeats: int = 3
     block_size: int = 16
     lengths: dict = field(default_factory=lambda: dict(DEFAULT_LENGTHS))
 
@@ -103,12 +109,13 @@ class NodePair:
         self.block_size = config.block_size
         engine = EngineConfig(model=str(default_demo_model_path(size)), block_size=config.block_size,
                               num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=512)
-        options = dict(heartbeat_s=0.5, model_name=self.model)
+        options = dict(heartbeat_s=0.5, model_name=self.model, link_token=secrets.token_urlsafe(32))
         self.a = start_node_actor(local.head_ray_node_id, node_actor_config(f"a-{size}", engine, **options))
         self.b = start_node_actor(local.worker_nodes[0].node_id, node_actor_config(f"b-{size}", engine, **options))
         self.a_id, self.b_id = f"a-{size}", f"b-{size}"
         self.coordinator = ray.get_actor("orchard-coordinator", namespace="orchard")
         self._seed = 0
+        self.geometry = None  # the KV layout, loaded on first use
 
     def close(self) -> None:
         for actor in (self.a, self.b):
@@ -149,14 +156,39 @@ class NodePair:
             time.sleep(0.1)
         return hashes
 
-    def pull(self, hashes: list[bytes]) -> dict:
-        return self.ray.get(self.b.pull_blocks.remote(self.a, self.a_id, hashes))
+    def pull(self, hashes: list[bytes], via_ray: bool = False) -> dict:
+        """b pulls from a; `via_ray` names a by an id the coordinator has no listener for, so the
+        pull goes through Ray's object store."""
+        source_id = f"{self.a_id}-via-ray" if via_ray else self.a_id
+        report = self.ray.get(self.b.pull_blocks.remote(self.a, source_id, hashes))
+        if not report["ok"] or report["imported"] != len(hashes) or report["via"] != ("ray" if via_ray else "direct"):
+            raise RuntimeError(f"pull fell short: {report}")
+        return report
 
-    def import_ready(self, hashes: list[bytes], chunk_blocks: int) -> dict:
-        """Export first, wait until the payloads sit in a's object store, then time b's import."""
-        refs = [self.a.export_blocks.remote(hashes[i : i + chunk_blocks]) for i in range(0, len(hashes), chunk_blocks)]
-        self.ray.wait(refs, num_returns=len(refs), fetch_local=False)
-        return self.ray.get(self.b.import_blocks.remote(refs, self.a_id))
+    def seed_on_a(self, prefix_tokens: int) -> list[bytes]:
+        """A fresh prefix placed in a's pool by importing made-up KV under its true hashes."""
+        import numpy as np
+
+        from kvcache.hashing import root_hash
+        from kvcache.wire import KVBlockData, encode_blocks
+        from node.models import load_model
+
+        if self.geometry is None:
+            self.geometry = load_model(self.ray.get(self.a.info.remote())["model_path"]).geometry(self.block_size)
+        tokens = self.fresh_prompt(prefix_tokens)[:prefix_tokens]
+        hashes = self.hashes(tokens)
+        spec = self.ray.get(self.coordinator.model_specs.remote())[self.model]
+        parents = [root_hash(spec["fingerprint"], spec["cache_salt"]), *hashes[:-1]]
+        shape = (self.geometry.num_layers, *self.geometry.block_shape)
+        kv = np.random.default_rng(self._seed).standard_normal(shape).astype(self.geometry.numpy_storage_dtype)
+        bs = self.block_size
+        for start in range(0, len(hashes), 64):
+            blocks = [KVBlockData(hashes[i], parents[i], tuple(tokens[i * bs : (i + 1) * bs]), kv, kv)
+                      for i in range(start, min(start + 64, len(hashes)))]
+            report = self.ray.get(self.a.import_blocks.remote([self.ray.put(encode_blocks(self.geometry, blocks))], "bench"))
+            if report["imported"] != len(blocks):
+                raise RuntimeError(f"seeding a fell short: {report}")
+        return hashes
 
     def transfer_only(self, hashes: list[bytes], chunk_blocks: int) -> float:
         """Bytes/s of moving exported payloads from a's object store into b's, nothing else."""
@@ -231,26 +263,28 @@ def run_case(pair: NodePair, tokens_len: int) -> Case:
     return Case(pair.model, tokens_len, migrate_s, recompute_s, migrates, estimate)
 
 
-def throughput(pair: NodePair, config: BenchConfig) -> dict:
+def throughput(pair: NodePair, config: BenchConfig) -> list[dict]:
+    """Per pull size: the direct path's best and median of `repeats` pulls, one pull through Ray,
+    and Ray's object-store transfer alone, each of a fresh prefix."""
     from node.migration import MigrationConfig
 
-    pair.pull(pair.cache_on_a(pair.fresh_prompt(4 * config.block_size)))  # warm: connections, workers
-    prompt = pair.fresh_prompt(config.prefix_tokens)
-    hashes = pair.cache_on_a(prompt)
-    pulled = pair.pull(hashes)
-    other = pair.fresh_prompt(config.prefix_tokens)
-    other_hashes = pair.cache_on_a(other)
-    info = pair.ray.get(pair.a.info.remote())
-    chunk_blocks = max(1, MigrationConfig().chunk_bytes // info["bytes_per_block"])
-    ready = pair.import_ready(other_hashes, chunk_blocks)
-    transfer = max(pair.transfer_only(other_hashes, chunk_blocks) for _ in range(3))
-    return {"pull_Bps": pulled["bytes_per_s"], "ready_Bps": ready["bytes_per_s"], "bytes": pulled["bytes"],
-            "transfer_Bps": transfer}
+    pair.pull(pair.seed_on_a(4 * config.block_size))  # warm: connections, buffers, workers
+    pair.pull(pair.seed_on_a(4 * config.block_size), via_ray=True)
+    chunk_blocks = max(1, MigrationConfig().chunk_bytes // pair.geometry.bytes_per_block)
+    rows = []
+    for tokens in config.pull_tokens:
+        direct = sorted((pair.pull(pair.seed_on_a(tokens)) for _ in range(config.repeats)), key=lambda r: r["bytes_per_s"])
+        through_ray = pair.pull(pair.seed_on_a(tokens), via_ray=True)
+        rows.append({"size": pair.size, "tokens": tokens, "bytes": direct[-1]["bytes"],
+                     "direct_Bps": direct[-1]["bytes_per_s"], "direct_median_Bps": direct[len(direct) // 2]["bytes_per_s"],
+                     "ray_Bps": through_ray["bytes_per_s"],
+                     "transfer_Bps": pair.transfer_only(pair.seed_on_a(tokens), chunk_blocks)})
+    return rows
 
 
 def num_blocks_for(config: BenchConfig, size: str) -> int:
     """Room for every prefix the run caches on one node, so nothing is evicted mid-run."""
-    tokens = 2 * config.prefix_tokens + 2 * sum(config.lengths.get(size, ())) + 256
+    tokens = max(2 * config.prefix_tokens + 2 * sum(config.lengths.get(size, ())), 2 * max(config.pull_tokens)) + 256
     return tokens // config.block_size + 64
 
 
@@ -269,12 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         for size in config.sizes:
             pair = NodePair(local, size, config, num_blocks_for(config, size))
             try:
-                rates = throughput(pair, config)
-                size_cases = [run_case(pair, n) for n in config.lengths.get(size, (config.prefix_tokens,))]
+                rows += throughput(pair, config)
+                cases += [run_case(pair, n) for n in config.lengths.get(size, (config.prefix_tokens,))]
             finally:
                 pair.close()
-            rows.append((size, rates, next(c for c in size_cases if c.tokens == max(c.tokens for c in size_cases))))
-            cases += size_cases
     print_report(config, tcp_Bps, rows, cases, openblas_in_use())
     return 0
 
@@ -284,10 +316,14 @@ def parse_args(argv) -> BenchConfig:
     p.add_argument("--prefix-tokens", type=int, default=2048, help="prefix moved for throughput and the TTFT row")
     p.add_argument("--sizes", default="small,large", help="demo model sizes, comma separated")
     p.add_argument("--tcp-mib", type=int, default=256, help="MiB sent through the raw TCP socket")
+    p.add_argument("--pull-tokens", default="2048,8192", help="prefix sizes pulled for the throughput table")
+    p.add_argument("--repeats", type=int, default=3, help="direct pulls per size (best and median shown)")
     args = p.parse_args(argv)
     sizes = tuple(s for s in args.sizes.split(",") if s)
     lengths = {s: tuple(sorted(set(DEFAULT_LENGTHS.get(s, ())) | {args.prefix_tokens})) for s in sizes}
-    return BenchConfig(prefix_tokens=args.prefix_tokens, sizes=sizes, tcp_mib=args.tcp_mib, lengths=lengths)
+    pull_tokens = tuple(int(n) for n in args.pull_tokens.split(",") if n)
+    return BenchConfig(prefix_tokens=args.prefix_tokens, sizes=sizes, tcp_mib=args.tcp_mib, lengths=lengths,
+                       pull_tokens=pull_tokens, repeats=args.repeats)
 
 
 def print_report(config: BenchConfig, tcp_Bps: float, rows, cases: list[Case], openblas: bool) -> None:
@@ -295,16 +331,13 @@ def print_report(config: BenchConfig, tcp_Bps: float, rows, cases: list[Case], o
     print(f"KV migration, two raylets on loopback (no network namespaces); OpenBLAS preloaded: {openblas}")
     print(f"raw TCP, plain sockets, one stream: {tcp_Bps / gb:.2f} GB/s")
     print()
-    header = f"{'model':<12}{'prefix':>7}{'MiB':>7}{'transfer GB/s':>14}{'% TCP':>7}{'pull GB/s':>10}{'% TCP':>7}" \
-             f"{'ready GB/s':>11}{'% TCP':>7}{'TTFT migr s':>12}{'TTFT recomp s':>14}{'speed-up':>9}"
-    print(header)
-    for size, rates, case in rows:
-        print(f"{'demo-' + size:<12}{case.tokens:>7}{rates['bytes'] / 2**20:>7.1f}"
-              f"{rates['transfer_Bps'] / gb:>14.2f}{100 * rates['transfer_Bps'] / tcp_Bps:>6.0f}%"
-              f"{rates['pull_Bps'] / gb:>10.2f}{100 * rates['pull_Bps'] / tcp_Bps:>6.0f}%"
-              f"{rates['ready_Bps'] / gb:>11.2f}{100 * rates['ready_Bps'] / tcp_Bps:>6.0f}%"
-              f"{case.migrate_ttft_s:>12.3f}{case.recompute_ttft_s:>14.3f}"
-              f"{case.recompute_ttft_s / case.migrate_ttft_s:>8.1f}x")
+    print(f"{'model':<12}{'prefix':>7}{'MiB':>7}{'direct pull GB/s':>17}{'% TCP':>7}{'median':>8}{'% TCP':>7}"
+          f"{'Ray pull GB/s':>14}{'% TCP':>7}{'object store only':>18}{'% TCP':>7}")
+    for row in rows:
+        cells = [row["direct_Bps"], row["direct_median_Bps"], row["ray_Bps"], row["transfer_Bps"]]
+        widths = (17, 8, 14, 18)
+        print(f"{'demo-' + row['size']:<12}{row['tokens']:>7}{row['bytes'] / 2**20:>7.1f}"
+              + "".join(f"{v / gb:>{w}.2f}{100 * v / tcp_Bps:>6.0f}%" for v, w in zip(cells, widths)))
     print()
     print(f"{'model':<12}{'prefix':>7}{'TTFT migr s':>12}{'TTFT recomp s':>14}{'est pull s':>11}{'faster':>10}"
           f"{'router':>10}{'right':>7}")

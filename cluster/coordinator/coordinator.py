@@ -123,13 +123,18 @@ class Coordinator:
         counts.blocks += int(report.get("imported", 0))
         counts.failures += not report.get("ok", True)
         if report.get("ok", True) and report.get("bytes_per_s") and report.get("source"):
-            self.record_transfer(report["source"], target, float(report["bytes"]), float(report["seconds"]))
+            self.record_transfer(report["source"], target, float(report["bytes"]), float(report["seconds"]),
+                                 str(report.get("via", "ray")))
 
-    def record_transfer(self, source: NodeId, target: NodeId, nbytes: float, seconds: float) -> None:
-        """One measured move of `nbytes` (a pull or a probe): feeds the link's rate and latency."""
+    def record_transfer(self, source: NodeId, target: NodeId, nbytes: float, seconds: float, via: str = "ray") -> None:
+        """One measured move of `nbytes` (a pull or a probe) over path `via`: feeds the link's rate and
+        fixed cost; the first move over another path than the fit's starts the pair's fit afresh."""
         if nbytes > 0 and seconds > 0:
             self.membership.record_link_rate(source, target, nbytes / seconds)
-            self._links.setdefault((source, target), LinkCostFit()).add(nbytes, seconds)
+            fit = self._links.get((source, target))
+            if fit is None or fit.path != via:
+                fit = self._links[(source, target)] = LinkCostFit(path=via)
+            fit.add(nbytes, seconds)
 
     def migration_failed(self, target: NodeId, source: NodeId, reason: str) -> None:
         """A pull that could not report itself (the call to the target failed)."""

@@ -17,8 +17,12 @@ class LinkCostFit:
     a rate alone would make a two-block pull look nearly free. Exponentially weighted
     moments give a least-squares line that follows the link as it changes. Until
     transfers of different sizes were seen, the line goes through the origin.
+
+    One fit per (source, target) and path: the direct KV link and Ray's object store are
+    different pipelines (several times apart in rate), so samples of one never fit the other.
     """
 
+    path: str = "ray"  # which path the samples went over: "ray" or "direct" (`node.kv_link`)
     alpha: float = 0.3
     samples: int = 0
     mean_bytes: float = 0.0
@@ -54,3 +58,7 @@ class LinkCostFit:
     @property
     def latency_s(self) -> float:
         return max(0.0, self.mean_seconds - self._slope * self.mean_bytes) if self.samples else 0.0
+
+    def estimate_s(self, nbytes: float) -> float | None:
+        """Seconds a move of `nbytes` is expected to take over this link; None before any sample."""
+        return self.latency_s + nbytes * self._slope if self.samples else None

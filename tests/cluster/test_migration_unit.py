@@ -318,6 +318,26 @@ def test_link_fit_of_one_size_goes_through_the_origin():
     assert (fit.latency_s, fit.bytes_per_s) == (0.0, pytest.approx(1e8))
 
 
+def test_link_fit_estimates_a_moves_seconds_from_both_terms():
+    fit = LinkCostFit()
+    assert fit.estimate_s(1e6) is None
+    for nbytes in (1e6, 1e8, 1e6, 1e8):
+        fit.add(nbytes, 0.005 + nbytes / 2e9)
+    assert fit.estimate_s(4e8) == pytest.approx(0.005 + 0.2, rel=1e-6)
+
+
+def test_moves_over_another_path_start_the_pairs_fit_afresh():
+    coord, _ = coordinator_with("a", "b")
+    for nbytes in (65536, 8 << 20):  # the Ray probes of a join: 0.5 GB/s, 20 ms fixed
+        coord.record_transfer("a", "b", nbytes, 0.020 + nbytes / 5e8, "ray")
+    assert coord.link_latency("a", "b") == pytest.approx(0.020, rel=1e-3)
+    for nbytes in (65536, 8 << 20, 65536, 8 << 20):  # then pulls over the direct path: 2 GB/s, 1 ms fixed
+        coord.migration_report("b", {"source": "a", "ok": True, "imported": 1, "bytes": nbytes,
+                                     "seconds": 0.001 + nbytes / 2e9, "bytes_per_s": 1.0, "via": "direct"})
+    assert coord.link_rate("a", "b") == pytest.approx(2e9, rel=1e-3)
+    assert coord.link_latency("a", "b") == pytest.approx(0.001, rel=1e-3)
+
+
 def test_a_pull_whose_fixed_cost_exceeds_the_prefill_is_not_planned():
     coord, _ = coordinator_with("a", "b", prefill_tps=1000.0, bytes_per_block=65536)
     hashes = [bytes([i]) * 16 for i in range(2)]

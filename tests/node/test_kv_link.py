@@ -146,6 +146,16 @@ def test_pull_from_an_address_where_nothing_listens_is_no_direct_path(nodes):
     assert paths["b"].mover.counters.migration_failures == failures
 
 
+def test_a_probe_over_the_direct_path_times_a_verified_payload_of_the_size_asked(nodes):
+    loop, paths = nodes
+
+    async def resolve(_peer):
+        return paths["a"].address
+
+    nbytes, seconds = loop.run_until_complete(paths["b"].probe("a", 1 << 20, resolve))
+    assert (1 << 20) <= nbytes < (1 << 20) + 2 * paths["a"].mover.geometry.bytes_per_block and seconds > 0
+
+
 @pytest.mark.parametrize("damage", ["flipped", "cut-off", "foreign"])
 def test_damaged_replies_are_refused_counted_and_the_request_recomputes(nodes, monkeypatch, damage):
     loop, paths = nodes
