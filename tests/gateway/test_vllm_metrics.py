@@ -1,9 +1,11 @@
 """A live `orchard serve --no-ray`'s /metrics against what Grafana dashboards query.
 
-vLLM's own dashboard (vllm-project/vllm, examples/online_serving/prometheus_grafana/grafana.json)
-queries the families listed below, each filtered by `model_name`; after a couple of requests
-every one of them is present here with its type and labels, so that dashboard works as it
-is. The project's own dashboard (deploy/grafana/orchard.json) is loaded too, and every
+vLLM's own dashboard (vllm-project/vllm, examples/online_serving/prometheus_grafana/grafana.json,
+moved to examples/observability/prometheus_grafana/ later) queries the families listed
+below, each filtered by `model_name`; the later version swaps time_per_output_token for
+inter_token_latency and gpu_cache_usage_perc for kv_cache_usage_perc. After a couple of
+requests every one of them is present here with its type and labels, so either version of
+that dashboard works as it is. The project's own dashboard (deploy/grafana/orchard.json) is loaded too, and every
 metric its queries name must exist in the same scrape.
 """
 
@@ -43,7 +45,7 @@ VLLM_DASHBOARD = {
     "vllm:request_decode_time_seconds": ("histogram", {"model_name"}),
     "vllm:request_max_num_generation_tokens": ("histogram", {"model_name"}),
 }
-# Newer vLLM names for the same figures, which newer dashboards query instead.
+# The later dashboard's names for two of them, and other vLLM names for figures this server has.
 VLLM_NEWER = {
     "vllm:kv_cache_usage_perc": ("gauge", {"model_name"}),
     "vllm:inter_token_latency_seconds": ("histogram", {"model_name"}),
