@@ -93,6 +93,7 @@ class Generation:
                 yield i, out
         finally:
             self._give_back_places()
+            self._count_aborted(set(range(len(jobs))) - finished, params)
             with anyio.CancelScope(shield=True):
                 for i, job in enumerate(jobs):
                     if i not in finished:
@@ -103,8 +104,17 @@ class Generation:
         if self.admission is not None:
             self.admission.release_all()
 
+    def _count_aborted(self, jobs: set[int], params: SamplingParams) -> None:
+        """Jobs cut off after their first tokens (client gone, timeout) finish as `abort`, as in vLLM."""
+        for i in jobs:
+            times = self._times[i]
+            if times.node is not None:
+                self.metrics.finished(times, self.info.name, times.node, ["abort"] * max(1, len(times.tokens)),
+                                      params.max_tokens)
+
     def _observe(self, job: int, out: RequestOutput, params: SamplingParams) -> None:
         times, node, model = self._times[job], out.node_id or "local", self.info.name
+        times.node = node
         delivered = sum(len(c.token_ids_delta) for c in out.outputs)
         if delivered:
             now = time.perf_counter()

@@ -43,6 +43,7 @@ class JobTimes:
     prompt_tokens: int
     first: float | None = None
     last: float | None = None
+    node: str | None = None  # the node that answered, once one has
     tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens generated
 
 

@@ -1,10 +1,15 @@
-"""The nodes' figures as Prometheus families, from scripted cluster snapshots (no engine)."""
+"""The nodes' figures as Prometheus families from scripted cluster snapshots, and request figures of a cut-off job (no engine)."""
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.gateway.backend import ModelInfo
+from cluster.gateway.jobs import Generation, Job
 from cluster.gateway.metrics import GatewayMetrics
+from node.types import CompletionOutput, RequestOutput, SamplingParams
 
 
 def snapshot(generated: int, decisions: list[dict] | None = None, model: str = "m") -> dict:
@@ -47,3 +52,33 @@ def test_routing_decisions_are_counted_by_node_and_reason_and_absent_without_a_c
 def test_a_cluster_serving_several_models_labels_each_node_with_its_own():
     out = samples(GatewayMetrics().render(snapshot(1, model="x, y")))
     assert ("vllm:num_requests_running", (("model_name", "real/path"), ("node", "a"))) in out
+
+
+class OneTokenThenWaits:
+    """A backend whose job sends one token and then never finishes (until aborted)."""
+
+    def __init__(self):
+        self.aborted: list[str] = []
+
+    async def generate(self, request_id, model, prompt_token_ids, params):
+        yield RequestOutput(request_id, prompt_token_ids, [CompletionOutput(0, token_ids_delta=[7])], node_id="n1")
+        await asyncio.Event().wait()
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+
+
+def test_a_job_cut_off_after_its_first_token_finishes_as_abort_on_its_node():
+    backend, metrics = OneTokenThenWaits(), GatewayMetrics()
+    generation = Generation(backend, ModelInfo("m", 64, None), None, metrics, timeout_s=None)
+
+    async def first_output_then_leave():
+        events = generation.outputs([Job("r1", [1, 2, 3])], SamplingParams(max_tokens=5))
+        await anext(events)
+        await events.aclose()
+
+    asyncio.run(first_output_then_leave())
+    out = samples(metrics.render({"nodes": []}))
+    labels = (("finished_reason", "abort"), ("model_name", "m"), ("node", "n1"))
+    assert out[("vllm:request_success_total", labels)] == 1 and backend.aborted == ["r1"]
+    assert out[("vllm:prompt_tokens_total", (("model_name", "m"), ("node", "n1")))] == 3
