@@ -140,3 +140,18 @@ def test_dashboard_without_a_key_asks_for_one(served):
         page.wait_for("document.body.dataset.state === 'needs-key'", timeout_s=60)
         assert page.evaluate("document.getElementById('key-form').hidden") is False
         assert page.evaluate(ROWS) == 0
+
+
+def test_metrics_over_ray_label_each_node_and_count_routing_reasons(served):
+    """The same server's /metrics: vLLM's per-node families name both nodes, and the
+    coordinator's decisions (warm-up and the two completions above) are counted by reason."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, url = served
+    nodes = sorted(n["node"] for n in httpx.get(url + "/v1/cluster", headers=AUTH, timeout=30).json()["nodes"])
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text)}
+    assert sorted(s.labels["node"] for s in families["vllm:kv_cache_usage_perc"].samples) == nodes
+    routed = [s for s in families["orchard_routing_decisions"].samples if s.name.endswith("_total")]
+    assert {s.labels["node"] for s in routed} <= set(nodes)
+    assert {s.labels["reason"] for s in routed} <= {"prefix-hit", "load", "migrate", "only-node"}
+    assert sum(s.value for s in routed) >= 2
