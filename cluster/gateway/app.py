@@ -29,6 +29,7 @@ from cluster.gateway.errors import (
     install_error_handlers,
 )
 from cluster.gateway.guard import RequestGuard
+from cluster.gateway.messages_api import OPENAPI_MODELS as MESSAGES_OPENAPI_MODELS
 from cluster.gateway.messages_api import install_messages_api
 from cluster.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from cluster.gateway.protocol import (
@@ -87,7 +88,8 @@ def _truthful_openapi(app: FastAPI) -> None:
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
             _, extra = models_json_schema(
-                [(m, "serialization") for m in _STREAM_ONLY_MODELS], ref_template="#/components/schemas/{model}"
+                [(m, "serialization") for m in _STREAM_ONLY_MODELS] + MESSAGES_OPENAPI_MODELS,
+                ref_template="#/components/schemas/{model}",
             )
             for name, definition in extra.get("$defs", {}).items():
                 components.setdefault(name, definition)

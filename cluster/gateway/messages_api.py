@@ -22,6 +22,7 @@ from cluster.gateway.chat_serving import ChatRun, ChatServing
 from cluster.gateway.errors import InvalidRequest, Unauthorized, as_api_error, validation_message
 from cluster.gateway.guard import presented_key
 from cluster.gateway.messages_protocol import (
+    AnthropicError,
     CountTokensRequest,
     CountTokensResponse,
     MessageParam,
@@ -245,6 +246,26 @@ class MessagesServing:
                 yield blocks.delta({"type": "input_json_delta", "partial_json": piece.function.arguments})
 
 
+#: Models /openapi.json lists for these routes (their bodies are read here, so FastAPI does not see them).
+OPENAPI_MODELS = [(MessagesRequest, "validation"), (CountTokensRequest, "validation"),
+                  (MessageResponse, "serialization"), (CountTokensResponse, "serialization"),
+                  (AnthropicError, "serialization")]
+
+
+def _ref(model: type) -> dict:
+    return {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}
+
+
+def _openapi(body: type, answer: type, stream: bool) -> dict:
+    ok = {"application/json": _ref(answer)}
+    if stream:
+        ok["text/event-stream"] = {"schema": {"type": "string", "description": "Anthropic's stream events"}}
+    errors = {str(s): {"description": "an error, in Anthropic's shape", "content": {"application/json": _ref(AnthropicError)}}
+              for s in (400, 401, 404, 413, 429, 503, 504)}
+    return {"requestBody": {"required": True, "content": {"application/json": _ref(body)}},
+            "responses": {"200": {"description": "the answer", "content": ok}, **errors}}
+
+
 def install_messages_api(app: FastAPI, chats: ChatServing, api_keys: frozenset[str]) -> None:
     messages = MessagesServing(chats)
 
@@ -252,7 +273,7 @@ def install_messages_api(app: FastAPI, chats: ChatServing, api_keys: frozenset[s
         if api_keys and presented_key(request.scope) not in api_keys:
             raise Unauthorized("Missing or invalid API key: send 'x-api-key: <key>' or 'Authorization: Bearer <key>'.")
 
-    @app.post("/v1/messages", include_in_schema=False)
+    @app.post("/v1/messages", openapi_extra=_openapi(MessagesRequest, MessageResponse, stream=True))
     async def create_message(request: Request):
         try:
             check_key(request)
@@ -263,7 +284,7 @@ def install_messages_api(app: FastAPI, chats: ChatServing, api_keys: frozenset[s
         except Exception as exc:
             return error_response(exc)
 
-    @app.post("/v1/messages/count_tokens", include_in_schema=False)
+    @app.post("/v1/messages/count_tokens", openapi_extra=_openapi(CountTokensRequest, CountTokensResponse, stream=False))
     async def count_message_tokens(request: Request):
         try:
             check_key(request)
