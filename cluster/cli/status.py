@@ -23,11 +23,12 @@ def run(args) -> int:
     from cluster.runtime.ray_cluster import connect
 
     where = "" if args.address in ("auto", "", None) else f" at {args.address}"
-    if not reachable(args.address):
+    address = local_cluster_address() if args.address in ("auto", "", None) else args.address
+    if address is None or not reachable(address):
         print(NO_CLUSTER.format(where=where), file=sys.stderr)
         return 1
     try:
-        connect(args.address)
+        connect(address)
     except ConnectionError:  # Ray found no running instance to join
         print(NO_CLUSTER.format(where=where), file=sys.stderr)
         return 1
@@ -42,6 +43,17 @@ def run(args) -> int:
     else:
         print_table(info)
     return 0
+
+
+def local_cluster_address() -> str | None:
+    """The cluster this machine started last (`RAY_ADDRESS`, or the address file `ray start` and
+    `orchard head` leave in Ray's temp dir); None when there is none. Ray's own "auto" would
+    also attach to any Ray process it finds running here, someone else's included."""
+    import os
+
+    from ray._private.utils import read_ray_address
+
+    return os.environ.get("RAY_ADDRESS") or read_ray_address()
 
 
 def reachable(address: str | None, timeout_s: float = 2.0) -> bool:
