@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from llguidance import LLMatcher
-from llguidance.gbnf_to_lark import any_to_lark
+from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
 from node.types import InvalidSamplingParams
 
@@ -84,7 +84,7 @@ def _parse_json(text: str) -> Any:
 def _compile(kind: Kind, source: str) -> str:
     try:
         grammar = _to_llguidance(kind, source)
-    except (ValueError, KeyError, TypeError) as exc:  # a malformed schema or GBNF text
+    except (ValueError, KeyError, TypeError, GbnfToLarkError) as exc:  # a malformed schema or GBNF text
         raise UnsupportedConstraint(str(exc)) from None
     is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:

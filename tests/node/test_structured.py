@@ -63,6 +63,7 @@ def test_constraint_kinds_compile_from_the_gateway_shape():
     {"json_schema": "{not json"},
     {"regex": "[a-z"},
     {"grammar": "start: undefined_rule"},
+    {"grammar": "0"},  # neither Lark nor GBNF
     {"choice": []},
     {"regex": EMAIL, "choice": ["a"]},
 ])
