@@ -91,7 +91,7 @@ class DirectPath:
             return None
 
     async def _receive(self, sock, wanted: list[BlockHash], result: PullResult, started: float) -> PullResult:
-        buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(2)]
+        buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(3)]  # in flight, decoding, importing
         stream = LinkStream(sock, buffers, self.mover.geometry)
         try:
             stream.start(wanted, self.config.chunk_bytes)

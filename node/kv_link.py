@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
 import socket
 import struct
 import threading
@@ -224,20 +225,32 @@ class LinkStream:
         self._loop.call_soon(self._free.put_nowait, None)  # wakes a receiver waiting for a buffer
 
     def _receive(self) -> None:
+        """Socket to buffers; a second thread verifies and decodes, so chunk i+1 arrives meanwhile."""
+        received: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._decode, args=(received,), name="kv-link-decode", daemon=True).start()
         try:
             while (size := _U64.unpack(_recv_exact(self.sock, 8) or _eof())[0]) != 0:
                 buffer = asyncio.run_coroutine_threadsafe(self._free.get(), self._loop).result()
                 if buffer is None:
-                    return
-                if len(buffer) < size:
-                    buffer.extend(bytes(size - len(buffer)))  # grown once, then kept across pulls
-                view = memoryview(buffer)[:size]
-                if not _recv_into(self.sock, view):
+                    break
+                if len(buffer) < size:  # a new one (views of the old may live on), kept across pulls
+                    self.buffers[self.buffers.index(buffer)] = buffer = bytearray(size)
+                if not _recv_into(self.sock, memoryview(buffer)[:size]):
                     _eof()
-                self._put((buffer, size, decode_views(view, self.geometry)))
-            self._put(None)
-        except (OSError, RuntimeError, KVCacheError) as exc:  # a refused payload is raised to the caller as is
-            self._put(exc)
+                received.put((buffer, size))
+            received.put(None)
+        except Exception as exc:  # noqa: BLE001 - whatever stops the thread must reach the caller
+            received.put(exc if isinstance(exc, OSError) else ConnectionError(f"{type(exc).__name__}: {exc}"))
+
+    def _decode(self, received: queue.SimpleQueue) -> None:
+        while isinstance(item := received.get(), tuple):
+            buffer, size = item
+            try:
+                self._put((buffer, size, decode_views(memoryview(buffer)[:size], self.geometry)))
+            except KVCacheError as exc:  # a refused payload is raised to the caller as is
+                self._put(exc)
+                return
+        self._put(item)  # the end, or what broke the connection
 
     def _put(self, item) -> None:
         try:
