@@ -22,6 +22,29 @@ from kvcache.geometry import KVGeometry
 NULL_BLOCK = 0
 
 
+def _as_run(blocks: Sequence[np.ndarray]) -> np.ndarray | None:
+    """`blocks` as one `[n, ...]` strided view when they lie equally spaced in one buffer (as
+    `kvcache.wire_stream.decode_views` hands them out), else None."""
+    if len(blocks) < 2 or _owner(blocks[0]) is None or any(_owner(b) is not _owner(blocks[0]) for b in blocks):
+        return None
+    if any(not b.flags.c_contiguous or b.dtype != blocks[0].dtype for b in blocks):
+        return None
+    addresses = [b.__array_interface__["data"][0] for b in blocks]
+    step = addresses[1] - addresses[0]
+    if step < blocks[0].nbytes or any(b - a != step for a, b in zip(addresses, addresses[1:])):
+        return None
+    first = blocks[0]
+    return np.lib.stride_tricks.as_strided(first, (len(blocks), *first.shape), (step, *first.strides), writeable=False)
+
+
+def _owner(array: np.ndarray):
+    """The object whose memory `array` views (a memoryview's underlying buffer), or None."""
+    base = array.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return base.obj if isinstance(base, memoryview) else base
+
+
 def _host_memory() -> bool:
     """Whether MLX arrays live in memory numpy can address: the CPU, or Metal's unified memory."""
     return mx.default_device() == mx.cpu or mx.metal.is_available()
@@ -90,9 +113,16 @@ class KVPool:
             self.write_blocks(ids, np.stack(keys, axis=1), np.stack(values, axis=1))
             return
         shape = (self.geometry.num_layers, *self.geometry.block_shape)
+        if any(k.shape != shape or v.shape != shape for k, v in zip(keys, values)):
+            raise ValueError(f"every block's K/V must have shape {shape}")
+        runs = _as_run(keys), _as_run(values)
+        if runs[0] is not None and runs[1] is not None:  # equally spaced in one buffer: a copy per layer
+            index = np.asarray(ids)
+            for layer in range(self.geometry.num_layers):
+                views[0][layer][index] = runs[0][:, layer]
+                views[1][layer][index] = runs[1][:, layer]
+            return
         for block_id, k, v in zip(ids, keys, values):
-            if k.shape != shape or v.shape != shape:
-                raise ValueError(f"a block's K/V have shapes {k.shape}/{v.shape}, expected {shape}")
             for layer in range(self.geometry.num_layers):
                 views[0][layer][block_id] = k[layer]
                 views[1][layer][block_id] = v[layer]

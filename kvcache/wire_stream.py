@@ -5,9 +5,10 @@ copies of every KV byte (msgpack's buffer on the way out, msgpack's bin objects 
 way in). A socket does not need one object: `encode_pieces` lays the very same bytes
 out as a list of small msgpack headers and buffers that point into the pool's arrays,
 so a scatter-gather send reads the KV where it lies; `decode_views` reads a received
-payload in place and hands back numpy views into it. Both are byte-for-byte the
-format `kvcache.wire` defines (tests pin it), so a payload made either way is read
-either way.
+payload in place and hands back numpy views into it. Both are the format `kvcache.wire`
+defines, field for field (tests pin that each reads the other's payloads); the one
+liberty taken is msgpack's: token ids are written at one width, so equal blocks are
+equally spaced.
 
 The reader knows only the msgpack forms the writer emits (fixmap/map16, str8, ints,
 nil, bin, arrays); anything else is refused as corrupt. The checksum is verified on the
@@ -66,7 +67,7 @@ def encode_pieces(geometry: KVGeometry, blocks: Sequence[BlockPieces]) -> list[P
             raise ValueError(f"a block holds 1..{geometry.block_size} tokens, got {len(block.token_ids)}")
         parent = b"\xc0" if block.parent_hash is None else _bin_header(len(block.parent_hash)) + bytes(block.parent_hash)
         head += b"\x85\xa4hash" + _bin_header(len(block.block_hash)) + bytes(block.block_hash) + b"\xa6parent" + parent
-        head += b"\xa6tokens" + pack([int(t) for t in block.token_ids]) + b"\xa1k" + kv_header
+        head += b"\xa6tokens" + _tokens(block.token_ids, pack) + b"\xa1k" + kv_header
         pieces.append(bytes(head))
         pieces.extend(_checked_layers(block.keys, geometry, layer_bytes))
         pieces.append(b"\xa1v" + kv_header)
@@ -112,6 +113,19 @@ def _checked_layers(layers: Sequence[Piece], geometry: KVGeometry, layer_bytes: 
     if any(len(layer) != layer_bytes for layer in out):
         raise ValueError(f"each layer of a block holds {layer_bytes} bytes, got {[len(x) for x in out]}")
     return out
+
+
+_TOKEN = struct.Struct(">BI")
+
+
+def _tokens(token_ids: Sequence[int], pack) -> bytes:
+    """Token ids as msgpack uint32s, every one the same width (msgpack's packer picks the
+    narrowest): blocks of one shape are then equally spaced in a payload, and a reader can
+    take all their K (or V) as one strided array (`kvcache.pool.KVPool.write_block_arrays`)."""
+    ids = [int(t) for t in token_ids]
+    if not all(0 <= t < 1 << 32 for t in ids):
+        return pack(ids)
+    return _array_header(len(ids)) + b"".join(_TOKEN.pack(0xCE, t) for t in ids)
 
 
 def _map_header(n: int) -> bytes:

@@ -34,9 +34,21 @@ def as_pieces(data: list[KVBlockData]) -> list[BlockPieces]:
     return [BlockPieces(b.block_hash, b.parent_hash, b.token_ids, list(b.keys), list(b.values)) for b in data]
 
 
-def test_pieces_join_to_the_bytes_encode_blocks_makes():
+def test_pieces_are_a_payload_decode_blocks_reads_as_the_same_blocks():
     data = blocks()
-    assert b"".join(bytes(p) for p in encode_pieces(GEOMETRY, as_pieces(data))) == encode_blocks(GEOMETRY, data)
+    payload = b"".join(bytes(p) for p in encode_pieces(GEOMETRY, as_pieces(data)))
+    for ours, theirs in zip(decode_blocks(payload, GEOMETRY), data, strict=True):
+        assert (ours.block_hash, ours.parent_hash, ours.token_ids) == (theirs.block_hash, theirs.parent_hash, theirs.token_ids)
+        assert np.array_equal(ours.keys, theirs.keys) and np.array_equal(ours.values, theirs.values)
+
+
+def test_full_blocks_lie_equally_spaced_so_a_pool_takes_them_as_one_strided_run():
+    from kvcache.pool import _as_run
+
+    data = blocks()[:-1]  # token ids of 1 to 3 bytes in msgpack's narrowest forms; all full
+    views = decode_views(bytearray(b"".join(bytes(p) for p in encode_pieces(GEOMETRY, as_pieces(data)))), GEOMETRY)
+    run = _as_run([v.keys for v in views])
+    assert run is not None and np.array_equal(run, np.stack([b.keys for b in data]))
 
 
 def test_views_read_what_decode_blocks_reads_without_copying():
