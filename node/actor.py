@@ -166,6 +166,7 @@ class NodeActor:
             "model": self.model_name,
             "kv_migrated_blocks": counters.migrated_blocks,
             "kv_migration_failures": counters.migration_failures,
+            "kv_link_refused": self.direct.refused,  # connections to this node's listener that failed the handshake
         }
 
     # ---- KV migration --------------------------------------------------------------

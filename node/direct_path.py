@@ -36,6 +36,11 @@ class DirectPath:
     def address(self) -> str | None:
         return self.server.address if self.server is not None else None
 
+    @property
+    def refused(self) -> int:
+        """Connections to our listener that did not prove the key."""
+        return self.server.counters.refused if self.server is not None else 0
+
     def start(self, loop: asyncio.AbstractEventLoop) -> str | None:
         """Listen (only when a key is set); returns "host:port" or None."""
         if self.key is None or self.server is not None:

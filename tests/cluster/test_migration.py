@@ -220,6 +220,16 @@ def test_nodes_listen_on_loopback_and_the_coordinator_knows_where(cluster):
         assert address == ray.get(actor.info.remote())["kv_link"] and address.startswith("127.0.0.1:")
 
 
+def test_a_node_refuses_and_counts_a_connection_without_the_cluster_key(cluster):
+    from node.kv_link import KVLinkConfig, LinkRefused, connect
+    from node.link_auth import link_key
+
+    before = ray.get(cluster["a"].stats.remote())["kv_link_refused"]
+    with pytest.raises(LinkRefused):
+        connect(ray.get(coordinator().kv_link.remote("a")), link_key("not-" + LINK_TOKEN), "a", KVLinkConfig())
+    assert wait_for(lambda: ray.get(cluster["a"].stats.remote())["kv_link_refused"] == before + 1)
+
+
 def test_a_source_whose_listener_is_unreachable_is_pulled_through_ray(cluster):
     import socket
 

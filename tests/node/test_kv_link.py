@@ -83,6 +83,7 @@ def test_a_wrong_key_is_refused_and_counted(nodes):
     with pytest.raises(LinkRefused):
         connect(server.address, auth.link_key("another-cluster-token-of-32-characters!"), "a", CONFIG)
     assert wait_until(lambda: server.counters.refused == refused + 1)
+    assert paths["a"].refused == server.counters.refused
 
 
 def test_a_client_without_the_handshake_is_refused_before_anything_is_read(nodes):
