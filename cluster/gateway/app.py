@@ -47,6 +47,7 @@ from cluster.gateway.protocol import (
 from cluster.gateway.responses_api import install_responses_api
 from cluster.gateway.serving import SSE_DONE, CompletionServing, sse_error
 from cluster.gateway.state import Gateway, GatewayConfig
+from cluster.gateway.utility_api import install_utility_api
 
 
 def _sse_doc(chunk_model: type) -> dict:
@@ -223,6 +224,7 @@ def create_app(backend: Backend, config: GatewayConfig | None = None) -> FastAPI
     install_messages_api(app, chats, config.api_keys)
     install_responses_api(app, chats, auth, generation_errors)
     install_dashboard(app, gw, auth, declared_errors(*auth_errors, 503))
+    install_utility_api(app, gw, chats, auth, declared_errors(400, *auth_errors, 404, 503))
     _truthful_openapi(app)
     endpoints = {route.path for route in app.routes}
     app.add_middleware(_EndCutStreams)
