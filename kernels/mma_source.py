@@ -152,21 +152,7 @@ MMA_BODY = r"""
       const int j = idx / CHUNKS;
       const int c = idx % CHUNKS;
       const int t = base + j;
-      ROW_ALIGN T k_row[VEC];
-      ROW_ALIGN T v_row[VEC];
-      if (t < kv_end) {
-        const size_t slot = size_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE;
-        const size_t at = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + c * VEC;
-        COPY_VEC(k_row, key_cache + at);
-        COPY_VEC(v_row, value_cache + at);
-      } else {
-        // Zeros, not the pool's contents: a weight of 0 times an unowned (NaN) slot would still be NaN.
-        #pragma unroll
-        for (int e = 0; e < VEC; ++e) {
-          k_row[e] = static_cast<T>(0.0f);
-          v_row[e] = static_cast<T>(0.0f);
-        }
-      }
+@KV_CHUNK@
       COPY_VEC(k_tile + j * STRIDE + c * VEC, k_row);
       COPY_VEC(v_tile + j * STRIDE + c * VEC, v_row);
     }
@@ -297,5 +283,5 @@ def supports(head_dim: int) -> bool:
 
 def render() -> tuple[str, str]:
     constants = f"  constexpr int ROW_PAD = {ROW_PAD};\n"
-    body = MMA_BODY.replace("@UNIT@", source.VARLEN_UNIT)
+    body = source.render_shared(MMA_BODY)
     return MMA_HEADER, MMA_PROLOGUE + source._field_count("UNIT_FIELDS", source.UNIT_FIELDS) + constants + body

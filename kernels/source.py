@@ -409,20 +409,7 @@ VARLEN_BODY = r"""
       const int j = idx % KV_TILE;
       const int c = idx / KV_TILE;
       const int t = base + j;
-      ROW_ALIGN T k_row[VEC];
-      ROW_ALIGN T v_row[VEC];
-      if (t < kv_end) {
-        const size_t slot = size_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE;
-        const size_t at = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + c * VEC;
-        COPY_VEC(k_row, key_cache + at);
-        COPY_VEC(v_row, value_cache + at);
-      } else {
-        // Zeros, not the pool's contents: a weight of 0 times an unowned (NaN) slot would still be NaN.
-        for (int e = 0; e < VEC; ++e) {
-          k_row[e] = static_cast<T>(0.0f);
-          v_row[e] = static_cast<T>(0.0f);
-        }
-      }
+@KV_CHUNK@
       for (int e = 0; e < VEC; ++e) {
         k_tile[(c * VEC + e) * KV_TILE + j] = k_row[e];
       }
@@ -550,6 +537,25 @@ VARLEN_UNIT = r"""
   const int active_rows = query_count * HEADS_PER_TILE;
 """
 
+#: One 16-byte chunk `c` of key `t`'s K and V row, read through the block table into registers
+#: (k_row, v_row); zeros past the unit's context. Shared by both varlen bodies.
+VARLEN_KV_CHUNK = r"""
+      ROW_ALIGN T k_row[VEC];
+      ROW_ALIGN T v_row[VEC];
+      if (t < kv_end) {
+        const size_t slot = size_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE;
+        const size_t at = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + c * VEC;
+        COPY_VEC(k_row, key_cache + at);
+        COPY_VEC(v_row, value_cache + at);
+      } else {
+        // Zeros, not the pool's contents: a weight of 0 times an unowned (NaN) slot would still be NaN.
+        for (int e = 0; e < VEC; ++e) {
+          k_row[e] = static_cast<T>(0.0f);
+          v_row[e] = static_cast<T>(0.0f);
+        }
+      }
+"""
+
 VARLEN_MERGE_BODY = r"""
   constexpr float NEG_BIG = -1.0e30f;
   // Field 0 (the packed query row) is where the host scatters the merged row; the kernel writes row split_row.
@@ -604,7 +610,12 @@ def render_reduce(dialect: str) -> tuple[str, str]:
 def render_varlen(dialect: str) -> tuple[str, str]:
     """(header, body) of the varlen kernel: one work unit (query tile x context partition) per threadgroup."""
     header = DIALECTS[dialect][0]
-    return header, VARLEN_DIALECTS[dialect][0] + _field_count("UNIT_FIELDS", UNIT_FIELDS) + VARLEN_BODY.replace("@UNIT@", VARLEN_UNIT)
+    return header, VARLEN_DIALECTS[dialect][0] + _field_count("UNIT_FIELDS", UNIT_FIELDS) + render_shared(VARLEN_BODY)
+
+
+def render_shared(body: str) -> str:
+    """A varlen body with the snippets both bodies share filled in."""
+    return body.replace("@UNIT@", VARLEN_UNIT).replace("@KV_CHUNK@", VARLEN_KV_CHUNK)
 
 
 def render_varlen_merge(dialect: str) -> tuple[str, str]:

@@ -30,8 +30,7 @@ class NodeStreams:
     def __init__(self):
         self.receiver = f"gateway-{uuid.uuid4().hex[:12]}"
         self._queues: dict[tuple[str, str], asyncio.Queue] = {}
-        self._readers: dict[str, asyncio.Task] = {}
-        self._names: dict[str, str] = {}  # node -> receiver name of its current reader
+        self._readers: dict[str, tuple[asyncio.Task, str]] = {}  # node -> its reader and receiver name
         self._numbers = itertools.count()
         self.messages = 0  # messages received, for tests and stats: about one per engine step
         self.outputs = 0
@@ -42,18 +41,17 @@ class NodeStreams:
         stream left behind by an ended event loop never takes another reader's outputs)."""
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[(node_id, request_id)] = queue
-        reader = self._readers.get(node_id)
+        reader, name = self._readers.get(node_id, (None, ""))
         if reader is None or reader.done():
             name = f"{self.receiver}-{next(self._numbers)}"
-            reader = asyncio.get_running_loop().create_task(self._read(node_id, actor, name))
-            self._readers[node_id], self._names[node_id] = reader, name
-        return queue, self._names[node_id]
+            self._readers[node_id] = (asyncio.get_running_loop().create_task(self._read(node_id, actor, name)), name)
+        return queue, name
 
     def close(self, node_id: str, request_id: str) -> None:
         self._queues.pop((node_id, request_id), None)
 
     def shutdown(self) -> None:
-        for reader in self._readers.values():
+        for reader, _ in self._readers.values():
             reader.cancel()
 
     async def _read(self, node_id: str, actor, name: str) -> None:
@@ -74,7 +72,7 @@ class NodeStreams:
         except Exception as exc:  # the actor died, its raylet went away, or Ray is shutting down
             lost = NodeLost(repr(exc))
         log.warning("output stream of node %s closed: %s", node_id, lost)
-        if self._readers.get(node_id) is asyncio.current_task():
+        if self._readers.get(node_id, (None,))[0] is asyncio.current_task():
             del self._readers[node_id]
         for (node, _), queue in list(self._queues.items()):
             if node == node_id:
