@@ -47,6 +47,7 @@ def forward_variants(engine: LLMEngine, steps: int) -> dict[str, float]:
     sched = engine.scheduler.schedule()
     step = build_step_input(sched.chunks, engine.kv, engine.config.block_size)
     runner = engine.runner
+    print(f"orchard decode step graph: {graph_ops(runner.forward(step))} primitives")
     out = {"forward (graph + device)": _median_ms(lambda: mx.eval(runner.forward(step)), steps)}
     out["graph build only"] = _median_ms(lambda: runner.forward(step), steps)
     real_write = kernels.write_kv
@@ -63,6 +64,15 @@ def forward_variants(engine: LLMEngine, steps: int) -> dict[str, float]:
     return out
 
 
+def graph_ops(*outputs) -> int:
+    """Primitives in the lazy graph behind `outputs` (each one a kernel launch at most; views launch none)."""
+    import io
+
+    dot = io.StringIO()
+    mx.export_to_dot(dot, *outputs)
+    return dot.getvalue().count("shape=rectangle")
+
+
 def mlx_lm_step(model, batch: int, prompt: int, steps: int) -> float:
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -70,7 +80,26 @@ def mlx_lm_step(model, batch: int, prompt: int, steps: int) -> float:
     tokens = mx.array(np.full((batch, prompt), 5, dtype=np.int32))
     mx.eval(model(tokens, cache=cache))
     y = mx.array(np.full((batch, 1), 7, dtype=np.int32))
+    print(f"mlx-lm decode step graph: {graph_ops(model(y, cache=cache))} primitives")
     return _median_ms(lambda: mx.eval(model(y, cache=cache)), steps)
+
+
+def host_profile(engine: LLMEngine, steps: int, top: int = 25) -> None:
+    """cProfile over `steps` overlapped engine steps: which host functions the step's time goes to."""
+    import cProfile
+    import pstats
+
+    engine.config.async_scheduling = True
+    engine.step()
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(steps):
+        engine.step()
+    profile.disable()
+    engine.step()
+    engine.config.async_scheduling = False
+    engine.step()  # settled again: forward_variants schedules host-known tokens
+    pstats.Stats(profile).sort_stats("tottime").print_stats(top)
 
 
 def main(argv=None) -> int:
@@ -85,6 +114,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-memory-gb", type=float, default=4.0)
     ap.add_argument("--mixed-prompt", type=int, default=0, help="add one request of this many prompt tokens: the step mixes its chunk with the decodes")
     ap.add_argument("--budget", type=int, default=512, help="token budget of the mixed step")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="also print the host functions taking most time over N whole steps")
     args = ap.parse_args(argv)
     if args.model:
         from node.models import load_model
@@ -98,6 +128,8 @@ def main(argv=None) -> int:
         engine.add_request("long", [5 + j % 900 for j in range(args.mixed_prompt)], SamplingParams(temperature=0.0, max_tokens=1))
     else:
         rows["engine.step() (whole step)"] = _median_ms(engine.step, args.steps)
+    if args.cprofile:
+        host_profile(engine, args.cprofile)
     rows.update(forward_variants(engine, args.steps))
     rows["mlx-lm decode step (contiguous cache)"] = mlx_lm_step(loaded.model, args.batch, args.prompt, args.steps)
     mixed = f", plus a {args.mixed_prompt}-token prompt's chunk (budget {args.budget})" if args.mixed_prompt else ""

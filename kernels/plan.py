@@ -24,7 +24,7 @@ import numpy as np
 from kernels import mma_source, reference, source
 from kernels.dispatch import resolve_backend
 from kernels.errors import InvalidAttentionMetadata, UnsupportedAttentionShape
-from kernels.launch import DecodePlan, KernelTuning, plan_decode
+from kernels.launch import DecodePlan, KernelTuning, decode_dims, plan_decode
 
 WARP = 32
 #: bytes of threadgroup memory one threadgroup may declare: CUDA's static __shared__ limit, Metal's threadgroup limit
@@ -251,7 +251,7 @@ def decode_rows(
         plan=plan, tuning=tuning, host_rows=host_rows, rows=mx.array(host_rows),
         block_tables=mx.array(np.ascontiguousarray(tables[seqs], dtype=np.int32)),
         context_lens=mx.array(lengths[seqs].astype(np.int32)),
-        dims=mx.array([max(tables.shape[1], 1), plan.num_partitions], dtype=mx.int32),
+        dims=mx.array(decode_dims(tables.shape[1], plan), dtype=mx.int32),
         every_row=seqs.size == int(starts[-1]),
     )
 

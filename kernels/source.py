@@ -258,8 +258,9 @@ DECODE_BODY = r"""
 SINGLE_RANGE = """const int start = 0;
   const int end = context_len;"""
 
-PARTITION_RANGE = """const int start = part * PARTITION;
-  const int end = (start + PARTITION < context_len) ? start + PARTITION : context_len;"""
+PARTITION_RANGE = """const int partition = dims[2];
+  const int start = part * partition;
+  const int end = (start + partition < context_len) ? start + partition : context_len;"""
 
 SINGLE_WRITE = """out[head_row * HEAD_DIM + d] = static_cast<T>(weighted / total);"""
 
@@ -273,7 +274,8 @@ PARTITION_WRITE = """const size_t r = head_row * num_partitions + part;
 REDUCE_BODY = r"""
   constexpr float NEG_BIG = -1.0e30f;
   const int num_partitions = dims[1];
-  const int used = (context_lens[seq] + PARTITION - 1) / PARTITION;
+  const int partition = dims[2];
+  const int used = (context_lens[seq] + partition - 1) / partition;
   const size_t r0 = (size_t(seq) * NUM_HEADS + head) * num_partitions;
   float global_max = NEG_BIG;
   for (int p = 0; p < used; ++p) {

@@ -14,7 +14,7 @@ case "${1:-}" in
   stage2)
     cp .gpu2/* "$parts/"
     (cd "$parts" && cat part_aa part_ab > "$(cat NAME)" &&
-      python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" mlx-*.whl mlx_lm-*.whl "$(cat NAME)") ;;
+      python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" mlx-*.whl mlx_lm-*.whl llguidance-*.whl "$(cat NAME)") ;;
   deps)
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .gpu3/*.whl
     shift; export PYTHONPATH="$site:$PWD"; python3 -c 'import mlx.core as mx; print("device:", mx.default_device())'

@@ -6,6 +6,11 @@ set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
 bash "${WHEELS_SCRIPT:-../shared/device/mlx-cuda-wheels.sh}" >/dev/null
+# The engine imports llguidance (grammar masks), which the accelerator's image lacks: it rides
+# with the second half, which stage2 installs.
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  -d .gpu2 "llguidance==1.9.1"
 grep -qx "/.gpu3/" .git/info/exclude 2>/dev/null || echo "/.gpu3/" >> .git/info/exclude
 rm -rf .gpu3 && mkdir -p .gpu3
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -98,10 +98,11 @@ def _constants(values: dict) -> str:
 
 def emulator_source(constants: dict) -> str:
     """Both decode variants and the merge kernel, with the template constants baked in."""
-    decode_consts = "  using T = float;\n" + _constants(constants)
+    # the partition size is a run-time value (dims[2]); a constant of that name would hide a body still reading it
+    decode_consts = "  using T = float;\n" + _constants({k: v for k, v in constants.items() if k != "PARTITION"})
     reduce_consts = "  using T = float;\n" + _constants({
         "HEAD_DIM": constants["HEAD_DIM"], "NUM_HEADS": constants["NUM_KV_HEADS"] * constants["GROUP"],
-        "PARTITION": constants["PARTITION"], "NUM_THREADS": constants["NUM_THREADS"],
+        "NUM_THREADS": constants["NUM_THREADS"],
     })
     single = source.render_decode("metal", False)[1].replace(source.METAL_DECODE_PROLOGUE, DECODE_PROLOGUE)
     split = source.render_decode("metal", True)[1].replace(source.METAL_DECODE_PROLOGUE, DECODE_PROLOGUE)
@@ -160,7 +161,7 @@ def run_decode(library: ctypes.CDLL, constants: dict, queries, key_cache, value_
     arrays = [np.ascontiguousarray(a, dtype=d) for a, d in (
         (queries, np.float32), (key_cache, np.float32), (value_cache, np.float32),
         (block_tables, np.int32), (context_lens, np.int32),
-        (np.array([scale]), np.float32), (np.array([block_tables.shape[1], num_partitions]), np.int32),
+        (np.array([scale]), np.float32), (np.array([block_tables.shape[1], num_partitions, constants["PARTITION"]]), np.int32),
     )]
     out = np.zeros((num_seqs, num_heads, head_dim), dtype=np.float32)
     tiles = num_heads // constants["HEADS_PER_TILE"]

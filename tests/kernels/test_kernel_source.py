@@ -64,6 +64,31 @@ def test_small_batches_get_smaller_partitions_until_the_grid_fills():
     assert launch.plan_decode(2, 32, 8, 128, 16384, tuning).partition_size == 512
 
 
+def test_partition_size_reaches_the_kernels_at_run_time_not_as_a_compiled_variant():
+    """Batches of 1, 16 and 64 sequences plan 256-, 512- and 1,024-token partitions; all of them
+    launch the same two compiled kernels (split decode, merge), the size travelling in `dims`."""
+    import mlx.core as mx
+
+    launches = []
+
+    def compile_kernel(name, inputs, outputs, header, body):
+        assert "PARTITION" not in body.replace("PARTITION_", "")
+
+        def kernel(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            launches.append((name, tuple(template), tuple(np.array(inputs[-1]).tolist())))
+            return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+        return kernel
+
+    kernels = launch.PagedDecodeKernels("cuda", compile_kernel, launch.KernelTuning(partition_size=1024, min_partition_size=256))
+    sizes = set()
+    for num_seqs in (1, 16, 64):
+        case = make_paged_case(np.random.default_rng(num_seqs), [2500] * num_seqs, 8, 64, 16, "float16")
+        queries = mx.zeros((num_seqs, 32, 64), dtype=mx.float16)
+        kernels(queries, case.key_cache, case.value_cache, case.block_tables, case.context_lens, 0.125)
+        sizes.add(launches[-2][2][2])
+    assert sizes == {256, 512, 1024}
+    assert len({(name, template) for name, template, _ in launches}) == 2
+
 def test_context_bound_reads_host_lengths_else_table_capacity():
     tables = np.zeros((2, 10), dtype=np.int32)
     assert launch.context_bound(tables, np.array([3, 77], dtype=np.int32), 16) == 77

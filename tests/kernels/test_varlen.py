@@ -434,7 +434,8 @@ def test_tensor_core_body_on_cpu_emulator_matches_float64_oracle(emulator_dir, m
     num_kv_heads, group, head_dim, block_size, chunks, tuning = MMA_EMULATED[config]
     monkeypatch.setattr(dispatch, "cuda_available", lambda: True)  # plan for CUDA; the emulator runs the body
     q_lens = np.array(chunks, dtype=np.int32)
-    lengths = (q_lens + rng.integers(0, 90, size=q_lens.size)).astype(np.int32)
+    # at least 50 earlier tokens, so a 17-token chunk's context passes a 64-token partition and splits
+    lengths = (q_lens + rng.integers(50, 90, size=q_lens.size)).astype(np.int32)
     case = make_paged_case(rng, lengths, num_kv_heads, head_dim, block_size, "bfloat16")
     starts, num_heads = starts_of(q_lens), num_kv_heads * group
     step_plan = plan_for(case, starts, num_heads, "cuda", **tuning)
