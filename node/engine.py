@@ -28,6 +28,17 @@ from node.sequence import PENDING_TOKEN, Request, Sequence, Status
 from node.structured import GrammarMasks
 from node.types import RequestOutput, SamplingParams
 
+#: Tokens per step on a GPU and on a CPU, measured best end to end (docs/benchmarks.md, "engine on
+#: the H200"): on the H200 1,024 beat 512 (1B burst 3.12x against 1.97x of mlx-lm, prefill 2.33x
+#: against 1.33x) and 2,048 (8B burst 1.64x, its TTFT p99 worse than mlx-lm's); on CPUs 512.
+GPU_TOKEN_BUDGET = 1024
+CPU_TOKEN_BUDGET = 512
+
+
+def device_token_budget() -> int:
+    """The step token budget for the device MLX computes on (a Mac's GPU, CUDA, or the CPU)."""
+    return GPU_TOKEN_BUDGET if mx.default_device().type == mx.DeviceType.gpu else CPU_TOKEN_BUDGET
+
 
 @dataclass
 class EngineConfig:
@@ -37,7 +48,7 @@ class EngineConfig:
     kv_memory_gb: float | None = None
     memory_fraction: float = 0.3
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512  # measured best end to end on the H200 and on CPUs (docs/benchmarks.md)
+    max_num_batched_tokens: int | None = None  # None: the device's (`device_token_budget`)
     max_model_len: int | None = None
     dtype: str | None = None  # KV dtype; follows the model when None
     cold_tier_dir: str | None = None
@@ -49,6 +60,8 @@ class EngineConfig:
     async_scheduling: bool = True  # overlap host work for step N+1 with the device's step N
 
     def __post_init__(self):
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = device_token_budget()
         if self.preemption not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption must be auto, swap or recompute, got {self.preemption!r}")
 

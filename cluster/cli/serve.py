@@ -30,7 +30,6 @@ API_KEYS_ENV = "ORCHARD_API_KEYS"
 WARMUP_PROMPT = "Hello"
 WARMUP_PATIENCE_S = 120.0
 DEFAULT_KV_FRACTION = 0.3  # node.engine.EngineConfig's memory_fraction
-DEFAULT_BATCHED_TOKENS = 512  # node.engine.EngineConfig's max_num_batched_tokens
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 PLACE_EVERY_S = 2.0  # how often `serve --nodes N` replaces a node actor that died
 STATS_EVERY_S = 5.0
@@ -98,8 +97,9 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="auto", choices=DTYPES,
                    help="KV cache dtype; auto follows the model (default %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per engine batch (default %(default)s)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_BATCHED_TOKENS,
-                   help="tokens per engine step, prefill chunks and decodes together (default %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step, prefill chunks and decodes together "
+                        "(default: 1024 on a GPU, 512 on a CPU: node.engine.device_token_budget)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length cap; longer prompts get 400 (default: the model's)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -228,7 +228,7 @@ def engine_config(args):
         model=model_of(args), block_size=args.block_size, kv_memory_gb=args.kv_memory,
         memory_fraction=getattr(args, "kv_memory_fraction", DEFAULT_KV_FRACTION),
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", DEFAULT_BATCHED_TOKENS),
+        max_num_batched_tokens=getattr(args, "max_num_batched_tokens", None),
         max_model_len=args.max_model_len, dtype=None if dtype in (None, "auto") else dtype,
         cold_tier_dir=args.cold_tier, cold_tier_gb=args.cold_tier_gb, seed=getattr(args, "seed", 0),
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
