@@ -123,6 +123,7 @@ class NodeActor:
             "kv_blocks_total": int(engine.stats()["kv"].get("blocks_total", 0)),
             "actor_name": ray.get_runtime_context().get_actor_name(),
             "kv_link": self.direct.address or "",
+            "max_num_seqs": engine.config.max_num_seqs,
             **describe_machine(),
         }
 

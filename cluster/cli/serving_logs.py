@@ -98,12 +98,12 @@ class ServedBackend:
         self._real = {name: real.name for name in self.names}
         return [replace(real, name=name) for name in self.names]
 
-    async def generate(self, request_id: str, model: str, prompt_token_ids: list[int], params):
+    async def generate(self, request_id: str, model: str, prompt_token_ids: list[int], params, session=None):
         self.waiting += 1
         self.prompt_tokens += len(prompt_token_ids)
         first = True
         try:
-            async for output in self.inner.generate(request_id, self._real.get(model, model), prompt_token_ids, params):
+            async for output in self.inner.generate(request_id, self._real.get(model, model), prompt_token_ids, params, session):
                 if first:
                     self.waiting -= 1
                     self.running += 1

@@ -176,12 +176,14 @@ class Coordinator:
         request_id: str = "",
         policy: str | None = None,
         exclude: Sequence[NodeId] = (),
+        session: str = "",
     ) -> RouteDecision:
-        """Choose a node for a prompt; `exclude` skips nodes a resumed request just lost."""
+        """Choose a node for a prompt; `exclude` skips nodes a resumed request just lost; a
+        `session` (the client's conversation key) stays on its last node while that has room."""
         self.reap()
         candidates = [n for n in self.membership.candidates(model) if n.node_id not in exclude]
         held = self.pending.extend(self.index.match(block_hashes), block_hashes, self._index_holds)
-        request = RouteRequest(model, num_tokens, block_size, held, request_id, prefix_name(block_hashes))
+        request = RouteRequest(model, num_tokens, block_size, held, request_id, prefix_name(block_hashes), session)
         decision = self.router.route(request, candidates, self.link_rate, policy, self.link_latency, self.index.node_block_count)
         self.pending.note(decision.node_id, block_hashes)
         uncached = max(1, num_tokens - decision.cached_blocks * block_size)
@@ -342,6 +344,7 @@ def _node_row(state, index: PrefixIndex) -> dict:
         "running": load.running,
         "kv_blocks_used": load.kv_blocks_used,
         "kv_blocks_total": load.kv_blocks_total or state.info.kv_blocks_total,
+        "max_num_seqs": state.info.max_num_seqs,
         "indexed_blocks": index.node_block_count(state.node_id),
         "prefix_hit_rate": hit_rate,
         "prefix_hit_tokens": load.prefix_hit_tokens,

@@ -48,6 +48,7 @@ class NodeInfo:
     chip: str = ""
     memory_bytes: int = 0
     kv_link: str = ""  # "host:port" of the node's direct KV listener; "" when it has none
+    max_num_seqs: int = 0  # sequences its engine batches at once; 0 = not reported
 
     @classmethod
     def from_dict(cls, d: dict) -> NodeInfo:

@@ -16,6 +16,12 @@ the prompt in its own cache, then by the node with the most free KV blocks (exac
 random), so repeats stay with their holder, new prefixes spread over the pools and the
 cluster's cache is the sum of its nodes'. The other policies exist to measure against and ignore the prefix. Every
 policy returns a node whenever at least one candidate exists.
+
+A request naming a session (a client's conversation key) goes, under the `prefix` policy, to
+the node that served the session's last request while that node is routable and has room for
+it (a free sequence slot and KV blocks for what it does not hold); otherwise the cost decides
+and the session moves with it. An agent's turns thus keep meeting their own cache even before
+the node's KV events reach the prefix index.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
@@ -36,6 +42,8 @@ POLICIES = ("prefix", "round_robin", "least_loaded", "random")
 #: covers what a heartbeat's staleness can add (about one engine step of a finished request).
 TIE_TOLERANCE = 0.1
 TIE_FLOOR_S = 0.005
+#: Sessions whose last node is remembered (least recently routed forgotten first).
+SESSIONS_KEPT = 10_000
 #: Heartbeats of evidence that weigh as much as the cluster's mean rate.
 EVIDENCE_PRIOR = 2
 #: A node's own rates lose half their weight against the mean per this many idle seconds.
@@ -92,13 +100,14 @@ class RouteRequest:
     held: dict[NodeId, int]  # leading blocks of the prompt each node holds (PrefixIndex.match)
     request_id: str = ""
     prefix: str = ""  # a short name for the prompt's first block, so prompts sharing it can be grouped
+    session: str = ""  # the client's conversation key ("" = none): its requests stay on one node while it has room
 
 
 @dataclass(frozen=True)
 class RouteDecision:
     node_id: NodeId
     cached_blocks: int
-    reason: str  # "prefix-hit" | "migrate" | "load" | "only-node" | "round-robin" | "least-loaded" | "random"
+    reason: str  # "session" | "prefix-hit" | "migrate" | "load" | "only-node" | "round-robin" | "least-loaded" | "random"
     policy: str
     est_cost_s: float
     num_candidates: int
@@ -134,6 +143,7 @@ class Router:
         self._rng = random.Random(self.config.seed)
         self._rr = itertools.count()
         self.recent: deque[RouteDecision] = deque(maxlen=self.config.decisions_kept)
+        self._sessions: OrderedDict[str, NodeId] = OrderedDict()  # session -> the node of its last request
 
     def route(
         self,
@@ -152,9 +162,12 @@ class Router:
             raise NoNodeAvailable(request.model)
         rates = self._rates(candidates)
         if policy == "prefix":
-            decision = self._by_cost(request, candidates, rates, (link_rate, link_latency), held_blocks)
+            link = (link_rate, link_latency)
+            decision = self._by_session(request, candidates, rates, link, held_blocks) \
+                or self._by_cost(request, candidates, rates, link, held_blocks)
         else:
             decision = self._by_policy(policy, request, candidates, rates)
+        self._remember(request.session, decision.node_id)
         decision = _stamp(decision, request, started)
         self.recent.append(decision)
         return decision
@@ -163,6 +176,28 @@ class Router:
         """Per candidate: (seconds of work queued ahead of a new request, prefill s/token)."""
         rates = self._rates(candidates)
         return {n.node_id: (_load_s(n, rates[n.node_id]), rates[n.node_id].prefill) for n in candidates}
+
+    def session_node(self, session: str) -> NodeId | None:
+        """The node that served the session's last request, if it is remembered."""
+        return self._sessions.get(session)
+
+    # ---- sessions ------------------------------------------------------------------
+    def _by_session(self, request, candidates, rates, link, held_blocks) -> RouteDecision | None:
+        """The session's last node, when it is still a candidate and has room; else None (the cost decides)."""
+        node_id = self._sessions.get(request.session) if request.session else None
+        node = next((c for c in candidates if c.node_id == node_id), None)
+        if node is None or not _has_room(node, request, held_blocks):
+            return None
+        costed = self._cost(request, node, rates[node.node_id], link)
+        return RouteDecision(node.node_id, costed.own_blocks, "session", "prefix", costed.cost, len(candidates), costed.migration)
+
+    def _remember(self, session: str, node_id: NodeId) -> None:
+        if not session:
+            return
+        self._sessions[session] = node_id
+        self._sessions.move_to_end(session)
+        while len(self._sessions) > SESSIONS_KEPT:
+            self._sessions.popitem(last=False)
 
     # ---- prefix policy -------------------------------------------------------------
     def _by_cost(self, request, candidates, rates, link, held_blocks) -> RouteDecision:
@@ -261,6 +296,17 @@ def _free_blocks(node: NodeState, held_blocks: HeldBlocks) -> int:
     """Blocks of the node's pool not holding KV the coordinator knows of, less its routed prefills."""
     total = node.load.kv_blocks_total or node.info.kv_blocks_total
     return total - max(held_blocks(node.node_id), node.load.kv_blocks_used) - node.pending_prefill_tokens // max(node.info.block_size, 1)
+
+
+def _has_room(node: NodeState, request: RouteRequest, held_blocks: HeldBlocks) -> bool:
+    """A free sequence slot and free KV blocks for the part of the prompt the node does not hold
+    (each checked when the node reported its size)."""
+    seqs = node.load.running + max(node.load.waiting, node.pending_requests)
+    if node.info.max_num_seqs and seqs >= node.info.max_num_seqs:
+        return False
+    needed = -(-request.num_tokens // request.block_size) - request.held.get(node.node_id, 0)
+    known = node.load.kv_blocks_total or node.info.kv_blocks_total
+    return not known or _free_blocks(node, held_blocks) >= needed
 
 
 def _load_s(node: NodeState, rates: _Rates) -> float:

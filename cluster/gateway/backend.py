@@ -34,8 +34,10 @@ class Backend(Protocol):
     async def ready(self) -> bool: ...
 
     def generate(
-        self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]: ...
+        self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingParams, session: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; `session` (the client's conversation key) may pick the node."""
+        ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -111,8 +113,9 @@ class LocalBackend:
         return not self._closed
 
     async def generate(
-        self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingParams, session: str | None = None
     ) -> AsyncIterator[RequestOutput]:
+        """One engine serves every session."""
         self._awaiting_first_output.add(request_id)
         finished = False
         try:

@@ -39,6 +39,7 @@ from cluster.gateway.serving import (
     sse,
     token_budget,
 )
+from cluster.gateway.sessions import session_key
 from cluster.gateway.structured import constraint_for
 from cluster.gateway.tool_calls import (
     allowed_calls,
@@ -161,7 +162,7 @@ class ChatServing(_Serving):
         hidden = set(getattr(info.tokenizer, "eos_token_ids", None) or []) | set(params.stop_token_ids)
         texts = [AnswerText(info.tokenizer, prompt.token_ids, hidden, reader.needs_special_tokens) for _ in range(body.n)]
         gen = gw.generation(info, request, gw.admit(1))
-        return ChatRun(gen, [Job(rid, prompt.token_ids)], params, reader, texts, Choices(body.n, 1))
+        return ChatRun(gen, [Job(rid, prompt.token_ids, session_key(request, body))], params, reader, texts, Choices(body.n, 1))
 
     async def serve(self, body: ChatCompletionRequest, request: Request):
         rid = self.new_id()

@@ -26,6 +26,7 @@ from node.types import RequestOutput, SamplingParams
 class Job:
     request_id: str
     prompt_token_ids: list[int]
+    session: str | None = None  # the client's conversation key (cluster.gateway.sessions)
 
 
 async def _merge(iterators: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -77,7 +78,7 @@ class Generation:
         self._times: dict[int, JobTimes] = {}
 
     async def outputs(self, jobs: list[Job], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
-        iterators = [self.backend.generate(j.request_id, self.info.name, j.prompt_token_ids, params) for j in jobs]
+        iterators = [self.backend.generate(j.request_id, self.info.name, j.prompt_token_ids, params, j.session) for j in jobs]
         handed = time.perf_counter()
         self._times = {i: JobTimes(self.started, handed, len(j.prompt_token_ids)) for i, j in enumerate(jobs)}
         finished: set[int] = set()

@@ -114,6 +114,8 @@ def chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRe
                          for t in body.tools]
     if body.thinking is not None:
         data["chat_template_kwargs"] = {"enable_thinking": body.thinking.type == "enabled"}
+    if isinstance(body, MessagesRequest) and body.metadata is not None:
+        data["user"] = body.metadata.user_id  # the session key (cluster/gateway/sessions.py)
     if isinstance(body, MessagesRequest):
         data.update(max_completion_tokens=body.max_tokens, stream=body.stream, stop=body.stop_sequences,
                     temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)

@@ -1,8 +1,9 @@
 """Anthropic's Messages API wire format (`POST /v1/messages`): requests and responses.
 
-As with OpenAI's, every field Anthropic defines is declared: `metadata`, `service_tier`
-and `cache_control` are accepted without effect (prefix caching is automatic), what
-cannot be honoured is refused naming the field, and unknown fields are a 400.
+As with OpenAI's, every field Anthropic defines is declared: `service_tier` and
+`cache_control` are accepted without effect (prefix caching is automatic), `metadata.user_id`
+is a session key for routing, what cannot be honoured is refused naming the field, and
+unknown fields are a 400.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class MessagesRequest(_Request):
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoiceParam | None = None
     thinking: ThinkingParam | None = None
-    metadata: MetadataParam | None = Field(None, description="accepted, ignored")
+    metadata: MetadataParam | None = Field(None, description="user_id is a session key for routing")
     service_tier: Literal["auto", "standard_only"] | None = Field(None, description="accepted, ignored")
     container: Annotated[Any, refused("container is not supported: no code execution here")] = None
     mcp_servers: Annotated[list | None, refused("mcp_servers is not supported")] = None

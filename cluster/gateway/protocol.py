@@ -87,9 +87,9 @@ class Usage(_Response):
 class _SamplingFields(ConstraintFields):
     """Parameters both endpoints share, with OpenAI's ranges (`n` capped by the engine).
 
-    Ignored here, accepted for clients that send them (docs/api-fields.md): `user`,
-    `metadata`, `store`, `service_tier`, `safety_identifier`, `prompt_cache_key`,
-    `prompt_cache_retention`."""
+    Ignored here, accepted for clients that send them (docs/api-fields.md): `metadata`,
+    `store`, `service_tier`, `safety_identifier`, `prompt_cache_retention`. `prompt_cache_key`
+    and `user` name the conversation for sticky routing (cluster/gateway/sessions.py)."""
 
     model: str = Field(min_length=1)
     n: int = Field(1, ge=1, le=64)
@@ -102,12 +102,12 @@ class _SamplingFields(ConstraintFields):
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: LogitBias = None
-    user: str | None = Field(None, description="accepted, ignored")
+    user: str | None = Field(None, description="a session key for routing, after prompt_cache_key")
     metadata: Metadata = Field(None, description="accepted, ignored")
     store: bool | None = Field(None, description="accepted, ignored: nothing is stored")
     service_tier: ServiceTier = Field(None, description="accepted, ignored: one tier")
     safety_identifier: str | None = Field(None, description="accepted, ignored")
-    prompt_cache_key: str | None = Field(None, description="accepted, ignored: prefix caching is automatic")
+    prompt_cache_key: str | None = Field(None, description="a session key: requests sharing it stay on one node")
     prompt_cache_retention: Literal["in-memory", "24h"] | None = Field(None, description="accepted, ignored")
     # Extensions that vLLM also accepts; OpenAI's own clients send them through `extra_body`.
     top_k: int | None = Field(None, ge=0, description="orchard/vLLM extension: sample from the k likeliest; 0 disables")

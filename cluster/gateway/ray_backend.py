@@ -124,7 +124,7 @@ class RayBackend:
         return bool(self._served)
 
     async def generate(
-        self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingParams
+        self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingParams, session: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         spec = await self._spec(model)
         params = seeded(params)
@@ -137,7 +137,8 @@ class RayBackend:
                 attempt_prompt = list(prompt_token_ids) + progress.token_ids
                 attempt_hashes = hashes if not progress.token_ids else block_hashes(attempt_prompt, spec.block_size, spec.root)
                 decision = await self._ask(
-                    "route", model, attempt_hashes, len(attempt_prompt), spec.block_size, request_id, self.config.policy, lost
+                    "route", model, attempt_hashes, len(attempt_prompt), spec.block_size, request_id, self.config.policy, lost,
+                    session or "",
                 )
                 node_id = decision.node_id
                 if decision.migration is not None:

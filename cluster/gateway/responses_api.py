@@ -103,6 +103,7 @@ def chat_request(body: ResponsesRequest, history: list[dict]) -> tuple[ChatCompl
         "parallel_tool_calls": body.parallel_tool_calls, "response_format": _format(body),
         "reasoning_effort": body.reasoning.effort if body.reasoning else None,
         "tool_choice": {"type": "function", "function": {"name": choice.name}} if hasattr(choice, "name") else choice,
+        "prompt_cache_key": body.prompt_cache_key, "user": body.user,  # session keys (cluster/gateway/sessions.py)
     }
     if body.tools:
         data["tools"] = [{"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)} for t in body.tools]

@@ -1,8 +1,9 @@
 """OpenAI's Responses API wire format (`POST /v1/responses`): the request and its items.
 
 Every field of the create request is declared: those without effect here are accepted
-(`user`, `metadata`, `service_tier`, `safety_identifier`, `prompt_cache_*`, `include`,
-`truncation: "disabled"`, `moderation`), those that cannot be honoured are refused naming the
+(`metadata`, `service_tier`, `safety_identifier`, `prompt_cache_retention`, `include`,
+`truncation: "disabled"`, `moderation`; `prompt_cache_key` and `user` are session keys for
+routing), those that cannot be honoured are refused naming the
 field, unknown ones are a 400. Responses are built as plain dicts in `responses_api`, in the
 shape OpenAI's SDK reads.
 """

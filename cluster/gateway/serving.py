@@ -33,6 +33,7 @@ from cluster.gateway.protocol import (
     TopLogprob,
     Usage,
 )
+from cluster.gateway.sessions import session_key
 from cluster.gateway.state import Gateway
 from cluster.gateway.structured import constraint_for
 from node.errors import PromptTooLong
@@ -254,7 +255,8 @@ class CompletionServing(_Serving):
         budgets = [token_budget(len(p), body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, info, "prompt") for p in prompts]
         params = sampling_params(body, min(budgets), body.logprobs, body.stop_list(), [])
         rid = self.new_id()
-        jobs = [Job(f"{rid}-{i}", ids) for i, ids in enumerate(prompts)]
+        session = session_key(request, body)
+        jobs = [Job(f"{rid}-{i}", ids, session) for i, ids in enumerate(prompts)]
         gen = gw.generation(info, request, gw.admit(len(prompts)))
         choices = Choices(body.n, len(jobs))
         text = TokenText(info.tokenizer)

@@ -101,6 +101,20 @@ def test_second_request_with_a_prefix_goes_to_the_node_holding_it(cluster):
         second, ray.get(coordinator().nodes.remote()))
 
 
+def test_a_sessions_requests_stay_on_one_node_though_their_prompts_share_nothing(cluster):
+    backend = RayBackend()
+
+    async def turns():
+        for turn in range(4):
+            async for _ in backend.generate(f"agent-turn-{turn}", MODEL, prompt(3000 + turn * 50), GREEDY, session="agent-7"):
+                pass
+    asyncio.run(turns())
+    decisions = [d for d in ray.get(coordinator().recent_decisions.remote(20)) if d["request_id"].startswith("agent-turn-")]
+    assert len(decisions) == 4 and len({d["node_id"] for d in decisions}) == 1, decisions
+    assert [d["reason"] for d in decisions[1:]] == ["session"] * 3
+    assert {n["node_id"]: n["max_num_seqs"] for n in ray.get(coordinator().nodes.remote())}[decisions[0]["node_id"]] == 16
+
+
 class CountingCoordinator:
     """The coordinator handle with a tally of the methods called through it."""
 

@@ -32,6 +32,7 @@ class ScriptedBackend:
         self.tokenizer = tokenizer
         self.script = ""
         self.prompts: list[list[int]] = []  # every prompt handed to the model, in order
+        self.sessions: list[str | None] = []  # the session key each of those requests named
 
     async def models(self) -> list[ModelInfo]:
         return [ModelInfo(MODEL, 4096, self.tokenizer)]
@@ -39,8 +40,9 @@ class ScriptedBackend:
     async def ready(self) -> bool:
         return True
 
-    async def generate(self, request_id, model, prompt_token_ids, params):
+    async def generate(self, request_id, model, prompt_token_ids, params, session=None):
         self.prompts.append(list(prompt_token_ids))
+        self.sessions.append(session)
         ids = list(self.tokenizer.encode(self.script, add_special_tokens=False))[: params.max_tokens]
         detoks = [IncrementalDetokenizer(self.tokenizer, prompt_token_ids) for _ in range(params.n)]
         for step, token in enumerate(ids):

@@ -60,7 +60,7 @@ class OneTokenThenWaits:
     def __init__(self):
         self.aborted: list[str] = []
 
-    async def generate(self, request_id, model, prompt_token_ids, params):
+    async def generate(self, request_id, model, prompt_token_ids, params, session=None):
         yield RequestOutput(request_id, prompt_token_ids, [CompletionOutput(0, token_ids_delta=[7])], node_id="n1")
         await asyncio.Event().wait()
 

@@ -80,7 +80,7 @@ def test_openapi_declares_bearer_auth_when_keys_are_set(engine):
 class NoRoute(KeepEngine):
     """A cluster that knows the model but has no node to route to."""
 
-    async def generate(self, request_id, model, prompt_token_ids, params):
+    async def generate(self, request_id, model, prompt_token_ids, params, session=None):
         raise NoNodeAvailable(model)
         yield  # pragma: no cover  (makes this an async generator)
 
