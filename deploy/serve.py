@@ -48,7 +48,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cluster.cli import serve
+    from cluster.cli import serve, serve_options
     from cluster.runtime.ray_access import UnauthenticatedRay, check_driver_has_token
     from node.openblas import reexec_with_openblas
 
@@ -56,13 +56,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.no_ray:
         print("deploy/serve.py: --no-ray contradicts deploying on a Ray cluster", file=sys.stderr)
         return 2
-    keys = serve.api_keys(args.api_key, dict(os.environ))
+    keys = serve_options.api_keys(args.api_key, dict(os.environ))
     try:
         if not args.allow_unauthenticated_ray:
             check_driver_has_token(dict(os.environ))
-        serve.check_bind(args.host, keys)
+        serve_options.check_bind(args.host, keys)
         serve.bind(args.host, args.port).close()
-    except (serve.InsecureBind, UnauthenticatedRay) as exc:
+    except (serve_options.InsecureBind, UnauthenticatedRay) as exc:
         print(f"deploy/serve.py: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
@@ -75,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve_with_placer(args, keys: frozenset[str]) -> int:
-    from cluster.cli import serve
+    from cluster.cli import serve, serve_options
     from cluster.runtime.placement import Placer
 
     started = serve.start_backend(args)
-    placer = Placer(serve.engine_config(args), args.place_every)
+    placer = Placer(serve_options.engine_config(args), args.place_every)
     stop_backend = started.stop
 
     def stop() -> None:

@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from cluster.cli import serve
+from cluster.cli import serve, serve_options
 from cluster.cli.lifecycle import stop_on_signals
 from cluster.runtime.head import DEFAULT_CLUSTER, DEFAULT_GATEWAY_PORT, DEFAULT_RAY_PORT, Head, HeadConfig
 
@@ -124,9 +124,9 @@ def check_gateway_bind(args, config: HeadConfig) -> None:
     loopback; no key shorter than `MIN_API_KEY_CHARS`."""
     from cluster.gateway.guard import check_api_keys
 
-    keys = serve.api_keys(getattr(args, "api_key", []), dict(os.environ))
+    keys = serve_options.api_keys(getattr(args, "api_key", []), dict(os.environ))
     check_api_keys(keys)
-    serve.check_bind(config.bind, keys)
+    serve_options.check_bind(config.bind, keys)
 
 
 def _head_token(args, cluster: str) -> str:
@@ -149,7 +149,7 @@ def place_forever(serve_args) -> None:
     from cluster.runtime.ray_cluster import connect
 
     connect(serve_args.address)
-    Placer(serve.engine_config(serve_args), PLACE_EVERY_S, detached=True).run()
+    Placer(serve_options.engine_config(serve_args), PLACE_EVERY_S, detached=True).run()
 
 
 def _main(argv: list[str]) -> int:

@@ -22,10 +22,10 @@ _COMMANDS = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from cluster.cli.serve import _version
+    from cluster.cli.serve_options import version
 
     parser = argparse.ArgumentParser(prog="orchard", description="Serve LLMs from a set of Macs as one endpoint.")
-    parser.add_argument("--version", action="version", version=f"orchard {_version()}")
+    parser.add_argument("--version", action="version", version=f"orchard {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMANDS:
         importlib.import_module(name).register(sub)

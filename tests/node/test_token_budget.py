@@ -5,7 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from cluster.cli.main import build_parser
-from cluster.cli.serve import engine_config
+from cluster.cli.serve_options import engine_config
 from node import engine as engine_module
 from node.engine import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET, EngineConfig
 
