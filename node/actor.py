@@ -62,6 +62,13 @@ def local_engine_config(engine: EngineConfig, node_id: str, environ=None) -> Eng
     return replace(engine, cold_tier_dir=str(Path(folder) / node_id), cold_tier_gb=size)
 
 
+#: `NodeActorConfig.link.host` for "the address Ray reaches this node at": loopback when the Ray
+#: cluster is one machine on loopback, the machine's cluster address when Ray spans machines, so
+#: peers on other machines can pull over the direct path. The listener only serves peers that
+#: prove the cluster's key (node.link_auth); without a key there is no listener at all.
+RAY_NODE_HOST = "ray-node"
+
+
 @dataclass(frozen=True)
 class NodeActorConfig:
     node_id: str
@@ -70,8 +77,13 @@ class NodeActorConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     model_name: str | None = None  # served name; the loaded model's own name when None
     heartbeat_s: float = 1.0
-    link: KVLinkConfig = field(default_factory=KVLinkConfig)  # the direct KV path's listener
+    link: KVLinkConfig = field(default_factory=lambda: KVLinkConfig(host=RAY_NODE_HOST))  # the direct KV path's listener
     link_token: str | None = None  # its secret; None: Ray's token from the environment (`node.link_auth`)
+
+
+def listen_config(link: KVLinkConfig) -> KVLinkConfig:
+    """The link's listener config with `RAY_NODE_HOST` resolved to this process's Ray node address."""
+    return replace(link, host=ray.util.get_node_ip_address()) if link.host == RAY_NODE_HOST else link
 
 
 class NodeActor:
@@ -89,7 +101,7 @@ class NodeActor:
         self._loop: asyncio.AbstractEventLoop | None = None  # the actor's event loop, once started
         self._started_at = time.time()
         self.mover = BlockMover(self.engine)
-        self.direct = DirectPath(self.mover, config.node_id, link_key(config.link_token), config.link)
+        self.direct = DirectPath(self.mover, config.node_id, link_key(config.link_token), listen_config(config.link))
         self.subscribers = Subscribers()
         self._background: set[asyncio.Task] = set()
         self.engine.add_kv_listener(self._push_kv_events)

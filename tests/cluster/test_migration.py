@@ -214,10 +214,13 @@ def test_a_node_streams_only_what_is_new_so_bytes_per_token_stay_bounded(cluster
     assert max(sizes[-10:]) < min(sizes[:10]) + 100, sizes
 
 
-def test_nodes_listen_on_loopback_and_the_coordinator_knows_where(cluster):
+def test_nodes_listen_where_ray_reaches_them_and_the_coordinator_knows_where(cluster):
+    """A node's link binds its Ray node's address (loopback only when Ray is on loopback), so peers
+    on other machines can reach it; the key guards it (test below)."""
+    ray_address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
     for node_id, actor in cluster.items():
-        address = ray.get(coordinator().kv_link.remote(node_id))
-        assert address == ray.get(actor.info.remote())["kv_link"] and address.startswith("127.0.0.1:")
+        address, info = ray.get(coordinator().kv_link.remote(node_id)), ray.get(actor.info.remote())
+        assert address == info["kv_link"] and address.rpartition(":")[0] == ray_address[info["ray_node_id"]]
 
 
 def test_a_node_refuses_and_counts_a_connection_without_the_cluster_key(cluster):

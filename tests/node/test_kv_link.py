@@ -204,3 +204,13 @@ def wait_until(predicate, timeout: float = 5.0) -> bool:
             return True
         time.sleep(0.01)
     return predicate()
+
+
+def test_a_node_actors_link_listens_at_its_ray_node_address_by_default(monkeypatch):
+    from node import actor
+
+    assert actor.NodeActorConfig("n", "c", "ns").link.host == actor.RAY_NODE_HOST
+    monkeypatch.setattr(actor.ray.util, "get_node_ip_address", lambda: "10.1.2.3")
+    assert actor.listen_config(actor.NodeActorConfig("n", "c", "ns").link).host == "10.1.2.3"
+    named = actor.KVLinkConfig(host="127.0.0.1")
+    assert actor.listen_config(named) == named  # an address given is kept
