@@ -30,6 +30,9 @@ from kvcache.events import BlockStored
 from kvcache.hashing import block_hashes, root_hash
 
 POLICIES = ("prefix", "round_robin", "least_loaded")
+#: A policy name with this suffix runs it with each request naming its tenant as its session
+#: (what an agent client sends: cluster/gateway/sessions.py), e.g. "prefix+sessions".
+SESSIONS = "+sessions"
 
 
 # ---------------------------------------------------------------- router micro-benchmark
@@ -160,11 +163,12 @@ class PolicyFigures:
     wall_s: float
 
 
-async def _one(backend, model, request: Request, t0: float, params) -> tuple[float, int, int]:
+async def _one(backend, model, request: Request, t0: float, params, sessions: bool) -> tuple[float, int, int]:
     await asyncio.sleep(max(0.0, request.arrival_s - (time.perf_counter() - t0)))
     sent = time.perf_counter()
     ttft, tokens, cached = None, 0, 0
-    async for out in backend.generate(f"t{request.tenant}-{request.turn}", model, request.prompt, params):
+    session = f"tenant-{request.tenant}" if sessions else None
+    async for out in backend.generate(f"t{request.tenant}-{request.turn}", model, request.prompt, params, session):
         if ttft is None and out.outputs[0].token_ids_delta:
             ttft = time.perf_counter() - sent
         tokens = len(out.outputs[0].token_ids)
@@ -172,13 +176,14 @@ async def _one(backend, model, request: Request, t0: float, params) -> tuple[flo
     return ttft, tokens, cached
 
 
-async def _drive(backend, model, requests, params):
+async def _drive(backend, model, requests, params, sessions: bool):
     t0 = time.perf_counter()
-    results = await asyncio.gather(*[_one(backend, model, r, t0, params) for r in requests])
+    results = await asyncio.gather(*[_one(backend, model, r, t0, params, sessions) for r in requests])
     return results, time.perf_counter() - t0
 
 
-def bench_policy(policy: str, cfg: WorkloadConfig, requests: list[Request], nodes: int = 3) -> PolicyFigures:
+def bench_policy(name: str, cfg: WorkloadConfig, requests: list[Request], nodes: int = 3) -> PolicyFigures:
+    """One policy (optionally `+sessions`) on a fresh three-raylet cluster."""
     import ray
 
     from cluster.coordinator.coordinator import CoordinatorConfig
@@ -188,6 +193,7 @@ def bench_policy(policy: str, cfg: WorkloadConfig, requests: list[Request], node
     from node.engine import EngineConfig
     from node.types import SamplingParams
 
+    policy, sessions = name.removesuffix(SESSIONS), name.endswith(SESSIONS)
     engine = EngineConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_batched_tokens=1024)
     with LocalCluster(cpus_per_node=1).start(extra_nodes=nodes - 1):
         ensure_coordinator(CoordinatorConfig(router=RouterConfig(policy=policy)))
@@ -199,12 +205,12 @@ def bench_policy(policy: str, cfg: WorkloadConfig, requests: list[Request], node
         backend = RayBackend(RayBackendConfig())
         model = asyncio.run(backend.models())[0].name
         params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True)
-        results, wall = asyncio.run(_drive(backend, model, requests, params))
+        results, wall = asyncio.run(_drive(backend, model, requests, params, sessions))
         del actors
     ttfts = sorted(r[0] for r in results)
     prompt_tokens = sum(len(r.prompt) for r in requests)
     return PolicyFigures(
-        policy=policy, requests=len(requests),
+        policy=name, requests=len(requests),
         ttft_p50_s=statistics.median(ttfts), ttft_p90_s=ttfts[int(0.9 * (len(ttfts) - 1))],
         output_tokens_per_s=sum(r[1] for r in results) / wall,
         hit_rate=sum(r[2] for r in results) / prompt_tokens,
@@ -218,7 +224,8 @@ def bench_policy(policy: str, cfg: WorkloadConfig, requests: list[Request], node
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="orchard bench cluster", description=__doc__.splitlines()[0])
     p.add_argument("--part", choices=["all", "router", "workload"], default="all")
-    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--policies", default=",".join(POLICIES),
+                   help=f"comma-separated; a name ending in {SESSIONS} names each tenant's session")
     p.add_argument("--tenants", type=int, default=WorkloadConfig.tenants)
     p.add_argument("--turns", type=int, default=WorkloadConfig.turns)
     p.add_argument("--system-tokens", type=int, default=WorkloadConfig.system_tokens)

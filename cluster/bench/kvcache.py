@@ -2,8 +2,8 @@
 
 Measures what the paged design is meant to buy: cheap block bookkeeping, little
 wasted KV memory against contiguous preallocation, and a cold tier that restores a
-prefix faster than the model can recompute it. Prints one table and records it in
-docs/benchmarks.md under "## kvcache" (only that section is rewritten).
+prefix faster than the model can recompute it. Prints one table; with `--record` it also
+rewrites docs/benchmarks.md's "## kvcache" section (only that section), never by default.
 """
 
 from __future__ import annotations
@@ -311,8 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequences", type=int, default=10_000, help="sequences to allocate and free")
     parser.add_argument("--cold-blocks", type=int, default=128, help="2 MiB blocks for the cold-tier restore")
     parser.add_argument("--no-recompute", action="store_true", help="skip the model prefill comparison")
-    parser.add_argument("--docs", type=Path, default=Path("docs/benchmarks.md"), help="file to record into")
-    parser.add_argument("--no-record", action="store_true", help="print only; do not touch --docs")
+    parser.add_argument("--record", type=Path, nargs="?", const=Path("docs/benchmarks.md"), default=None, metavar="FILE",
+                        help="also rewrite the '## kvcache' section of FILE (default FILE: docs/benchmarks.md); "
+                             "without it the figures are only printed")
     args = parser.parse_args(argv)
     directory = Path(tempfile.mkdtemp(prefix="kvcache-bench-"))
     try:
@@ -323,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(directory, ignore_errors=True)
     render(rows)
-    if not args.no_record:
-        write_section(args.docs, markdown_section(rows, command_line(argv)))
+    if args.record is not None:
+        write_section(args.record, markdown_section(rows, command_line(argv)))
     return 0
 
 
