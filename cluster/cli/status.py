@@ -1,8 +1,10 @@
-"""`orchard status`: the cluster as the coordinator sees it, one row per node."""
+"""`orchard status`: the cluster as the coordinator sees it, one row per node; or, with `--url`,
+as a running gateway reports it (`GET /v1/cluster`), which also covers `orchard serve --no-ray`."""
 
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 
@@ -12,11 +14,17 @@ NO_CLUSTER = "orchard status: no orchard cluster is running{where} (start one wi
 def register(sub) -> None:
     p = sub.add_parser("status", help="show the cluster's nodes, KV use, hit rates and requests")
     p.add_argument("--address", default="auto", help="Ray cluster address (default: the local cluster)")
-    p.add_argument("--json", action="store_true", help="print the coordinator's JSON instead of a table")
+    p.add_argument("--url", default=None, metavar="URL",
+                   help="ask this gateway instead of Ray (e.g. http://127.0.0.1:8000; works with `serve --no-ray`)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="the gateway's API key for --url (default: the first of ORCHARD_API_KEYS)")
+    p.add_argument("--json", action="store_true", help="print the JSON instead of a table")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if getattr(args, "url", None):
+        return run_gateway(args)
     import ray
 
     from cluster.coordinator.coordinator import COORDINATOR_NAME, NAMESPACE
@@ -45,12 +53,34 @@ def run(args) -> int:
     return 0
 
 
+def run_gateway(args) -> int:
+    """The table from a gateway's `/v1/cluster`; one line and exit 1 when it cannot be read."""
+    import httpx
+
+    key = args.api_key or next((k.strip() for k in os.environ.get("ORCHARD_API_KEYS", "").split(",") if k.strip()), None)
+    url = args.url.rstrip("/") + "/v1/cluster"
+    try:
+        reply = httpx.get(url, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=10.0)
+    except httpx.HTTPError as exc:
+        print(f"orchard status: no gateway answers at {args.url} ({exc.__class__.__name__})", file=sys.stderr)
+        return 1
+    if reply.status_code != 200:
+        message = reply.json().get("error", {}).get("message", reply.text) if reply.headers.get("content-type", "").startswith(
+            "application/json") else reply.text
+        print(f"orchard status: {url} answered {reply.status_code}: {message}", file=sys.stderr)
+        return 1
+    info = reply.json()
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print_gateway_table(info)
+    return 0
+
+
 def local_cluster_address() -> str | None:
     """The cluster this machine started last (`RAY_ADDRESS`, or the address file `ray start` and
     `orchard head` leave in Ray's temp dir); None when there is none. Ray's own "auto" would
     also attach to any Ray process it finds running here, someone else's included."""
-    import os
-
     from ray._private.utils import read_ray_address
 
     return os.environ.get("RAY_ADDRESS") or read_ray_address()
@@ -74,11 +104,11 @@ def print_table(info: dict) -> None:
     from rich.table import Table
 
     table = Table(title=f"orchard cluster — router: {info['policy']}")
-    for column in ("node", "model", "status", "device", "KV used", "indexed", "hit rate", "requests", "run/wait"):
+    _node_column(table, [n["node_id"] for n in info["nodes"]])
+    for column in ("model", "status", "device", "KV used", "indexed", "hit rate", "requests", "run/wait"):
         table.add_column(column)
     for n in info["nodes"]:
-        total = n["kv_blocks_total"] or 0
-        used = f"{n['kv_blocks_used']}/{total}" + (f" ({n['kv_blocks_used'] / total:.0%})" if total else "")
+        used = _kv_used(n["kv_blocks_used"], n["kv_blocks_total"] or 0)
         table.add_row(
             n["node_id"], n["model"], n["status"], n["device"], used, str(n["indexed_blocks"]),
             f"{n['prefix_hit_rate']:.1%}", str(n["requests_total"]), f"{n['running']}/{n['waiting']}",
@@ -90,6 +120,32 @@ def print_table(info: dict) -> None:
         f"index: {info['index']['blocks']} blocks, {info['index']['entries']} entries; "
         f"routed {routing['requests']} requests, routed hit rate {routing['routed_hit_rate']:.1%}"
     )
+
+
+def print_gateway_table(info: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"orchard gateway — model: {info['model']}")
+    _node_column(table, [n["node"] for n in info["nodes"]])
+    for column in ("KV used", "hit rate", "run/wait"):
+        table.add_column(column)
+    for n in info["nodes"]:
+        table.add_row(n["node"], _kv_used(n["kv_blocks_used"], n["kv_blocks_total"]),
+                      f"{n['prefix_cache_hit_rate']:.1%}", f"{n['running']}/{n['waiting']}")
+    console = Console()
+    console.print(table)
+    console.print(f"KV {_kv_used(info['kv_blocks_used'], info['kv_blocks_total'])}, "
+                  f"hit rate {info['prefix_cache_hit_rate']:.1%}, queue {info['queue_depth']}")
+
+
+def _node_column(table, node_ids: list[str]) -> None:
+    """Node ids are printed whole, however narrow the terminal: `orchard drain` takes them as shown."""
+    table.add_column("node", no_wrap=True, min_width=max(map(len, node_ids), default=4))
+
+
+def _kv_used(used: int, total: int) -> str:
+    return f"{used}/{total}" + (f" ({used / total:.0%})" if total else "")
 
 
 def _hex(value):

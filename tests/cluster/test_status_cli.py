@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -35,3 +36,34 @@ def test_status_at_an_address_nobody_listens_on_fails_at_once(tmp_path):
     assert (run.stdout + run.stderr).strip().splitlines() == [
         f"orchard status: no orchard cluster is running at 127.0.0.1:{port} "
         "(start one with `orchard head`, or `orchard serve`)"]
+
+
+def test_node_ids_are_printed_whole_on_a_narrow_terminal(monkeypatch, capsys):
+    from cluster.cli.status import print_table
+
+    monkeypatch.setenv("COLUMNS", "80")
+    node_id = "node-" + "f3a9" * 14  # as long as a Ray node id
+    row = dict(node_id=node_id, model="orchard-demo", status="alive", device="cpu", kv_blocks_used=3, kv_blocks_total=96,
+               indexed_blocks=3, prefix_hit_rate=0.5, requests_total=7, running=1, waiting=0)
+    print_table({"policy": "prefix", "nodes": [row], "index": {"blocks": 3, "entries": 3},
+                 "routing": {"requests": 7, "routed_hit_rate": 0.5}})
+    assert node_id in capsys.readouterr().out
+
+
+def test_status_reads_a_no_ray_gateway_with_its_api_key(tmp_path):
+    key = "status-test-key-0123456789"
+    proc = subprocess.Popen(
+        [str(ORCHARD), "serve", "--no-ray", "--port", "0", "--max-model-len", "128", "--kv-memory", "0.02", "--api-key", key],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert "serving" in line, proc.stderr.read()[-3000:] if proc.poll() is not None else line
+        url = line.split(" at ")[1].split("/v1")[0]
+        table = status("--url", url, "--api-key", key, tmp=tmp_path)
+        assert table.returncode == 0, table.stderr
+        assert "local" in table.stdout and "KV used" in table.stdout and "queue 0" in table.stdout
+        refused = status("--url", url, "--api-key", "wrong-key-0123456789", tmp=tmp_path)
+        assert refused.returncode == 1 and refused.stderr.startswith(f"orchard status: {url}/v1/cluster answered 401")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
