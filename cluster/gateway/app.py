@@ -29,8 +29,9 @@ from cluster.gateway.errors import (
     install_error_handlers,
 )
 from cluster.gateway.guard import RequestGuard
+from cluster.gateway.messages_api import MESSAGES_PATH, install_messages_api
 from cluster.gateway.messages_api import OPENAPI_MODELS as MESSAGES_OPENAPI_MODELS
-from cluster.gateway.messages_api import install_messages_api
+from cluster.gateway.messages_api import refusal_response as messages_refusal
 from cluster.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from cluster.gateway.protocol import (
     ChatCompletionChunk,
@@ -228,7 +229,8 @@ def create_app(backend: Backend, config: GatewayConfig | None = None) -> FastAPI
     _truthful_openapi(app)
     endpoints = {route.path for route in app.routes}
     app.add_middleware(_EndCutStreams)
-    app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes, api_keys=config.api_keys)
+    app.add_middleware(RequestGuard, max_body_bytes=config.max_body_bytes, api_keys=config.api_keys,
+                       renderers={MESSAGES_PATH: messages_refusal})
     app.add_middleware(_CountRequests, metrics=gw.metrics, endpoints=endpoints)  # outermost: counts refusals too
     return app
 

@@ -165,6 +165,8 @@ def as_api_error(exc: BaseException) -> APIError:
         return ContextLengthExceeded(str(exc), param="prompt")
     if isinstance(exc, InvalidPrompt):
         return InvalidRequest(str(exc), param="prompt")
+    if isinstance(getattr(exc, "error", None), APIError):  # an HTTPException standing for one (guard.BodyOverflow)
+        return exc.error
     for cls in type(exc).__mro__:  # errors of the Ray side, known by name so Ray stays unimported here
         if cls.__name__ in _BY_NAME:
             return _BY_NAME[cls.__name__](str(exc))

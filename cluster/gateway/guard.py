@@ -8,7 +8,10 @@ alone and 413 from `Content-Length`, or as soon as a body without one grows past
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from starlette.exceptions import HTTPException
+from starlette.responses import Response
 
 from cluster.gateway.errors import APIError, Unauthorized, error_response
 
@@ -39,12 +42,14 @@ class BodyTooLarge(APIError):
         super().__init__(f"The request body exceeds the server's limit of {limit} bytes.")
 
 
-class _BodyOverflow(HTTPException):
+class BodyOverflow(HTTPException):
     """Raised from `receive` when a body without Content-Length passes the limit. An
-    HTTPException, because FastAPI turns any other error while reading a body into a 400."""
+    HTTPException, because FastAPI turns any other error while reading a body into a 400;
+    `error` is the APIError it stands for."""
 
     def __init__(self, limit: int):
-        super().__init__(413, BodyTooLarge(limit).message)
+        self.error = BodyTooLarge(limit)
+        super().__init__(413, self.error.message)
 
 
 def _header(scope, name: bytes) -> str | None:
@@ -67,19 +72,34 @@ def presented_key(scope) -> str | None:
     return bearer_key(scope) or _header(scope, b"x-api-key")
 
 
-class RequestGuard:
-    """ASGI middleware: body-size limit on every request, key check before any body is read."""
+#: Renders a refusal as one API's error response (OpenAI's unless a path prefix names another).
+Renderer = Callable[[APIError], Response]
 
-    def __init__(self, app, max_body_bytes: int, api_keys: frozenset[str]):
+
+class RequestGuard:
+    """ASGI middleware: body-size limit on every request, key check before any body is read.
+
+    A refusal is written in the shape of the API the path belongs to: `renderers` maps path
+    prefixes (e.g. "/v1/messages": Anthropic's errors) to their renderer; OpenAI's otherwise.
+    """
+
+    def __init__(self, app, max_body_bytes: int, api_keys: frozenset[str], renderers: dict[str, Renderer] | None = None):
         self.app, self.max_body_bytes, self.api_keys = app, max_body_bytes, api_keys
+        self.renderers = renderers or {}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         refusal = self.refusal(scope)
         if refusal is not None:
-            return await error_response(refusal)(scope, receive, send)
+            return await self.render(scope.get("path", ""), refusal)(scope, receive, send)
         return await self.app(scope, self._limited(receive), send)
+
+    def render(self, path: str, error: APIError) -> Response:
+        for prefix, renderer in self.renderers.items():
+            if path == prefix or path.startswith(prefix + "/"):
+                return renderer(error)
+        return error_response(error)
 
     def refusal(self, scope) -> APIError | None:
         """The error a request gets from its headers alone, if any."""
@@ -100,7 +120,7 @@ class RequestGuard:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:
-                    raise _BodyOverflow(limit)
+                    raise BodyOverflow(limit)
             return message
 
         return receive_limited

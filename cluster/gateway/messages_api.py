@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from cluster.gateway.chat_output import Answer, AnswerStream
 from cluster.gateway.chat_serving import ChatRun, ChatServing
-from cluster.gateway.errors import InvalidRequest, Unauthorized, as_api_error, validation_message
+from cluster.gateway.errors import APIError, InvalidRequest, Unauthorized, as_api_error, validation_message
 from cluster.gateway.guard import presented_key
 from cluster.gateway.messages_protocol import (
     AnthropicError,
@@ -32,6 +32,8 @@ from cluster.gateway.messages_protocol import (
 )
 from cluster.gateway.protocol import ChatCompletionRequest
 
+MESSAGES_PATH = "/v1/messages"
+KEY_HELP = "Missing or invalid API key: send 'x-api-key: <key>' or 'Authorization: Bearer <key>'."
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
                 503: "overloaded_error", 504: "timeout_error"}
@@ -45,6 +47,11 @@ def error_body(exc: BaseException) -> tuple[int, dict]:
 def error_response(exc: BaseException) -> JSONResponse:
     status, body = error_body(exc)
     return JSONResponse(body, status_code=status, headers=getattr(as_api_error(exc), "headers", None))
+
+
+def refusal_response(error: APIError) -> JSONResponse:
+    """A refusal of the request guard (cluster/gateway/guard.py) in Anthropic's shape."""
+    return error_response(Unauthorized(KEY_HELP) if isinstance(error, Unauthorized) else error)
 
 
 # ---- Anthropic request -> chat request ------------------------------------------------
@@ -273,9 +280,9 @@ def install_messages_api(app: FastAPI, chats: ChatServing, api_keys: frozenset[s
 
     def check_key(request: Request) -> None:
         if api_keys and presented_key(request.scope) not in api_keys:
-            raise Unauthorized("Missing or invalid API key: send 'x-api-key: <key>' or 'Authorization: Bearer <key>'.")
+            raise Unauthorized(KEY_HELP)
 
-    @app.post("/v1/messages", openapi_extra=_openapi(MessagesRequest, MessageResponse, stream=True))
+    @app.post(MESSAGES_PATH, openapi_extra=_openapi(MessagesRequest, MessageResponse, stream=True))
     async def create_message(request: Request):
         try:
             check_key(request)
@@ -286,7 +293,7 @@ def install_messages_api(app: FastAPI, chats: ChatServing, api_keys: frozenset[s
         except Exception as exc:
             return error_response(exc)
 
-    @app.post("/v1/messages/count_tokens", openapi_extra=_openapi(CountTokensRequest, CountTokensResponse, stream=False))
+    @app.post(f"{MESSAGES_PATH}/count_tokens", openapi_extra=_openapi(CountTokensRequest, CountTokensResponse, stream=False))
     async def count_message_tokens(request: Request):
         try:
             check_key(request)
