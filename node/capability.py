@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from node.head import trace_head
+from node.layers import ATTENTION_NAMES, attention_of
 from node.positions import PackedPositions, PositionalRoPE, install_positional_rope
 
 _PROBE_TOKENS = 3
@@ -49,9 +50,10 @@ def _stack_reason(model) -> str | None:
     if not layers:
         return "no decoder layers at model.layers (a text stack nested elsewhere is not driven yet)"
     for index, layer in enumerate(layers):
-        attention = getattr(layer, "self_attn", None)
-        if attention is None or "rope" not in attention:
-            return f"layer {index} has no attention module with a rope at layers[{index}].self_attn"
+        attention = attention_of(layer)
+        if attention is None:
+            where = " or ".join(f"layers[{index}].{name}" for name in ATTENTION_NAMES)
+            return f"layer {index} has no attention module with a rope at {where}"
         if not hasattr(sys.modules[type(attention).__module__], "scaled_dot_product_attention"):
             # Gemma 2, for one: it soft-caps the scores, so it multiplies queries and keys itself.
             return f"its layers compute attention themselves ({type(attention).__module__} has no scaled_dot_product_attention)"
@@ -110,7 +112,7 @@ class ProbeCache:
 def attention_modules(model) -> list:
     """The Python modules whose `scaled_dot_product_attention` the layers call: each layer's
     attention class's own module (SmolLM3 reuses Llama's attention class, for one)."""
-    names = dict.fromkeys(type(layer.self_attn).__module__ for layer in model.layers)
+    names = dict.fromkeys(type(attention_of(layer)).__module__ for layer in model.layers)
     return [sys.modules[name] for name in names]
 
 
@@ -193,7 +195,7 @@ def _rope_reason(model, head_dim: int) -> str | None:
     """Each layer's rope must rotate a packed row exactly as it rotates each token alone."""
     x = mx.random.normal((1, 2, len(_ROPE_POSITIONS), head_dim), key=mx.random.key(0))
     for index, layer in enumerate(model.layers):
-        rope: PositionalRoPE = layer.self_attn.rope
+        rope: PositionalRoPE = attention_of(layer).rope
         try:
             packed = rope(x, offset=PackedPositions(mx.array(_ROPE_POSITIONS, dtype=mx.int32)))
             alone = mx.concatenate(

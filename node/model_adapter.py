@@ -29,6 +29,7 @@ import numpy as np
 import kernels
 from node.capability import attention_modules
 from node.head import ModelHead
+from node.layers import attention_of
 from node.models import LoadedModel
 from node.positions import PackedPositions, install_positional_rope
 
@@ -245,7 +246,8 @@ def _install_in(module) -> bool:
 
 def _query_heads(model) -> int | None:
     """Query heads per layer, which a step's attention plan is built for; None if layers disagree."""
-    heads = {getattr(layer.self_attn, "n_heads", None) or getattr(layer.self_attn, "num_heads", None) for layer in model.layers}
+    attentions = [attention_of(layer) for layer in model.layers]
+    heads = {getattr(a, "n_heads", None) or getattr(a, "num_heads", None) for a in attentions}
     return heads.pop() if len(heads) == 1 and None not in heads else None
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.geometry import DTYPE_SIZES, KVGeometry
+from node.layers import attention_of
 
 DEMO_MODEL_NAME = "orchard-demo"
 #: Used when a config states no maximum position.
@@ -56,7 +57,7 @@ class LoadedModel:
 
     @property
     def num_kv_heads(self) -> int:
-        attention = self.model.layers[0].self_attn
+        attention = attention_of(self.model.layers[0])
         count = getattr(attention, "n_kv_heads", None) or getattr(attention, "num_key_value_heads", None)
         if count is None:
             raise AttributeError(f"{type(attention).__qualname__} has neither n_kv_heads nor num_key_value_heads")

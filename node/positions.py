@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
+from node.layers import attention_of
+
 
 @dataclass(frozen=True)
 class PackedPositions:
@@ -45,7 +47,7 @@ def install_positional_rope(model: nn.Module) -> int:
     """Wrap the rope of every attention layer once; returns how many were wrapped now."""
     wrapped = 0
     for layer in model.layers:
-        attention = layer.self_attn
+        attention = attention_of(layer)
         if not isinstance(attention.rope, PositionalRoPE):
             attention.rope = PositionalRoPE(attention.rope)
             wrapped += 1

@@ -66,6 +66,13 @@ TINY_CONFIGS = {
     # leaves the rope out of every fourth layer.
     "smollm3": dict(_COMMON, model_type="smollm3", num_hidden_layers=4, num_key_value_heads=2, rms_norm_eps=1e-6,
                     rope_theta=1_000_000.0, tie_word_embeddings=True, no_rope_layer_interval=4),
+    # InternLM2 keeps its attention at layers[i].attention (fused wqkv, wo).
+    "internlm2": dict(_COMMON, model_type="internlm2", num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                      bias=False, tie_word_embeddings=False),
+    # MiniMax: sigmoid-routed experts, query/key norms over all heads, a partial rotary dim.
+    "minimax": dict(_COMMON, model_type="minimax", num_key_value_heads=2, head_dim=16, num_experts_per_tok=2,
+                    num_local_experts=4, shared_intermediate_size=0, rms_norm_eps=1e-5, rope_theta=1_000_000.0,
+                    rotary_dim=8),
 }
 
 #: Architectures the loader must refuse for what their loaded layers do (a rope or a query
