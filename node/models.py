@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.geometry import DTYPE_SIZES, KVGeometry
-from node.layers import attention_of
+from node.layers import attention_of, text_config, text_model
 
 DEMO_MODEL_NAME = "orchard-demo"
 #: Used when a config states no maximum position.
@@ -97,7 +97,7 @@ def unsupported_reason(config: dict) -> str | None:
 
     Needs no weights: the config's own fields, then the structure of mlx-lm's model for it.
     """
-    return _config_reason(config) or _structure_reason(config)
+    return _config_reason(text_config(config)) or _structure_reason(config)
 
 
 def _config_reason(config: dict) -> str | None:
@@ -134,7 +134,7 @@ def _structure_reason(config: dict) -> str | None:
         skeleton = model_class(args_class.from_dict(config))
     except Exception as error:  # a config mlx-lm's own classes cannot build
         return f"mlx-lm cannot build it from this config ({type(error).__name__}: {error})"
-    return architecture_reason(skeleton)
+    return architecture_reason(text_model(skeleton))
 
 
 def check_supported(config: dict) -> None:
@@ -197,6 +197,7 @@ def load_model(model: str | None = None) -> LoadedModel:
     check_supported(read_config(config_path))
     name, path = resolve_model_path(model)
     mlx_model, tokenizer, config = load(str(path), return_config=True)
+    mlx_model = text_model(mlx_model)  # a multimodal wrapper's text model; the engine serves text
     evaluate_held_arrays(mlx_model)
     loaded = LoadedModel(
         name=name,
@@ -207,7 +208,7 @@ def load_model(model: str | None = None) -> LoadedModel:
         model_type=config["model_type"],
         fingerprint=checkpoint_fingerprint(path),
         eos_token_ids=frozenset(int(t) for t in tokenizer.eos_token_ids),
-        max_context_length=_max_context(config, mlx_model.args),
+        max_context_length=_max_context(text_config(config), mlx_model.args),
     )
     if (reason := loaded_reason(loaded)) is not None:
         raise UnsupportedModel(config["model_type"], reason)

@@ -66,6 +66,10 @@ TINY_CONFIGS = {
     # leaves the rope out of every fourth layer.
     "smollm3": dict(_COMMON, model_type="smollm3", num_hidden_layers=4, num_key_value_heads=2, rms_norm_eps=1e-6,
                     rope_theta=1_000_000.0, tie_word_embeddings=True, no_rope_layer_interval=4),
+    # Mistral 3 (Mistral-Small-3.x): a multimodal wrapper whose text model is a Mistral under language_model.
+    "mistral3": dict(model_type="mistral3", torch_dtype="float32", text_config=dict(
+        _COMMON, model_type="mistral", num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-5, rope_theta=1_000_000_000.0,
+        tie_word_embeddings=False)),
     # InternLM2 keeps its attention at layers[i].attention (fused wqkv, wo).
     "internlm2": dict(_COMMON, model_type="internlm2", num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
                       bias=False, tie_word_embeddings=False),
@@ -95,6 +99,8 @@ def write_tiny_model(folder: Path, model_type: str, tokenizer_from: Path, seed: 
     folder.mkdir(parents=True, exist_ok=True)
     vocab = json.loads((tokenizer_from / "config.json").read_text())["vocab_size"]
     config = dict({**TINY_CONFIGS, **REFUSED_CONFIGS}[model_type], vocab_size=vocab)
+    if "text_config" in config:  # a multimodal wrapper: the text model states the vocabulary
+        config["text_config"] = dict(config["text_config"], vocab_size=vocab)
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
