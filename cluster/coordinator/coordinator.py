@@ -189,7 +189,7 @@ class Coordinator:
         uncached = max(1, num_tokens - decision.cached_blocks * block_size)
         self.membership.note_routed(decision.node_id, request_id or f"anonymous-{self._totals.requests}", uncached)
         self._count(decision, num_tokens, block_size)
-        move = self.replication.on_arrival(block_hashes, held, self._load_views(candidates), block_size, self._clock())
+        move = self.replication.on_arrival(block_hashes, held, lambda: self._load_views(candidates), block_size, self._clock())
         if move is not None:
             self._queue_move(move)
         return decision

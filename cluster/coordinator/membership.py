@@ -75,6 +75,39 @@ class NodeLoad:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
+class PendingPrefills:
+    """Requests routed to a node whose prefill has not been seen to finish: request id ->
+    (when routed, prompt tokens to prefill), with their token total kept as they come and go,
+    because the router reads that total for every candidate of every decision."""
+
+    def __init__(self):
+        self._entries: dict[str, tuple[float, int]] = {}
+        self.tokens = 0
+
+    def add(self, request_id: str, at: float, tokens: int) -> None:
+        self.pop(request_id)
+        self._entries[request_id] = (at, tokens)
+        self.tokens += tokens
+
+    def pop(self, request_id: str) -> int | None:
+        """The tokens of a request taken out, or None when it was not there."""
+        entry = self._entries.pop(request_id, None)
+        if entry is None:
+            return None
+        self.tokens -= entry[1]
+        return entry[1]
+
+    def expire(self, before: float) -> None:
+        for request_id in [r for r, (at, _) in self._entries.items() if at < before]:
+            self.pop(request_id)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._entries
+
+
 @dataclass
 class NodeState:
     node_id: NodeId
@@ -89,7 +122,7 @@ class NodeState:
     rates_updated_at: float = 0.0
     # Requests routed here whose prefill has not been seen to finish: request id ->
     # (when routed, prompt tokens to prefill). Fresher than any heartbeat.
-    pending: dict[str, tuple[float, int]] = field(default_factory=dict)
+    pending: PendingPrefills = field(default_factory=PendingPrefills)
     # Prefill tokens seen done since the last heartbeat, which that heartbeat still counts as queued.
     prefilled_since_heartbeat: int = 0
     death_reason: str | None = None
@@ -107,7 +140,7 @@ class NodeState:
 
     @property
     def pending_prefill_tokens(self) -> int:
-        return sum(tokens for _, tokens in self.pending.values())
+        return self.pending.tokens
 
     @property
     def model(self) -> str:
@@ -178,18 +211,17 @@ class Membership:
 
     def note_routed(self, node_id: NodeId, request_id: str, prefill_tokens: int) -> None:
         """Count a request's prefill as work queued on the node until it is seen to finish."""
-        self.get(node_id).pending[request_id] = (self._clock(), prefill_tokens)
+        self.get(node_id).pending.add(request_id, self._clock(), prefill_tokens)
 
     def prefill_done(self, node_id: NodeId, request_id: str) -> None:
         state = self._nodes.get(node_id)
-        if state is not None and request_id in state.pending:
-            state.prefilled_since_heartbeat += state.pending.pop(request_id)[1]
+        tokens = state.pending.pop(request_id) if state is not None else None
+        if tokens is not None:
+            state.prefilled_since_heartbeat += tokens
 
     def _expire_pending(self, state: NodeState) -> None:
         """Forget entries nobody closed (a gateway that died mid-request)."""
-        expired = self._clock() - self.config.pending_ttl_s
-        for request_id in [r for r, (at, _) in state.pending.items() if at < expired]:
-            del state.pending[request_id]
+        state.pending.expire(self._clock() - self.config.pending_ttl_s)
 
     def record_link_rate(self, source: NodeId, target: NodeId, bytes_per_s: float) -> None:
         if bytes_per_s > 0:

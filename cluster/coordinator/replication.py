@@ -69,21 +69,25 @@ class ReplicationPlanner:
         self,
         hashes: Sequence[BlockHash],
         held: Mapping[NodeId, int],
-        candidates: Sequence[NodeLoadView],
+        candidates: Callable[[], Sequence[NodeLoadView]],
         block_size: int,
         now: float,
     ) -> BlockMove | None:
-        """Record a prompt's arrival; return a copy to make if its prefix is hot and its holder saturated."""
+        """Record a prompt's arrival; return a copy to make if its prefix is hot and its holder saturated.
+
+        `candidates` gives the nodes' loads when called: only a hot prefix needs them, so an
+        ordinary arrival costs the router no second pass over the cluster's rates."""
         holder, blocks = _deepest_holder(held)
         if holder is None or blocks == 0:
             return None
         usage = self._record(tuple(hashes[:blocks]), now)
         if len(usage.arrivals) < self.config.hot_arrivals or self._cooling(usage, now):
             return None
-        loads = {c.node_id: c for c in candidates}
+        views = candidates()
+        loads = {c.node_id: c for c in views}
         if holder not in loads or not _saturated(loads[holder], blocks * block_size):
             return None
-        target = _least_loaded([c for c in candidates if held.get(c.node_id, 0) < blocks])
+        target = _least_loaded([c for c in views if held.get(c.node_id, 0) < blocks])
         if target is None:
             return None
         usage.copied_at = now

@@ -420,7 +420,7 @@ def test_planner_forgets_the_least_recent_prefix_beyond_its_capacity():
     planner = ReplicationPlanner(ReplicationConfig(tracked_prefixes=2))
     views = [NodeLoadView("a", 0.0, 1e-3)]
     for key in (b"x", b"y", b"z"):
-        planner.on_arrival([key], {"a": 1}, views, BS, 0.0)
+        planner.on_arrival([key], {"a": 1}, lambda: views, BS, 0.0)
     assert [planner.uses([k]) for k in (b"x", b"y", b"z")] == [0, 1, 1]
 
 
