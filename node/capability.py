@@ -9,7 +9,8 @@ correctly when everything that depends on context goes through those seams:
 - positions reach the layers only through a rope that accepts one position per token;
 - every layer stores its K/V through its cache and attends with that one call, without
   sinks, with one KV geometry shared by all layers;
-- the model's `__call__` is the text stack (`model.model`) followed by a head that reads
+- the model's `__call__` is the text stack (`model.model`, EXAONE's `model.transformer`:
+  node.layers) followed by a head that reads
   nothing but the stack's output and gives one row of logits per hidden row (the runner
   runs that head on the rows it needs, `node.head`).
 

@@ -14,6 +14,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from node.layers import stack_name, text_stack
+
 
 class _ComputedStack:
     """Stands in for `model.model` in its `__call__`: returns hidden rows already computed;
@@ -37,7 +39,7 @@ class _ModelView:
 
     def __init__(self, model: Any, stack: _ComputedStack):
         self._model = model
-        self.model = stack
+        setattr(self, stack_name(model), stack)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
@@ -47,7 +49,7 @@ def trace_head(model: Any, hidden: mx.array) -> tuple[mx.array, int]:
     """(logits, how many times the stack was called) of the model's `__call__` over `hidden`
     `[1, T, hidden_size]`. Token ids and cache are passed as None: a `__call__` that reads
     them for anything but the stack raises here."""
-    stack = _ComputedStack(model.model, hidden)
+    stack = _ComputedStack(text_stack(model), hidden)
     logits = type(model).__call__(_ModelView(model, stack), None, None)
     return logits, stack.calls
 

@@ -1,15 +1,19 @@
-"""Where an mlx-lm model keeps its text model, and a decoder layer its attention module.
+"""Where an mlx-lm model keeps its text model, its decoder stack, and a layer its attention module.
 
 Most families name the attention `self_attn`; InternLM2 names it `attention`, others
-`attn`. The engine looks for the child that holds a rope under those names, so one rule
-serves every place that reaches into a layer (the loader's checks, the rope wrapper, the KV
-geometry). Multimodal wrappers (Mistral 3, Gemma 3) hold the text model as
-`language_model` and only delegate to it; the engine drives that text model itself.
+`attn` (EXAONE one level deeper, `attn.attention`). The engine looks for the module that
+holds a rope under those names, so one rule serves every place that reaches into a layer
+(the loader's checks, the rope wrapper, the KV geometry). The decoder stack is `model`
+(`transformer` in EXAONE), its final norm `norm` (`ln_f`). Multimodal wrappers (Mistral 3,
+Gemma 3) hold the text model as `language_model` and only delegate to it; the engine drives
+that text model itself.
 """
 
 from __future__ import annotations
 
 ATTENTION_NAMES = ("self_attn", "attention", "attn")
+STACK_NAMES = ("model", "transformer")
+FINAL_NORM_NAMES = ("norm", "ln_f")
 
 
 def text_model(model):
@@ -24,10 +28,36 @@ def text_config(config: dict) -> dict:
     return inner if isinstance(inner, dict) and inner.get("model_type") else config
 
 
-def attention_of(layer):
-    """The layer's attention module (the first of ATTENTION_NAMES holding a rope), or None."""
+def stack_name(model) -> str:
+    """The attribute holding the model's decoder stack (the one its `__call__` runs)."""
+    for name in STACK_NAMES:
+        if getattr(model, name, None) is not None:
+            return name
+    raise AttributeError(f"{type(model).__qualname__} has no decoder stack at {' or '.join(STACK_NAMES)}")
+
+
+def text_stack(model):
+    return getattr(model, stack_name(model))
+
+
+def final_norm(stack):
+    """The stack's last norm (never quantized, so its weight tells the activations' dtype)."""
+    for name in FINAL_NORM_NAMES:
+        if getattr(stack, name, None) is not None:
+            return getattr(stack, name)
+    raise AttributeError(f"{type(stack).__qualname__} has no final norm at {' or '.join(FINAL_NORM_NAMES)}")
+
+
+def attention_of(layer, depth: int = 2):
+    """The layer's attention module: the first module under ATTENTION_NAMES holding a rope,
+    looked for down to `depth` levels; None when there is none."""
     for name in ATTENTION_NAMES:
         module = getattr(layer, name, None)
-        if module is not None and "rope" in module:
+        if module is None:
+            continue
+        if "rope" in module:
             return module
+        inner = attention_of(module, depth - 1) if depth > 1 else None
+        if inner is not None:
+            return inner
     return None

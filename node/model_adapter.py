@@ -29,7 +29,7 @@ import numpy as np
 import kernels
 from node.capability import attention_modules
 from node.head import ModelHead
-from node.layers import attention_of
+from node.layers import attention_of, text_stack
 from node.models import LoadedModel
 from node.positions import PackedPositions, install_positional_rope
 
@@ -277,7 +277,7 @@ class ModelRunner:
         if tokens is None:
             tokens = mx.array(np.asarray(step.token_ids, dtype=np.int32))
         tokens = tokens[None]
-        hidden = self.loaded.model.model(tokens, cache=caches)
+        hidden = text_stack(self.loaded.model)(tokens, cache=caches)
         if context.decode_only:  # every row is its sequence's last token
             return self._head(hidden[0])
         last_rows = mx.array(context.query_start_loc[1:] - 1)

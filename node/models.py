@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.geometry import DTYPE_SIZES, KVGeometry
-from node.layers import attention_of, text_config, text_model
+from node.layers import attention_of, final_norm, text_config, text_model, text_stack
 
 DEMO_MODEL_NAME = "orchard-demo"
 #: Used when a config states no maximum position.
@@ -71,7 +71,7 @@ class LoadedModel:
     @property
     def dtype(self) -> str:
         """The activations' dtype: the final norm is never quantized, so its weight tells."""
-        return str(self.model.model.norm.weight.dtype).removeprefix("mlx.core.")
+        return str(final_norm(text_stack(self.model)).weight.dtype).removeprefix("mlx.core.")
 
     @property
     def vocab_size(self) -> int:

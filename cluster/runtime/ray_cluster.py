@@ -10,6 +10,7 @@ Ray's temp dir private so no other Ray user on the machine can attach to it by a
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -38,10 +39,11 @@ def default_node_id(ray_node_id: str) -> str:
 
 
 def connect(address: str | None = None) -> None:
-    """Join the cluster at `address` ("auto" for the local one) in the orchard namespace."""
+    """Join the cluster at `address` ("auto" for the local one) in the orchard namespace; Ray's
+    own INFO chatter ("Connecting to existing Ray cluster...") stays out of the CLI's output."""
     if not ray.is_initialized():
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
 
 
 def ensure_coordinator(config: CoordinatorConfig | None = None):

@@ -388,6 +388,7 @@ def test_orchard_head_and_join_make_one_serving_cluster(lab, tmp_path):
     status = lab.run("head", _orchard("status", "--address", f"{HOSTS['head']}:6379", "--json"),
                      _env(lab.workdir, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=ray_token), 60)
     assert status.returncode == 0, status.stderr[-2000:]
+    assert "Connecting to existing Ray cluster" not in status.stderr + status.stdout  # no Ray INFO lines in the CLI
     status_rows = {n["ray_node_id"]: n["status"] for n in json.loads(status.stdout)["nodes"]}
     assert status_rows[node_id] == "alive"
     assert appeared_s < JOIN_DEADLINE_S + 10  # the probes' own Ray drivers start inside the margin

@@ -19,7 +19,7 @@ from node.types import SamplingParams
 from tests.node.tiny_models import write_quantized_model, write_tiny_model
 
 FAMILIES = ["llama3", "qwen3_moe", "qwen2_moe", "gemma", "phi3", "olmo2", "glm4", "starcoder2", "hunyuan",
-            "granite", "cohere", "mixtral", "smollm3", "internlm2", "minimax", "mistral3"]
+            "granite", "cohere", "mixtral", "smollm3", "internlm2", "minimax", "mistral3", "exaone"]
 #: Quantized checkpoints as mlx-community publishes them, (family, bits, group size): qwen3 ties its
 #: head to a quantized embedding, mistral quantizes a separate lm_head, qwen3_moe its experts too.
 QUANTIZED = {"qwen3-4bit-g64": ("qwen3", 4, 64), "mistral-8bit-g32": ("mistral", 8, 32),

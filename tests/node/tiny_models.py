@@ -70,6 +70,9 @@ TINY_CONFIGS = {
     "mistral3": dict(model_type="mistral3", torch_dtype="float32", text_config=dict(
         _COMMON, model_type="mistral", num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-5, rope_theta=1_000_000_000.0,
         tie_word_embeddings=False)),
+    # EXAONE: its stack is transformer.h, attention at attn.attention, final norm ln_f, num_layers.
+    "exaone": dict({k: v for k, v in _COMMON.items() if k != "num_hidden_layers"}, num_layers=2, model_type="exaone",
+                   num_key_value_heads=2, layer_norm_epsilon=1e-5, rope_theta=1_000_000.0, tie_word_embeddings=True),
     # InternLM2 keeps its attention at layers[i].attention (fused wqkv, wo).
     "internlm2": dict(_COMMON, model_type="internlm2", num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
                       bias=False, tie_word_embeddings=False),
