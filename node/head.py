@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from node.layers import stack_name, text_stack
+from node.layers import stack_name
 
 
 class _ComputedStack:
@@ -37,20 +37,21 @@ class _ComputedStack:
 class _ModelView:
     """The model as its own `__call__` sees it, with the text stack swapped for `stack`."""
 
-    def __init__(self, model: Any, stack: _ComputedStack):
+    def __init__(self, model: Any, name: str, stack: _ComputedStack):
         self._model = model
-        setattr(self, stack_name(model), stack)
+        setattr(self, name, stack)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._model, name)
 
 
-def trace_head(model: Any, hidden: mx.array) -> tuple[mx.array, int]:
+def trace_head(model: Any, hidden: mx.array, name: str | None = None) -> tuple[mx.array, int]:
     """(logits, how many times the stack was called) of the model's `__call__` over `hidden`
     `[1, T, hidden_size]`. Token ids and cache are passed as None: a `__call__` that reads
-    them for anything but the stack raises here."""
-    stack = _ComputedStack(text_stack(model), hidden)
-    logits = type(model).__call__(_ModelView(model, stack), None, None)
+    them for anything but the stack raises here. `name`: the stack's attribute, when known."""
+    name = name or stack_name(model)
+    stack = _ComputedStack(getattr(model, name), hidden)
+    logits = type(model).__call__(_ModelView(model, name, stack), None, None)
     return logits, stack.calls
 
 
@@ -59,7 +60,8 @@ class ModelHead:
 
     def __init__(self, model: Any):
         self.model = model
+        self._stack_name = stack_name(model)  # looked up once, not at every step
 
     def __call__(self, hidden: mx.array) -> mx.array:
-        logits, _ = trace_head(self.model, hidden[None])
+        logits, _ = trace_head(self.model, hidden[None], self._stack_name)
         return logits[0]

@@ -265,6 +265,7 @@ class ModelRunner:
         install_positional_rope(loaded.model)
         install_paged_attention(loaded.model)
         self._head = ModelHead(loaded.model)  # the model's own head and logit transforms
+        self._stack = text_stack(loaded.model)  # the decoder stack each step runs
         self._num_layers = len(loaded.model.layers)
         self._num_heads = _query_heads(loaded.model)
 
@@ -277,7 +278,7 @@ class ModelRunner:
         if tokens is None:
             tokens = mx.array(np.asarray(step.token_ids, dtype=np.int32))
         tokens = tokens[None]
-        hidden = text_stack(self.loaded.model)(tokens, cache=caches)
+        hidden = self._stack(tokens, cache=caches)
         if context.decode_only:  # every row is its sequence's last token
             return self._head(hidden[0])
         last_rows = mx.array(context.query_start_loc[1:] - 1)

@@ -17,7 +17,7 @@ def register(sub) -> None:
     p.add_argument("--url", default=None, metavar="URL",
                    help="ask this gateway instead of Ray (e.g. http://127.0.0.1:8000; works with `serve --no-ray`)")
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="the gateway's API key for --url (default: the first of ORCHARD_API_KEYS)")
+                   help="the gateway's API key for --url (default: one of ORCHARD_API_KEYS)")
     p.add_argument("--json", action="store_true", help="print the JSON instead of a table")
     p.set_defaults(func=run)
 
@@ -57,7 +57,9 @@ def run_gateway(args) -> int:
     """The table from a gateway's `/v1/cluster`; one line and exit 1 when it cannot be read."""
     import httpx
 
-    key = args.api_key or next((k.strip() for k in os.environ.get("ORCHARD_API_KEYS", "").split(",") if k.strip()), None)
+    from cluster.cli.serve_options import api_keys
+
+    key = args.api_key or min(api_keys([], dict(os.environ)), default=None)  # any of the gateway's keys will do
     url = args.url.rstrip("/") + "/v1/cluster"
     try:
         reply = httpx.get(url, headers={"Authorization": f"Bearer {key}"} if key else {}, timeout=10.0)
@@ -65,9 +67,7 @@ def run_gateway(args) -> int:
         print(f"orchard status: no gateway answers at {args.url} ({exc.__class__.__name__})", file=sys.stderr)
         return 1
     if reply.status_code != 200:
-        message = reply.json().get("error", {}).get("message", reply.text) if reply.headers.get("content-type", "").startswith(
-            "application/json") else reply.text
-        print(f"orchard status: {url} answered {reply.status_code}: {message}", file=sys.stderr)
+        print(f"orchard status: {url} answered {reply.status_code}: {_error_message(reply)}", file=sys.stderr)
         return 1
     info = reply.json()
     if args.json:
@@ -75,6 +75,14 @@ def run_gateway(args) -> int:
     else:
         print_gateway_table(info)
     return 0
+
+
+def _error_message(reply) -> str:
+    """The message of an error in the gateway's (OpenAI's) shape, else the body as text."""
+    try:
+        return reply.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return reply.text
 
 
 def local_cluster_address() -> str | None:

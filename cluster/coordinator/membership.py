@@ -120,8 +120,7 @@ class NodeState:
     decode_s_per_token: Ewma = field(default_factory=Ewma)
     rate_evidence: int = 0  # heartbeats whose rates followed new work
     rates_updated_at: float = 0.0
-    # Requests routed here whose prefill has not been seen to finish: request id ->
-    # (when routed, prompt tokens to prefill). Fresher than any heartbeat.
+    # Requests routed here whose prefill has not been seen to finish; fresher than any heartbeat.
     pending: PendingPrefills = field(default_factory=PendingPrefills)
     # Prefill tokens seen done since the last heartbeat, which that heartbeat still counts as queued.
     prefilled_since_heartbeat: int = 0
