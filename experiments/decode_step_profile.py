@@ -30,9 +30,11 @@ def _median_ms(fn, steps: int) -> float:
     return float(np.median(times) * 1e3)
 
 
-def decoding_engine(loaded, batch: int, prompt: int, kv_gb: float, budget: int | None = None) -> LLMEngine:
+def decoding_engine(loaded, batch: int, prompt: int, kv_gb: float, budget: int | None = None,
+                    compiled_decode: bool | None = None) -> LLMEngine:
     budget = budget or max(2048, batch * prompt)
-    engine = LLMEngine(EngineConfig(max_num_seqs=batch + 1, max_num_batched_tokens=budget, kv_memory_gb=kv_gb), loaded=loaded)
+    config = EngineConfig(max_num_seqs=batch + 1, max_num_batched_tokens=budget, kv_memory_gb=kv_gb, compiled_decode=compiled_decode)
+    engine = LLMEngine(config, loaded=loaded)
     for i in range(batch):
         engine.add_request(f"p{i}", [3 + (i * 7 + j) % 1000 for j in range(prompt)], SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True))
     while any(s.num_computed < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
@@ -44,11 +46,18 @@ def decoding_engine(loaded, batch: int, prompt: int, kv_gb: float, budget: int |
 
 
 def forward_variants(engine: LLMEngine, steps: int) -> dict[str, float]:
+    """The eager forward and its variants; the compiled decode graph first, when the runner has one."""
     sched = engine.scheduler.schedule()
     step = build_step_input(sched.chunks, engine.kv, engine.config.block_size)
     runner = engine.runner
+    out = {}
+    if runner.compiled_decode is not None:
+        print(f"orchard compiled decode step graph: {graph_ops(runner.forward(step))} primitives")
+        out["compiled forward (graph + device)"] = _median_ms(lambda: mx.eval(runner.forward(step)), steps)
+        out["compiled forward, launch only"] = _median_ms(lambda: runner.forward(step), steps)
+    compiled, runner.compiled_decode = runner.compiled_decode, None
     print(f"orchard decode step graph: {graph_ops(runner.forward(step))} primitives")
-    out = {"forward (graph + device)": _median_ms(lambda: mx.eval(runner.forward(step)), steps)}
+    out["forward (graph + device)"] = _median_ms(lambda: mx.eval(runner.forward(step)), steps)
     out["graph build only"] = _median_ms(lambda: runner.forward(step), steps)
     real_write = kernels.write_kv
     model_adapter.kernels.write_kv = lambda k, v, *_: (k, v)
@@ -61,6 +70,7 @@ def forward_variants(engine: LLMEngine, steps: int) -> dict[str, float]:
     out["forward without KV write and attention"] = _median_ms(lambda: mx.eval(runner.forward(step)), steps)
     model_adapter.kernels.write_kv = real_write
     model_adapter.PagedLayerCache.attend = real_attend
+    runner.compiled_decode = compiled
     return out
 
 
@@ -114,6 +124,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kv-memory-gb", type=float, default=4.0)
     ap.add_argument("--mixed-prompt", type=int, default=0, help="add one request of this many prompt tokens: the step mixes its chunk with the decodes")
     ap.add_argument("--budget", type=int, default=512, help="token budget of the mixed step")
+    ap.add_argument("--compiled-decode", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="also print the host functions taking most time over N whole steps")
     args = ap.parse_args(argv)
     if args.model:
@@ -122,12 +133,17 @@ def main(argv=None) -> int:
         loaded = load_model(args.model)
     else:
         loaded = random_llama(args.shape, dtype=getattr(mx, args.dtype), num_layers=args.num_layers)
-    engine = decoding_engine(loaded, args.batch, args.prompt, args.kv_memory_gb, args.budget if args.mixed_prompt else None)
+    compiled = {"on": True, "off": False}.get(args.compiled_decode)
+    engine = decoding_engine(loaded, args.batch, args.prompt, args.kv_memory_gb, args.budget if args.mixed_prompt else None, compiled)
     rows = {}
     if args.mixed_prompt:
         engine.add_request("long", [5 + j % 900 for j in range(args.mixed_prompt)], SamplingParams(temperature=0.0, max_tokens=1))
     else:
         rows["engine.step() (whole step)"] = _median_ms(engine.step, args.steps)
+        if engine.runner.compiled_decode is not None:
+            compiled, engine.runner.compiled_decode = engine.runner.compiled_decode, None
+            rows["engine.step() (whole step), eager decode"] = _median_ms(engine.step, args.steps)
+            engine.runner.compiled_decode = compiled
     if args.cprofile:
         host_profile(engine, args.cprofile)
     rows.update(forward_variants(engine, args.steps))

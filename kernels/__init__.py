@@ -29,19 +29,21 @@ from kernels.errors import (
     UnknownBackend,
     UnsupportedAttentionShape,
 )
-from kernels.kv_write import write_kv
-from kernels.plan import VarlenPlan, VarlenTuning, plan_varlen
+from kernels.kv_write import SlotIndex, write_kv
+from kernels.plan import VarlenPlan, VarlenTuning, check_varlen_metadata, plan_varlen
 
 __all__ = [
     "ENV_VAR",
     "BackendUnavailable",
     "InvalidAttentionMetadata",
     "KernelError",
+    "SlotIndex",
     "UnknownBackend",
     "UnsupportedAttentionShape",
     "VarlenPlan",
     "VarlenTuning",
     "available_backends",
+    "check_varlen_metadata",
     "default_backend",
     "paged_attention",
     "paged_prefill_attention",

@@ -78,6 +78,8 @@ def varlen_function(name: str):
 
 
 def _reference_decode(queries, key_cache, value_cache, block_tables, context_lens, scale):
+    if isinstance(block_tables, mx.array) and isinstance(context_lens, mx.array):
+        return reference.paged_decode_on_device(queries, key_cache, value_cache, block_tables, context_lens, scale)
     return reference.paged_decode_reference(
         queries, key_cache, value_cache,
         reference.as_host_ints(block_tables, "block_tables"),

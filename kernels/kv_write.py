@@ -2,16 +2,44 @@
 
 The pool is large and the step's tokens are few, so the write must not copy the pool.
 MLX reuses (donates) an input buffer for a scatter's output when nothing else holds
-that buffer at evaluation time; flattening to `[num_blocks * block_size, H, D]` is a
-view, so once the caller drops its old reference the scatter lands in the pool's own
-memory. Keeping the old array alive forces a copy, which is correct but costs 2x pool.
+that buffer at evaluation time, so once the caller drops its old reference the scatter
+lands in the pool's own memory. Keeping the old array alive forces a copy, which is
+correct but costs 2x pool.
+
+A slot is `block_id * block_size + offset`; the scatter indexes the 4-d pool by
+(block, offset) directly, and a step splits its slots into those two once (`SlotIndex`)
+for every layer, so each layer's write is one scatter per pool and nothing else.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
+import numpy as np
 
 from kernels.errors import InvalidAttentionMetadata
+
+
+@dataclass(frozen=True)
+class SlotIndex:
+    """A step's pool slots as the (block, offset) pairs the scatter indexes by, int32 `[num_tokens]` each."""
+
+    blocks: mx.array
+    offsets: mx.array
+
+    @classmethod
+    def of(cls, slot_mapping, block_size: int) -> SlotIndex:
+        """Split slots on the host when they are there (no device op), else on the device."""
+        if isinstance(slot_mapping, mx.array):
+            slots = slot_mapping.astype(mx.int32)
+            return cls(slots // block_size, slots % block_size)
+        slots = np.asarray(slot_mapping, dtype=np.int64)
+        return cls(mx.array((slots // block_size).astype(np.int32)), mx.array((slots % block_size).astype(np.int32)))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.blocks.shape[0]
 
 
 def write_kv(
@@ -21,23 +49,23 @@ def write_kv(
     values: mx.array,
     slot_mapping,
 ) -> tuple[mx.array, mx.array]:
-    """Store token i's K/V at pool slot `slot_mapping[i]` (= block_id * block_size + offset).
+    """Store token i's K/V at pool slot `slot_mapping[i]` (= block_id * block_size + offset);
+    `slot_mapping` may also be a `SlotIndex` made once for a step's layers.
 
-    Returns the updated caches; the caller must replace its references with them.
+    Returns the updated caches, which are the array objects passed in, updated by item
+    assignment (no reshape around the scatter, so no extra primitive per layer); graphs
+    built on them earlier still read what they held then.
     """
     _check_shapes(key_cache, value_cache, keys, values)
-    slots = slot_mapping if isinstance(slot_mapping, mx.array) else mx.array(slot_mapping, dtype=mx.int32)
-    if slots.shape != (keys.shape[0],):
-        raise InvalidAttentionMetadata(f"slot_mapping must have shape [{keys.shape[0]}], got {slots.shape}")
-    return _scatter_rows(key_cache, keys, slots), _scatter_rows(value_cache, values, slots)
+    index = slot_mapping if isinstance(slot_mapping, SlotIndex) else SlotIndex.of(slot_mapping, key_cache.shape[1])
+    if index.blocks.shape != (keys.shape[0],):
+        raise InvalidAttentionMetadata(f"slot_mapping must have shape [{keys.shape[0]}], got {index.blocks.shape}")
+    return _scatter_rows(key_cache, keys, index), _scatter_rows(value_cache, values, index)
 
 
-def _scatter_rows(cache: mx.array, rows: mx.array, slots: mx.array) -> mx.array:
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    flat = cache.reshape(num_blocks * block_size, num_kv_heads, head_dim)
-    del cache  # our own reference must not pin the buffer when the scatter is evaluated
-    flat[slots] = rows.astype(flat.dtype)
-    return flat.reshape(num_blocks, block_size, num_kv_heads, head_dim)
+def _scatter_rows(cache: mx.array, rows: mx.array, index: SlotIndex) -> mx.array:
+    cache[index.blocks, index.offsets] = rows.astype(cache.dtype)
+    return cache
 
 
 def _check_shapes(key_cache: mx.array, value_cache: mx.array, keys: mx.array, values: mx.array) -> None:

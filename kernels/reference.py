@@ -255,3 +255,27 @@ def _run_piece(piece, queries: mx.array, key_cache: mx.array, value_cache: mx.ar
     # "causal" aligns the last query with the last key, which is where the chunk sits.
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask="causal")
     return out[0].transpose(1, 0, 2).astype(queries.dtype)
+
+
+def paged_decode_on_device(
+    queries: mx.array, key_cache: mx.array, value_cache: mx.array, block_tables: mx.array, context_lens: mx.array, scale: float
+) -> mx.array:
+    """Decode with its metadata left on the device: no host read, so a traced graph can hold it.
+
+    Every position of the tables' capacity is gathered (past a sequence's length, its last
+    real token again, as `token_slots` does) and masked, so the graph depends on shapes only.
+    It pads every row to the capacity, so the host-planned `paged_decode_reference` is the
+    faster choice wherever the metadata is on the host.
+    """
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    width = block_tables.shape[1] * block_size
+    lengths = context_lens.astype(mx.int32)[:, None]
+    positions = mx.minimum(mx.arange(width, dtype=mx.int32)[None, :], lengths - 1)
+    blocks = mx.take_along_axis(block_tables.astype(mx.int32), positions // block_size, axis=1)
+    slots = blocks * block_size + positions % block_size
+    rows = slots[:, None, :] * num_kv_heads + mx.arange(num_kv_heads, dtype=mx.int32)[None, :, None]
+    keys, values = gather_rows(key_cache, rows), gather_rows(value_cache, rows)
+    mask = (mx.arange(width, dtype=mx.int32)[None, :] < lengths)[:, None, None, :]
+    q = queries.astype(key_cache.dtype)[:, :, None, :]
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    return out[:, :, 0, :].astype(queries.dtype)

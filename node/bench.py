@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-memory-gb", type=float, default=4.0, help="KV pool of the throughput scenarios")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine token budget per step (default: the device's)")
     ap.add_argument("--no-async-scheduling", action="store_true", help="step by step: no overlap of host work with the device")
+    ap.add_argument("--compiled-decode", default="auto", choices=("auto", "on", "off"),
+                    help="decode-only steps from compiled graphs (auto: where attention runs a compiled kernel)")
     ap.add_argument("--only", default="burst,poisson,prefix,prefill,decode,capacity,overhead")
     args = ap.parse_args(argv)
     loaded, label = load_bench_model(args)
@@ -250,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     def engine(**kw) -> LLMEngine:
         budget = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
         overlap = not args.no_async_scheduling
-        return LLMEngine(EngineConfig(max_num_seqs=args.num_requests, async_scheduling=overlap, **budget, **kw), loaded=loaded)
+        compiled = {"on": True, "off": False}.get(args.compiled_decode)
+        return LLMEngine(EngineConfig(max_num_seqs=args.num_requests, async_scheduling=overlap, compiled_decode=compiled,
+                                      **budget, **kw), loaded=loaded)
 
     table = Table(title=f"orchard bench engine: {label}, {mx.default_device()}")
     for col in ("scenario", "orchard", "mlx-lm", "ratio", "TTFT p50 s orchard / mlx-lm", "TTFT p99 s orchard / mlx-lm"):

@@ -157,7 +157,7 @@ def trace_layers(model) -> list[ProbeCache]:
     positions = PackedPositions(mx.arange(_PROBE_TOKENS, dtype=mx.int32))
     caches = [ProbeCache(positions) for _ in model.layers]
     with _recording_attention(modules):
-        model(mx.arange(_PROBE_TOKENS, dtype=mx.int32)[None], cache=caches)
+        model(mx.arange(_PROBE_TOKENS, dtype=mx.int32)[:, None], cache=caches)  # the runner's layout: a token per row
     return caches
 
 
@@ -193,15 +193,13 @@ def _layers_reason(caches: list[ProbeCache], num_kv_heads: int, head_dim: int) -
 
 
 def _rope_reason(model, head_dim: int) -> str | None:
-    """Each layer's rope must rotate a packed row exactly as it rotates each token alone."""
-    x = mx.random.normal((1, 2, len(_ROPE_POSITIONS), head_dim), key=mx.random.key(0))
+    """Each layer's rope must rotate a batch of one-token rows, each at its own position, exactly as it rotates each token alone."""
+    x = mx.random.normal((len(_ROPE_POSITIONS), 2, 1, head_dim), key=mx.random.key(0))
     for index, layer in enumerate(model.layers):
         rope: PositionalRoPE = attention_of(layer).rope
         try:
             packed = rope(x, offset=PackedPositions(mx.array(_ROPE_POSITIONS, dtype=mx.int32)))
-            alone = mx.concatenate(
-                [rope.inner(x[:, :, t : t + 1], offset=p) for t, p in enumerate(_ROPE_POSITIONS)], axis=2
-            )
+            alone = mx.concatenate([rope.inner(x[t : t + 1], offset=p) for t, p in enumerate(_ROPE_POSITIONS)], axis=0)
             close = np.allclose(np.array(packed), np.array(alone), atol=_ROPE_ATOL, rtol=0)
         except Exception as error:
             return f"layer {index}'s {type(rope.inner).__name__} fails on per-token positions ({type(error).__name__}: {error})"

@@ -58,6 +58,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # False: no prompt reuses another's blocks (vLLM's flag)
     seed: int = 0
     async_scheduling: bool = True  # overlap host work for step N+1 with the device's step N
+    # Decode-only steps replayed from compiled graphs (node.compiled_decode); None: where the
+    # attention runs a compiled kernel (Metal, CUDA), not on the reference backend.
+    compiled_decode: bool | None = None
 
     def __post_init__(self):
         if self.max_num_batched_tokens is None:
@@ -116,7 +119,7 @@ class LLMEngine:
         self._decode = fast_decoder(self.tokenizer)
         geometry = self.model.geometry(self.config.block_size, self.config.dtype)
         self.kv = KVCache(geometry, self.config.cache_config())
-        self.runner = ModelRunner(self.model, self.kv.pool)
+        self.runner = ModelRunner(self.model, self.kv.pool, compiled_decode=self.config.compiled_decode)
         wire_model_and_pool(self.model.model, self.kv.pool.nbytes)
         self.max_model_len = min(self.config.max_model_len or self.model.max_context_length, self.model.max_context_length)
         self.eos_token_ids = set(self.model.eos_token_ids)

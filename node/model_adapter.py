@@ -1,8 +1,11 @@
 """The paged forward pass: mlx-lm's own model classes, with KV and attention going through the pool.
 
-One engine step is one packed row `[1, total_tokens]`: decode tokens (one per sequence)
-and prefill chunks of other sequences side by side, no padding. mlx-lm's model code is
-left as it is; three seams make it paged:
+One engine step packs decode tokens (one per sequence) and prefill chunks of other
+sequences side by side, no padding, and runs them as a batch of one-token rows
+`[total_tokens, 1]`: each layer's projections, norms and MLP see the same rows either
+way, rope takes one position per batch row (node.positions), and every tensor the seams
+below hand over is a view of what the layer already holds, never a copy. mlx-lm's model
+code is left as it is; three seams make it paged:
 
 - each layer gets a `PagedLayerCache`, which mlx-lm treats as its KV cache: its
   `update_and_fetch` scatters the step's K/V into the pool (`kernels.write_kv`), its
@@ -28,6 +31,7 @@ import numpy as np
 
 import kernels
 from node.capability import attention_modules
+from node.compiled_decode import CompiledDecode
 from node.head import ModelHead
 from node.layers import attention_of, text_stack
 from node.models import LoadedModel
@@ -125,7 +129,7 @@ class StepContext:
 
     pool: Any  # KVPool-like: `keys` / `values` lists of per-layer arrays
     positions: PackedPositions
-    slot_mapping: mx.array
+    slots: kernels.SlotIndex  # where each token's K/V goes, split once for every layer's write
     block_tables: np.ndarray
     query_start_loc: np.ndarray
     context_lens: np.ndarray
@@ -144,7 +148,7 @@ class StepContext:
         context = cls(
             pool=pool,
             positions=PackedPositions(mx.array(np.asarray(step.positions, dtype=np.int32))),
-            slot_mapping=mx.array(np.asarray(step.slot_mapping, dtype=np.int32)),
+            slots=kernels.SlotIndex.of(step.slot_mapping, pool.keys[0].shape[1]),
             block_tables=tables,
             query_start_loc=starts,
             context_lens=lengths,
@@ -177,6 +181,18 @@ def _check_step(step: StepInput, starts: np.ndarray, lengths: np.ndarray, tables
         raise InvalidStep(f"block_tables must be [{step.num_seqs}, max_blocks], got {tables.shape}")
 
 
+def _check_decode_step(step: StepInput, pool_shape: tuple) -> None:
+    """What the eager path's plan checks, for a decode step a compiled graph runs unplanned."""
+    starts = np.arange(step.num_seqs + 1, dtype=np.int32)
+    tables = np.asarray(step.block_tables, dtype=np.int32)
+    _check_step(step, starts, np.asarray(step.context_lens, dtype=np.int32), tables)
+    num_blocks, block_size = pool_shape[:2]
+    kernels.check_varlen_metadata(
+        starts, np.asarray(step.context_lens, dtype=np.int32), tables, block_size=block_size,
+        num_heads=pool_shape[2], num_kv_heads=pool_shape[2], num_blocks=num_blocks,
+    )
+
+
 class PagedLayerCache:
     """What one layer of an mlx-lm model sees as its KV cache during a paged step."""
 
@@ -192,19 +208,17 @@ class PagedLayerCache:
         return None  # causality per sequence is the attention kernel's job
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Scatter the step's K/V `[1, H_kv, T, D]` into the pool; attention reads the pool."""
+        """Scatter the step's K/V `[T, H_kv, 1, D]` into the pool; attention reads the pool."""
         pool, layer = self.context.pool, self.layer
         pool.keys[layer], pool.values[layer] = kernels.write_kv(
-            pool.keys[layer], pool.values[layer],
-            keys[0].transpose(1, 0, 2), values[0].transpose(1, 0, 2),
-            self.context.slot_mapping,
+            pool.keys[layer], pool.values[layer], _packed(keys), _packed(values), self.context.slots,
         )
         return keys, values
 
     def attend(self, queries: mx.array, scale: float) -> mx.array:
-        """Queries `[1, H_q, T, D]` over each sequence's paged context, same layout back."""
+        """Queries `[T, H_q, 1, D]` over each sequence's paged context, same layout back."""
         ctx, layer = self.context, self.layer
-        packed = queries[0].transpose(1, 0, 2)
+        packed = _packed(queries)
         keys, values = ctx.pool.keys[layer], ctx.pool.values[layer]
         if ctx.varlen_plan is not None:
             out = kernels.paged_varlen_attention(packed, keys, values, ctx.varlen_plan, scale=scale)
@@ -217,7 +231,14 @@ class PagedLayerCache:
                 packed, keys, values, ctx.block_tables, ctx.query_start_loc, ctx.context_lens,
                 scale=scale, backend=ctx.backend,
             )
-        return out.transpose(1, 0, 2)[None]
+        return out.reshape(queries.shape[0], queries.shape[1], 1, out.shape[-1])
+
+
+def _packed(rows: mx.array) -> mx.array:
+    """`[T, H, 1, D]` (a batch of one-token rows, as the layers shape them) as `[T, H, D]`: a view."""
+    if rows.shape[2] != 1:
+        raise InvalidStep(f"a paged step runs one token per batch row, got a tensor of shape {tuple(rows.shape)}")
+    return rows.reshape(rows.shape[0], rows.shape[1], rows.shape[3])
 
 
 def install_paged_attention(model) -> bool:
@@ -258,7 +279,8 @@ class ModelRunner:
     per-layer arrays are replaced by every step (see `kvcache.pool`).
     """
 
-    def __init__(self, loaded: LoadedModel, pool: Any, *, attention_backend: str | None = None):
+    def __init__(self, loaded: LoadedModel, pool: Any, *, attention_backend: str | None = None,
+                 compiled_decode: bool | None = None):
         self.loaded = loaded
         self.pool = pool
         self.attention_backend = kernels.default_backend() if attention_backend is None else attention_backend
@@ -268,18 +290,37 @@ class ModelRunner:
         self._stack = text_stack(loaded.model)  # the decoder stack each step runs
         self._num_layers = len(loaded.model.layers)
         self._num_heads = _query_heads(loaded.model)
+        if compiled_decode is None:
+            compiled_decode = self.attention_backend != "reference"
+        self.compiled_decode = CompiledDecode(self._num_layers, self._decode_context, self._run) if compiled_decode else None
 
     def forward(self, step: StepInput, tokens: mx.array | None = None) -> mx.array:
         """Logits `[S, vocab]` for the last new token of each sequence (lazy; evaluating
         them also materialises this step's KV writes). `tokens` replaces `step.token_ids`
         when some ids are still on the device."""
+        if self.compiled_decode is not None and step.num_tokens == step.num_seqs:
+            _check_decode_step(step, self.pool.keys[0].shape)
+            return self.compiled_decode(self.pool, step, tokens)
         context = StepContext.build(step, self.pool, self.attention_backend, self._num_heads)
-        caches = [PagedLayerCache(layer, context) for layer in range(self._num_layers)]
         if tokens is None:
             tokens = mx.array(np.asarray(step.token_ids, dtype=np.int32))
-        tokens = tokens[None]
-        hidden = self._stack(tokens, cache=caches)
-        if context.decode_only:  # every row is its sequence's last token
-            return self._head(hidden[0])
-        last_rows = mx.array(context.query_start_loc[1:] - 1)
-        return self._head(hidden[0][last_rows])
+        return self._run(context, tokens)
+
+    def _run(self, context: StepContext, tokens: mx.array) -> mx.array:
+        """The model's stack over a step's packed tokens, then its head: logits of every row
+        of a decode step, and of each chunk's last row otherwise."""
+        caches = [PagedLayerCache(layer, context) for layer in range(self._num_layers)]
+        hidden = self._stack(tokens[:, None], cache=caches)
+        hidden = hidden.reshape(hidden.shape[0], hidden.shape[2])
+        if not context.decode_only:  # a decode step's rows are each its sequence's last token
+            hidden = hidden[mx.array(context.query_start_loc[1:] - 1)]
+        return self._head(hidden)
+
+    def _decode_context(self, pool, positions: PackedPositions, slots: kernels.SlotIndex, tables: mx.array,
+                        lengths: mx.array) -> StepContext:
+        """A decode step's context from device arrays alone, as a compiled graph traces it."""
+        return StepContext(
+            pool=pool, positions=positions, slots=slots, block_tables=None, query_start_loc=None,
+            context_lens=None, backend=self.attention_backend, decode_only=True, decode_tables=tables,
+            decode_lens=lengths,
+        )

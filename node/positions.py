@@ -1,12 +1,12 @@
 """Per-token rotary positions for packed batches, slipped under mlx-lm's own attention modules.
 
-A packed step is one row `[1, total_tokens]` holding decode tokens and prefill chunks of
-many sequences, so each token has its own position. mlx-lm's attention calls
-`self.rope(x, offset=cache.offset)`, and `mx.fast.rope` accepts one offset per batch row
-but not per token. Reshaping `[1, H, T, D]` to `[T, H, 1, D]` turns every token into its
-own batch row, which rope does accept. The paged cache hands out a `PackedPositions` as
-its `offset`; any other offset (an int from mlx-lm's own caches) passes through untouched,
-so the same model object still runs `mlx_lm.generate` for reference.
+A packed step holds decode tokens and prefill chunks of many sequences, each token at its
+own position, and runs as a batch of one-token rows `[total_tokens, 1]` (node.model_adapter):
+mlx-lm's attention calls `self.rope(x, offset=cache.offset)` with `x` as `[T, H, 1, D]`, and
+`mx.fast.rope` takes one offset per batch row, so per-token positions need no reshaping.
+The paged cache hands out a `PackedPositions` as its `offset`; any other offset (an int from
+mlx-lm's own caches) passes through untouched, so the same model object still runs
+`mlx_lm.generate` for reference.
 """
 
 from __future__ import annotations
@@ -36,11 +36,10 @@ class PositionalRoPE(nn.Module):
     def __call__(self, x: mx.array, offset=0) -> mx.array:
         if not isinstance(offset, PackedPositions):
             return self.inner(x, offset=offset)
-        if x.shape[0] != 1:
-            raise ValueError(f"packed positions need a batch of one row, got {x.shape[0]}")
-        # Swapping the batch and token axes is one strided view each way: [1,H,T,D] <-> [T,H,1,D].
-        rotated = self.inner(mx.swapaxes(x, 0, 2), offset=offset.array)
-        return mx.swapaxes(rotated, 0, 2)
+        if x.shape[2] != 1 or x.shape[0] != offset.array.shape[0]:
+            raise ValueError(f"packed positions need one token per batch row, [{offset.array.shape[0]}, H, 1, D]; "
+                             f"got {tuple(x.shape)}")
+        return self.inner(x, offset=offset.array)
 
 
 def install_positional_rope(model: nn.Module) -> int:

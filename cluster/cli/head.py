@@ -52,7 +52,7 @@ def register(sub) -> None:
 SHARED_SERVE_OPTIONS = ("model", "api_key", "kv_memory", "block_size", "max_num_seqs", "max_model_len", "router",
                         "cold_tier", "cold_tier_gb", "served_model_name", "tokenizer", "chat_template",
                         "kv_memory_fraction", "dtype", "max_num_batched_tokens", "enable_prefix_caching", "seed",
-                        "request_timeout", "max_queue", "max_body_mb", "grace", "tool_call_parser", "reasoning_parser")
+                        "compiled_decode", "request_timeout", "max_queue", "max_body_mb", "grace", "tool_call_parser", "reasoning_parser")
 
 
 def _add_serve_options(p) -> None:

@@ -61,6 +61,9 @@ def add_serve_flags(p) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per engine step, prefill chunks and decodes together "
                         "(default: 1024 on a GPU, 512 on a CPU: node.engine.device_token_budget)")
+    p.add_argument("--compiled-decode", default="auto", choices=("auto", "on", "off"),
+                   help="replay decode-only steps from compiled graphs (off is vLLM's --enforce-eager); "
+                        "auto: on where attention runs a compiled kernel (Metal, CUDA) (default %(default)s)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length cap; longer prompts get 400 (default: the model's)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -192,5 +195,6 @@ def engine_config(args):
         max_model_len=args.max_model_len, dtype=None if dtype in (None, "auto") else dtype,
         cold_tier_dir=args.cold_tier, cold_tier_gb=args.cold_tier_gb, seed=getattr(args, "seed", 0),
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
+        compiled_decode={"on": True, "off": False}.get(getattr(args, "compiled_decode", "auto")),
     )
     return config

@@ -93,3 +93,11 @@ def test_serve_with_ray_answers_with_mlx_lm_greedy_tokens(family, checkpoints, t
     with served(checkpoints[family], tmp_path / "serve.log") as (url, model):
         completion = greedy_completion(url, model)
     assert_is_mlx_lm_greedy(completion, checkpoints[family])
+
+
+@pytest.mark.timeout(240)
+def test_serve_with_compiled_decode_answers_with_mlx_lm_greedy_tokens(checkpoints, tmp_path):
+    """Decode graphs are traced and replayed in the engine's own thread, on Llama 3's rope."""
+    with served(checkpoints["llama3"], tmp_path / "serve.log", "--no-ray", "--compiled-decode", "on") as (url, model):
+        completion = greedy_completion(url, model)
+    assert_is_mlx_lm_greedy(completion, checkpoints["llama3"])
