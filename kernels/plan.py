@@ -25,6 +25,7 @@ from kernels import mma_source, reference, source
 from kernels.dispatch import resolve_backend
 from kernels.errors import InvalidAttentionMetadata, UnsupportedAttentionShape
 from kernels.launch import DecodePlan, KernelTuning, decode_dims, plan_decode
+from kernels.variants import LayerAttention, LayerInputCache, LayerInputs
 
 WARP = 32
 #: bytes of threadgroup memory one threadgroup may declare: CUDA's static __shared__ limit, Metal's threadgroup limit
@@ -142,13 +143,13 @@ class VarlenPlan:
     block_tables: mx.array
     kernel: KernelPlan | None  # compiled backends
     reference: reference.ReferencePlan | None  # the reference backend
-    _scales: dict = field(default_factory=dict, compare=False, repr=False)
+    _inputs: LayerInputCache | None = field(default=None, compare=False, repr=False)
 
-    def scale_array(self, scale: float) -> mx.array:
-        """The softmax scale as a device array, made once per step rather than once per layer."""
-        if scale not in self._scales:
-            self._scales[scale] = mx.array([scale], dtype=mx.float32)
-        return self._scales[scale]
+    def layer_inputs(self, scale: float, layer: LayerAttention) -> LayerInputs:
+        """A layer's scale, window, soft cap and sinks as device arrays, made once per step per distinct value."""
+        if self._inputs is None:
+            object.__setattr__(self, "_inputs", LayerInputCache(self.num_heads))
+        return self._inputs(scale, layer)
 
 
 def plan_varlen(

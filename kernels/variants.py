@@ -62,3 +62,45 @@ def layer_attention(window: int | None = None, softcap: float | None = None, sin
     if window is None and softcap is None and sinks is None:
         return PLAIN
     return LayerAttention(window, softcap, sinks)
+
+
+@dataclass(frozen=True)
+class LayerInputs:
+    """A layer's additions as the compiled kernels' inputs (kernels/source.py names them)."""
+
+    scale: mx.array  # float32 [2]: the softmax scale, the soft cap in base-2 units (0: none)
+    window: mx.array  # int32 [1]: keys a query sees (0: all)
+    sinks: mx.array  # float32 [num_heads]: base-2 sink logits, NO_SINK where the layer has none
+
+
+NO_SINK = -1.0e30
+
+
+class LayerInputCache:
+    """Device arrays of the layers' additions, made once per distinct value for a step's lifetime
+    rather than once per layer: a step's 48 layers use two windows and one scale."""
+
+    def __init__(self, num_heads: int):
+        self.num_heads = num_heads
+        self._arrays: dict = {}
+
+    def __call__(self, scale: float, layer: LayerAttention) -> LayerInputs:
+        return LayerInputs(
+            self._get(("scale", scale, layer.softcap_base2), lambda: mx.array([scale, layer.softcap_base2], dtype=mx.float32)),
+            self._get(("window", layer.window_or_zero), lambda: mx.array([layer.window_or_zero], dtype=mx.int32)),
+            self._sinks(layer.sinks),
+        )
+
+    def _sinks(self, sinks: mx.array | None) -> mx.array:
+        if sinks is None:
+            return self._get(("no sinks",), lambda: mx.full((self.num_heads,), NO_SINK, dtype=mx.float32))
+        # Keyed by identity: a model's sinks are one array per layer; the entry keeps it alive, so the id stays its own.
+        key = ("sinks", id(sinks))
+        if key not in self._arrays:
+            self._arrays[key] = (sinks, sinks.astype(mx.float32) * LOG2E)
+        return self._arrays[key][1]
+
+    def _get(self, key, make):
+        if key not in self._arrays:
+            self._arrays[key] = make()
+        return self._arrays[key]

@@ -25,7 +25,8 @@ if not (NVRTC and PTXAS and INCLUDE):
     pytest.skip("libnvrtc, ptxas or the CUDA headers are missing", allow_module_level=True)
 
 PARAMS = ("const T* queries, const T* key_cache, const T* value_cache, const int* block_tables, const int* units, "
-          "const float* scale, const int* dims, T* out, float* part_out, float* part_max, float* part_sum")
+          "const float* scale, const int* dims, const int* window, const float* sinks, T* out, float* part_out, float* part_max, "
+          "float* part_sum")
 TEMPLATE = "typename T, int HEAD_DIM, int BLOCK_SIZE, int NUM_KV_HEADS, int GROUP, int HEADS_PER_TILE, int Q_TOKENS, int KV_TILE, int NUM_THREADS"
 CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 
