@@ -12,7 +12,9 @@ left as it is; three seams make it paged:
 - the model module's `scaled_dot_product_attention` is replaced by one that runs the
   paged kernels (`kernels.paged_attention` for decode-only steps, `kernels.paged_varlen_attention`
   with the step's one `VarlenPlan` otherwise) for a paged cache and defers to the original for
-  any other cache, so `mlx_lm.generate` still works on the same model object.
+  any other cache, so `mlx_lm.generate` still works on the same model object. A layer's
+  sliding window (from the caches the model makes for itself, `node.capability.layer_windows`)
+  and its attention sinks (the call's own `sinks=`) go to the kernels with each call.
 
 Metadata arrays are built once per step and shared by every layer through `StepContext`.
 """
@@ -27,7 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 import kernels
-from node.capability import attention_modules
+from node.capability import attention_modules, layer_windows
 from node.head import ModelHead
 from node.layers import attention_of, text_stack
 from node.models import LoadedModel
@@ -180,9 +182,10 @@ def _check_step(step: StepInput, starts: np.ndarray, lengths: np.ndarray, tables
 class PagedLayerCache:
     """What one layer of an mlx-lm model sees as its KV cache during a paged step."""
 
-    def __init__(self, layer: int, context: StepContext):
+    def __init__(self, layer: int, context: StepContext, window: int | None = None):
         self.layer = layer
         self.context = context
+        self.window = window  # keys each query sees, itself included; None: the whole context
 
     @property
     def offset(self) -> PackedPositions:
@@ -201,21 +204,22 @@ class PagedLayerCache:
         )
         return keys, values
 
-    def attend(self, queries: mx.array, scale: float) -> mx.array:
-        """Queries `[1, H_q, T, D]` over each sequence's paged context, same layout back."""
+    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+        """Queries `[1, H_q, T, D]` over each sequence's paged context (this layer's window of it), same layout back."""
         ctx, layer = self.context, self.layer
         packed = queries[0].transpose(1, 0, 2)
         keys, values = ctx.pool.keys[layer], ctx.pool.values[layer]
+        rules = dict(scale=scale, window=self.window, sinks=sinks)
         if ctx.varlen_plan is not None:
-            out = kernels.paged_varlen_attention(packed, keys, values, ctx.varlen_plan, scale=scale)
+            out = kernels.paged_varlen_attention(packed, keys, values, ctx.varlen_plan, **rules)
         elif ctx.decode_only:
             out = kernels.paged_attention(
-                packed, keys, values, ctx.decode_tables, ctx.decode_lens, scale=scale, backend=ctx.backend
+                packed, keys, values, ctx.decode_tables, ctx.decode_lens, backend=ctx.backend, **rules
             )
         else:
             out = kernels.paged_prefill_attention(
                 packed, keys, values, ctx.block_tables, ctx.query_start_loc, ctx.context_lens,
-                scale=scale, backend=ctx.backend,
+                backend=ctx.backend, **rules,
             )
         return out.transpose(1, 0, 2)[None]
 
@@ -234,9 +238,7 @@ def _install_in(module) -> bool:
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, **kwargs):
         if isinstance(cache, PagedLayerCache):
-            if kwargs.get("sinks") is not None:
-                raise NotImplementedError("attention sinks over a paged pool")
-            return cache.attend(queries, scale)
+            return cache.attend(queries, scale, sinks=kwargs.get("sinks"))
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
 
     setattr(scaled_dot_product_attention, _PAGED_MARK, True)
@@ -268,13 +270,18 @@ class ModelRunner:
         self._stack = text_stack(loaded.model)  # the decoder stack each step runs
         self._num_layers = len(loaded.model.layers)
         self._num_heads = _query_heads(loaded.model)
+        self._windows = layer_windows(loaded.model)
+
+    def layer_caches(self, context: StepContext) -> list[PagedLayerCache]:
+        """One paged cache per layer for a step, each with its layer's sliding window."""
+        return [PagedLayerCache(layer, context, window) for layer, window in enumerate(self._windows)]
 
     def forward(self, step: StepInput, tokens: mx.array | None = None) -> mx.array:
         """Logits `[S, vocab]` for the last new token of each sequence (lazy; evaluating
         them also materialises this step's KV writes). `tokens` replaces `step.token_ids`
         when some ids are still on the device."""
         context = StepContext.build(step, self.pool, self.attention_backend, self._num_heads)
-        caches = [PagedLayerCache(layer, context) for layer in range(self._num_layers)]
+        caches = self.layer_caches(context)
         if tokens is None:
             tokens = mx.array(np.asarray(step.token_ids, dtype=np.int32))
         tokens = tokens[None]
