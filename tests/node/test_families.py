@@ -18,7 +18,7 @@ from node.engine import EngineConfig, LLMEngine
 from node.types import SamplingParams
 from tests.node.tiny_models import write_quantized_model, write_tiny_model
 
-FAMILIES = ["llama3", "qwen3_moe", "qwen2_moe", "gemma", "phi3", "olmo2", "glm4", "starcoder2", "hunyuan",
+FAMILIES = ["llama3", "qwen2", "qwen3_moe", "qwen2_moe", "gemma", "phi3", "olmo2", "glm4", "starcoder2", "hunyuan",
             "granite", "cohere", "mixtral", "smollm3", "internlm2", "minimax", "mistral3", "exaone",
             # sliding windows per layer (gpt-oss with attention sinks too), windows shorter than the prompts
             "gemma3_text", "gemma3", "gpt_oss", "llama_swa", "olmo3"]
