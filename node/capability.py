@@ -67,9 +67,12 @@ def _cache_reason(model) -> str | None:
     """A model that makes its own caches says what each layer needs kept."""
     if not hasattr(model, "make_cache"):
         return None  # mlx-lm gives such a model a full-context KVCache per layer
-    kinds = sorted({type(cache).__name__ for cache in model.make_cache() if _window_of(cache) is False})
+    caches = model.make_cache()
+    kinds = sorted({type(cache).__name__ for cache in caches if _window_of(cache) is False})
     if kinds:
         return f"layers keep {', '.join(kinds)} state (recurrent, chunked or sink-keeping attention)"
+    if any(_window_of(cache) is not None for cache in caches) and len(caches) != len(model.layers):
+        return f"it makes {len(caches)} caches for {len(model.layers)} layers, so which layer keeps which window is not known"
     return None
 
 
@@ -79,11 +82,11 @@ def layer_windows(model) -> list[int | None]:
     Read from the caches the model makes for itself: mlx-lm gives a windowed layer a
     `RotatingKVCache` of the window's size, and masks that layer with the same window.
     """
-    if not hasattr(model, "make_cache"):
-        return [None] * len(model.layers)
-    windows = [_window_of(cache) for cache in model.make_cache()]
+    windows = [_window_of(cache) for cache in model.make_cache()] if hasattr(model, "make_cache") else []
+    if all(window is None for window in windows):
+        return [None] * len(model.layers)  # also a model whose layers share caches (Hunyuan's CLA pairs)
     if False in windows or len(windows) != len(model.layers):
-        raise ValueError("the model's caches are not one plain or windowed KV cache per layer")
+        raise ValueError("the model's caches are not one plain or windowed KV cache per layer")  # architecture_reason refuses it
     return windows
 
 
