@@ -12,6 +12,10 @@ queries (q_len > 1) are cut into tiles of `q_tokens` tokens; each tile's causal 
 partition), run by one threadgroup per group of query heads. Units are listed longest
 first so the long ones start early and the short ones fill the tail. Decode rows (q_len 1)
 get a decode-kernel plan of their own and are scattered back into the step's output.
+
+The plan knows nothing of a layer's window, sinks or soft cap (kernels/variants.py): they
+are launch inputs, so layers that differ share the plan. A windowed layer's units that lie
+wholly before its window read no keys and add nothing when their partitions are merged.
 """
 
 from __future__ import annotations
