@@ -32,9 +32,9 @@ DECODE_INPUTS = ["queries", "key_cache", "value_cache", "block_tables", "context
 SINGLE_OUTPUTS = ["out"]
 PARTITION_OUTPUTS = ["part_out", "part_max", "part_sum"]
 REDUCE_INPUTS = ["part_out", "part_max", "part_sum", "context_lens", "dims", "window", "sinks"]
+REDUCE_OUTPUTS = ["out"]
 #: a sink logit that adds nothing to any denominator: exp2(NO_SINK - max) is 0
 NO_SINK = -1.0e30
-REDUCE_OUTPUTS = ["out"]
 
 CUDA_HEADER = r"""
 #define SHARED __shared__

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from kernels.errors import InvalidAttentionMetadata
+from kernels.source import NO_SINK
 
 LOG2E = 1.4426950408889634
 
@@ -72,8 +73,6 @@ class LayerInputs:
     window: mx.array  # int32 [1]: keys a query sees (0: all)
     sinks: mx.array  # float32 [num_heads]: base-2 sink logits, NO_SINK where the layer has none
 
-
-NO_SINK = -1.0e30
 
 
 class LayerInputCache:

@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from kernels import source
-from kernels.variants import LOG2E, NO_SINK
+from kernels.source import NO_SINK
+from kernels.variants import LOG2E
 from tests.kernels.paged_case import PLAIN, Rules
 
 COMPILER = shutil.which("g++")
