@@ -3,7 +3,9 @@
 Public API: `plan_varlen` + `paged_varlen_attention` (every step: packed prefill chunks
 and decode rows, one plan per step shared by every layer), `paged_attention` (decode
 only), `paged_prefill_attention` (the varlen pair in one call), `write_kv`,
-`available_backends`, `default_backend`. Backends are
+`available_backends`, `default_backend`. Every attention entry takes a layer's sliding
+`window`, `sinks` and `softcap` (kernels/variants.py) per call, so one plan serves layers
+that differ. Backends are
 "reference" (pure MLX ops, everywhere), "metal" (Apple GPUs) and "cuda" (MLX on NVIDIA);
 pick one with `backend=` or the ORCHARD_ATTENTION_BACKEND environment variable.
 """
@@ -31,12 +33,14 @@ from kernels.errors import (
 )
 from kernels.kv_write import SlotIndex, write_kv
 from kernels.plan import VarlenPlan, VarlenTuning, check_varlen_metadata, plan_varlen
+from kernels.variants import LayerAttention, layer_attention
 
 __all__ = [
     "ENV_VAR",
     "BackendUnavailable",
     "InvalidAttentionMetadata",
     "KernelError",
+    "LayerAttention",
     "SlotIndex",
     "UnknownBackend",
     "UnsupportedAttentionShape",
@@ -61,17 +65,23 @@ def paged_attention(
     context_lens,
     *,
     scale: float,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+    softcap: float | None = None,
     backend: str | None = None,
 ) -> mx.array:
     """Decode: queries [num_seqs, num_heads, head_dim] against caches [num_blocks, block_size, num_kv_heads, head_dim].
 
     block_tables int32 [num_seqs, max_blocks] (padding entries point at the null block 0),
     context_lens int32 [num_seqs]. Returns [num_seqs, num_heads, head_dim] in the queries'
-    dtype; softmax runs in float32.
+    dtype; softmax runs in float32. `window` (keys seen, the query's own included), `sinks`
+    ([num_heads] logits in the denominator only) and `softcap` as in kernels/variants.py.
     """
     tables, lengths = checked_decode_metadata(queries, key_cache, block_tables, context_lens)
+    layer = layer_attention(window, softcap, sinks)
+    layer.check_heads(queries.shape[1])
     decode = decode_function(resolve_backend(backend))
-    return decode(queries, key_cache, value_cache, tables, lengths, scale)
+    return decode(queries, key_cache, value_cache, tables, lengths, scale, layer)
 
 
 def paged_varlen_attention(
@@ -81,6 +91,9 @@ def paged_varlen_attention(
     plan: VarlenPlan,
     *,
     scale: float,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+    softcap: float | None = None,
     backend: str | None = None,
 ) -> mx.array:
     """Every query of a step (prefill chunks and decode rows, packed) over its sequence's paged context.
@@ -88,8 +101,9 @@ def paged_varlen_attention(
     queries [total_q, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim]
     (one layer); `plan` from `plan_varlen` for this step, built once and passed to every layer.
     Query j of sequence s sits at position context_lens[s] - q_len_s + j and sees positions up
-    to its own. Returns [total_q, num_heads, head_dim] in the queries' dtype; softmax in float32.
-    The metadata was checked when the plan was built; here only shapes are compared.
+    to its own (the last `window` of them when given). Returns [total_q, num_heads, head_dim] in
+    the queries' dtype; softmax in float32. The metadata was checked when the plan was built;
+    here only shapes are compared. `window`, `sinks`, `softcap`: this layer's (kernels/variants.py).
     """
     if backend is not None and resolve_backend(backend) != plan.backend:
         raise InvalidAttentionMetadata(f"the plan was built for backend {plan.backend!r}, not {backend!r}")
@@ -99,9 +113,11 @@ def paged_varlen_attention(
             f"the plan expects queries {expected} and caches [num_blocks, {plan.block_size}, {plan.num_kv_heads}, "
             f"{plan.head_dim}], got {queries.shape} and {key_cache.shape}"
         )
+    layer = layer_attention(window, softcap, sinks)
+    layer.check_heads(plan.num_heads)
     if plan.backend == "reference":
-        return reference.paged_varlen_reference(queries, key_cache, value_cache, plan.reference, scale)
-    return varlen_function(plan.backend)(queries, key_cache, value_cache, plan, scale)
+        return reference.paged_varlen_reference(queries, key_cache, value_cache, plan.reference, scale, layer)
+    return varlen_function(plan.backend)(queries, key_cache, value_cache, plan, scale, layer)
 
 
 def paged_prefill_attention(
@@ -113,6 +129,9 @@ def paged_prefill_attention(
     context_lens,
     *,
     scale: float,
+    window: int | None = None,
+    sinks: mx.array | None = None,
+    softcap: float | None = None,
     backend: str | None = None,
 ) -> mx.array:
     """`plan_varlen` + `paged_varlen_attention` in one call, for callers with a single layer.
@@ -129,4 +148,4 @@ def paged_prefill_attention(
     )
     if plan.total_q != queries.shape[0]:
         raise InvalidAttentionMetadata(f"query_start_loc must rise from 0 to total_q={queries.shape[0]}, ends at {plan.total_q}")
-    return paged_varlen_attention(queries, key_cache, value_cache, plan, scale=scale)
+    return paged_varlen_attention(queries, key_cache, value_cache, plan, scale=scale, window=window, sinks=sinks, softcap=softcap)

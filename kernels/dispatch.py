@@ -67,7 +67,7 @@ def decode_function(name: str) -> DecodeFn:
 
 
 def varlen_function(name: str):
-    """The compiled varlen kernels of "metal" or "cuda": call(queries, key_cache, value_cache, plan, scale)."""
+    """The compiled varlen kernels of "metal" or "cuda": call(queries, key_cache, value_cache, plan, scale, layer)."""
     if name == "metal":
         from kernels import metal
 
@@ -77,14 +77,14 @@ def varlen_function(name: str):
     return cuda.paged_varlen
 
 
-def _reference_decode(queries, key_cache, value_cache, block_tables, context_lens, scale):
+def _reference_decode(queries, key_cache, value_cache, block_tables, context_lens, scale, layer):
     if isinstance(block_tables, mx.array) and isinstance(context_lens, mx.array):
-        return reference.paged_decode_on_device(queries, key_cache, value_cache, block_tables, context_lens, scale)
+        return reference.paged_decode_on_device(queries, key_cache, value_cache, block_tables, context_lens, scale, layer)
     return reference.paged_decode_reference(
         queries, key_cache, value_cache,
         reference.as_host_ints(block_tables, "block_tables"),
         reference.as_host_ints(context_lens, "context_lens"),
-        scale,
+        scale, layer,
     )
 
 

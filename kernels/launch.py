@@ -16,6 +16,7 @@ import numpy as np
 
 from kernels import source
 from kernels.errors import UnsupportedAttentionShape
+from kernels.variants import PLAIN, LayerAttention, LayerInputCache, LayerInputs
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 WARP = 32
@@ -130,7 +131,8 @@ class PagedDecodeKernels:
         header, body = source.render_reduce(self.dialect)
         return self.compile_kernel("orchard_paged_reduce", source.REDUCE_INPUTS, source.REDUCE_OUTPUTS, header, body)
 
-    def __call__(self, queries, key_cache, value_cache, block_tables, context_lens, scale: float) -> mx.array:
+    def __call__(self, queries, key_cache, value_cache, block_tables, context_lens, scale: float,
+                 layer: LayerAttention = PLAIN) -> mx.array:
         num_seqs, num_heads, head_dim = queries.shape
         _, block_size, num_kv_heads, _ = key_cache.shape
         if key_cache.dtype not in SUPPORTED_DTYPES or value_cache.dtype != key_cache.dtype:
@@ -141,17 +143,17 @@ class PagedDecodeKernels:
         plan = plan_decode(num_seqs, num_heads, num_kv_heads, head_dim, context_bound(block_tables, context_lens, block_size), tuning)
         tables = as_device_ints(block_tables)
         dims = mx.array(decode_dims(tables.shape[1], plan), dtype=mx.int32)
-        scale_array = mx.array([scale], dtype=mx.float32)
-        return self.launch(queries, key_cache, value_cache, tables, as_device_ints(context_lens), plan, tuning, dims, scale_array)
+        layer_inputs = LayerInputCache(num_heads)(scale, layer)
+        return self.launch(queries, key_cache, value_cache, tables, as_device_ints(context_lens), plan, tuning, dims, layer_inputs)
 
     def launch(self, queries, key_cache, value_cache, tables, lengths, plan: DecodePlan, tuning: KernelTuning,
-               dims: mx.array, scale_array: mx.array) -> mx.array:
+               dims: mx.array, layer: LayerInputs) -> mx.array:
         """Run a decode plan made beforehand (the varlen plan makes one per step for its decode rows)."""
         num_seqs, num_heads, head_dim = queries.shape
         _, block_size, num_kv_heads, _ = key_cache.shape
         inputs = [
             queries if queries.dtype == key_cache.dtype else queries.astype(key_cache.dtype), key_cache, value_cache, tables, lengths,
-            scale_array, dims,
+            layer.scale, dims, layer.window, layer.sinks,
         ]
         template = [
             ("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),
@@ -173,7 +175,7 @@ class PagedDecodeKernels:
             output_shapes=[(*states, head_dim), states, states], output_dtypes=[mx.float32] * 3,
         )
         (out,) = self._reduce_kernel()(
-            inputs=[part_out, part_max, part_sum, lengths, dims],
+            inputs=[part_out, part_max, part_sum, lengths, dims, layer.window, layer.sinks],
             template=[
                 ("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("NUM_HEADS", num_heads),
                 ("NUM_THREADS", tuning.reduce_threads),

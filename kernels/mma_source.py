@@ -146,8 +146,9 @@ MMA_BODY = r"""
   }
 
   const float softmax_scale = scale[0] * 1.4426950408889634f;
+  const float softcap = scale[1];
   const auto table = block_tables + size_t(seq) * max_blocks;
-  for (int base = kv_start; base < kv_end; base += KV_TILE) {
+  for (int base = kv_first; base < kv_end; base += KV_TILE) {
     for (int idx = tid; idx < KV_TILE * CHUNKS; idx += NUM_THREADS) {
       const int j = idx / CHUNKS;
       const int c = idx % CHUNKS;
@@ -173,8 +174,8 @@ MMA_BODY = r"""
       }
     }
 
-    // Below the diagonal every key of the tile is visible to every live row.
-    const bool unmasked = base + KV_TILE <= kv_end && base + KV_TILE - 1 <= query_position;
+    // Below the diagonal (and inside every row's window) every key of the tile is visible to every live row.
+    const bool unmasked = base + KV_TILE <= kv_end && base + KV_TILE - 1 <= query_position && base >= window_floor;
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float tile_max = NEG_BIG;
@@ -183,8 +184,13 @@ MMA_BODY = r"""
         #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int key = base + nt * 8 + in_group * 2 + e;
-          const bool visible = row_live[h] && (unmasked || (key < kv_end && key <= row_position[h]));
-          const float v = visible ? s[nt][2 * h + e] * softmax_scale : MASKED;
+          const bool visible = row_live[h] && (unmasked || (key < kv_end && key <= row_position[h]
+                                                            && (kv_window == 0 || key > row_position[h] - kv_window)));
+          float v = s[nt][2 * h + e] * softmax_scale;
+          if (softcap > 0.0f) {
+            v = softcap * FTANH(v / softcap);
+          }
+          v = visible ? v : MASKED;
           s[nt][2 * h + e] = v;
           tile_max = v > tile_max ? v : tile_max;
         }
@@ -243,13 +249,14 @@ MMA_BODY = r"""
     const int token = my_row[h] / HEADS_PER_TILE;
     const int head = first_head + my_row[h] % HEADS_PER_TILE;
     const size_t out_row = split ? size_t(partial_row + token) * NUM_HEADS + head : size_t(query_row + token) * NUM_HEADS + head;
+@SINK@
     #pragma unroll
     for (int t = 0; t < O_TILES; ++t) {
       #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int d = t * 8 + in_group * 2 + e;
         if (!split) {
-          out[out_row * HEAD_DIM + d] = static_cast<T>(o[t][2 * h + e] / total);
+          out[out_row * HEAD_DIM + d] = static_cast<T>(o[t][2 * h + e] * keep / denominator);
         } else {
           part_out[out_row * HEAD_DIM + d] = total > 0.0f ? o[t][2 * h + e] / total : 0.0f;
         }
@@ -283,5 +290,5 @@ def supports(head_dim: int) -> bool:
 
 def render() -> tuple[str, str]:
     constants = f"  constexpr int ROW_PAD = {ROW_PAD};\n"
-    body = source.render_shared(MMA_BODY)
+    body = source.render_shared(MMA_BODY, "run_max[h]")
     return MMA_HEADER, MMA_PROLOGUE + source._field_count("UNIT_FIELDS", source.UNIT_FIELDS) + constants + body

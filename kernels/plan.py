@@ -12,6 +12,10 @@ queries (q_len > 1) are cut into tiles of `q_tokens` tokens; each tile's causal 
 partition), run by one threadgroup per group of query heads. Units are listed longest
 first so the long ones start early and the short ones fill the tail. Decode rows (q_len 1)
 get a decode-kernel plan of their own and are scattered back into the step's output.
+
+The plan knows nothing of a layer's window, sinks or soft cap (kernels/variants.py): they
+are launch inputs, so layers that differ share the plan. A windowed layer's units that lie
+wholly before its window read no keys and add nothing when their partitions are merged.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from kernels import mma_source, reference, source
 from kernels.dispatch import resolve_backend
 from kernels.errors import InvalidAttentionMetadata, UnsupportedAttentionShape
 from kernels.launch import DecodePlan, KernelTuning, decode_dims, plan_decode
+from kernels.variants import LayerAttention, LayerInputCache, LayerInputs
 
 WARP = 32
 #: bytes of threadgroup memory one threadgroup may declare: CUDA's static __shared__ limit, Metal's threadgroup limit
@@ -142,13 +147,13 @@ class VarlenPlan:
     block_tables: mx.array
     kernel: KernelPlan | None  # compiled backends
     reference: reference.ReferencePlan | None  # the reference backend
-    _scales: dict = field(default_factory=dict, compare=False, repr=False)
+    _inputs: LayerInputCache | None = field(default=None, compare=False, repr=False)
 
-    def scale_array(self, scale: float) -> mx.array:
-        """The softmax scale as a device array, made once per step rather than once per layer."""
-        if scale not in self._scales:
-            self._scales[scale] = mx.array([scale], dtype=mx.float32)
-        return self._scales[scale]
+    def layer_inputs(self, scale: float, layer: LayerAttention) -> LayerInputs:
+        """A layer's scale, window, soft cap and sinks as device arrays, made once per step per distinct value."""
+        if self._inputs is None:
+            object.__setattr__(self, "_inputs", LayerInputCache(self.num_heads))
+        return self._inputs(scale, layer)
 
 
 def plan_varlen(

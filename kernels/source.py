@@ -18,21 +18,30 @@ partition of the context):
 - Warps merge their states by shuffles, then through shared memory. Long contexts are
   split into partitions (split-K); a second kernel merges the partitions by their maxima
   and sums. Softmax runs in float32 whatever the storage dtype.
+- A layer's additions (kernels/variants.py) are run-time inputs, so one compiled kernel
+  serves every layer: `window` (0: none) moves the first key read to len - window, `scale[1]`
+  soft-caps scores (0: none), `sinks` (base 2; -1e30 where the layer has none) joins each
+  head's denominator once, where the final output is written.
 """
 
 from __future__ import annotations
 
-DECODE_INPUTS = ["queries", "key_cache", "value_cache", "block_tables", "context_lens", "scale", "dims"]
+#: scale float32 [2]: the softmax scale and the soft cap in base-2 units (0: none); window int32 [1] (0: none);
+#: sinks float32 [num_heads] in base-2 units (NO_SINK where the layer has none)
+DECODE_INPUTS = ["queries", "key_cache", "value_cache", "block_tables", "context_lens", "scale", "dims", "window", "sinks"]
 SINGLE_OUTPUTS = ["out"]
 PARTITION_OUTPUTS = ["part_out", "part_max", "part_sum"]
-REDUCE_INPUTS = ["part_out", "part_max", "part_sum", "context_lens", "dims"]
+REDUCE_INPUTS = ["part_out", "part_max", "part_sum", "context_lens", "dims", "window", "sinks"]
 REDUCE_OUTPUTS = ["out"]
+#: a sink logit that adds nothing to any denominator: exp2(NO_SINK - max) is 0
+NO_SINK = -1.0e30
 
 CUDA_HEADER = r"""
 #define SHARED __shared__
 #define BARRIER() __syncthreads()
 #define SIMD_XOR(value, mask) __shfl_xor_sync(0xffffffffu, (value), (mask))
 #define FEXP2(x) exp2f(x)
+#define FTANH(x) tanhf(x)
 #define ROW_ALIGN alignas(16)
 
 // Rows are PER_LANE elements; when that is a whole number of 16-byte words the
@@ -80,6 +89,7 @@ METAL_HEADER = r"""
 #define BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define SIMD_XOR(value, mask) simd_shuffle_xor((value), (ushort)(mask))
 #define FEXP2(x) metal::exp2(x)
+#define FTANH(x) metal::precise::tanh(x)
 #define ROW_ALIGN
 #define LOAD_ROW(dst, src) for (int i_ = 0; i_ < PER_LANE; ++i_) { (dst)[i_] = (src)[i_]; }
 #define COPY_VEC(dst, src) for (int i_ = 0; i_ < VEC; ++i_) { (dst)[i_] = (src)[i_]; }
@@ -136,6 +146,8 @@ DECODE_BODY = r"""
   const int max_blocks = dims[0];
   const int num_partitions = dims[1];
   const int context_len = context_lens[seq];
+  const int kv_window = window[0];
+  const int kv_first = (kv_window > 0 && context_len > kv_window) ? context_len - kv_window : 0;
   @RANGE@
 
   float q[HEADS_PER_TILE][PER_LANE];
@@ -144,6 +156,7 @@ DECODE_BODY = r"""
   float acc[HEADS_PER_TILE][PER_LANE];
   // Scores are kept in base 2 (scale folded with log2(e)) so every exponential is one exp2.
   const float softmax_scale = scale[0] * 1.4426950408889634f;
+  const float softcap = scale[1];
   for (int g = 0; g < HEADS_PER_TILE; ++g) {
     const size_t q_row = (size_t(seq) * NUM_HEADS + first_head + g) * HEAD_DIM + lane_in_token * PER_LANE;
     for (int i = 0; i < PER_LANE; ++i) {
@@ -186,6 +199,9 @@ DECODE_BODY = r"""
         }
         for (int mask = LANES / 2; mask > 0; mask /= 2) {
           dot += SIMD_XOR(dot, mask);
+        }
+        if (softcap > 0.0f) {
+          dot = softcap * FTANH(dot / softcap);
         }
         score[u] = dot;
         step_max = (valid[u] && dot > step_max) ? dot : step_max;
@@ -251,18 +267,23 @@ DECODE_BODY = r"""
       weighted += warp_acc[w][g][d] * c;
     }
     const size_t head_row = size_t(seq) * NUM_HEADS + first_head + g;
+    const float sink = sinks[first_head + g];
     @WRITE@
   }
 """
 
-SINGLE_RANGE = """const int start = 0;
+SINGLE_RANGE = """const int start = kv_first;
   const int end = context_len;"""
 
+# Partitions cover the keys the window sees, from kv_first; those past the context read nothing.
 PARTITION_RANGE = """const int partition = dims[2];
-  const int start = part * partition;
+  const int start = kv_first + part * partition;
   const int end = (start + partition < context_len) ? start + partition : context_len;"""
 
-SINGLE_WRITE = """out[head_row * HEAD_DIM + d] = static_cast<T>(weighted / total);"""
+# The sink joins the denominator only, under a common maximum with the keys' scores.
+SINGLE_WRITE = """const float top = sink > block_max ? sink : block_max;
+    const float keep = FEXP2(block_max - top);
+    out[head_row * HEAD_DIM + d] = static_cast<T>(weighted * keep / (total * keep + FEXP2(sink - top)));"""
 
 PARTITION_WRITE = """const size_t r = head_row * num_partitions + part;
     part_out[r * HEAD_DIM + d] = total > 0.0f ? weighted / total : 0.0f;
@@ -275,13 +296,17 @@ REDUCE_BODY = r"""
   constexpr float NEG_BIG = -1.0e30f;
   const int num_partitions = dims[1];
   const int partition = dims[2];
-  const int used = (context_lens[seq] + partition - 1) / partition;
+  const int context_len = context_lens[seq];
+  const int kv_window = window[0];
+  const int kv_first = (kv_window > 0 && context_len > kv_window) ? context_len - kv_window : 0;
+  const int used = (context_len - kv_first + partition - 1) / partition;
   const size_t r0 = (size_t(seq) * NUM_HEADS + head) * num_partitions;
-  float global_max = NEG_BIG;
+  const float sink = sinks[head];
+  float global_max = sink;
   for (int p = 0; p < used; ++p) {
     global_max = part_max[r0 + p] > global_max ? part_max[r0 + p] : global_max;
   }
-  float total = 0.0f;
+  float total = FEXP2(sink - global_max);
   for (int p = 0; p < used; ++p) {
     total += part_sum[r0 + p] * FEXP2(part_max[r0 + p] - global_max);
   }
@@ -317,15 +342,19 @@ DIALECTS = {
 # - Weighted values: the same thread owns its SUB rows x HEAD_DIM / KEY_LANES dims of the
 #   output; the weights of its row block go through threadgroup memory within one warp.
 # - Two barriers per key tile (tile loaded; tile consumed); the causal mask is evaluated only
-#   on tiles that reach past the tile's first query position or the partition end.
+#   on tiles that reach past the tile's first query position or the partition end, or, under
+#   a sliding window, before the window of the tile's last query. A windowed unit starts at the
+#   first key its first query sees, so units wholly before the window read no key at all.
+# - Soft cap and sinks as in the decode kernel: the cap on every score, the sink once per row
+#   where the final output is written (the merge kernel's, for split tiles).
 # - A unit that is its tile's only partition writes the output; the partitions of a split
 #   tile write (output, max, sum) per row and the varlen merge kernel combines them.
 # Lanes beyond ROWS / SUB row blocks (a tile smaller than one warp) only help load and shuffle.
 # ---------------------------------------------------------------------------------------------
 
-VARLEN_INPUTS = ["queries", "key_cache", "value_cache", "block_tables", "units", "scale", "dims"]
+VARLEN_INPUTS = ["queries", "key_cache", "value_cache", "block_tables", "units", "scale", "dims", "window", "sinks"]
 VARLEN_OUTPUTS = ["out", "part_out", "part_max", "part_sum"]
-VARLEN_MERGE_INPUTS = ["part_out", "part_max", "part_sum", "split_rows"]
+VARLEN_MERGE_INPUTS = ["part_out", "part_max", "part_sum", "split_rows", "sinks"]
 VARLEN_MERGE_OUTPUTS = ["merged"]
 #: int32 fields of one work unit, in this order (kernels/plan.py writes them)
 UNIT_FIELDS = ("seq", "query_row", "query_count", "query_position", "kv_start", "kv_end", "partial_row", "split")
@@ -403,9 +432,10 @@ VARLEN_BODY = r"""
 
   // Scores are kept in base 2 (scale folded with log2(e)) so every exponential is one exp2.
   const float softmax_scale = scale[0] * 1.4426950408889634f;
+  const float softcap = scale[1];
   // auto: Metal binds inputs of under 8 elements (a short block table) in `constant`, not `device`.
   const auto table = block_tables + size_t(seq) * max_blocks;
-  for (int base = kv_start; base < kv_end; base += KV_TILE) {
+  for (int base = kv_first; base < kv_end; base += KV_TILE) {
     // Adjacent lanes take adjacent keys of one 16-byte chunk: the transposed K stores are conflict-free.
     for (int idx = tid; idx < KV_TILE * CHUNKS; idx += NUM_THREADS) {
       const int j = idx % KV_TILE;
@@ -437,15 +467,19 @@ VARLEN_BODY = r"""
       }
     }
 
-    // Below the diagonal every key of the tile is visible to every live row.
-    const bool unmasked = base + KV_TILE <= kv_end && base + KV_TILE - 1 <= query_position;
+    // Below the diagonal (and inside every row's window) every key of the tile is visible to every live row.
+    const bool unmasked = base + KV_TILE <= kv_end && base + KV_TILE - 1 <= query_position && base >= window_floor;
     const int key0 = base + key_lane * SUB;
     for (int i = 0; i < SUB; ++i) {
       bool visible[SUB];
       float tile_max = NEG_BIG;
       for (int j = 0; j < SUB; ++j) {
-        visible[j] = row_live[i] && (unmasked || (key0 + j < kv_end && key0 + j <= row_position[i]));
+        visible[j] = row_live[i] && (unmasked || (key0 + j < kv_end && key0 + j <= row_position[i]
+                                                  && (kv_window == 0 || key0 + j > row_position[i] - kv_window)));
         s[i][j] *= softmax_scale;
+        if (softcap > 0.0f) {
+          s[i][j] = softcap * FTANH(s[i][j] / softcap);
+        }
         tile_max = (visible[j] && s[i][j] > tile_max) ? s[i][j] : tile_max;
       }
       for (int mask = KEY_LANES / 2; mask > 0; mask /= 2) {
@@ -504,11 +538,12 @@ VARLEN_BODY = r"""
     const int token = (row0 + i) / HEADS_PER_TILE;
     const int head = first_head + (row0 + i) % HEADS_PER_TILE;
     const size_t out_row = split ? size_t(partial_row + token) * NUM_HEADS + head : size_t(query_row + token) * NUM_HEADS + head;
+@SINK@
     for (int c = 0; c < OUT_CHUNKS; ++c) {
       for (int e = 0; e < SUB; ++e) {
         const int d = (c * KEY_LANES + key_lane) * SUB + e;
         if (!split) {
-          out[out_row * HEAD_DIM + d] = static_cast<T>(acc[i][c * SUB + e] / total);
+          out[out_row * HEAD_DIM + d] = static_cast<T>(acc[i][c * SUB + e] * keep / denominator);
         } else {
           part_out[out_row * HEAD_DIM + d] = total > 0.0f ? acc[i][c * SUB + e] / total : 0.0f;
         }
@@ -537,6 +572,20 @@ VARLEN_UNIT = r"""
   const int kv_head = head_tile / TILES_PER_KV;
   const int first_head = kv_head * GROUP + (head_tile % TILES_PER_KV) * HEADS_PER_TILE;
   const int active_rows = query_count * HEADS_PER_TILE;
+  // A window hides keys before each row's position - window + 1: the first row's bound is where
+  // reading starts, the last row's is where every key of a tile is visible to every row.
+  const int kv_window = window[0];
+  const int window_floor = kv_window > 0 ? query_position + query_count - kv_window : 0;
+  const int kv_first = (kv_window > 0 && query_position - kv_window + 1 > kv_start) ? query_position - kv_window + 1 : kv_start;
+"""
+
+#: A row's sink joins its denominator when the unit writes the final output (split units leave it to
+#: the merge): `keep` rescales the row's sums to the common maximum. Shared by both varlen bodies.
+VARLEN_SINK = r"""
+    const float sink = split ? NEG_BIG : sinks[head];
+    const float top = sink > row_max ? sink : row_max;
+    const float keep = FEXP2(row_max - top);
+    const float denominator = total * keep + FEXP2(sink - top);
 """
 
 #: One 16-byte chunk `c` of key `t`'s K and V row, read through the block table into registers
@@ -565,12 +614,13 @@ VARLEN_MERGE_BODY = r"""
   const int first = split_rows[s0 + 1];
   const int stride = split_rows[s0 + 2];
   const int partitions = split_rows[s0 + 3];
-  float global_max = NEG_BIG;
+  const float sink = sinks[head];
+  float global_max = sink;
   for (int p = 0; p < partitions; ++p) {
     const float m = part_max[size_t(first + p * stride) * NUM_HEADS + head];
     global_max = m > global_max ? m : global_max;
   }
-  float total = 0.0f;
+  float total = FEXP2(sink - global_max);
   for (int p = 0; p < partitions; ++p) {
     const size_t r = size_t(first + p * stride) * NUM_HEADS + head;
     total += part_sum[r] * FEXP2(part_max[r] - global_max);
@@ -612,12 +662,13 @@ def render_reduce(dialect: str) -> tuple[str, str]:
 def render_varlen(dialect: str) -> tuple[str, str]:
     """(header, body) of the varlen kernel: one work unit (query tile x context partition) per threadgroup."""
     header = DIALECTS[dialect][0]
-    return header, VARLEN_DIALECTS[dialect][0] + _field_count("UNIT_FIELDS", UNIT_FIELDS) + render_shared(VARLEN_BODY)
+    return header, VARLEN_DIALECTS[dialect][0] + _field_count("UNIT_FIELDS", UNIT_FIELDS) + render_shared(VARLEN_BODY, "run_max[i]")
 
 
-def render_shared(body: str) -> str:
-    """A varlen body with the snippets both bodies share filled in."""
-    return body.replace("@UNIT@", VARLEN_UNIT).replace("@KV_CHUNK@", VARLEN_KV_CHUNK)
+def render_shared(body: str, row_max: str) -> str:
+    """A varlen body with the snippets both bodies share filled in; `row_max` names the row's running max."""
+    sink = VARLEN_SINK.replace("row_max", row_max)
+    return body.replace("@UNIT@", VARLEN_UNIT).replace("@KV_CHUNK@", VARLEN_KV_CHUNK).replace("@SINK@", sink)
 
 
 def render_varlen_merge(dialect: str) -> tuple[str, str]:

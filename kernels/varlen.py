@@ -16,6 +16,7 @@ from kernels import mma_source, source
 from kernels.errors import UnsupportedAttentionShape
 from kernels.launch import SUPPORTED_DTYPES, KernelCompiler, PagedDecodeKernels
 from kernels.plan import VarlenPlan
+from kernels.variants import PLAIN, LayerAttention, LayerInputs
 
 
 class PagedVarlenKernels:
@@ -41,24 +42,25 @@ class PagedVarlenKernels:
         header, body = source.render_varlen_merge(self.dialect)
         return self.compile_kernel("orchard_paged_varlen_merge", source.VARLEN_MERGE_INPUTS, source.VARLEN_MERGE_OUTPUTS, header, body)
 
-    def __call__(self, queries: mx.array, key_cache: mx.array, value_cache: mx.array, plan: VarlenPlan, scale: float) -> mx.array:
+    def __call__(self, queries: mx.array, key_cache: mx.array, value_cache: mx.array, plan: VarlenPlan, scale: float,
+                 layer: LayerAttention = PLAIN) -> mx.array:
         if key_cache.dtype not in SUPPORTED_DTYPES or value_cache.dtype != key_cache.dtype:
             raise UnsupportedAttentionShape(f"KV dtypes {key_cache.dtype}/{value_cache.dtype} are not supported")
-        decode = plan.kernel.decode
+        decode, inputs = plan.kernel.decode, plan.layer_inputs(scale, layer)
         if decode is not None and decode.every_row:
-            out = self._decode(queries, key_cache, value_cache, plan, scale)
+            out = self._decode(queries, key_cache, value_cache, plan, inputs)
         else:
-            out = self._chunks(queries, key_cache, value_cache, plan, scale)
+            out = self._chunks(queries, key_cache, value_cache, plan, inputs)
             if decode is not None:
-                out[decode.rows] = self._decode(queries[decode.rows], key_cache, value_cache, plan, scale)
+                out[decode.rows] = self._decode(queries[decode.rows], key_cache, value_cache, plan, inputs)
         return out if out.dtype == queries.dtype else out.astype(queries.dtype)
 
-    def _decode(self, queries, key_cache, value_cache, plan: VarlenPlan, scale: float) -> mx.array:
+    def _decode(self, queries, key_cache, value_cache, plan: VarlenPlan, layer: LayerInputs) -> mx.array:
         rows = plan.kernel.decode
         return self.decode_kernels.launch(queries, key_cache, value_cache, rows.block_tables, rows.context_lens,
-                                          rows.plan, rows.tuning, rows.dims, plan.scale_array(scale))
+                                          rows.plan, rows.tuning, rows.dims, layer)
 
-    def _chunks(self, queries, key_cache, value_cache, plan: VarlenPlan, scale: float) -> mx.array:
+    def _chunks(self, queries, key_cache, value_cache, plan: VarlenPlan, layer: LayerInputs) -> mx.array:
         """The varlen kernel over the chunks' tiles, then the merge of split tiles; decode rows are left unwritten."""
         kernel = plan.kernel
         if kernel.num_units == 0:
@@ -79,7 +81,7 @@ class PagedVarlenKernels:
         out, part_out, part_max, part_sum = compiled(
             inputs=[
                 queries if queries.dtype == key_cache.dtype else queries.astype(key_cache.dtype),
-                key_cache, value_cache, plan.block_tables, kernel.units, plan.scale_array(scale), kernel.dims,
+                key_cache, value_cache, plan.block_tables, kernel.units, layer.scale, kernel.dims, layer.window, layer.sinks,
             ],
             template=template,
             grid=(kernel.num_units * threads, plan.num_heads // shape.heads_per_tile, 1),
@@ -89,7 +91,7 @@ class PagedVarlenKernels:
         )
         if kernel.split_rows is not None:
             (merged,) = self._merge_kernel()(
-                inputs=[part_out, part_max, part_sum, kernel.split_rows],
+                inputs=[part_out, part_max, part_sum, kernel.split_rows, layer.sinks],
                 template=[("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("NUM_HEADS", plan.num_heads),
                           ("NUM_THREADS", kernel.tuning.merge_threads)],
                 grid=(plan.num_heads * kernel.tuning.merge_threads, kernel.num_split_rows, 1),

@@ -5,10 +5,12 @@ the KV cache object each layer is handed, the rope of each layer's attention mod
 the `scaled_dot_product_attention` name in the model's own module. A model pages
 correctly when everything that depends on context goes through those seams:
 
-- every layer keeps a plain full-context KV cache (no sliding window, no recurrent state);
+- every layer keeps a plain KV cache, over the whole context or over a sliding window
+  (mlx-lm's `RotatingKVCache` without kept tokens, whose size is the window the kernels
+  apply to that layer: `layer_windows`), and no recurrent state;
 - positions reach the layers only through a rope that accepts one position per token;
-- every layer stores its K/V through its cache and attends with that one call, without
-  sinks, with one KV geometry shared by all layers;
+- every layer stores its K/V through its cache and attends with that one call (its
+  attention sinks, if any, passed along), with one KV geometry shared by all layers;
 - the model's `__call__` is the text stack (`model.model`, EXAONE's `model.transformer`:
   node.layers) followed by a head that reads
   nothing but the stack's output and gives one row of logits per hidden row (the runner
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import sys
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -65,12 +67,38 @@ def _cache_reason(model) -> str | None:
     """A model that makes its own caches says what each layer needs kept."""
     if not hasattr(model, "make_cache"):
         return None  # mlx-lm gives such a model a full-context KVCache per layer
-    from mlx_lm.models.cache import KVCache
-
-    kinds = sorted({type(cache).__name__ for cache in model.make_cache() if type(cache) is not KVCache})
+    caches = model.make_cache()
+    kinds = sorted({type(cache).__name__ for cache in caches if _window_of(cache) is False})
     if kinds:
-        return f"layers keep {', '.join(kinds)} state (sliding window, recurrent or chunked attention)"
+        return f"layers keep {', '.join(kinds)} state (recurrent, chunked or sink-keeping attention)"
+    if any(_window_of(cache) is not None for cache in caches) and len(caches) != len(model.layers):
+        return f"it makes {len(caches)} caches for {len(model.layers)} layers, so which layer keeps which window is not known"
     return None
+
+
+def layer_windows(model) -> list[int | None]:
+    """Each layer's sliding window (keys a query sees, itself included), None for full context.
+
+    Read from the caches the model makes for itself: mlx-lm gives a windowed layer a
+    `RotatingKVCache` of the window's size, and masks that layer with the same window.
+    """
+    windows = [_window_of(cache) for cache in model.make_cache()] if hasattr(model, "make_cache") else []
+    if all(window is None for window in windows):
+        return [None] * len(model.layers)  # also a model whose layers share caches (Hunyuan's CLA pairs)
+    if False in windows or len(windows) != len(model.layers):
+        raise ValueError("the model's caches are not one plain or windowed KV cache per layer")  # architecture_reason refuses it
+    return windows
+
+
+def _window_of(cache) -> int | None | bool:
+    """None for a full-context KVCache, the window of a RotatingKVCache that keeps no tokens, else False."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    if type(cache) is KVCache:
+        return None
+    if type(cache) is RotatingKVCache and cache.keep == 0:
+        return int(cache.max_size)
+    return False
 
 
 def _logits_reason(model) -> str | None:
@@ -101,8 +129,10 @@ class ProbeCache:
     offset: PackedPositions
     stored: tuple | None = None
     attended: dict | None = None  # the keyword arguments of its attention call
+    mask_windows: list = field(default_factory=list)  # window_size of each mask the model asked this cache for
 
-    def make_mask(self, *args, **kwargs) -> None:
+    def make_mask(self, *args, window_size=None, **kwargs) -> None:
+        self.mask_windows.append(window_size)
         return None
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -173,7 +203,11 @@ def paging_reason(model, num_kv_heads: int, head_dim: int) -> str | None:
         caches = trace_layers(model)
     except Exception as error:  # whatever breaks under per-token positions and probe caches
         return f"its layers do not run over paged caches ({type(error).__name__}: {error})"
-    return _layers_reason(caches, num_kv_heads, head_dim)
+    return _layers_reason(caches, num_kv_heads, head_dim) or _mask_reason(caches, layer_windows(model))
+
+
+#: keyword arguments of the attention call the paged kernels apply
+_ATTENTION_KWARGS = frozenset({"sinks"})
 
 
 def _layers_reason(caches: list[ProbeCache], num_kv_heads: int, head_dim: int) -> str | None:
@@ -183,12 +217,21 @@ def _layers_reason(caches: list[ProbeCache], num_kv_heads: int, head_dim: int) -
             return f"layer {index} stores no K/V through its cache"
         if cache.attended is None:
             return f"layer {index} computes attention itself, not through scaled_dot_product_attention"
-        if cache.attended.get("sinks") is not None:
-            return f"layer {index} uses attention sinks"
+        if unknown := sorted(set(cache.attended) - _ATTENTION_KWARGS):
+            return f"layer {index} passes {', '.join(unknown)} to its attention call, which the paged kernels do not apply"
         (_, kv_heads, _, key_dim), (_, _, _, value_dim) = cache.stored
         if (kv_heads, key_dim, value_dim) != (*expected, head_dim):
             return (f"layer {index} stores {kv_heads} KV heads of key dim {key_dim} and value dim {value_dim}; "
                     f"the pool holds {num_kv_heads} heads of dim {head_dim} for every layer")
+    return None
+
+
+def _mask_reason(caches: list[ProbeCache], windows: list[int | None]) -> str | None:
+    """A mask the model builds from a layer's cache must have that layer's window: the kernels
+    apply the cache's window, so a model that masks otherwise would be computed differently."""
+    for index, (cache, window) in enumerate(zip(caches, windows)):
+        if any(asked != window for asked in cache.mask_windows):
+            return f"layer {index} keeps a cache of window {window} but is masked with window {cache.mask_windows}"
     return None
 
 

@@ -15,7 +15,9 @@ code is left as it is; three seams make it paged:
 - the model module's `scaled_dot_product_attention` is replaced by one that runs the
   paged kernels (`kernels.paged_attention` for decode-only steps, `kernels.paged_varlen_attention`
   with the step's one `VarlenPlan` otherwise) for a paged cache and defers to the original for
-  any other cache, so `mlx_lm.generate` still works on the same model object.
+  any other cache, so `mlx_lm.generate` still works on the same model object. A layer's
+  sliding window (from the caches the model makes for itself, `node.capability.layer_windows`)
+  and its attention sinks (the call's own `sinks=`) go to the kernels with each call.
 
 Metadata arrays are built once per step and shared by every layer through `StepContext`.
 """
@@ -30,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 
 import kernels
-from node.capability import attention_modules
+from node.capability import attention_modules, layer_windows
 from node.compiled_decode import CompiledDecode
 from node.head import ModelHead
 from node.layers import attention_of, text_stack
@@ -196,9 +198,10 @@ def _check_decode_step(step: StepInput, pool_shape: tuple) -> None:
 class PagedLayerCache:
     """What one layer of an mlx-lm model sees as its KV cache during a paged step."""
 
-    def __init__(self, layer: int, context: StepContext):
+    def __init__(self, layer: int, context: StepContext, window: int | None = None):
         self.layer = layer
         self.context = context
+        self.window = window  # keys each query sees, itself included; None: the whole context
 
     @property
     def offset(self) -> PackedPositions:
@@ -215,21 +218,22 @@ class PagedLayerCache:
         )
         return keys, values
 
-    def attend(self, queries: mx.array, scale: float) -> mx.array:
-        """Queries `[T, H_q, 1, D]` over each sequence's paged context, same layout back."""
+    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+        """Queries `[T, H_q, 1, D]` over each sequence's paged context (this layer's window of it), same layout back."""
         ctx, layer = self.context, self.layer
         packed = _packed(queries)
         keys, values = ctx.pool.keys[layer], ctx.pool.values[layer]
+        rules = dict(scale=scale, window=self.window, sinks=sinks)
         if ctx.varlen_plan is not None:
-            out = kernels.paged_varlen_attention(packed, keys, values, ctx.varlen_plan, scale=scale)
+            out = kernels.paged_varlen_attention(packed, keys, values, ctx.varlen_plan, **rules)
         elif ctx.decode_only:
             out = kernels.paged_attention(
-                packed, keys, values, ctx.decode_tables, ctx.decode_lens, scale=scale, backend=ctx.backend
+                packed, keys, values, ctx.decode_tables, ctx.decode_lens, backend=ctx.backend, **rules
             )
         else:
             out = kernels.paged_prefill_attention(
                 packed, keys, values, ctx.block_tables, ctx.query_start_loc, ctx.context_lens,
-                scale=scale, backend=ctx.backend,
+                backend=ctx.backend, **rules,
             )
         return out.reshape(queries.shape[0], queries.shape[1], 1, out.shape[-1])
 
@@ -255,9 +259,7 @@ def _install_in(module) -> bool:
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, **kwargs):
         if isinstance(cache, PagedLayerCache):
-            if kwargs.get("sinks") is not None:
-                raise NotImplementedError("attention sinks over a paged pool")
-            return cache.attend(queries, scale)
+            return cache.attend(queries, scale, sinks=kwargs.get("sinks"))
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
 
     setattr(scaled_dot_product_attention, _PAGED_MARK, True)
@@ -290,9 +292,14 @@ class ModelRunner:
         self._stack = text_stack(loaded.model)  # the decoder stack each step runs
         self._num_layers = len(loaded.model.layers)
         self._num_heads = _query_heads(loaded.model)
+        self._windows = layer_windows(loaded.model)
         if compiled_decode is None:
             compiled_decode = self.attention_backend != "reference"
         self.compiled_decode = CompiledDecode(self._num_layers, self._decode_context, self._run) if compiled_decode else None
+
+    def layer_caches(self, context: StepContext) -> list[PagedLayerCache]:
+        """One paged cache per layer for a step, each with its layer's sliding window."""
+        return [PagedLayerCache(layer, context, window) for layer, window in enumerate(self._windows)]
 
     def forward(self, step: StepInput, tokens: mx.array | None = None) -> mx.array:
         """Logits `[S, vocab]` for the last new token of each sequence (lazy; evaluating
@@ -309,8 +316,7 @@ class ModelRunner:
     def _run(self, context: StepContext, tokens: mx.array) -> mx.array:
         """The model's stack over a step's packed tokens, then its head: logits of every row
         of a decode step, and of each chunk's last row otherwise."""
-        caches = [PagedLayerCache(layer, context) for layer in range(self._num_layers)]
-        hidden = self._stack(tokens[:, None], cache=caches)
+        hidden = self._stack(tokens[:, None], cache=self.layer_caches(context))
         hidden = hidden.reshape(hidden.shape[0], hidden.shape[2])
         if not context.decode_only:  # a decode step's rows are each its sequence's last token
             hidden = hidden[mx.array(context.query_start_loc[1:] - 1)]

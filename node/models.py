@@ -2,9 +2,10 @@
 
 The engine runs mlx-lm's model classes unchanged and only replaces their KV cache and
 attention call (see `node.model_adapter`). That works for architectures whose every layer
-is full causal attention over the whole context; anything with a sliding window, linear
-attention or state-space layers would silently compute something else over a paged pool,
-so it is refused here, at load, with the reason. What a model is decides, not its name:
+is causal attention over the whole context or over a sliding window that mlx-lm's model
+applies (the kernels apply the same window per layer); linear attention, state-space
+layers, or a window the config states but mlx-lm's class ignores would silently compute
+something else over a paged pool, so they are refused here, at load, with the reason. What a model is decides, not its name:
 the config and the model's structure are checked before any weights are read
 (`node.capability`), and a traced forward pass of the loaded model after.
 """
@@ -100,23 +101,28 @@ def unsupported_reason(config: dict) -> str | None:
     return _config_reason(text_config(config)) or _structure_reason(config)
 
 
+#: layer types a config may name: the kernels apply each layer's window (node.capability.layer_windows)
+PAGED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+
+
 def _config_reason(config: dict) -> str | None:
     if config.get("model_file"):
         return "custom model code (model_file) is not supported"
     layer_types = set(config.get("layer_types") or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        return f"layer types {sorted(layer_types)} (only full attention pages correctly)"
-    return _sliding_window_reason(config)
+    if not layer_types <= PAGED_LAYER_TYPES:
+        return f"layer types {sorted(layer_types)} (only full and sliding-window attention page correctly)"
+    return None
 
 
 def _sliding_window_reason(config: dict) -> str | None:
+    """A window the config states, for a model none of whose layers mlx-lm windows."""
     window = config.get("sliding_window")
     if "use_sliding_window" in config:
         # Qwen-style configs carry a window size that only applies when this flag is on.
         return f"sliding-window attention (window {window})" if config["use_sliding_window"] else None
     max_positions = config.get("max_position_embeddings")
     if window is not None and (max_positions is None or window < max_positions):
-        return f"sliding-window attention (window {window} < max_position_embeddings {max_positions})"
+        return f"sliding-window attention (window {window} < max_position_embeddings {max_positions}) that mlx-lm's model does not apply"
     return None
 
 
@@ -124,7 +130,7 @@ def _structure_reason(config: dict) -> str | None:
     """Build mlx-lm's model for `config` without weights (its arrays stay lazy) and inspect it."""
     from mlx_lm.utils import _get_classes
 
-    from node.capability import architecture_reason
+    from node.capability import architecture_reason, layer_windows
 
     try:
         model_class, args_class = _get_classes(config)
@@ -134,7 +140,12 @@ def _structure_reason(config: dict) -> str | None:
         skeleton = model_class(args_class.from_dict(config))
     except Exception as error:  # a config mlx-lm's own classes cannot build
         return f"mlx-lm cannot build it from this config ({type(error).__name__}: {error})"
-    return architecture_reason(text_model(skeleton))
+    model = text_model(skeleton)
+    if (reason := architecture_reason(model)) is not None:
+        return reason
+    if any(window is not None for window in layer_windows(model)):
+        return None  # mlx-lm windows these layers, and the kernels apply the same windows
+    return _sliding_window_reason(text_config(config))
 
 
 def check_supported(config: dict) -> None:

@@ -3,7 +3,7 @@
 Served models load in one thread and step in the engine's own (in a Ray actor with Ray),
 which is where arrays computed at construction (Llama 3's rope frequencies) used to break
 every request. Greedy completions must be mlx-lm's own greedy tokens, on a 4-bit quantized
-checkpoint too.
+checkpoint too, and on families whose layers keep sliding windows and attention sinks.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ PROMPT = [5, 17, 230, 41, 9, 300, 77, 12, 1200, 64, 3, 88, 19]
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
     demo = write_demo_model(root / "demo")
-    folders = {name: write_tiny_model(root / name, name, demo) for name in ("llama3", "qwen3_moe", "qwen3")}
+    # gemma3 and gpt_oss window some layers (5 tokens) and gpt_oss has attention sinks: the prompt crosses the windows.
+    folders = {name: write_tiny_model(root / name, name, demo) for name in ("llama3", "qwen3_moe", "qwen3", "gemma3", "gpt_oss")}
     # What Mac users mostly download: a 4-bit mlx-community-style checkpoint, head tied to a quantized embedding.
     folders["qwen3-4bit"] = write_quantized_model(root / "qwen3-4bit", folders.pop("qwen3"), bits=4, group_size=64)
     return folders
@@ -79,7 +80,7 @@ def assert_is_mlx_lm_greedy(completion, folder: Path) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("family", ["llama3", "qwen3_moe", "qwen3-4bit"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3_moe", "qwen3-4bit", "gemma3", "gpt_oss"])
 def test_serve_without_ray_answers_with_mlx_lm_greedy_tokens(family, checkpoints, tmp_path):
     with served(checkpoints[family], tmp_path / "serve.log", "--no-ray") as (url, model):
         completion = greedy_completion(url, model)

@@ -18,6 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from kernels import source
+from kernels.source import NO_SINK
+from kernels.variants import LOG2E
+from tests.kernels.paged_case import PLAIN, Rules
 
 COMPILER = shutil.which("g++")
 
@@ -65,6 +68,7 @@ static void emu_launch(int gx, int gy, int gz, int threads, F body) {
 #define BARRIER() emu_group_barrier->arrive_and_wait()
 #define SIMD_XOR(value, mask) emu_xor((value), (mask))
 #define FEXP2(x) std::exp2(x)
+#define FTANH(x) std::tanh(x)
 #define ROW_ALIGN alignas(16)
 #define LOAD_ROW(dst, src) for (int i_ = 0; i_ < PER_LANE; ++i_) { (dst)[i_] = (src)[i_]; }
 #define COPY_VEC(dst, src) for (int i_ = 0; i_ < VEC; ++i_) { (dst)[i_] = (src)[i_]; }
@@ -88,7 +92,7 @@ REDUCE_PROLOGUE = """
 
 DECODE_ARGS = (
     "const float* queries, const float* key_cache, const float* value_cache, "
-    "const int* block_tables, const int* context_lens, const float* scale, const int* dims"
+    "const int* block_tables, const int* context_lens, const float* scale, const int* dims, const int* window, const float* sinks"
 )
 
 
@@ -115,19 +119,20 @@ static void decode_split({DECODE_ARGS}, float* part_out, float* part_max, float*
 {decode_consts}{split}
 }}
 static void merge(const float* part_out, const float* part_max, const float* part_sum,
-                  const int* context_lens, const int* dims, float* out) {{
+                  const int* context_lens, const int* dims, const int* window, const float* sinks, float* out) {{
 {reduce_consts}{REDUCE_PROLOGUE}{reduce}
 }}
 extern "C" void run_single({DECODE_ARGS}, float* out, int gx, int gy, int gz) {{
   emu_launch(gx, gy, gz, {constants["NUM_THREADS"]}, [=] {{
-    decode_single(queries, key_cache, value_cache, block_tables, context_lens, scale, dims, out); }});
+    decode_single(queries, key_cache, value_cache, block_tables, context_lens, scale, dims, window, sinks, out); }});
 }}
 extern "C" void run_split({DECODE_ARGS}, float* part_out, float* part_max, float* part_sum,
                           float* out, int gx, int gy, int gz, int heads) {{
   emu_launch(gx, gy, gz, {constants["NUM_THREADS"]}, [=] {{
-    decode_split(queries, key_cache, value_cache, block_tables, context_lens, scale, dims, part_out, part_max, part_sum); }});
+    decode_split(queries, key_cache, value_cache, block_tables, context_lens, scale, dims, window, sinks,
+                 part_out, part_max, part_sum); }});
   emu_launch(heads, gz, 1, {constants["NUM_THREADS"]}, [=] {{
-    merge(part_out, part_max, part_sum, context_lens, dims, out); }});
+    merge(part_out, part_max, part_sum, context_lens, dims, window, sinks, out); }});
 }}
 """
 
@@ -154,14 +159,26 @@ def _ptr(array: np.ndarray):
     return array.ctypes.data_as(ctypes.c_void_p)
 
 
+def layer_arrays(rules: Rules, num_heads: int) -> tuple[np.ndarray, np.ndarray]:
+    """(window, sinks) inputs as kernels/variants.py makes them: 0 for no window, base-2 sinks or NO_SINK."""
+    window = np.array([rules.window or 0], dtype=np.int32)
+    sinks = np.full(num_heads, NO_SINK) if rules.sinks is None else rules.sinks.astype(np.float32) * LOG2E
+    return window, np.ascontiguousarray(sinks, dtype=np.float32)
+
+
+def scale_array(scale: float, rules: Rules) -> np.ndarray:
+    return np.array([scale, 0.0 if rules.softcap is None else rules.softcap * LOG2E], dtype=np.float32)
+
+
 def run_decode(library: ctypes.CDLL, constants: dict, queries, key_cache, value_cache, block_tables, context_lens,
-               scale: float, num_partitions: int) -> np.ndarray:
+               scale: float, num_partitions: int, rules: Rules = PLAIN) -> np.ndarray:
     """Launch like kernels/launch.py does: grid (partitions, kv heads x tiles, seqs)."""
     num_seqs, num_heads, head_dim = queries.shape
     arrays = [np.ascontiguousarray(a, dtype=d) for a, d in (
         (queries, np.float32), (key_cache, np.float32), (value_cache, np.float32),
         (block_tables, np.int32), (context_lens, np.int32),
-        (np.array([scale]), np.float32), (np.array([block_tables.shape[1], num_partitions, constants["PARTITION"]]), np.int32),
+        (scale_array(scale, rules), np.float32), (np.array([block_tables.shape[1], num_partitions, constants["PARTITION"]]), np.int32),
+        *zip(layer_arrays(rules, num_heads), (np.int32, np.float32)),
     )]
     out = np.zeros((num_seqs, num_heads, head_dim), dtype=np.float32)
     tiles = num_heads // constants["HEADS_PER_TILE"]
@@ -190,7 +207,7 @@ VARLEN_MERGE_PROLOGUE = """
 
 VARLEN_ARGS = (
     "const float* queries, const float* key_cache, const float* value_cache, "
-    "const int* block_tables, const int* units, const float* scale, const int* dims"
+    "const int* block_tables, const int* units, const float* scale, const int* dims, const int* window, const float* sinks"
 )
 #: threads of the emulated merge kernel (its loop over head dims strides by the thread count)
 MERGE_THREADS = 32
@@ -208,17 +225,18 @@ static void varlen_unit({VARLEN_ARGS}, float* out, float* part_out, float* part_
   using T = float;
 {_constants(constants)}{kernel}
 }}
-static void varlen_merge(const float* part_out, const float* part_max, const float* part_sum, const int* split_rows, float* merged) {{
+static void varlen_merge(const float* part_out, const float* part_max, const float* part_sum, const int* split_rows,
+                         const float* sinks, float* merged) {{
   using T = float;
 {merge_consts}{merge}
 }}
 extern "C" void run_varlen({VARLEN_ARGS}, float* out, float* part_out, float* part_max, float* part_sum, int units_count, int head_tiles) {{
   emu_launch(units_count, head_tiles, 1, {constants["NUM_THREADS"]}, [=] {{
-    varlen_unit(queries, key_cache, value_cache, block_tables, units, scale, dims, out, part_out, part_max, part_sum); }});
+    varlen_unit(queries, key_cache, value_cache, block_tables, units, scale, dims, window, sinks, out, part_out, part_max, part_sum); }});
 }}
 extern "C" void run_varlen_merge(const float* part_out, const float* part_max, const float* part_sum, const int* split_rows,
-                                 float* merged, int heads, int rows) {{
-  emu_launch(heads, rows, 1, {MERGE_THREADS}, [=] {{ varlen_merge(part_out, part_max, part_sum, split_rows, merged); }});
+                                 const float* sinks, float* merged, int heads, int rows) {{
+  emu_launch(heads, rows, 1, {MERGE_THREADS}, [=] {{ varlen_merge(part_out, part_max, part_sum, split_rows, sinks, merged); }});
 }}
 """
 
@@ -244,14 +262,15 @@ def decode_constants(plan) -> dict:
 
 
 def run_varlen(library: ctypes.CDLL, plan, queries, key_cache, value_cache, block_tables, scale: float,
-               workdir: Path | None = None) -> np.ndarray:
+               workdir: Path | None = None, rules: Rules = PLAIN) -> np.ndarray:
     """Launch like kernels/varlen.py does: one threadgroup per (unit, head tile), the merge of split rows,
     then the decode kernel for the decode rows."""
     work, shape = plan.kernel.work, plan.kernel.shape
     total_q, num_heads, head_dim = queries.shape
     arrays = [np.ascontiguousarray(a, dtype=d) for a, d in (
         (queries, np.float32), (key_cache, np.float32), (value_cache, np.float32), (block_tables, np.int32),
-        (work.units, np.int32), (np.array([scale]), np.float32), (np.array([block_tables.shape[1]]), np.int32),
+        (work.units, np.int32), (scale_array(scale, rules), np.float32), (np.array([block_tables.shape[1]]), np.int32),
+        *zip(layer_arrays(rules, num_heads), (np.int32, np.float32)),
     )]
     out = np.full((total_q, num_heads, head_dim), np.nan, dtype=np.float32)
     partial_rows = max(work.num_partial_rows, 1)
@@ -265,7 +284,7 @@ def run_varlen(library: ctypes.CDLL, plan, queries, key_cache, value_cache, bloc
     if work.split_rows.shape[0]:
         split_rows = np.ascontiguousarray(work.split_rows, dtype=np.int32)
         merged = np.zeros((split_rows.shape[0], num_heads, head_dim), dtype=np.float32)
-        library.run_varlen_merge(_ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(split_rows), _ptr(merged),
+        library.run_varlen_merge(_ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(split_rows), _ptr(arrays[-1]), _ptr(merged),
                                  ctypes.c_int(num_heads), ctypes.c_int(split_rows.shape[0]))
         out[split_rows[:, 0]] = merged
     rows = plan.kernel.decode
@@ -273,6 +292,6 @@ def run_varlen(library: ctypes.CDLL, plan, queries, key_cache, value_cache, bloc
         constants = decode_constants(plan)
         out[rows.host_rows] = run_decode(
             build(constants, workdir), constants, np.asarray(queries)[rows.host_rows], key_cache, value_cache,
-            np.array(rows.block_tables), np.array(rows.context_lens), scale, rows.plan.num_partitions,
+            np.array(rows.block_tables), np.array(rows.context_lens), scale, rows.plan.num_partitions, rules,
         )
     return out

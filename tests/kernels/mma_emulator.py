@@ -15,6 +15,7 @@ import numpy as np
 
 from kernels import mma_source, source
 from tests.kernels import emulator
+from tests.kernels.paged_case import PLAIN, Rules
 
 EMU_MMA_HEADER = r"""
 #include <cstdint>
@@ -84,7 +85,7 @@ template <typename U> struct MmaTile {
 
 MMA_ARGS = (
     "const EmuBf16* queries, const EmuBf16* key_cache, const EmuBf16* value_cache, "
-    "const int* block_tables, const int* units, const float* scale, const int* dims"
+    "const int* block_tables, const int* units, const float* scale, const int* dims, const int* window, const float* sinks"
 )
 
 
@@ -101,17 +102,18 @@ static void mma_unit({MMA_ARGS}, EmuBf16* out, float* part_out, float* part_max,
   using T = EmuBf16;
 {emulator._constants(constants)}{body}
 }}
-static void varlen_merge(const float* part_out, const float* part_max, const float* part_sum, const int* split_rows, float* merged) {{
+static void varlen_merge(const float* part_out, const float* part_max, const float* part_sum, const int* split_rows,
+                         const float* sinks, float* merged) {{
   using T = float;
 {merge_consts}{merge}
 }}
 extern "C" void run_mma({MMA_ARGS}, EmuBf16* out, float* part_out, float* part_max, float* part_sum, int units_count, int head_tiles) {{
   emu_launch(units_count, head_tiles, 1, {constants["NUM_THREADS"]}, [=] {{
-    mma_unit(queries, key_cache, value_cache, block_tables, units, scale, dims, out, part_out, part_max, part_sum); }});
+    mma_unit(queries, key_cache, value_cache, block_tables, units, scale, dims, window, sinks, out, part_out, part_max, part_sum); }});
 }}
 extern "C" void run_varlen_merge(const float* part_out, const float* part_max, const float* part_sum, const int* split_rows,
-                                 float* merged, int heads, int rows) {{
-  emu_launch(heads, rows, 1, {emulator.MERGE_THREADS}, [=] {{ varlen_merge(part_out, part_max, part_sum, split_rows, merged); }});
+                                 const float* sinks, float* merged, int heads, int rows) {{
+  emu_launch(heads, rows, 1, {emulator.MERGE_THREADS}, [=] {{ varlen_merge(part_out, part_max, part_sum, split_rows, sinks, merged); }});
 }}
 """
 
@@ -135,13 +137,15 @@ def from_bf16_bits(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
-def run_mma_varlen(library: ctypes.CDLL, plan, queries, key_cache, value_cache, block_tables, scale: float) -> np.ndarray:
+def run_mma_varlen(library: ctypes.CDLL, plan, queries, key_cache, value_cache, block_tables, scale: float,
+                   rules: Rules = PLAIN) -> np.ndarray:
     """The chunk rows of a step through the emulated tensor-core body and the merge; decode rows stay NaN."""
     work, shape = plan.kernel.work, plan.kernel.shape
     total_q, num_heads, head_dim = queries.shape
     halves = [to_bf16_bits(a) for a in (queries, key_cache, value_cache)]
     ints = [np.ascontiguousarray(block_tables, dtype=np.int32), np.ascontiguousarray(work.units, dtype=np.int32)]
-    extras = [np.array([scale], dtype=np.float32), np.array([block_tables.shape[1]], dtype=np.int32)]
+    extras = [emulator.scale_array(scale, rules), np.array([block_tables.shape[1]], dtype=np.int32),
+              *emulator.layer_arrays(rules, num_heads)]
     out = np.full((total_q, num_heads, head_dim), 0x7fc0, dtype=np.uint16)  # NaN until written
     partial_rows = max(work.num_partial_rows, 1)
     part_out = np.full((partial_rows, num_heads, head_dim), np.nan, dtype=np.float32)
@@ -154,7 +158,7 @@ def run_mma_varlen(library: ctypes.CDLL, plan, queries, key_cache, value_cache, 
     if work.split_rows.shape[0]:
         split_rows = np.ascontiguousarray(work.split_rows, dtype=np.int32)
         merged = np.zeros((split_rows.shape[0], num_heads, head_dim), dtype=np.float32)
-        library.run_varlen_merge(ptr(part_out), ptr(part_max), ptr(part_sum), ptr(split_rows), ptr(merged),
+        library.run_varlen_merge(ptr(part_out), ptr(part_max), ptr(part_sum), ptr(split_rows), ptr(extras[-1]), ptr(merged),
                                  ctypes.c_int(num_heads), ctypes.c_int(split_rows.shape[0]))
         result[split_rows[:, 0]] = from_bf16_bits(to_bf16_bits(merged))
     return result

@@ -82,31 +82,55 @@ def sequence_kv(case: PagedCase, seq: int) -> tuple[np.ndarray, np.ndarray]:
     return np.stack(keys), np.stack(values)
 
 
-def oracle_attention(queries64: np.ndarray, keys: np.ndarray, values: np.ndarray, positions, scale: float) -> np.ndarray:
-    """queries [n, Hq, D] at absolute `positions` see keys 0..position; plain float64 softmax."""
+@dataclass(frozen=True)
+class Rules:
+    """A layer's window, sinks and soft cap, as the oracle applies them (written from their definitions)."""
+
+    window: int | None = None  # the query at p sees keys (p - window, p]
+    softcap: float | None = None  # scaled scores s -> softcap * tanh(s / softcap)
+    sinks: np.ndarray | None = None  # [Hq] logits that join the denominator only
+
+    def kwargs(self) -> dict:
+        """The same rules as keyword arguments of the kernels' public entries."""
+        sinks = None if self.sinks is None else mx.array(self.sinks.astype(np.float32))
+        return dict(window=self.window, softcap=self.softcap, sinks=sinks)
+
+
+PLAIN = Rules()
+
+
+def oracle_attention(queries64: np.ndarray, keys: np.ndarray, values: np.ndarray, positions, scale: float,
+                     rules: Rules = PLAIN) -> np.ndarray:
+    """queries [n, Hq, D] at absolute `positions` see keys 0..position (the window's last ones); float64 softmax."""
     num_heads, num_kv_heads = queries64.shape[1], keys.shape[1]
     kv_head = np.arange(num_heads) // (num_heads // num_kv_heads)
     k = keys[:, kv_head, :]  # [T, Hq, D]
     v = values[:, kv_head, :]
     out = np.empty_like(queries64)
     for row, position in enumerate(positions):
-        scores = np.einsum("hd,thd->ht", queries64[row], k[: position + 1]) * scale
+        first = 0 if rules.window is None else max(position + 1 - rules.window, 0)
+        scores = np.einsum("hd,thd->ht", queries64[row], k[first: position + 1]) * scale
+        if rules.softcap is not None:
+            scores = rules.softcap * np.tanh(scores / rules.softcap)
+        if rules.sinks is not None:
+            scores = np.concatenate([scores, rules.sinks.astype(np.float64)[:, None]], axis=1)
         weights = np.exp(scores - scores.max(axis=1, keepdims=True))
         weights /= weights.sum(axis=1, keepdims=True)
-        out[row] = np.einsum("ht,thd->hd", weights, v[: position + 1])
+        out[row] = np.einsum("ht,thd->hd", weights[:, : position + 1 - first], v[first: position + 1])
     return out
 
 
-def oracle_decode(case: PagedCase, queries: mx.array, scale: float) -> np.ndarray:
+def oracle_decode(case: PagedCase, queries: mx.array, scale: float, rules: Rules = PLAIN) -> np.ndarray:
     q64 = to_float64(queries)
     rows = []
     for seq in range(len(case.context_lens)):
         keys, values = sequence_kv(case, seq)
-        rows.append(oracle_attention(q64[seq:seq + 1], keys, values, [len(keys) - 1], scale)[0])
+        rows.append(oracle_attention(q64[seq:seq + 1], keys, values, [len(keys) - 1], scale, rules)[0])
     return np.stack(rows)
 
 
-def oracle_prefill(case: PagedCase, queries: mx.array, query_start_loc: np.ndarray, scale: float) -> np.ndarray:
+def oracle_prefill(case: PagedCase, queries: mx.array, query_start_loc: np.ndarray, scale: float,
+                   rules: Rules = PLAIN) -> np.ndarray:
     q64 = to_float64(queries)
     out = np.empty_like(q64)
     for seq in range(len(case.context_lens)):
@@ -115,7 +139,7 @@ def oracle_prefill(case: PagedCase, queries: mx.array, query_start_loc: np.ndarr
             continue
         keys, values = sequence_kv(case, seq)
         first = len(keys) - (stop - start)
-        out[start:stop] = oracle_attention(q64[start:stop], keys, values, range(first, len(keys)), scale)
+        out[start:stop] = oracle_attention(q64[start:stop], keys, values, range(first, len(keys)), scale, rules)
     return out
 
 

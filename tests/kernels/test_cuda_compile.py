@@ -25,7 +25,8 @@ if not (NVRTC and PTXAS and INCLUDE):
     pytest.skip("libnvrtc, ptxas or the CUDA headers are missing", allow_module_level=True)
 
 PARAMS = ("const T* queries, const T* key_cache, const T* value_cache, const int* block_tables, const int* units, "
-          "const float* scale, const int* dims, T* out, float* part_out, float* part_max, float* part_sum")
+          "const float* scale, const int* dims, const int* window, const float* sinks, T* out, float* part_out, float* part_max, "
+          "float* part_sum")
 TEMPLATE = "typename T, int HEAD_DIM, int BLOCK_SIZE, int NUM_KV_HEADS, int GROUP, int HEADS_PER_TILE, int Q_TOKENS, int KV_TILE, int NUM_THREADS"
 CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 
@@ -75,5 +76,45 @@ def test_tensor_core_body_compiles_for_sm90_without_local_memory(tmp_path, dtype
 def test_simt_varlen_body_compiles_for_sm90(tmp_path, dtype):
     header, body = source.render_varlen("cuda")
     (tmp_path / "k.ptx").write_text(nvrtc_ptx(kernel_text(header, body, dtype, (128, 16, 8, 4, 4, 16, 32 if dtype != "float32" else 8, 128))))
+    done = subprocess.run([str(PTXAS), "-arch=sm_90", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+#: pointer type of each kernel input and output, by name (kernels/source.py's lists)
+POINTERS = {"queries": "const T*", "key_cache": "const T*", "value_cache": "const T*", "block_tables": "const int*",
+            "context_lens": "const int*", "units": "const int*", "split_rows": "const int*", "scale": "const float*",
+            "dims": "const int*", "window": "const int*", "sinks": "const float*", "part_out": "float*",
+            "part_max": "float*", "part_sum": "float*", "out": "T*", "merged": "T*"}
+
+
+def named_kernel_text(header: str, body: str, names: list, template: dict, dtype: str) -> str:
+    """A kernel whose parameters are the named inputs and outputs, as MLX declares them for `cuda_kernel`."""
+    t = CUDA_TYPES[dtype]
+    params = ", ".join(f"{POINTERS[n]} {n}" for n in names)
+    declared = ", ".join(["typename T", *(f"int {k}" for k in template)])
+    args = params.replace("const T*", f"const {t}*").replace("T* ", f"{t}* ")
+    return (f"#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n{header}\n"
+            f"template <{declared}>\n__global__ void orchard_kernel({params}) {{\n{body}\n}}\n"
+            f"template __global__ void orchard_kernel<{t}, {', '.join(map(str, template.values()))}>({args});\n")
+
+
+DECODE_TEMPLATE = dict(HEAD_DIM=128, BLOCK_SIZE=16, NUM_KV_HEADS=8, GROUP=4, HEADS_PER_TILE=4, LANES=16, NUM_THREADS=128, UNROLL=4)
+
+
+@pytest.mark.parametrize("kernel", ["decode", "decode_split", "reduce", "varlen_merge"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_decode_and_merge_kernels_with_layer_inputs_compile_for_sm90(tmp_path, kernel, dtype):
+    if kernel.startswith("decode"):
+        header, body = source.render_decode("cuda", kernel == "decode_split")
+        outputs = source.PARTITION_OUTPUTS if kernel == "decode_split" else source.SINGLE_OUTPUTS
+        names, template = source.DECODE_INPUTS + outputs, DECODE_TEMPLATE
+    elif kernel == "reduce":
+        header, body = source.render_reduce("cuda")
+        names, template = source.REDUCE_INPUTS + source.REDUCE_OUTPUTS, dict(HEAD_DIM=128, NUM_HEADS=32, NUM_THREADS=128)
+    else:
+        header, body = source.render_varlen_merge("cuda")
+        names, template = source.VARLEN_MERGE_INPUTS + source.VARLEN_MERGE_OUTPUTS, dict(HEAD_DIM=128, NUM_HEADS=32, NUM_THREADS=128)
+    assert {"sinks"} <= set(names) and ("window" in names) == (kernel != "varlen_merge")
+    (tmp_path / "k.ptx").write_text(nvrtc_ptx(named_kernel_text(header, body, names, template, dtype)))
     done = subprocess.run([str(PTXAS), "-arch=sm_90", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

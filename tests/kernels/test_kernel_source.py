@@ -71,11 +71,11 @@ def test_partition_size_reaches_the_kernels_at_run_time_not_as_a_compiled_varian
 
     launches = []
 
-    def compile_kernel(name, inputs, outputs, header, body):
+    def compile_kernel(name, input_names, outputs, header, body):
         assert "PARTITION" not in body.replace("PARTITION_", "")
 
         def kernel(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            launches.append((name, tuple(template), tuple(np.array(inputs[-1]).tolist())))
+            launches.append((name, tuple(template), tuple(np.array(inputs[input_names.index("dims")]).tolist())))
             return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         return kernel
 

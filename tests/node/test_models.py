@@ -97,14 +97,11 @@ MAMBA = dict(model_type="mamba", vocab_size=256, hidden_size=64, intermediate_si
 
 @pytest.mark.parametrize("config,named", [
     (MAMBA, "ArraysCache"),
-    ({"model_type": "gemma3_text", "sliding_window": 512}, "sliding-window"),
-    ({"model_type": "mistral", "sliding_window": 4096, "max_position_embeddings": 32768}, "sliding-window"),
-    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, "sliding-window"),
-    ({"model_type": "llama", "layer_types": ["full_attention", "sliding_attention"]}, "sliding_attention"),
+    # Windows the config states but mlx-lm's class does not apply (Mistral 7B v0.1, Qwen2 with the flag on).
+    (full_config("mistral", sliding_window=4096, max_position_embeddings=32768), "does not apply"),
+    (full_config("qwen2", use_sliding_window=True, sliding_window=4096), "sliding-window"),
     ({"model_type": "qwen3", "layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
     ({"model_type": "no_such_architecture"}, "no model class"),
-    # Gemma 2 as published: a 4,096-token window under an 8,192-token context.
-    ({"model_type": "gemma2", "sliding_window": 4096, "max_position_embeddings": 8192}, "sliding-window"),
     (full_config("gemma", model_type="gemma2", query_pre_attn_scalar=16), "compute attention themselves"),
 ])
 def test_unsupported_models_fail_at_load_naming_type_and_reason(config, named, tmp_path):
@@ -146,6 +143,42 @@ def test_a_bfloat16_quantized_checkpoint_keeps_its_kv_in_bfloat16(demo_path, tmp
     loaded = load_model(str(write_quantized_model(tmp_path / "q4", source, bits=4, group_size=64, dtype="bfloat16")))
     assert type(loaded.model.model.embed_tokens).__name__ == "QuantizedEmbedding"
     assert (loaded.dtype, loaded.num_kv_heads, loaded.head_dim) == ("bfloat16", 2, 32)
+
+
+@pytest.mark.parametrize("tiny,windows", [
+    ("gemma3_text", [6, None, 6, None]),  # sliding_window_pattern 2
+    ("gpt_oss", [5, None, 5]),  # layer_types
+    ("llama_swa", [7, None, 7]),
+    ("olmo3", [6, 6, 6, None]),
+    ("llama3", [None, None]),
+])
+def test_each_layer_s_window_is_read_from_the_caches_the_model_makes(tiny, windows):
+    from mlx_lm.utils import _get_classes
+
+    from node.capability import layer_windows
+
+    config = full_config(tiny)
+    model_class, args_class = _get_classes(config)
+    assert unsupported_reason(config) is None
+    assert layer_windows(model_class(args_class.from_dict(config))) == windows
+
+
+def test_a_cache_that_keeps_sink_tokens_is_refused(monkeypatch):
+    from mlx_lm.models import gemma3_text
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    monkeypatch.setattr(gemma3_text.Model, "make_cache", lambda self: [RotatingKVCache(max_size=6, keep=4), KVCache()] * 2)
+    assert "RotatingKVCache" in unsupported_reason(full_config("gemma3_text"))
+
+
+def test_a_layer_masked_with_another_window_than_its_cache_is_refused(demo_path, tmp_path, monkeypatch):
+    from mlx_lm.models import gemma3_text
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    folder = write_tiny_model(tmp_path / "gemma3_text", "gemma3_text", demo_path)
+    monkeypatch.setattr(gemma3_text.Model, "make_cache", lambda self: [RotatingKVCache(max_size=9), KVCache()] * 2)
+    with pytest.raises(UnsupportedModel, match="cache of window 9 but is masked with window"):
+        load_model(str(folder))
 
 
 def test_unused_sliding_window_fields_are_accepted():

@@ -12,6 +12,8 @@ import shutil
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+#: parameters mlx-lm's classes build as zeros and checkpoints train: gpt-oss's attention sinks
+TRAINED_FROM_ZERO = ("self_attn.sinks",)
 
 _COMMON = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
                max_position_embeddings=2048, torch_dtype="float32")
@@ -76,6 +78,27 @@ TINY_CONFIGS = {
     # InternLM2 keeps its attention at layers[i].attention (fused wqkv, wo).
     "internlm2": dict(_COMMON, model_type="internlm2", num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
                       bias=False, tie_word_embeddings=False),
+    # Sliding windows (keys a query sees, itself included) shorter than the tests' prompts and
+    # not a multiple of their block size of 4, so windows end inside blocks and chunks.
+    # Gemma 3: windowed and global layers alternate (pattern 2), each kind with its own rope base.
+    "gemma3_text": dict(_COMMON, model_type="gemma3_text", num_hidden_layers=4, num_key_value_heads=2, head_dim=32,
+                        query_pre_attn_scalar=32, sliding_window=6, sliding_window_pattern=2, rms_norm_eps=1e-6,
+                        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0),
+    # Gemma 3 as published (gemma-3-4b-it and up): the text model under a multimodal wrapper's language_model.
+    "gemma3": dict(model_type="gemma3", torch_dtype="float32", text_config=dict(
+        _COMMON, model_type="gemma3_text", num_hidden_layers=3, num_key_value_heads=2, head_dim=32,
+        query_pre_attn_scalar=32, sliding_window=5, sliding_window_pattern=3, rms_norm_eps=1e-6)),
+    # gpt-oss: learned attention sinks (randomised here, see write_tiny_model), windowed and full layers, experts.
+    "gpt_oss": dict(_COMMON, model_type="gpt_oss", num_hidden_layers=3, num_key_value_heads=2, head_dim=16,
+                    num_local_experts=4, num_experts_per_tok=2, sliding_window=5, rms_norm_eps=1e-5,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"], rope_theta=150_000.0),
+    # A Llama config whose layer_types window some layers (as Mistral's and Ministral's newer configs do).
+    "llama_swa": dict(_COMMON, model_type="llama", num_hidden_layers=3, num_key_value_heads=2, rms_norm_eps=1e-5,
+                      rope_theta=500_000.0, sliding_window=7,
+                      layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    # OLMo 3: three windowed layers to one full.
+    "olmo3": dict(_COMMON, model_type="olmo3", num_hidden_layers=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                  rope_theta=500_000.0, sliding_window=6),
     # MiniMax: sigmoid-routed experts, query/key norms over all heads, a partial rotary dim.
     "minimax": dict(_COMMON, model_type="minimax", num_key_value_heads=2, head_dim=16, num_experts_per_tok=2,
                     num_local_experts=4, shared_intermediate_size=0, rms_norm_eps=1e-5, rope_theta=1_000_000.0,
@@ -108,6 +131,9 @@ def write_tiny_model(folder: Path, model_type: str, tokenizer_from: Path, seed: 
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
     weights = dict(tree_flatten(model.parameters()))
+    for name in weights:
+        if name.endswith(TRAINED_FROM_ZERO):  # zeros at construction, which would hide what they do
+            weights[name] = mx.random.normal(weights[name].shape) * 2.0
     mx.save_safetensors(str(folder / "model.safetensors"), weights)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES:
