@@ -128,3 +128,19 @@ def test_compiled_decode_on_cuda_gives_the_eager_tokens(model_dirs):
         prompts = _prompts(engine.model.vocab_size, [9, 21, 6, 13, 17, 5])
         results.append(_run_all(engine, prompts, MIXED_PARAMS)["finals"])
     assert results[1] == results[0]
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text"])
+def test_compiled_decode_keeps_each_layers_window_and_sinks(family, model_dirs, tmp_path):
+    """Windowed layers (and gpt-oss's sinks) decoded from compiled graphs past several windows."""
+    from tests.node.tiny_models import write_tiny_model
+
+    folder = write_tiny_model(tmp_path / family, family, model_dirs["demo"])
+    finals = []
+    for compiled in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(folder), num_blocks=128, block_size=4, max_num_batched_tokens=16,
+                                        compiled_decode=compiled))
+        prompts = _prompts(engine.model.vocab_size, [11, 3, 8])
+        params = [SamplingParams(temperature=0.0, max_tokens=18, logprobs=2, ignore_eos=True)] * 3
+        finals.append(_run_all(engine, prompts, params)["finals"])
+    assert finals[1] == finals[0]
