@@ -159,7 +159,7 @@ class PagedDecodeKernels:
             ("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),
             ("NUM_KV_HEADS", num_kv_heads), ("GROUP", num_heads // num_kv_heads),
             ("HEADS_PER_TILE", plan.heads_per_tile), ("LANES", plan.lanes), ("NUM_THREADS", tuning.threads),
-            ("UNROLL", tuning.unroll),
+            ("UNROLL", tuning.unroll), *layer.template,
         ]
         grid = (plan.num_partitions * tuning.threads, num_kv_heads * (num_heads // num_kv_heads // plan.heads_per_tile), num_seqs)
         kernel = self._decode_kernel(plan.partitioned)

@@ -187,7 +187,7 @@ MMA_BODY = r"""
           const bool visible = row_live[h] && (unmasked || (key < kv_end && key <= row_position[h]
                                                             && (kv_window == 0 || key > row_position[h] - kv_window)));
           float v = s[nt][2 * h + e] * softmax_scale;
-          if (softcap > 0.0f) {
+          if (SOFTCAP && softcap > 0.0f) {
             v = softcap * FTANH(v / softcap);
           }
           v = visible ? v : MASKED;

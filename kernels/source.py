@@ -20,8 +20,11 @@ partition of the context):
   and sums. Softmax runs in float32 whatever the storage dtype.
 - A layer's additions (kernels/variants.py) are run-time inputs, so one compiled kernel
   serves every layer: `window` (0: none) moves the first key read to len - window, `scale[1]`
-  soft-caps scores (0: none), `sinks` (base 2; -1e30 where the layer has none) joins each
-  head's denominator once, where the final output is written.
+  soft-caps scores, `sinks` (base 2; -1e30 where the layer has none) joins each head's
+  denominator once, where the final output is written. Only whether a layer soft-caps is a
+  template constant (`SOFTCAP`, 0 or 1): `tanhf` is a call that moves the decode kernel's
+  register rows to a 288-byte stack frame (ptxas, sm_90), which made it 5x slower on the
+  H200 (docs/benchmarks.md), so layers without a cap compile without it.
 """
 
 from __future__ import annotations
@@ -200,7 +203,7 @@ DECODE_BODY = r"""
         for (int mask = LANES / 2; mask > 0; mask /= 2) {
           dot += SIMD_XOR(dot, mask);
         }
-        if (softcap > 0.0f) {
+        if (SOFTCAP && softcap > 0.0f) {
           dot = softcap * FTANH(dot / softcap);
         }
         score[u] = dot;
@@ -477,7 +480,7 @@ VARLEN_BODY = r"""
         visible[j] = row_live[i] && (unmasked || (key0 + j < kv_end && key0 + j <= row_position[i]
                                                   && (kv_window == 0 || key0 + j > row_position[i] - kv_window)));
         s[i][j] *= softmax_scale;
-        if (softcap > 0.0f) {
+        if (SOFTCAP && softcap > 0.0f) {
           s[i][j] = softcap * FTANH(s[i][j] / softcap);
         }
         tile_max = (visible[j] && s[i][j] > tile_max) ? s[i][j] : tile_max;

@@ -72,6 +72,11 @@ class LayerInputs:
     scale: mx.array  # float32 [2]: the softmax scale, the soft cap in base-2 units (0: none)
     window: mx.array  # int32 [1]: keys a query sees (0: all)
     sinks: mx.array  # float32 [num_heads]: base-2 sink logits, NO_SINK where the layer has none
+    capped: bool = False  # the layer soft-caps: the kernels' SOFTCAP template constant
+
+    @property
+    def template(self) -> list:
+        return [("SOFTCAP", int(self.capped))]
 
 
 
@@ -88,6 +93,7 @@ class LayerInputCache:
             self._get(("scale", scale, layer.softcap_base2), lambda: mx.array([scale, layer.softcap_base2], dtype=mx.float32)),
             self._get(("window", layer.window_or_zero), lambda: mx.array([layer.window_or_zero], dtype=mx.int32)),
             self._sinks(layer.sinks),
+            layer.softcap is not None,
         )
 
     def _sinks(self, sinks: mx.array | None) -> mx.array:

@@ -75,7 +75,7 @@ class PagedVarlenKernels:
             ("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", plan.block_size),
             ("NUM_KV_HEADS", plan.num_kv_heads), ("GROUP", plan.num_heads // plan.num_kv_heads),
             ("HEADS_PER_TILE", shape.heads_per_tile), ("Q_TOKENS", shape.q_tokens), ("KV_TILE", kv_tile),
-            ("NUM_THREADS", threads),
+            ("NUM_THREADS", threads), *layer.template,
         ]
         partial_rows = max(kernel.work.num_partial_rows, 1)
         out, part_out, part_max, part_sum = compiled(
