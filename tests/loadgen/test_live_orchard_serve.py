@@ -53,3 +53,48 @@ def test_bench_counts_match_the_servers_metrics(orchard, demo_model_path, tmp_pa
     assert (summary["completed"], summary["failed"]) == (5, 0)
     assert counter(orchard, "orchard_requests_total", **endpoint) - requests_before == 5
     assert counter(orchard, "orchard_generated_tokens_total") - tokens_before == summary["total_output_tokens"]
+
+
+def bench_without_tokenizer(base: str, out, *extra: str) -> dict:
+    assert main(["bench", "serve", "--base-url", base, "--num-prompts", "6", "--output-len", "2",
+                 "--max-concurrency", "3", "--no-progress", "--result-file", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def test_prompts_have_the_requested_token_counts_without_a_tokenizer_flag(orchard, tmp_path):
+    doc = bench_without_tokenizer(orchard, tmp_path / "random.json", "--input-len", "37")
+    assert doc["dataset"]["lengths_exact"] is True
+    assert doc["dataset"]["prompt_lengths"] == "tokens of the served model (its /tokenize)"
+    reqs = doc["runs"][0]["requests"]
+    assert len(reqs) == 6
+    # prompt_tokens is the server's own count of what it was sent (usage), not the bench's
+    assert [(r["input_tokens"], r["prompt_tokens"]) for r in reqs] == [(37, 37)] * 6
+
+
+def test_prefix_and_suffix_lengths_add_up_in_the_served_models_tokens(orchard, tmp_path):
+    doc = bench_without_tokenizer(orchard, tmp_path / "prefix.json", "--dataset", "prefix-repetition",
+                                  "--prefix-len", "40", "--input-len", "9", "--num-prefixes", "2")
+    assert doc["dataset"]["lengths_exact"] is True
+    assert {r["prompt_tokens"] for r in doc["runs"][0]["requests"]} == {49}
+
+
+def test_served_word_table_agrees_with_the_servers_tokenize(orchard):
+    import asyncio
+    import random
+
+    from cluster.bench.loadgen.client import EndpointConfig
+    from cluster.bench.loadgen.served_tokenizer import served_word_table
+
+    model = httpx.get(orchard + "/v1/models", timeout=10).json()["data"][0]["id"]
+
+    async def table():
+        async with httpx.AsyncClient(timeout=30) as http:
+            return await served_word_table(http, EndpointConfig(orchard, model))
+
+    words = asyncio.run(table())
+    rng = random.Random(5)
+    for n in (1, 3, 128, 333):
+        text = words.text(n, rng)
+        reply = httpx.post(orchard + "/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False},
+                           timeout=30).json()
+        assert reply["count"] == n, text
