@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.cli.main import main
+from node.openblas import find_openblas
 from tests.loadgen.live_server import free_port, stop, wait_healthy
 
 
@@ -26,7 +28,7 @@ def counter(base: str, name: str, **labels: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def orchard(demo_model_path, tmp_path_factory):
+def orchard_process(demo_model_path, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("orchard_serve") / "serve.log"
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(demo_model_path),
@@ -36,9 +38,22 @@ def orchard(demo_model_path, tmp_path_factory):
     base = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(base + "/health", proc, timeout_s=180)
-        yield base
+        yield base, proc
     finally:
         stop(proc)
+
+
+@pytest.fixture(scope="module")
+def orchard(orchard_process):
+    return orchard_process[0]
+
+
+@pytest.mark.skipif(find_openblas() is None, reason="no OpenBLAS on this machine")
+def test_serve_runs_with_openblas_preloaded_and_one_blas_thread(orchard_process):
+    environ = dict(item.split("=", 1) for item in
+                   open(f"/proc/{orchard_process[1].pid}/environ").read().split("\0") if "=" in item)
+    assert "openblas" in environ["LD_PRELOAD"]
+    assert environ["OPENBLAS_NUM_THREADS"] == os.environ.get("OPENBLAS_NUM_THREADS", "1")
 
 
 def test_bench_counts_match_the_servers_metrics(orchard, demo_model_path, tmp_path):
