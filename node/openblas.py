@@ -70,7 +70,9 @@ def reexec_with_openblas() -> None:
         return
     env = blas_environment(dict(os.environ), None if openblas_in_use() else find_openblas())
     if env is not None:
-        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+        # orig_argv keeps `-m package.module`; argv[0] would rerun the module as a script, with
+        # its own folder first on the path (cluster/bench/kvcache.py then shadows kvcache).
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 if __name__ == "__main__":
