@@ -4,6 +4,12 @@ MLX's Linux CPU wheel runs matrix products ~40x slower with netlib BLAS; preload
 OpenBLAS fixes that, but the preload must be in the environment before Python starts.
 `python -m node.openblas` prints the library path (or nothing) for the Makefile, and
 `reexec_with_openblas()` lets the CLI restart itself with the preload. Never required.
+
+The restart also gives OpenBLAS one thread unless `OPENBLAS_NUM_THREADS` says otherwise.
+Its worker threads wait for work by spinning on `sched_yield`, and a serving process
+already keeps the cores busy (the engine thread, MLX's two CPU streams, the gateway, the
+clients): on the 2-core VM a quarter to two fifths of the node's CPU samples under 32
+streaming clients were that spin (docs/benchmarks.md, "serve").
 """
 
 from __future__ import annotations
@@ -45,16 +51,28 @@ def openblas_in_use() -> bool:
     return "openblas" in os.environ.get("LD_PRELOAD", "")
 
 
+def blas_environment(environ: dict[str, str], openblas: str | None) -> dict[str, str] | None:
+    """`environ` with `openblas` preloaded and one BLAS thread unless set; None when nothing changes."""
+    if environ.get("ORCHARD_NO_OPENBLAS"):
+        return None
+    env = dict(environ)
+    preload = env.get("LD_PRELOAD", "")
+    if "openblas" not in preload and openblas:
+        env["LD_PRELOAD"] = ":".join(p for p in (openblas, preload) if p)
+    if "openblas" in env.get("LD_PRELOAD", ""):
+        env.setdefault("OPENBLAS_NUM_THREADS", "1")
+    return env if env != dict(environ) else None
+
+
 def reexec_with_openblas() -> None:
-    """Restart the current process with OpenBLAS preloaded, once, when it exists."""
-    if openblas_in_use() or os.environ.get("ORCHARD_NO_OPENBLAS"):
+    """Restart the current process with OpenBLAS preloaded (and its threads set), once, when it exists."""
+    if os.environ.get("ORCHARD_NO_OPENBLAS"):
         return
-    path = find_openblas()
-    if path is None:
-        return
-    env = dict(os.environ)
-    env["LD_PRELOAD"] = ":".join(p for p in (path, env.get("LD_PRELOAD", "")) if p)
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    env = blas_environment(dict(os.environ), None if openblas_in_use() else find_openblas())
+    if env is not None:
+        # orig_argv keeps `-m package.module`; argv[0] would rerun the module as a script, with
+        # its own folder first on the path (cluster/bench/kvcache.py then shadows kvcache).
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 if __name__ == "__main__":

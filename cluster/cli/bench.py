@@ -65,7 +65,8 @@ def _add_serve(group) -> None:
     d.add_argument("--num-prefixes", type=int, default=4, help="prefix-repetition: distinct shared prefixes")
     d.add_argument("--prefix-len", type=int, default=256, help="prefix-repetition: tokens per shared prefix")
     d.add_argument("--turns", type=int, default=4, help="multi-turn: user turns per conversation (--num-prompts counts turns)")
-    d.add_argument("--tokenizer", help="tokenizer.json (or its folder): exact lengths; else words, approximate")
+    d.add_argument("--tokenizer", help="tokenizer.json (or its folder) to size prompts with (default: the server's /tokenize, "
+                        "else the tokenizer of the model it names, else words: approximate)")
     d.add_argument("--seed", type=int, default=0)
     load = p.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=math.inf,

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import logging
 import uuid
+from dataclasses import dataclass
 
 import ray
 
@@ -24,35 +25,48 @@ class NodeLost(RuntimeError):
     """The node serving a stream went away."""
 
 
+@dataclass
+class _Reader:
+    """The task reading one node actor's stream, under its own receiver name."""
+
+    task: asyncio.Task
+    name: str
+    actor_id: object  # the incarnation it reads: a replaced actor keeps the node id, not this
+
+
 class NodeStreams:
-    """Per node one reader task; per (node, request id on that node) one queue."""
+    """Per node one reader task; per (node, request id on that node) one queue, tied to the reader it waits on."""
 
     def __init__(self):
         self.receiver = f"gateway-{uuid.uuid4().hex[:12]}"
-        self._queues: dict[tuple[str, str], asyncio.Queue] = {}
-        self._readers: dict[str, tuple[asyncio.Task, str]] = {}  # node -> its reader and receiver name
+        self._queues: dict[tuple[str, str], tuple[asyncio.Queue, str]] = {}  # -> (queue, its reader's name)
+        self._readers: dict[str, _Reader] = {}
         self._numbers = itertools.count()
         self.messages = 0  # messages received, for tests and stats: about one per engine step
         self.outputs = 0
 
     def open(self, node_id: str, actor, request_id: str) -> tuple[asyncio.Queue, str]:
         """The queue `request_id`'s outputs from `node_id` will arrive on, and the receiver name to
-        submit it under; starts reading the node if no reader runs (each reader its own name, so a
-        stream left behind by an ended event loop never takes another reader's outputs)."""
-        queue: asyncio.Queue = asyncio.Queue()
-        self._queues[(node_id, request_id)] = queue
-        reader, name = self._readers.get(node_id, (None, ""))
-        if reader is None or reader.done():
+        submit it under; starts reading the node if no reader runs for this actor (each reader its
+        own name, so a stream left behind by an ended event loop, or by the node's previous actor,
+        never takes another reader's outputs)."""
+        reader = self._readers.get(node_id)
+        if reader is None or reader.task.done() or reader.actor_id != actor._actor_id:
+            if reader is not None:
+                reader.task.cancel()  # it read an actor this node no longer has
             name = f"{self.receiver}-{next(self._numbers)}"
-            self._readers[node_id] = (asyncio.get_running_loop().create_task(self._read(node_id, actor, name)), name)
-        return queue, name
+            task = asyncio.get_running_loop().create_task(self._read(node_id, actor, name))
+            reader = self._readers[node_id] = _Reader(task, name, actor._actor_id)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[(node_id, request_id)] = (queue, reader.name)
+        return queue, reader.name
 
     def close(self, node_id: str, request_id: str) -> None:
         self._queues.pop((node_id, request_id), None)
 
     def shutdown(self) -> None:
-        for reader, _ in self._readers.values():
-            reader.cancel()
+        for reader in self._readers.values():
+            reader.task.cancel()
 
     async def _read(self, node_id: str, actor, name: str) -> None:
         stream = actor.outputs.options(num_returns="streaming").remote(name)
@@ -62,9 +76,9 @@ class NodeStreams:
                 self.messages += 1
                 self.outputs += len(batch)
                 for item in batch:
-                    queue = self._queues.get((node_id, item.request_id))
-                    if queue is not None:
-                        queue.put_nowait(item)
+                    waiting = self._queues.get((node_id, item.request_id))
+                    if waiting is not None and waiting[1] == name:
+                        waiting[0].put_nowait(item)
             lost = NodeLost("the node's output stream ended")
         except asyncio.CancelledError:
             _cancel(stream)  # the node then aborts this reader's requests
@@ -72,10 +86,11 @@ class NodeStreams:
         except Exception as exc:  # the actor died, its raylet went away, or Ray is shutting down
             lost = NodeLost(repr(exc))
         log.warning("output stream of node %s closed: %s", node_id, lost)
-        if self._readers.get(node_id, (None,))[0] is asyncio.current_task():
+        reader = self._readers.get(node_id)
+        if reader is not None and reader.name == name:
             del self._readers[node_id]
-        for (node, _), queue in list(self._queues.items()):
-            if node == node_id:
+        for (node, _), (queue, reader_name) in list(self._queues.items()):
+            if node == node_id and reader_name == name:
                 queue.put_nowait(lost)
 
 

@@ -187,7 +187,10 @@ class RayBackend:
             return {}
         try:
             return await asyncio.wait_for((await self._actor(row["node_id"])).stats.remote(), NODE_STATS_TIMEOUT_S)
-        except (asyncio.TimeoutError, ValueError, *NODE_LOST_ERRORS):
+        except (ValueError, *NODE_LOST_ERRORS):
+            self._actors.pop(row["node_id"], None)  # the coordinator says alive: a new actor took the name
+            return {}
+        except asyncio.TimeoutError:
             return {}
 
     async def queue_depth(self) -> int:
@@ -203,13 +206,7 @@ class RayBackend:
         attempt_id = request_id if attempt == 0 else f"{request_id}#resume{attempt}"
         attempt_params = resume_params(params, len(progress.token_ids))
         self._active[request_id] = (node_id, attempt_id)
-        try:
-            actor = await self._actor(node_id)
-            queue, receiver = self._streams.open(node_id, actor, attempt_id)  # before submitting: no output is missed
-            await actor.submit.remote(receiver, attempt_id, prompt, attempt_params)
-        except (ValueError, *NODE_LOST_ERRORS) as exc:  # ValueError: no actor by that name any more
-            self._streams.close(node_id, attempt_id)
-            raise NodeLost(repr(exc)) from exc
+        actor, queue = await self._submit(node_id, attempt_id, prompt, attempt_params)
         finished = prefilled = False
         cumulative = Cumulative(prompt)  # the node streams deltas only
         try:
@@ -229,6 +226,32 @@ class RayBackend:
                 self._coordinator.prefill_done.remote(node_id, request_id)
             if not finished:
                 _abort_on(actor, attempt_id)
+
+    async def _submit(self, node_id, attempt_id, prompt, params) -> tuple[Any, asyncio.Queue]:
+        """Submit to the node's actor: its handle and the queue the outputs arrive on. A cached
+        handle whose actor died is looked up again once, since a replacement takes the same name."""
+        actor = None
+        for cached in (node_id in self._actors, False):
+            try:
+                actor = await self._actor(node_id)
+                queue, receiver = self._streams.open(node_id, actor, attempt_id)  # before submitting: no output is missed
+                await actor.submit.remote(receiver, attempt_id, prompt, params)
+                return actor, queue
+            except (ValueError, *NODE_LOST_ERRORS) as exc:  # ValueError: no actor by that name any more
+                self._streams.close(node_id, attempt_id)
+                self._actors.pop(node_id, None)
+                if not cached or not await self._replaced(node_id, actor):
+                    raise NodeLost(repr(exc)) from exc
+        raise AssertionError("unreachable: the second pass raises or returns")
+
+    async def _replaced(self, node_id: str, actor) -> bool:
+        """Whether `node_id`'s name now belongs to another actor than `actor`."""
+        if actor is None:
+            return False
+        try:
+            return (await self._actor(node_id))._actor_id != actor._actor_id
+        except ValueError:
+            return False
 
     async def _next(self, queue: asyncio.Queue, node_id: str):
         """The request's next item from its node's stream; NodeLost when the node is gone."""

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 import ray
@@ -23,6 +24,7 @@ from cluster.coordinator.coordinator import COORDINATOR_NAME, NAMESPACE, Coordin
 
 NODE_RESOURCE = "orchard_node"
 NODE_ACTOR_PREFIX = "orchard-node-"
+_READY_PROBE_S = 2.0  # a node actor silent this long is loading its model, not dead
 
 # Handles of the node actors this process started: a non-detached actor lives only while
 # some handle to it does, and callers should not have to remember that.
@@ -115,18 +117,50 @@ def node_actor_config(node_id: str, engine_config, **options):
 
 
 def place_node_actors(engine_config, *, detached: bool = False, **options) -> dict[str, object]:
-    """One node actor on every serving Ray node that has none yet; returns the new ones by node id."""
+    """One node actor on every serving Ray node that has none alive; returns the new ones by node id."""
     started = {}
     for ray_node in serving_ray_nodes():
         node_id = default_node_id(ray_node["NodeID"])
-        try:
-            ray.get_actor(node_actor_name(node_id), namespace=NAMESPACE)
+        if not node_actor_wanted(node_id):
             continue
-        except ValueError:
-            pass
         config = node_actor_config(node_id, engine_config, **options)
         started[node_id] = start_node_actor(ray_node["NodeID"], config, detached=detached)
     return started
+
+
+def node_actor_wanted(node_id: str) -> bool:
+    """Whether `node_id` needs a node actor: none has its name, or only a dead one whose name is freed here.
+
+    Ray keeps a dead actor's name, and answers `get_actor` with the dead actor, for as long
+    as its creator holds the handle it was created with; dropping that handle frees the
+    name for the replacement. One that does not answer yet is still loading its model.
+    """
+    name = node_actor_name(node_id)
+    try:
+        actor = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return True
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=_READY_PROBE_S)
+        return False
+    except ray.exceptions.GetTimeoutError:
+        return False
+    except ray.exceptions.RayActorError:
+        del actor
+        _started_actors.pop(node_id, None)
+        return _name_freed(name)
+
+
+def _name_freed(name: str, patience_s: float = 5.0) -> bool:
+    """Whether Ray lets go of `name` within `patience_s` (another process may hold the first handle)."""
+    deadline = time.monotonic() + patience_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return True
+        time.sleep(0.1)
+    return False
 
 
 # Fast failure detection for local clusters: a killed raylet is noticed in ~2 s, not ~30 s.

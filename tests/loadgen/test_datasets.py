@@ -4,7 +4,7 @@ import random
 import pytest
 
 from cluster.bench.loadgen.datasets import DatasetConfig, UnknownDataset, conversations
-from cluster.bench.loadgen.prompts import LengthRange, TokenizerPrompts, WordPrompts, prompt_source
+from cluster.bench.loadgen.prompts import LengthRange, TokenizerPrompts, WordPrompts, WordTablePrompts
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def test_tokenizer_path_may_name_the_file_or_its_folder(demo_model_path):
     by_file = TokenizerPrompts(str(demo_model_path / "tokenizer.json"))
     by_dir = TokenizerPrompts(str(demo_model_path))
     assert by_file.text(20, random.Random(1)) == by_dir.text(20, random.Random(1))
-    assert prompt_source(str(demo_model_path)).exact and not prompt_source(None).exact
+    assert by_dir.exact and not WordPrompts().exact
 
 
 def test_word_prompts_use_one_word_per_requested_token():
@@ -91,3 +91,20 @@ def test_chat_api_applies_to_single_turn_datasets():
 def test_unknown_dataset_is_refused():
     with pytest.raises(UnknownDataset):
         DatasetConfig("sharegpt")
+
+
+def test_word_table_prompts_compose_exact_counts_and_keep_them_after_a_space():
+    first = {"a": 1, "bb": 2, "ccc": 1, "dddd": 3}
+    after = {"a": 1, "bb": 2, "ccc": 2, "dddd": 3}  # "ccc" counts otherwise after a space: never an opener
+    table = WordTablePrompts(first, after, "scripted")
+    rng = random.Random(3)
+    for n in (1, 2, 3, 10, 47):
+        for _ in range(20):
+            text = table.text(n, rng)
+            assert table.count(text) == n and table.count("a " + text) == n + 1
+            assert not text.startswith("ccc")
+
+
+def test_word_table_needs_a_single_token_word():
+    with pytest.raises(ValueError):
+        WordTablePrompts({"bb": 2}, {"bb": 2}, "scripted")

@@ -82,3 +82,15 @@ def _prompts(model, n, input_len, output_len):
 
     cfg = DatasetConfig("random", LengthRange(input_len), LengthRange(output_len))
     return [c.turns[0].text for c in conversations(cfg, TokenizerPrompts(str(model)), n)]
+
+
+def test_without_tokenize_the_tokenizer_of_the_model_the_server_names_sizes_prompts(server, demo_model_path, tmp_path):
+    # mlx_lm.server has no /tokenize; its /v1/models names the --model folder, which is on this machine
+    out = tmp_path / "named.json"
+    assert main(["bench", "serve", "--base-url", server, "--model", str(demo_model_path), "--num-prompts", "3",
+                 "--input-len", "21", "--output-len", "2", "--no-progress", "--result-file", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["dataset"]["lengths_exact"] is True
+    assert doc["dataset"]["prompt_lengths"] == f"tokens of {demo_model_path / 'tokenizer.json'}"
+    assert [r["prompt_tokens"] for r in doc["runs"][0]["requests"]] == [21] * 3
+

@@ -1,4 +1,4 @@
-"""`bench serve` end to end: resolve the model, run each concurrency level, build the result.
+"""`bench serve` end to end: resolve the model and how to size prompts, run each concurrency level, build the result.
 
 A sweep repeats the same seeded workload at each concurrency cap, so the levels differ
 only in load. The result is a plain JSON-ready dict (see `report.result_document`).
@@ -16,9 +16,9 @@ from cluster.bench.loadgen.client import EndpointConfig, StreamClient
 from cluster.bench.loadgen.config import ServeBenchConfig
 from cluster.bench.loadgen.datasets import conversations
 from cluster.bench.loadgen.progress import RequestProgress
-from cluster.bench.loadgen.prompts import prompt_source
 from cluster.bench.loadgen.report import result_document
 from cluster.bench.loadgen.runner import RunResult, run_load
+from cluster.bench.loadgen.served_tokenizer import choose_prompt_source
 
 
 def run_bench(cfg: ServeBenchConfig, console: Console | None = None) -> dict:
@@ -29,12 +29,14 @@ def run_bench(cfg: ServeBenchConfig, console: Console | None = None) -> dict:
 async def run_bench_async(cfg: ServeBenchConfig, console: Console | None = None,
                           transport: httpx.AsyncBaseTransport | None = None) -> dict:
     """`transport` replaces the network (tests script a server with httpx.MockTransport)."""
-    source = prompt_source(cfg.tokenizer)
     timeout = httpx.Timeout(cfg.endpoint.timeout_s, connect=30.0)
     # No pool limit: with a burst and no cap, queueing in the pool would hide server latency.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as http:
         endpoint = await resolve_model(http, cfg.endpoint)
+        source = await choose_prompt_source(http, endpoint, cfg.tokenizer)
+        if console is not None:
+            console.print(f"prompt lengths: {source.describe()}")
         client = StreamClient(endpoint, http)
         runs: list[RunResult] = []
         for level in cfg.levels:

@@ -1,20 +1,23 @@
-"""Prompt text of a requested length, measured in tokens when a tokenizer is given.
+"""Prompt text of a requested length, measured in the target model's tokens where possible.
 
 A benchmark's input lengths only mean something in the target model's tokens. With a
 `tokenizer.json` the text is built from token ids and re-encoded until its length is
-exact (or as close as the tokenizer's merges allow); without one, words stand in for
-tokens and every length is approximate, which the result file says.
+exact (or as close as the tokenizer's merges allow). With only the server's `/tokenize`,
+each word's token count is asked once and prompts are composed of words to the exact
+count (`WordTablePrompts`; `served_tokenizer` builds the table). Without either, words
+stand in for tokens and every length is approximate, which the result file says.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import random
 from dataclasses import dataclass
 from typing import Protocol
 
 # Plain, short English words: most BPE vocabularies encode each as one or two tokens.
-_WORDS = (
+PROMPT_WORDS = (
     "time year people way day man thing woman life child world school state family "
     "student group country problem hand part place case week company system program "
     "question work government number night point home water room mother area money "
@@ -52,14 +55,17 @@ class WordPrompts:
 
     exact = False
 
+    def __init__(self, reason: str = "no tokenizer given") -> None:
+        self.reason = reason
+
     def text(self, num_tokens: int, rng: random.Random) -> str:
-        return " ".join(rng.choice(_WORDS) for _ in range(num_tokens))
+        return " ".join(rng.choice(PROMPT_WORDS) for _ in range(num_tokens))
 
     def count(self, text: str) -> int:
         return len(text.split())
 
     def describe(self) -> str:
-        return "approximate: one word per token, no tokenizer given"
+        return f"approximate: one word per token ({self.reason})"
 
 
 class TokenizerPrompts:
@@ -102,9 +108,41 @@ class TokenizerPrompts:
         return self._tok.encode(text, add_special_tokens=False).ids
 
 
-def prompt_source(tokenizer_path: str | None) -> PromptSource:
-    """The tokenizer-backed source when a path is given, else words."""
-    return TokenizerPrompts(tokenizer_path) if tokenizer_path else WordPrompts()
+class WordTablePrompts:
+    """Words whose token counts are known, composed to an exact total.
+
+    `first` and `after` give each word's count at the start of a text and after a space.
+    Pre-tokenizers split at spaces, so a text's count is the sum of its words' counts;
+    `served_tokenizer` checks that on samples and says `exact=False` where it does not hold.
+    Each text opens with a word counted the same both ways, so a text appended after a
+    space (a prefix-repetition suffix) keeps its count.
+    """
+
+    def __init__(self, first: dict[str, int], after: dict[str, int], describe: str, exact: bool = True) -> None:
+        self._first, self._after, self._describe, self.exact = first, after, describe, exact
+        ranked = sorted(after.items(), key=lambda item: (item[1], item[0]))
+        self._words = [w for w, _ in ranked]
+        self._counts = [n for _, n in ranked]  # ascending: words[:bisect(counts, k)] fit in k tokens
+        self._openers = sorted(w for w, n in first.items() if after.get(w) == n) or sorted(first)
+        if not self._counts or self._counts[0] != 1 or min(first.values()) != 1:
+            raise ValueError("no word is a single token: lengths cannot be composed exactly")
+
+    def text(self, num_tokens: int, rng: random.Random) -> str:
+        fits = [w for w in self._openers if self._first[w] <= num_tokens]
+        words = [rng.choice(fits or [w for w, n in self._first.items() if n == 1])]
+        left = num_tokens - self._first[words[0]]
+        while left > 0:
+            word = self._words[rng.randrange(bisect.bisect_right(self._counts, left))]
+            words.append(word)
+            left -= self._after[word]
+        return " ".join(words)
+
+    def count(self, text: str) -> int:
+        first, *rest = text.split(" ")
+        return self._first[first] + sum(self._after[w] for w in rest)
+
+    def describe(self) -> str:
+        return self._describe
 
 
 @dataclass(frozen=True)

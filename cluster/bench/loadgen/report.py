@@ -115,7 +115,7 @@ def print_summary(doc: dict, console: Console | None = None) -> None:
         if s["errors"]:
             console.print(f"[red]errors:[/red] {s['errors']}")
     if not doc["dataset"]["lengths_exact"]:
-        console.print("[yellow]input lengths are approximate (words, no --tokenizer given)[/yellow]")
+        console.print(f"[yellow]input lengths are {doc['dataset']['prompt_lengths']}[/yellow]")
 
 
 def _ms(seconds: float | None) -> float | None:
