@@ -178,7 +178,7 @@ class PagedDecodeKernels:
             inputs=[part_out, part_max, part_sum, lengths, dims, layer.window, layer.sinks],
             template=[
                 ("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("NUM_HEADS", num_heads),
-                ("NUM_THREADS", tuning.reduce_threads),
+                ("NUM_THREADS", tuning.reduce_threads), *layer.template,
             ],
             grid=(num_heads * tuning.reduce_threads, num_seqs, 1), threadgroup=(tuning.reduce_threads, 1, 1),
             output_shapes=[queries.shape], output_dtypes=[key_cache.dtype],

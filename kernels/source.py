@@ -21,10 +21,12 @@ partition of the context):
 - A layer's additions (kernels/variants.py) are run-time inputs, so one compiled kernel
   serves every layer: `window` (0: none) moves the first key read to len - window, `scale[1]`
   soft-caps scores, `sinks` (base 2; -1e30 where the layer has none) joins each head's
-  denominator once, where the final output is written. Only whether a layer soft-caps is a
-  template constant (`SOFTCAP`, 0 or 1): `tanhf` is a call that moves the decode kernel's
-  register rows to a 288-byte stack frame (ptxas, sm_90), which made it 5x slower on the
-  H200 (docs/benchmarks.md), so layers without a cap compile without it.
+  denominator once, where the final output is written. Whether a layer has each of them is
+  a template constant (`SOFTCAP`, `WINDOWED`, `SINKS`, 0 or 1; their values stay run-time), so
+  a plain layer's kernels compile to the code they had before these existed: `tanhf` is a call
+  that moved the decode kernel's register rows to a 288-byte stack frame (ptxas, sm_90) and
+  made it 5x slower on the H200, and the window's bounds cost the decode kernel a third
+  (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -149,7 +151,7 @@ DECODE_BODY = r"""
   const int max_blocks = dims[0];
   const int num_partitions = dims[1];
   const int context_len = context_lens[seq];
-  const int kv_window = window[0];
+  const int kv_window = WINDOWED ? window[0] : 0;
   const int kv_first = (kv_window > 0 && context_len > kv_window) ? context_len - kv_window : 0;
   @RANGE@
 
@@ -270,7 +272,7 @@ DECODE_BODY = r"""
       weighted += warp_acc[w][g][d] * c;
     }
     const size_t head_row = size_t(seq) * NUM_HEADS + first_head + g;
-    const float sink = sinks[first_head + g];
+    const float sink = SINKS ? sinks[first_head + g] : NEG_BIG;
     @WRITE@
   }
 """
@@ -300,11 +302,11 @@ REDUCE_BODY = r"""
   const int num_partitions = dims[1];
   const int partition = dims[2];
   const int context_len = context_lens[seq];
-  const int kv_window = window[0];
+  const int kv_window = WINDOWED ? window[0] : 0;
   const int kv_first = (kv_window > 0 && context_len > kv_window) ? context_len - kv_window : 0;
   const int used = (context_len - kv_first + partition - 1) / partition;
   const size_t r0 = (size_t(seq) * NUM_HEADS + head) * num_partitions;
-  const float sink = sinks[head];
+  const float sink = SINKS ? sinks[head] : NEG_BIG;
   float global_max = sink;
   for (int p = 0; p < used; ++p) {
     global_max = part_max[r0 + p] > global_max ? part_max[r0 + p] : global_max;
@@ -577,7 +579,7 @@ VARLEN_UNIT = r"""
   const int active_rows = query_count * HEADS_PER_TILE;
   // A window hides keys before each row's position - window + 1: the first row's bound is where
   // reading starts, the last row's is where every key of a tile is visible to every row.
-  const int kv_window = window[0];
+  const int kv_window = WINDOWED ? window[0] : 0;
   const int window_floor = kv_window > 0 ? query_position + query_count - kv_window : 0;
   const int kv_first = (kv_window > 0 && query_position - kv_window + 1 > kv_start) ? query_position - kv_window + 1 : kv_start;
 """
@@ -585,7 +587,7 @@ VARLEN_UNIT = r"""
 #: A row's sink joins its denominator when the unit writes the final output (split units leave it to
 #: the merge): `keep` rescales the row's sums to the common maximum. Shared by both varlen bodies.
 VARLEN_SINK = r"""
-    const float sink = split ? NEG_BIG : sinks[head];
+    const float sink = (split || !SINKS) ? NEG_BIG : sinks[head];
     const float top = sink > row_max ? sink : row_max;
     const float keep = FEXP2(row_max - top);
     const float denominator = total * keep + FEXP2(sink - top);
@@ -617,7 +619,7 @@ VARLEN_MERGE_BODY = r"""
   const int first = split_rows[s0 + 1];
   const int stride = split_rows[s0 + 2];
   const int partitions = split_rows[s0 + 3];
-  const float sink = sinks[head];
+  const float sink = SINKS ? sinks[head] : NEG_BIG;
   float global_max = sink;
   for (int p = 0; p < partitions; ++p) {
     const float m = part_max[size_t(first + p * stride) * NUM_HEADS + head];

@@ -73,10 +73,13 @@ class LayerInputs:
     window: mx.array  # int32 [1]: keys a query sees (0: all)
     sinks: mx.array  # float32 [num_heads]: base-2 sink logits, NO_SINK where the layer has none
     capped: bool = False  # the layer soft-caps: the kernels' SOFTCAP template constant
+    windowed: bool = False  # WINDOWED
+    sunk: bool = False  # the layer has sinks: SINKS
 
     @property
     def template(self) -> list:
-        return [("SOFTCAP", int(self.capped))]
+        """Which additions the layer has, as the kernels' template constants: plain layers compile without them."""
+        return [("SOFTCAP", int(self.capped)), ("WINDOWED", int(self.windowed)), ("SINKS", int(self.sunk))]
 
 
 
@@ -93,7 +96,7 @@ class LayerInputCache:
             self._get(("scale", scale, layer.softcap_base2), lambda: mx.array([scale, layer.softcap_base2], dtype=mx.float32)),
             self._get(("window", layer.window_or_zero), lambda: mx.array([layer.window_or_zero], dtype=mx.int32)),
             self._sinks(layer.sinks),
-            layer.softcap is not None,
+            capped=layer.softcap is not None, windowed=layer.window is not None, sunk=layer.sinks is not None,
         )
 
     def _sinks(self, sinks: mx.array | None) -> mx.array:

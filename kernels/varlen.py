@@ -93,7 +93,7 @@ class PagedVarlenKernels:
             (merged,) = self._merge_kernel()(
                 inputs=[part_out, part_max, part_sum, kernel.split_rows, layer.sinks],
                 template=[("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("NUM_HEADS", plan.num_heads),
-                          ("NUM_THREADS", kernel.tuning.merge_threads)],
+                          ("NUM_THREADS", kernel.tuning.merge_threads), *layer.template],
                 grid=(plan.num_heads * kernel.tuning.merge_threads, kernel.num_split_rows, 1),
                 threadgroup=(kernel.tuning.merge_threads, 1, 1),
                 output_shapes=[(kernel.num_split_rows, plan.num_heads, head_dim)], output_dtypes=[key_cache.dtype],

@@ -97,9 +97,9 @@ DECODE_ARGS = (
 
 
 def _constants(values: dict) -> str:
-    """Template constants as C++; the soft-cap code stays compiled in (SOFTCAP 1), so one library
-    serves capped and plain layers alike: the cap itself is the run-time value, 0 for none."""
-    values = {"SOFTCAP": 1, **values}
+    """Template constants as C++; the code of every layer addition stays compiled in (SOFTCAP,
+    WINDOWED, SINKS 1), so one library serves every layer: the run-time values say which applies."""
+    values = {"SOFTCAP": 1, "WINDOWED": 1, "SINKS": 1, **values}
     return "".join(f"  constexpr int {name} = {value};\n" for name, value in values.items())
 
 

@@ -28,7 +28,7 @@ PARAMS = ("const T* queries, const T* key_cache, const T* value_cache, const int
           "const float* scale, const int* dims, const int* window, const float* sinks, T* out, float* part_out, float* part_max, "
           "float* part_sum")
 TEMPLATE = ("typename T, int HEAD_DIM, int BLOCK_SIZE, int NUM_KV_HEADS, int GROUP, int HEADS_PER_TILE, int Q_TOKENS, int KV_TILE, "
-            "int NUM_THREADS, int SOFTCAP")
+            "int NUM_THREADS, int SOFTCAP, int WINDOWED, int SINKS")
 CUDA_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 
 
@@ -58,8 +58,8 @@ def kernel_text(header: str, body: str, dtype: str, constants: tuple) -> str:
 
 
 #: (dtype, HEAD_DIM, BLOCK_SIZE, NUM_KV_HEADS, GROUP, HEADS_PER_TILE, Q_TOKENS, KV_TILE, NUM_THREADS) as kernels/varlen.py passes them
-MMA_SHAPES = [("float16", 128, 16, 8, 4, 4, 16, 32, 128, 0), ("bfloat16", 64, 16, 8, 4, 4, 16, 64, 128, 0),
-              ("float16", 64, 32, 8, 1, 1, 64, 64, 128, 0), ("bfloat16", 128, 16, 8, 4, 4, 16, 32, 128, 1)]
+MMA_SHAPES = [("float16", 128, 16, 8, 4, 4, 16, 32, 128, 0, 0, 0), ("bfloat16", 64, 16, 8, 4, 4, 16, 64, 128, 0, 1, 1),
+              ("float16", 64, 32, 8, 1, 1, 64, 64, 128, 0, 0, 0), ("bfloat16", 128, 16, 8, 4, 4, 16, 32, 128, 1, 1, 1)]
 
 
 @pytest.mark.parametrize("dtype,constants", [(s[0], s[1:]) for s in MMA_SHAPES])
@@ -77,7 +77,7 @@ def test_tensor_core_body_compiles_for_sm90_without_local_memory(tmp_path, dtype
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_simt_varlen_body_compiles_for_sm90(tmp_path, dtype):
     header, body = source.render_varlen("cuda")
-    (tmp_path / "k.ptx").write_text(nvrtc_ptx(kernel_text(header, body, dtype, (128, 16, 8, 4, 4, 16, 32 if dtype != "float32" else 8, 128, 1))))
+    (tmp_path / "k.ptx").write_text(nvrtc_ptx(kernel_text(header, body, dtype, (128, 16, 8, 4, 4, 16, 32 if dtype != "float32" else 8, 128, 1, 1, 1))))
     done = subprocess.run([str(PTXAS), "-arch=sm_90", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
 
@@ -100,7 +100,8 @@ def named_kernel_text(header: str, body: str, names: list, template: dict, dtype
             f"template __global__ void orchard_kernel<{t}, {', '.join(map(str, template.values()))}>({args});\n")
 
 
-DECODE_TEMPLATE = dict(SOFTCAP=1, HEAD_DIM=128, BLOCK_SIZE=16, NUM_KV_HEADS=8, GROUP=4, HEADS_PER_TILE=4, LANES=16, NUM_THREADS=128, UNROLL=4)
+DECODE_TEMPLATE = dict(HEAD_DIM=128, BLOCK_SIZE=16, NUM_KV_HEADS=8, GROUP=4, HEADS_PER_TILE=4, LANES=16, NUM_THREADS=128, UNROLL=4,
+                       SOFTCAP=1, WINDOWED=1, SINKS=1)
 
 
 @pytest.mark.parametrize("kernel", ["decode", "decode_split", "reduce", "varlen_merge"])
@@ -112,10 +113,10 @@ def test_decode_and_merge_kernels_with_layer_inputs_compile_for_sm90(tmp_path, k
         names, template = source.DECODE_INPUTS + outputs, DECODE_TEMPLATE
     elif kernel == "reduce":
         header, body = source.render_reduce("cuda")
-        names, template = source.REDUCE_INPUTS + source.REDUCE_OUTPUTS, dict(HEAD_DIM=128, NUM_HEADS=32, NUM_THREADS=128)
+        names, template = source.REDUCE_INPUTS + source.REDUCE_OUTPUTS, dict(HEAD_DIM=128, NUM_HEADS=32, NUM_THREADS=128, WINDOWED=1, SINKS=1)
     else:
         header, body = source.render_varlen_merge("cuda")
-        names, template = source.VARLEN_MERGE_INPUTS + source.VARLEN_MERGE_OUTPUTS, dict(HEAD_DIM=128, NUM_HEADS=32, NUM_THREADS=128)
+        names, template = source.VARLEN_MERGE_INPUTS + source.VARLEN_MERGE_OUTPUTS, dict(HEAD_DIM=128, NUM_HEADS=32, NUM_THREADS=128, SINKS=1)
     assert {"sinks"} <= set(names) and ("window" in names) == (kernel != "varlen_merge")
     (tmp_path / "k.ptx").write_text(nvrtc_ptx(named_kernel_text(header, body, names, template, dtype)))
     done = subprocess.run([str(PTXAS), "-arch=sm_90", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")], capture_output=True, text=True)
@@ -129,7 +130,7 @@ def test_decode_kernel_keeps_its_rows_in_registers_unless_the_layer_soft_caps(tm
     which ran 5x slower on the H200. Only layers that soft-cap compile it (SOFTCAP=1)."""
     header, body = source.render_decode("cuda", split)
     names = source.DECODE_INPUTS + (source.PARTITION_OUTPUTS if split else source.SINGLE_OUTPUTS)
-    template = {**DECODE_TEMPLATE, "SOFTCAP": softcap}
+    template = {**DECODE_TEMPLATE, "SOFTCAP": softcap, "WINDOWED": 0, "SINKS": 0}
     (tmp_path / "k.ptx").write_text(nvrtc_ptx(named_kernel_text(header, body, names, template, "float16")))
     done = subprocess.run([str(PTXAS), "-arch=sm_90", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
                           capture_output=True, text=True)
