@@ -19,7 +19,8 @@ code is left as it is; three seams make it paged:
   sliding window (from the caches the model makes for itself, `node.capability.layer_windows`)
   and its attention sinks (the call's own `sinks=`) go to the kernels with each call.
 
-Metadata arrays are built once per step and shared by every layer through `StepContext`.
+Metadata arrays are built once per step and shared by every layer through `StepContext`;
+decode-only steps on a compiled backend replay a traced graph instead (`node.compiled_decode`).
 """
 
 from __future__ import annotations
@@ -124,9 +125,11 @@ class StepContext:
     """A step's metadata, built once and read by every layer: device arrays for the
     per-token ops, host arrays for the kernel's planning.
 
-    Every step, decode-only or mixed, gets one `kernels.VarlenPlan`: checked and uploaded
-    here once, then only launched by each layer (decode rows run the decode kernel from it).
-    Without the model's head count the decode entry is used instead, planning per layer.
+    Every eager step, decode-only or mixed, gets one `kernels.VarlenPlan`: checked and
+    uploaded here once, then only launched by each layer (decode rows run the decode kernel
+    from it). Without the model's head count the decode entry is used instead, planning per
+    layer; so is a decode step a compiled graph runs (`node.compiled_decode`), whose context
+    holds only device arrays and whose plan follows from their shapes.
     """
 
     pool: Any  # KVPool-like: `keys` / `values` lists of per-layer arrays
