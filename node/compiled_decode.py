@@ -12,8 +12,9 @@ token 0 at position 0: it writes its K/V to the first slot of the null block (bl
 handed to a sequence, so no real row reads it) and attends to that slot alone; its logits
 are dropped. Everything the
 traced graph reads from a step is an input (ids, positions, slots, tables, lengths, the
-pool's arrays); everything else it holds (the attention kernels' launch plans) depends on
-the input shapes alone, which is what the graph is keyed by.
+pool's arrays); everything else it holds depends on the input shapes alone, which is what
+the graph is keyed by (the attention kernels' launch plans), or on the model alone (its
+weights, each layer's scale, window and sinks), which a runner never changes.
 
 The pool's arrays go in and come back as outputs: the K/V writes are scatters whose output
 reuses the input buffer once the pool drops its old reference (kernels/kv_write.py), so a
