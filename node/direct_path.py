@@ -5,12 +5,17 @@ for the source, nothing listening there, a handshake refused): the caller then p
 through Ray. Once the source has started replying, whatever goes wrong is a failed pull
 like any other (counted; the blocks imported so far are whole and verified; the request
 recomputes the rest), never a second try over Ray.
+
+A connection whose reply ended whole is kept for the next pull from the same source (one
+per source, for half the listener's idle timeout): a pull of a few MiB otherwise spends as
+long connecting and proving the key as moving its bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
@@ -31,6 +36,7 @@ class DirectPath:
         self.server: KVLinkServer | None = None
         self._addresses: dict[str, str] = {}
         self._buffers: list[bytearray] = []  # receive buffers kept across pulls: no page faults on the next
+        self._idle: dict[str, tuple[socket.socket, float]] = {}  # per source: a connection and when it was left
 
     @property
     def address(self) -> str | None:
@@ -53,6 +59,9 @@ class DirectPath:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+        for sock, _ in self._idle.values():
+            sock.close()
+        self._idle.clear()
 
     async def pull(self, source_id: str, hashes: Sequence[BlockHash], resolve: Resolve) -> PullResult | None:
         """Pull the blocks of `hashes` this node lacks from `source_id`'s listener, or None (see above)."""
@@ -66,8 +75,8 @@ class DirectPath:
         result = PullResult(source_id, requested=len(hashes), local=local, via="direct")
         if local == len(hashes):
             return result
-        sock = await self._connect(source_id, address)
-        return None if sock is None else await self._receive(sock, hashes[local:], result, started)
+        sock = self._kept(source_id) or await self._connect(source_id, address)
+        return None if sock is None else await self._receive(source_id, sock, hashes[local:], result, started)
 
     async def probe(self, source_id: str, nbytes: int, resolve: Resolve) -> tuple[int, float] | None:
         """(bytes, seconds) of fetching and verifying a probe payload over the direct path, or None."""
@@ -95,8 +104,19 @@ class DirectPath:
             self._addresses.pop(source_id, None)
             return None
 
-    async def _receive(self, sock, wanted: list[BlockHash], result: PullResult, started: float) -> PullResult:
-        buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(3)]  # in flight, decoding, importing
+    def _kept(self, source_id: str) -> socket.socket | None:
+        """The connection the last pull from `source_id` left, if still open and fresh."""
+        sock, left = self._idle.pop(source_id, (None, 0.0))
+        if sock is None:
+            return None
+        if time.monotonic() - left < self.config.io_timeout_s / 2 and _open(sock):
+            return sock
+        sock.close()
+        return None
+
+    async def _receive(self, source_id: str, sock, wanted: list[BlockHash], result: PullResult,
+                       started: float) -> PullResult:
+        buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(3)]  # arriving, queued, importing
         stream = LinkStream(sock, buffers, self.mover.geometry)
         try:
             stream.start(wanted, self.config.chunk_bytes)
@@ -108,7 +128,9 @@ class DirectPath:
         except Exception as exc:  # a refused payload, or the source went away mid-reply
             self.mover._failed(result, exc)
         finally:
-            stream.close()
+            kept = stream.release()
+            if kept is not None:
+                self._idle[source_id] = (kept, time.monotonic())
             self._buffers.extend(stream.buffers)
         self.mover.counters.migrated_blocks += result.imported
         self.mover.counters.migrated_bytes += result.bytes
@@ -131,3 +153,14 @@ class DirectPath:
 
     async def _release(self, pinned) -> None:
         await self.mover.engine.run_on_engine(lambda e: e.kv.unpin_export(pinned))
+
+
+def _open(sock: socket.socket) -> bool:
+    """Whether a kept connection is still open with nothing unread (the peer may have closed it)."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True  # nothing to read: open and idle
+    except OSError:
+        return False
+    return False  # closed by the peer (b""), or bytes nobody asked for

@@ -16,6 +16,12 @@ the slowest stage sets the rate. A source that holds fewer blocks than asked sen
 Threads with blocking sockets, not asyncio streams: Python 3.11's transports join the
 buffers of `writelines` into one (a copy of every byte), and a thread's `sendmsg` and
 `recv_into` release the GIL, so the actor's event loop stays free to serve while bytes move.
+Once authenticated, a connection is in blocking mode with the kernel's send and receive
+timeouts (`SO_SNDTIMEO`, `SO_RCVTIMEO`) rather than Python's: a chunk is then one
+`recv_into(MSG_WAITALL)` and one `sendmsg` per batch of pieces, where a Python timeout
+(a non-blocking socket polled) returns to Python, and asks for the GIL, every few KiB.
+The receive thread also verifies each chunk: the kernel's receive buffer keeps filling
+meanwhile, and a second thread would only add a GIL hand-off per chunk.
 Anything that fails before the reply starts (no address, refused, wrong node) means "no
 direct path": the caller falls back to Ray. Nothing listens unless a key is set.
 """
@@ -45,6 +51,7 @@ log = logging.getLogger(__name__)
 _U32, _U64 = struct.Struct(">I"), struct.Struct(">Q")
 _MAX_REQUEST = 64 << 20
 _MAX_PIECES = 512  # per sendmsg; IOV_MAX is 1024 on Linux and macOS
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
 
 
 class LinkRefused(ConnectionError):
@@ -122,7 +129,7 @@ class KVLinkServer:
                     self.counters.refused += 1
                     return
                 self.counters.accepted += 1
-                conn.settimeout(self.config.io_timeout_s)
+                _data_mode(conn, self.config.io_timeout_s)
                 while (request := _read_request(conn)) is not None:
                     self._reply(conn, request)
             except (OSError, ValueError) as exc:
@@ -186,12 +193,13 @@ class LinkStream:
 
     def __init__(self, sock: socket.socket, buffers: list[bytearray], geometry):
         self.sock, self.geometry = sock, geometry
-        self._free: asyncio.Queue = asyncio.Queue()
+        self._free: queue.SimpleQueue = queue.SimpleQueue()  # the receive thread blocks on it
         self._ready: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         for buffer in buffers:
-            self._free.put_nowait(buffer)
+            self._free.put(buffer)
         self.buffers = buffers
+        self.ended = False  # the reply's end marker arrived: the connection can serve another pull
         self._thread: threading.Thread | None = None
 
     def start(self, hashes: Sequence[bytes], chunk_bytes: int, probe_bytes: int = 0) -> None:
@@ -214,43 +222,44 @@ class LinkStream:
             yield item
 
     def done(self, buffer: bytearray) -> None:
-        self._free.put_nowait(buffer)
+        self._free.put(buffer)
 
     def close(self) -> None:
+        """End the pull and the connection; wakes a receiver waiting for a buffer."""
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.sock.close()
-        self._loop.call_soon(self._free.put_nowait, None)  # wakes a receiver waiting for a buffer
+        self._free.put(None)
+
+    def release(self) -> socket.socket | None:
+        """The connection, for the next pull, once the reply ended whole; else close it and None."""
+        if self._thread is not None:
+            self._thread.join(1.0)
+        if not self.ended or (self._thread is not None and self._thread.is_alive()):
+            self.close()
+            return None
+        return self.sock
 
     def _receive(self) -> None:
-        """Socket to buffers; a second thread verifies and decodes, so chunk i+1 arrives meanwhile."""
-        received: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._decode, args=(received,), name="kv-link-decode", daemon=True).start()
+        """Socket to buffers, each chunk verified and decoded here before it is handed over."""
         try:
             while (size := _U64.unpack(_recv_exact(self.sock, 8) or _eof())[0]) != 0:
-                buffer = asyncio.run_coroutine_threadsafe(self._free.get(), self._loop).result()
+                buffer = self._free.get()
                 if buffer is None:
-                    break
+                    return
                 if len(buffer) < size:  # a new one (views of the old may live on), kept across pulls
                     self.buffers[self.buffers.index(buffer)] = buffer = bytearray(size)
                 if not _recv_into(self.sock, memoryview(buffer)[:size]):
                     _eof()
-                received.put((buffer, size))
-            received.put(None)
-        except Exception as exc:  # noqa: BLE001 - whatever stops the thread must reach the caller
-            received.put(exc if isinstance(exc, OSError) else ConnectionError(f"{type(exc).__name__}: {exc}"))
-
-    def _decode(self, received: queue.SimpleQueue) -> None:
-        while isinstance(item := received.get(), tuple):
-            buffer, size = item
-            try:
                 self._put((buffer, size, decode_views(memoryview(buffer)[:size], self.geometry)))
-            except KVCacheError as exc:  # a refused payload is raised to the caller as is
-                self._put(exc)
-                return
-        self._put(item)  # the end, or what broke the connection
+            self.ended = True
+            self._put(None)
+        except KVCacheError as exc:  # a refused payload is raised to the caller as is
+            self._put(exc)
+        except Exception as exc:  # noqa: BLE001 - whatever stops the thread must reach the caller
+            self._put(exc if isinstance(exc, OSError) else ConnectionError(f"{type(exc).__name__}: {exc}"))
 
     def _put(self, item) -> None:
         try:
@@ -277,7 +286,7 @@ def connect(address: str, key: bytes, expected_node: str, config: KVLinkConfig) 
             raise LinkRefused(f"{address} refused our key, or is not node {expected_node!r}")
         if not auth.proofs_equal(reply[: auth.PROOF_SIZE], auth.server_proof(key, nonce, server_nonce, expected_node)):
             raise LinkRefused(f"{address} does not hold the cluster's key")
-        sock.settimeout(config.io_timeout_s)
+        _data_mode(sock, config.io_timeout_s)
         return sock
     except BaseException:
         sock.close()
@@ -301,6 +310,15 @@ def _read_request(conn: socket.socket) -> dict | None:
     return request
 
 
+def _data_mode(sock: socket.socket, timeout_s: float) -> None:
+    """Blocking, with the kernel's timeouts: a whole chunk is one system call (module docstring)."""
+    sock.settimeout(None)
+    seconds = max(1, int(timeout_s))
+    timeval = struct.pack("ll", seconds, 0)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     buffer = bytearray(n)
     return bytes(buffer) if _recv_into(sock, memoryview(buffer)) else None
@@ -310,7 +328,7 @@ def _recv_into(sock: socket.socket, view: memoryview) -> bool:
     """Fill `view` from `sock`; False when the peer closed first."""
     got = 0
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        n = sock.recv_into(view[got:], 0, _WAITALL if sock.gettimeout() is None else 0)
         if n == 0:
             return False
         got += n

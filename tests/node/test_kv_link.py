@@ -136,6 +136,27 @@ def test_direct_pull_gives_the_greedy_tokens_of_recomputing_and_is_a_prefix_hit(
     assert paths["b"].mover.counters.migrated_blocks >= 5
 
 
+def test_a_second_pull_from_the_same_source_reuses_the_authenticated_connection(nodes):
+    loop, paths = nodes
+    pull(loop, paths, prompt(3))
+    accepted = paths["a"].server.counters.accepted
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(4))
+    assert (result.ok, result.imported) == (True, 5) and (migrated, hit) == (reference, 5 * BS)
+    assert paths["a"].server.counters.accepted == accepted
+
+
+def test_a_kept_connection_the_source_closed_is_replaced_by_a_fresh_one(nodes):
+    loop, paths = nodes
+    pull(loop, paths, prompt(5))
+    kept, _ = paths["b"]._idle["a"]
+    kept.shutdown(socket.SHUT_WR)  # the listener reads the end and closes its side
+    assert wait_until(lambda: kept.recv(1, socket.MSG_PEEK) == b"")
+    accepted = paths["a"].server.counters.accepted
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(6))
+    assert (result.ok, result.imported) == (True, 5) and (migrated, hit) == (reference, 5 * BS)
+    assert paths["a"].server.counters.accepted == accepted + 1
+
+
 def test_pull_from_an_address_where_nothing_listens_is_no_direct_path(nodes):
     loop, paths = nodes
     with socket.socket() as probe:
