@@ -327,8 +327,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 def _recv_into(sock: socket.socket, view: memoryview) -> bool:
     """Fill `view` from `sock`; False when the peer closed first."""
     got = 0
+    flags = _WAITALL if sock.gettimeout() is None else 0
     while got < len(view):
-        n = sock.recv_into(view[got:], 0, _WAITALL if sock.gettimeout() is None else 0)
+        try:
+            n = sock.recv_into(view[got:], 0, flags)
+        except BlockingIOError as exc:  # the kernel's receive timeout (`_data_mode`)
+            raise TimeoutError("the KV link's peer sent nothing within its timeout") from exc
         if n == 0:
             return False
         got += n
@@ -341,7 +345,10 @@ def _send_pieces(sock: socket.socket, pieces: list) -> None:
     i = 0
     while i < len(views):
         batch = views[i : i + _MAX_PIECES]
-        sent = sock.sendmsg(batch)
+        try:
+            sent = sock.sendmsg(batch)
+        except BlockingIOError as exc:  # the kernel's send timeout (`_data_mode`)
+            raise TimeoutError("the KV link's peer took nothing within its timeout") from exc
         for view in batch:  # drop what went out; keep the rest of a partly sent piece
             if sent >= len(view):
                 sent -= len(view)

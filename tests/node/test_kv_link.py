@@ -235,3 +235,12 @@ def test_a_node_actors_link_listens_at_its_ray_node_address_by_default(monkeypat
     assert actor.listen_config(actor.NodeActorConfig("n", "c", "ns").link).host == "10.1.2.3"
     named = actor.KVLinkConfig(host="127.0.0.1")
     assert actor.listen_config(named) == named  # an address given is kept
+
+
+def test_a_silent_peer_times_out_under_the_kernels_timeout_of_an_authenticated_connection():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        with socket.create_connection(server.getsockname()) as client, server.accept()[0]:
+            kv_link._data_mode(client, 1.0)
+            assert client.gettimeout() is None  # blocking: a chunk is one system call
+            with pytest.raises(TimeoutError):
+                kv_link._recv_into(client, memoryview(bytearray(64)))
