@@ -11,7 +11,7 @@ to more than the pull's wall time; the one nearest the wall time bounds the pull
 
 Raw TCP over the same loopback, plain sockets, is measured in the same run.
 
-    python -m experiments.kv_pull_profile [--size large] [--tokens 8192] [--repeats 3]
+    python -m experiments.kv_pull_profile [--size large] [--tokens 8192] [--repeats 3] [--chunk-mib 4]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import statistics
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -69,12 +70,14 @@ def _engine(size: str, num_blocks: int):
     return AsyncEngine(LLMEngine(config))
 
 
-def _path(name: str, engine, loop):
+def _path(name: str, engine, loop, chunk_mib: int = 4):
     from node import link_auth
     from node.direct_path import DirectPath
+    from node.kv_link import KVLinkConfig
     from node.migration import BlockMover
 
-    path = DirectPath(BlockMover(engine), name, link_auth.link_key(KEY_SECRET))
+    config = KVLinkConfig(chunk_bytes=chunk_mib << 20)
+    path = DirectPath(BlockMover(engine), name, link_auth.link_key(KEY_SECRET), config)
     path.start(loop)
     return path
 
@@ -114,8 +117,9 @@ def _seed(path, tokens_len: int, seed: int) -> list[bytes]:
     return [bytes(h) for h in hashes]
 
 
-def _source_main(conn, size: str, num_blocks: int) -> None:
+def _source_main(conn, size: str, num_blocks: int, switch_s: float) -> None:
     """The source node: answers "seed" (a fresh prefix), "stages" (and clears them), "stop"."""
+    sys.setswitchinterval(switch_s)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     engine = _engine(size, num_blocks)
@@ -148,21 +152,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="large")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--switch-ms", type=float, default=5.0, help="the interpreter's GIL switch interval, both processes")
+    p.add_argument("--chunk-mib", type=int, default=4, help="chunk size the target asks for")
     args = p.parse_args(argv)
     from cluster.bench.migration import tcp_throughput
 
     print_header(f"direct KV pull, stage by stage ({args.size}, {args.tokens} tokens)")
+    sys.setswitchinterval(args.switch_ms / 1e3)
     num_blocks = (args.repeats + 1) * args.tokens // 16 + 64
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    source = ctx.Process(target=_source_main, args=(theirs, args.size, num_blocks), daemon=True)
+    source = ctx.Process(target=_source_main, args=(theirs, args.size, num_blocks, args.switch_ms / 1e3), daemon=True)
     source.start()
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     engine = _engine(args.size, num_blocks)
     stages = Stages()
     _instrument(stages, "target")
-    path = _path("dst", engine, loop)
+    path = _path("dst", engine, loop, args.chunk_mib)
     address = ours.recv()
     ours.send(("seed", (64, 1)))
     _pull(loop, path, address, ours.recv())  # warm

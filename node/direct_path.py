@@ -116,17 +116,21 @@ class DirectPath:
 
     async def _receive(self, source_id: str, sock, wanted: list[BlockHash], result: PullResult,
                        started: float) -> PullResult:
-        buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(3)]  # arriving, queued, importing
-        stream = LinkStream(sock, buffers, self.mover.geometry)
+        buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(4)]  # arriving, queued, importing
+        importer = _ChunkImporter(self.mover.engine, result)
+        stream = importer.stream = LinkStream(sock, buffers, self.mover.geometry, sink=importer)
         try:
             stream.start(wanted, self.config.chunk_bytes)
-            async for buffer, size, blocks in stream.chunks():
-                result.bytes += size
-                result.imported += await self.mover.engine.run_on_engine(lambda e, b=blocks: e.kv.import_decoded(b))
-                stream.done(buffer)
+            try:
+                async for _ in stream.chunks():
+                    pass
+            finally:
+                await self.mover.engine.run_on_engine(lambda e: None)  # calls run in order: every import queued has run
+            if importer.error is not None:
+                raise importer.error
             result.seconds = time.perf_counter() - started
         except Exception as exc:  # a refused payload, or the source went away mid-reply
-            self.mover._failed(result, exc)
+            self.mover._failed(result, importer.error or exc)
         finally:
             kept = stream.release()
             if kept is not None:
@@ -164,3 +168,28 @@ def _open(sock: socket.socket) -> bool:
     except OSError:
         return False
     return False  # closed by the peer (b""), or bytes nobody asked for
+
+
+class _ChunkImporter:
+    """Imports each verified chunk on the engine thread, queued straight from the receive thread
+    (`AsyncEngine.call_from_thread`), so no chunk waits for the event loop to wake; the first
+    refused chunk stops the rest and ends the stream."""
+
+    def __init__(self, engine, result: PullResult):
+        self.engine, self.result = engine, result
+        self.stream: LinkStream | None = None
+        self.error: Exception | None = None
+
+    def __call__(self, buffer: bytearray, size: int, blocks: list) -> None:  # receive thread
+        self.result.bytes += size
+        self.engine.call_from_thread(lambda e: self._import(e, blocks), lambda n, exc: self._settle(buffer, n, exc))
+
+    def _import(self, engine, blocks) -> int:
+        return 0 if self.error is not None else engine.kv.import_decoded(blocks)
+
+    def _settle(self, buffer: bytearray, imported: int | None, exc: Exception | None) -> None:  # engine thread
+        if exc is not None and self.error is None:
+            self.error = exc
+            self.stream.close()  # nothing more of this reply is wanted
+        self.result.imported += imported or 0
+        self.stream.done(buffer)

@@ -75,6 +75,8 @@ class LinkCounters:
     sent_bytes: int = 0
 
 
+#: Takes a verified chunk (buffer, size, blocks) on the receive thread; gives the buffer back with `done`.
+ChunkSink = Callable[[bytearray, int, list], None]
 #: The source's side of a pull, run on its engine thread: pin and describe the run, release it.
 Exporter = Callable[[list[BlockHash]], Awaitable[tuple[object, list]]]
 Releaser = Callable[[object], Awaitable[None]]
@@ -191,8 +193,8 @@ class KVLinkServer:
 class LinkStream:
     """One pull's connection: chunks arrive on a thread into reused buffers, the caller awaits them."""
 
-    def __init__(self, sock: socket.socket, buffers: list[bytearray], geometry):
-        self.sock, self.geometry = sock, geometry
+    def __init__(self, sock: socket.socket, buffers: list[bytearray], geometry, sink: ChunkSink | None = None):
+        self.sock, self.geometry, self._sink = sock, geometry, sink
         self._free: queue.SimpleQueue = queue.SimpleQueue()  # the receive thread blocks on it
         self._ready: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
@@ -212,7 +214,8 @@ class LinkStream:
 
     async def chunks(self):
         """Yields (buffer, size, blocks) until the reply ends, `blocks` verified and decoded as views
-        into `buffer`; give the buffer back with `done` once they are imported."""
+        into `buffer`; give the buffer back with `done` once they are imported. With a sink,
+        the receive thread hands each chunk to it instead, and this only ends or raises."""
         while True:
             item = await self._ready.get()
             if item is None:
@@ -235,11 +238,11 @@ class LinkStream:
 
     def release(self) -> socket.socket | None:
         """The connection, for the next pull, once the reply ended whole; else close it and None."""
-        if self._thread is not None:
-            self._thread.join(1.0)
-        if not self.ended or (self._thread is not None and self._thread.is_alive()):
+        if not self.ended:
             self.close()
             return None
+        if self._thread is not None:
+            self._thread.join(1.0)  # past the end marker: the thread is returning
         return self.sock
 
     def _receive(self) -> None:
@@ -253,7 +256,8 @@ class LinkStream:
                     self.buffers[self.buffers.index(buffer)] = buffer = bytearray(size)
                 if not _recv_into(self.sock, memoryview(buffer)[:size]):
                     _eof()
-                self._put((buffer, size, decode_views(memoryview(buffer)[:size], self.geometry)))
+                chunk = (buffer, size, decode_views(memoryview(buffer)[:size], self.geometry))
+                self._sink(*chunk) if self._sink is not None else self._put(chunk)
             self.ended = True
             self._put(None)
         except KVCacheError as exc:  # a refused payload is raised to the caller as is
