@@ -120,7 +120,7 @@ class DirectPath:
         importer = _ChunkImporter(self.mover.engine, result)
         stream = importer.stream = LinkStream(sock, buffers, self.mover.geometry, sink=importer)
         try:
-            stream.start(wanted, self.config.chunk_bytes)
+            stream.start(wanted, chunk_size(len(wanted) * self.mover.geometry.bytes_per_block, self.config.chunk_bytes))
             try:
                 async for _ in stream.chunks():
                     pass
@@ -157,6 +157,18 @@ class DirectPath:
 
     async def _release(self, pinned) -> None:
         await self.mover.engine.run_on_engine(lambda e: e.kv.unpin_export(pinned))
+
+
+#: A pull is cut into at least this many chunks where `MIN_CHUNK_BYTES` allows: one chunk's
+#: encode, checks and pool write are not overlapped with anything (the pipeline filling and
+#: draining), so they should be a small part of the pull.
+CHUNKS_PER_PULL = 8
+MIN_CHUNK_BYTES = 1 << 20
+
+
+def chunk_size(pull_bytes: int, largest: int) -> int:
+    """The chunk size a pull of `pull_bytes` asks for: `largest`, or less for a small pull."""
+    return min(largest, max(MIN_CHUNK_BYTES, pull_bytes // CHUNKS_PER_PULL))
 
 
 def _open(sock: socket.socket) -> bool:

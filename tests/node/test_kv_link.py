@@ -244,3 +244,13 @@ def test_a_silent_peer_times_out_under_the_kernels_timeout_of_an_authenticated_c
             assert client.gettimeout() is None  # blocking: a chunk is one system call
             with pytest.raises(TimeoutError):
                 kv_link._recv_into(client, memoryview(bytearray(64)))
+
+
+def test_a_small_pull_asks_for_smaller_chunks_so_its_stages_overlap():
+    from node.direct_path import MIN_CHUNK_BYTES, chunk_size
+
+    mib = 1 << 20
+    assert chunk_size(128 * mib, 4 * mib) == 4 * mib  # a large pull: the configured size
+    assert chunk_size(16 * mib, 4 * mib) == 2 * mib  # eight chunks
+    assert chunk_size(2 * mib, 4 * mib) == MIN_CHUNK_BYTES  # never below the floor...
+    assert chunk_size(2 * mib, 128 * 1024) == 128 * 1024  # ...nor above what is configured
