@@ -66,6 +66,10 @@ class KVLinkConfig:
     handshake_timeout_s: float = 5.0
     io_timeout_s: float = 30.0
     connect_timeout_s: float = 2.0
+    # The sender's socket buffer (the kernel caps it: net.core.wmem_max on Linux, kern.ipc.maxsockbuf
+    # on macOS): two chunks queued in the kernel keep the link busy while the next is encoded. The
+    # receive side is left to the kernel's autotuning, which setting SO_RCVBUF would switch off.
+    send_buffer_bytes: int | None = 8 << 20
 
 
 @dataclass
@@ -132,6 +136,7 @@ class KVLinkServer:
                     return
                 self.counters.accepted += 1
                 _data_mode(conn, self.config.io_timeout_s)
+                _grow_send_buffer(conn, self.config.send_buffer_bytes)
                 while (request := _read_request(conn)) is not None:
                     self._reply(conn, request)
             except (OSError, ValueError) as exc:
@@ -321,6 +326,17 @@ def _data_mode(sock: socket.socket, timeout_s: float) -> None:
     timeval = struct.pack("ll", seconds, 0)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+def _grow_send_buffer(sock: socket.socket, nbytes: int | None) -> None:
+    """Ask for a send buffer of `nbytes`, halving where the kernel refuses (macOS refuses sizes
+    past its limit where Linux caps them); never below what the kernel already gave."""
+    while nbytes and nbytes > sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
+            return
+        except OSError:
+            nbytes //= 2
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:

@@ -254,3 +254,26 @@ def test_a_small_pull_asks_for_smaller_chunks_so_its_stages_overlap():
     assert chunk_size(16 * mib, 4 * mib) == 2 * mib  # eight chunks
     assert chunk_size(2 * mib, 4 * mib) == MIN_CHUNK_BYTES  # never below the floor...
     assert chunk_size(2 * mib, 128 * 1024) == 128 * 1024  # ...nor above what is configured
+
+
+def test_the_senders_buffer_grows_as_far_as_the_kernel_allows_and_a_refusal_is_not_an_error(monkeypatch):
+    with socket.socket() as sock:
+        before = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        kv_link._grow_send_buffer(sock, 4 * before)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) > before
+
+    class Refusing:  # macOS: ENOBUFS past kern.ipc.maxsockbuf
+        def __init__(self):
+            self.asked = []
+
+        def getsockopt(self, *_):
+            return 1 << 16
+
+        def setsockopt(self, _level, _name, nbytes):
+            self.asked.append(nbytes)
+            if nbytes > 1 << 20:
+                raise OSError(55, "No buffer space available")
+
+    refusing = Refusing()
+    kv_link._grow_send_buffer(refusing, 8 << 20)
+    assert refusing.asked == [8 << 20, 4 << 20, 2 << 20, 1 << 20]
