@@ -70,7 +70,7 @@ def _engine(size: str, num_blocks: int):
     return AsyncEngine(LLMEngine(config))
 
 
-def _path(name: str, engine, loop, chunk_mib: int = 4):
+def _path(name: str, engine, chunk_mib: int = 4):
     from node import link_auth
     from node.direct_path import DirectPath
     from node.kv_link import KVLinkConfig
@@ -78,7 +78,7 @@ def _path(name: str, engine, loop, chunk_mib: int = 4):
 
     config = KVLinkConfig(chunk_bytes=chunk_mib << 20)
     path = DirectPath(BlockMover(engine), name, link_auth.link_key(KEY_SECRET), config)
-    path.start(loop)
+    path.start()
     return path
 
 
@@ -125,7 +125,7 @@ def _source_main(conn, size: str, num_blocks: int, switch_s: float) -> None:
     engine = _engine(size, num_blocks)
     stages = Stages()
     _instrument(stages, "source")
-    path = _path("src", engine, loop)
+    path = _path("src", engine)
     conn.send(path.address)
     while True:
         command, arg = conn.recv()
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = _engine(args.size, num_blocks)
     stages = Stages()
     _instrument(stages, "target")
-    path = _path("dst", engine, loop, args.chunk_mib)
+    path = _path("dst", engine, args.chunk_mib)
     address = ours.recv()
     ours.send(("seed", (64, 1)))
     _pull(loop, path, address, ours.recv())  # warm

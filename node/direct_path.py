@@ -18,6 +18,7 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future
 
 from kvcache.hashing import BlockHash
 from node.kv_link import KVLinkConfig, KVLinkServer, LinkRefused, LinkStream, connect
@@ -47,12 +48,12 @@ class DirectPath:
         """Connections to our listener that did not prove the key."""
         return self.server.counters.refused if self.server is not None else 0
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> str | None:
+    def start(self) -> str | None:
         """Listen (only when a key is set); returns "host:port" or None."""
         if self.key is None or self.server is not None:
             return self.address
         self.server = KVLinkServer(self.key, self.node_id, self.mover.geometry, self._export, self._release, self.config)
-        address = self.server.start(loop)
+        address = self.server.start()
         self.server.prepare_probes(self.mover.probe_sizes())
         return address
 
@@ -152,11 +153,19 @@ class DirectPath:
             self._addresses[source_id] = address
         return self._addresses[source_id]
 
-    async def _export(self, hashes: list[BlockHash]):
-        return await self.mover.engine.run_on_engine(lambda e: e.kv.pin_export(hashes))
+    def _export(self, hashes: list[BlockHash]):  # a link thread
+        return self._on_engine(lambda e: e.kv.pin_export(hashes))
 
-    async def _release(self, pinned) -> None:
-        await self.mover.engine.run_on_engine(lambda e: e.kv.unpin_export(pinned))
+    def _release(self, pinned) -> None:  # a link thread
+        self._on_engine(lambda e: e.kv.unpin_export(pinned))
+
+    def _on_engine(self, fn):
+        """`fn(engine)` on the engine thread, waited for on the calling (link) thread: no event loop
+        in between, so a pull's source side does not wait for a busy actor's loop to wake."""
+        done: Future = Future()
+        self.mover.engine.call_from_thread(
+            fn, lambda result, exc: done.set_result(result) if exc is None else done.set_exception(exc))
+        return done.result(self.config.io_timeout_s)
 
 
 #: A pull is cut into at least this many chunks where `MIN_CHUNK_BYTES` allows: one chunk's

@@ -34,7 +34,7 @@ import queue
 import socket
 import struct
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -81,9 +81,10 @@ class LinkCounters:
 
 #: Takes a verified chunk (buffer, size, blocks) on the receive thread; gives the buffer back with `done`.
 ChunkSink = Callable[[bytearray, int, list], None]
-#: The source's side of a pull, run on its engine thread: pin and describe the run, release it.
-Exporter = Callable[[list[BlockHash]], Awaitable[tuple[object, list]]]
-Releaser = Callable[[object], Awaitable[None]]
+#: The source's side of a pull, blocking the link's thread while its engine thread runs it:
+#: pin and describe the run, release it.
+Exporter = Callable[[list[BlockHash]], tuple[object, list]]
+Releaser = Callable[[object], None]
 
 
 class KVLinkServer:
@@ -96,7 +97,6 @@ class KVLinkServer:
         self.config = config or KVLinkConfig()
         self.counters = LinkCounters()
         self._sock: socket.socket | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-link-encode")
         self._probes: dict[int, bytes] = {}
 
@@ -107,8 +107,7 @@ class KVLinkServer:
         host, port = self._sock.getsockname()[:2]
         return f"{host}:{port}"
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> str:
-        self._loop = loop
+    def start(self) -> str:
         self._sock = socket.create_server((self.config.host, self.config.port))
         threading.Thread(target=self._accept_loop, name="kv-link-accept", daemon=True).start()
         return self.address
@@ -164,7 +163,7 @@ class KVLinkServer:
             return
         hashes = [BlockHash(bytes(h)) for h in request["hashes"]]
         per_chunk = max(1, int(request.get("chunk_bytes", self.config.chunk_bytes)) // self.geometry.bytes_per_block)
-        handle, blocks = self._on_loop(self._export(hashes))
+        handle, blocks = self._export(hashes)
         try:
             runs = [blocks[i : i + per_chunk] for i in range(0, len(blocks), per_chunk)]
             upcoming = self._encoder.submit(encode_pieces, self.geometry, runs[0]) if runs else None
@@ -176,7 +175,7 @@ class KVLinkServer:
                 self.counters.sent_bytes += size
             conn.sendall(_U64.pack(0))
         finally:
-            self._on_loop(self._release(handle))
+            self._release(handle)
 
     def prepare_probes(self, sizes) -> None:
         """Encode probe payloads ahead (in the background), so a probe times the link, not the encoder."""
@@ -187,9 +186,6 @@ class KVLinkServer:
         if nbytes not in self._probes:
             self._probes[nbytes] = probe_payload(self.geometry, nbytes)
         return self._probes[nbytes]
-
-    def _on_loop(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(self.config.io_timeout_s)
 
 
 # ---- the client -----------------------------------------------------------------------

@@ -39,7 +39,7 @@ def nodes():
                for _ in range(3)]
     paths = {name: DirectPath(BlockMover(e), name, KEY, CONFIG) for name, e in zip("abc", engines)}
     for path in paths.values():
-        path.start(loop)
+        path.start()
     yield loop, paths
     for path in paths.values():
         path.close()
