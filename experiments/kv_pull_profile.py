@@ -25,7 +25,7 @@ import threading
 import time
 from collections import defaultdict
 
-from experiments.common import print_header
+from experiments.common import machine_line, print_header, save_results
 
 KEY_SECRET = "a-cluster-token-of-at-least-32-characters-for-profiling"
 
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     ours.recv()
     stages.take()
     tcp_Bps = tcp_throughput(256 << 20)
-    rates = []
+    rates, pulls = [], []
     for i in range(args.repeats):
         ours.send(("seed", (args.tokens, i + 2)))
         hashes = ours.recv()
@@ -189,12 +189,15 @@ def main(argv: list[str] | None = None) -> int:
         target_stages = stages.take()
         assert result.ok and result.imported == len(hashes), result
         rates.append(result.bytes_per_s)
+        pulls.append({"bytes": result.bytes, "wall_s": wall, "source": source_stages, "target": target_stages})
         print(f"pull {i}: {result.bytes / 2**20:.1f} MiB in {wall * 1e3:.1f} ms "
               f"({result.bytes_per_s / 1e9:.2f} GB/s, {100 * result.bytes_per_s / tcp_Bps:.0f} % of TCP)")
         for side, table in (("source", source_stages), ("target", target_stages)):
             print(f"  {side}: " + ", ".join(f"{k} {s * 1e3:.1f} ms/{n}" for k, (s, n) in sorted(table.items())))
     print(f"raw TCP {tcp_Bps / 1e9:.2f} GB/s; pull best {max(rates) / 1e9:.2f} GB/s "
           f"({100 * max(rates) / tcp_Bps:.0f} %), median {statistics.median(rates) / 1e9:.2f} GB/s")
+    save_results("kv_pull_profile", {"machine": machine_line(), "size": args.size, "tokens": args.tokens,
+                                      "chunk_mib": args.chunk_mib, "tcp_Bps": tcp_Bps, "pulls": pulls})
     ours.send(("stop", None))
     source.join(10)
     path.close()
