@@ -17,6 +17,7 @@ raw bytes before any of that runs, so the reader only ever walks bytes a peer me
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -110,12 +111,14 @@ def _checked_layers(layers: Sequence[Piece], geometry: KVGeometry, layer_bytes: 
     if len(layers) != geometry.num_layers:
         raise ValueError(f"a block needs {geometry.num_layers} layers, got {len(layers)}")
     out = [memoryview(layer).cast("B") for layer in layers]
-    if any(len(layer) != layer_bytes for layer in out):
+    if {len(layer) for layer in out} != {layer_bytes}:
         raise ValueError(f"each layer of a block holds {layer_bytes} bytes, got {[len(x) for x in out]}")
     return out
 
 
-_TOKEN = struct.Struct(">BI")
+@functools.lru_cache(maxsize=64)
+def _token_struct(n: int) -> struct.Struct:
+    return struct.Struct(">" + "BI" * n)
 
 
 def _tokens(token_ids: Sequence[int], pack) -> bytes:
@@ -123,9 +126,11 @@ def _tokens(token_ids: Sequence[int], pack) -> bytes:
     narrowest): blocks of one shape are then equally spaced in a payload, and a reader can
     take all their K (or V) as one strided array (`kvcache.pool.KVPool.write_block_arrays`)."""
     ids = [int(t) for t in token_ids]
-    if not all(0 <= t < 1 << 32 for t in ids):
+    if not ids or min(ids) < 0 or max(ids) >= 1 << 32:
         return pack(ids)
-    return _array_header(len(ids)) + b"".join(_TOKEN.pack(0xCE, t) for t in ids)
+    tagged = [0xCE] * (2 * len(ids))
+    tagged[1::2] = ids
+    return _array_header(len(ids)) + _token_struct(len(ids)).pack(*tagged)
 
 
 def _map_header(n: int) -> bytes:
@@ -155,36 +160,53 @@ def _read_envelope(reader: _Reader, expected: KVGeometry) -> list[KVBlockData]:
     reader.key("geometry")
     _check_geometry(reader.value(), expected)
     reader.key("blocks")
-    blocks = [_read_block(reader, expected, i) for i in range(reader.array_header())]
+    layout = _BlockLayout.of(expected)
+    blocks = [_read_block(reader, layout, i) for i in range(reader.array_header())]
     reader.key("checksum")
     reader.bin(CHECKSUM_SIZE)
     return blocks
 
 
-def _read_block(reader: _Reader, geometry: KVGeometry, index: int) -> KVBlockData:
+@dataclass(frozen=True)
+class _BlockLayout:
+    """What every block of one payload shares, worked out once per payload rather than per block."""
+
+    block_size: int
+    nbytes: int  # K (or V) bytes of one block, all layers
+    k_header: bytes
+    v_header: bytes
+    wire: np.dtype
+    storage: np.dtype
+    shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, geometry: KVGeometry) -> _BlockLayout:
+        nbytes = geometry.num_layers * geometry.bytes_per_block_layer
+        return cls(geometry.block_size, nbytes, b"\xa1k" + _bin_header(nbytes), b"\xa1v" + _bin_header(nbytes),
+                   wire_dtype(geometry), geometry.numpy_storage_dtype, block_array_shape(geometry))
+
+    def view(self, data: memoryview) -> np.ndarray:
+        view = np.frombuffer(data, dtype=self.wire).reshape(self.shape)
+        return view if view.dtype == self.storage else view.view(self.storage)
+
+
+def _read_block(reader: _Reader, layout: _BlockLayout, index: int) -> KVBlockData:
     """One block; its field names and K/V headers are compared as whole byte runs (few calls per block)."""
-    nbytes = geometry.num_layers * geometry.bytes_per_block_layer
-    kv_header = _bin_header(nbytes)
     reader.expect(b"\x85\xa4hash", index)
     block_hash = reader.bin()
     reader.expect(b"\xa6parent", index)
     parent = reader.nil_or_bin()
     reader.expect(b"\xa6tokens", index)
-    tokens = reader.value(limit=3 + 9 * geometry.block_size)
-    if not isinstance(tokens, list) or not 0 < len(tokens) <= geometry.block_size:
-        raise CorruptKVPayload(f"block {index} token count: expected 1..{geometry.block_size}")
+    tokens = reader.value(limit=3 + 9 * layout.block_size)
+    if not isinstance(tokens, list) or not 0 < len(tokens) <= layout.block_size:
+        raise CorruptKVPayload(f"block {index} token count: expected 1..{layout.block_size}")
     if not all(type(t) is int and t >= 0 for t in tokens):
         raise CorruptKVPayload(f"block {index} token ids are not all non-negative integers")
-    reader.expect(b"\xa1k" + kv_header, index)
-    keys = _view(reader.take(nbytes), geometry)
-    reader.expect(b"\xa1v" + kv_header, index)
-    values = _view(reader.take(nbytes), geometry)
+    reader.expect(layout.k_header, index)
+    keys = layout.view(reader.take(layout.nbytes))
+    reader.expect(layout.v_header, index)
+    values = layout.view(reader.take(layout.nbytes))
     return KVBlockData(bytes(block_hash), None if parent is None else bytes(parent), tuple(tokens), keys, values)
-
-
-def _view(data: memoryview, geometry: KVGeometry) -> np.ndarray:
-    view = np.frombuffer(data, dtype=wire_dtype(geometry)).reshape(block_array_shape(geometry))
-    return view if view.dtype == geometry.numpy_storage_dtype else view.view(geometry.numpy_storage_dtype)
 
 
 class _Reader:

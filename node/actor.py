@@ -110,7 +110,7 @@ class NodeActor:
     async def start(self) -> dict:
         """Register with the coordinator and start heartbeating; returns this node's info."""
         self._loop = asyncio.get_running_loop()
-        self.direct.start(self._loop)  # before registering: the info carries its address
+        self.direct.start()  # before registering: the info carries its address
         await self._register()
         if self._heartbeat_task is None:
             self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())

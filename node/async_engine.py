@@ -104,8 +104,20 @@ class AsyncEngine:
         """
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        self._commands.put(("call", fn, done, loop))
+
+        def settle(result, exc) -> None:
+            loop.call_soon_threadsafe(_set_result if exc is None else _set_exception, done, result if exc is None else exc)
+
+        self._commands.put(("call", fn, settle, True))
         return await done
+
+    def call_from_thread(self, fn, settle) -> None:
+        """Queue `fn(engine)` from any thread, no event loop involved; `settle(result, exc)` runs
+        on the engine thread once it ran (`exc` None unless it raised). Calls run in the order
+        queued. A KV stream imports its chunks so, without waking a loop per chunk. The KV events
+        a call causes go out with the next step or `run_on_engine` call (a stream ends with one),
+        so a pull of 32 chunks sends the coordinator one batch, not 32, while its bytes move."""
+        self._commands.put(("call", fn, settle, False))
 
     def stats(self) -> dict:
         """The last stats the engine thread published (safe from any thread)."""
@@ -187,17 +199,20 @@ class AsyncEngine:
         elif cmd[0] == "call":
             self._call(*cmd[1:])
 
-    def _call(self, fn, done: asyncio.Future, loop: asyncio.AbstractEventLoop) -> None:
+    def _call(self, fn, settle, publish: bool) -> None:
         try:
             result = fn(self.engine)
         except Exception as exc:  # e.g. a refused KV payload: the caller decides what follows
-            loop.call_soon_threadsafe(_set_exception, done, exc)
+            settle(None, exc)
+            return
+        if not publish:
+            settle(result, None)
             return
         events = self.engine.drain_kv_events()  # an idle engine runs no step that would send them
         for listener in self._kv_listeners:
             listener(events)
         self._stats = self.engine.stats()
-        loop.call_soon_threadsafe(_set_result, done, result)
+        settle(result, None)
 
     def _deliver(self, out: RequestOutput) -> None:
         stream = self._streams.get(out.request_id)

@@ -16,6 +16,12 @@ the slowest stage sets the rate. A source that holds fewer blocks than asked sen
 Threads with blocking sockets, not asyncio streams: Python 3.11's transports join the
 buffers of `writelines` into one (a copy of every byte), and a thread's `sendmsg` and
 `recv_into` release the GIL, so the actor's event loop stays free to serve while bytes move.
+Once authenticated, a connection is in blocking mode with the kernel's send and receive
+timeouts (`SO_SNDTIMEO`, `SO_RCVTIMEO`) rather than Python's: a chunk is then one
+`recv_into(MSG_WAITALL)` and one `sendmsg` per batch of pieces, where a Python timeout
+(a non-blocking socket polled) returns to Python, and asks for the GIL, every few KiB.
+The receive thread also verifies each chunk: the kernel's receive buffer keeps filling
+meanwhile, and a second thread would only add a GIL hand-off per chunk.
 Anything that fails before the reply starts (no address, refused, wrong node) means "no
 direct path": the caller falls back to Ray. Nothing listens unless a key is set.
 """
@@ -28,7 +34,7 @@ import queue
 import socket
 import struct
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -45,6 +51,7 @@ log = logging.getLogger(__name__)
 _U32, _U64 = struct.Struct(">I"), struct.Struct(">Q")
 _MAX_REQUEST = 64 << 20
 _MAX_PIECES = 512  # per sendmsg; IOV_MAX is 1024 on Linux and macOS
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
 
 
 class LinkRefused(ConnectionError):
@@ -59,6 +66,10 @@ class KVLinkConfig:
     handshake_timeout_s: float = 5.0
     io_timeout_s: float = 30.0
     connect_timeout_s: float = 2.0
+    # The sender's socket buffer (the kernel caps it: net.core.wmem_max on Linux, kern.ipc.maxsockbuf
+    # on macOS): two chunks queued in the kernel keep the link busy while the next is encoded. The
+    # receive side is left to the kernel's autotuning, which setting SO_RCVBUF would switch off.
+    send_buffer_bytes: int | None = 8 << 20
 
 
 @dataclass
@@ -68,9 +79,12 @@ class LinkCounters:
     sent_bytes: int = 0
 
 
-#: The source's side of a pull, run on its engine thread: pin and describe the run, release it.
-Exporter = Callable[[list[BlockHash]], Awaitable[tuple[object, list]]]
-Releaser = Callable[[object], Awaitable[None]]
+#: Takes a verified chunk (buffer, size, blocks) on the receive thread; gives the buffer back with `done`.
+ChunkSink = Callable[[bytearray, int, list], None]
+#: The source's side of a pull, blocking the link's thread while its engine thread runs it:
+#: pin and describe the run, release it.
+Exporter = Callable[[list[BlockHash]], tuple[object, list]]
+Releaser = Callable[[object], None]
 
 
 class KVLinkServer:
@@ -83,7 +97,6 @@ class KVLinkServer:
         self.config = config or KVLinkConfig()
         self.counters = LinkCounters()
         self._sock: socket.socket | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-link-encode")
         self._probes: dict[int, bytes] = {}
 
@@ -94,8 +107,7 @@ class KVLinkServer:
         host, port = self._sock.getsockname()[:2]
         return f"{host}:{port}"
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> str:
-        self._loop = loop
+    def start(self) -> str:
         self._sock = socket.create_server((self.config.host, self.config.port))
         threading.Thread(target=self._accept_loop, name="kv-link-accept", daemon=True).start()
         return self.address
@@ -122,7 +134,8 @@ class KVLinkServer:
                     self.counters.refused += 1
                     return
                 self.counters.accepted += 1
-                conn.settimeout(self.config.io_timeout_s)
+                _data_mode(conn, self.config.io_timeout_s)
+                _grow_send_buffer(conn, self.config.send_buffer_bytes)
                 while (request := _read_request(conn)) is not None:
                     self._reply(conn, request)
             except (OSError, ValueError) as exc:
@@ -150,7 +163,7 @@ class KVLinkServer:
             return
         hashes = [BlockHash(bytes(h)) for h in request["hashes"]]
         per_chunk = max(1, int(request.get("chunk_bytes", self.config.chunk_bytes)) // self.geometry.bytes_per_block)
-        handle, blocks = self._on_loop(self._export(hashes))
+        handle, blocks = self._export(hashes)
         try:
             runs = [blocks[i : i + per_chunk] for i in range(0, len(blocks), per_chunk)]
             upcoming = self._encoder.submit(encode_pieces, self.geometry, runs[0]) if runs else None
@@ -162,7 +175,7 @@ class KVLinkServer:
                 self.counters.sent_bytes += size
             conn.sendall(_U64.pack(0))
         finally:
-            self._on_loop(self._release(handle))
+            self._release(handle)
 
     def prepare_probes(self, sizes) -> None:
         """Encode probe payloads ahead (in the background), so a probe times the link, not the encoder."""
@@ -174,9 +187,6 @@ class KVLinkServer:
             self._probes[nbytes] = probe_payload(self.geometry, nbytes)
         return self._probes[nbytes]
 
-    def _on_loop(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(self.config.io_timeout_s)
-
 
 # ---- the client -----------------------------------------------------------------------
 
@@ -184,14 +194,15 @@ class KVLinkServer:
 class LinkStream:
     """One pull's connection: chunks arrive on a thread into reused buffers, the caller awaits them."""
 
-    def __init__(self, sock: socket.socket, buffers: list[bytearray], geometry):
-        self.sock, self.geometry = sock, geometry
-        self._free: asyncio.Queue = asyncio.Queue()
+    def __init__(self, sock: socket.socket, buffers: list[bytearray], geometry, sink: ChunkSink | None = None):
+        self.sock, self.geometry, self._sink = sock, geometry, sink
+        self._free: queue.SimpleQueue = queue.SimpleQueue()  # the receive thread blocks on it
         self._ready: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
         for buffer in buffers:
-            self._free.put_nowait(buffer)
+            self._free.put(buffer)
         self.buffers = buffers
+        self.ended = False  # the reply's end marker arrived: the connection can serve another pull
         self._thread: threading.Thread | None = None
 
     def start(self, hashes: Sequence[bytes], chunk_bytes: int, probe_bytes: int = 0) -> None:
@@ -204,7 +215,8 @@ class LinkStream:
 
     async def chunks(self):
         """Yields (buffer, size, blocks) until the reply ends, `blocks` verified and decoded as views
-        into `buffer`; give the buffer back with `done` once they are imported."""
+        into `buffer`; give the buffer back with `done` once they are imported. With a sink,
+        the receive thread hands each chunk to it instead, and this only ends or raises."""
         while True:
             item = await self._ready.get()
             if item is None:
@@ -214,43 +226,45 @@ class LinkStream:
             yield item
 
     def done(self, buffer: bytearray) -> None:
-        self._free.put_nowait(buffer)
+        self._free.put(buffer)
 
     def close(self) -> None:
+        """End the pull and the connection; wakes a receiver waiting for a buffer."""
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self.sock.close()
-        self._loop.call_soon(self._free.put_nowait, None)  # wakes a receiver waiting for a buffer
+        self._free.put(None)
+
+    def release(self) -> socket.socket | None:
+        """The connection, for the next pull, once the reply ended whole; else close it and None."""
+        if not self.ended:
+            self.close()
+            return None
+        if self._thread is not None:
+            self._thread.join(1.0)  # past the end marker: the thread is returning
+        return self.sock
 
     def _receive(self) -> None:
-        """Socket to buffers; a second thread verifies and decodes, so chunk i+1 arrives meanwhile."""
-        received: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._decode, args=(received,), name="kv-link-decode", daemon=True).start()
+        """Socket to buffers, each chunk verified and decoded here before it is handed over."""
         try:
             while (size := _U64.unpack(_recv_exact(self.sock, 8) or _eof())[0]) != 0:
-                buffer = asyncio.run_coroutine_threadsafe(self._free.get(), self._loop).result()
+                buffer = self._free.get()
                 if buffer is None:
-                    break
+                    return
                 if len(buffer) < size:  # a new one (views of the old may live on), kept across pulls
                     self.buffers[self.buffers.index(buffer)] = buffer = bytearray(size)
                 if not _recv_into(self.sock, memoryview(buffer)[:size]):
                     _eof()
-                received.put((buffer, size))
-            received.put(None)
+                chunk = (buffer, size, decode_views(memoryview(buffer)[:size], self.geometry))
+                self._sink(*chunk) if self._sink is not None else self._put(chunk)
+            self.ended = True
+            self._put(None)
+        except KVCacheError as exc:  # a refused payload is raised to the caller as is
+            self._put(exc)
         except Exception as exc:  # noqa: BLE001 - whatever stops the thread must reach the caller
-            received.put(exc if isinstance(exc, OSError) else ConnectionError(f"{type(exc).__name__}: {exc}"))
-
-    def _decode(self, received: queue.SimpleQueue) -> None:
-        while isinstance(item := received.get(), tuple):
-            buffer, size = item
-            try:
-                self._put((buffer, size, decode_views(memoryview(buffer)[:size], self.geometry)))
-            except KVCacheError as exc:  # a refused payload is raised to the caller as is
-                self._put(exc)
-                return
-        self._put(item)  # the end, or what broke the connection
+            self._put(exc if isinstance(exc, OSError) else ConnectionError(f"{type(exc).__name__}: {exc}"))
 
     def _put(self, item) -> None:
         try:
@@ -277,7 +291,7 @@ def connect(address: str, key: bytes, expected_node: str, config: KVLinkConfig) 
             raise LinkRefused(f"{address} refused our key, or is not node {expected_node!r}")
         if not auth.proofs_equal(reply[: auth.PROOF_SIZE], auth.server_proof(key, nonce, server_nonce, expected_node)):
             raise LinkRefused(f"{address} does not hold the cluster's key")
-        sock.settimeout(config.io_timeout_s)
+        _data_mode(sock, config.io_timeout_s)
         return sock
     except BaseException:
         sock.close()
@@ -301,6 +315,26 @@ def _read_request(conn: socket.socket) -> dict | None:
     return request
 
 
+def _data_mode(sock: socket.socket, timeout_s: float) -> None:
+    """Blocking, with the kernel's timeouts: a whole chunk is one system call (module docstring)."""
+    sock.settimeout(None)
+    seconds = max(1, int(timeout_s))
+    timeval = struct.pack("ll", seconds, 0)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+def _grow_send_buffer(sock: socket.socket, nbytes: int | None) -> None:
+    """Ask for a send buffer of `nbytes`, halving where the kernel refuses (macOS refuses sizes
+    past its limit where Linux caps them); never below what the kernel already gave."""
+    while nbytes and nbytes > sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
+            return
+        except OSError:
+            nbytes //= 2
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     buffer = bytearray(n)
     return bytes(buffer) if _recv_into(sock, memoryview(buffer)) else None
@@ -309,8 +343,12 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
 def _recv_into(sock: socket.socket, view: memoryview) -> bool:
     """Fill `view` from `sock`; False when the peer closed first."""
     got = 0
+    flags = _WAITALL if sock.gettimeout() is None else 0
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        try:
+            n = sock.recv_into(view[got:], 0, flags)
+        except BlockingIOError as exc:  # the kernel's receive timeout (`_data_mode`)
+            raise TimeoutError("the KV link's peer sent nothing within its timeout") from exc
         if n == 0:
             return False
         got += n
@@ -323,7 +361,10 @@ def _send_pieces(sock: socket.socket, pieces: list) -> None:
     i = 0
     while i < len(views):
         batch = views[i : i + _MAX_PIECES]
-        sent = sock.sendmsg(batch)
+        try:
+            sent = sock.sendmsg(batch)
+        except BlockingIOError as exc:  # the kernel's send timeout (`_data_mode`)
+            raise TimeoutError("the KV link's peer took nothing within its timeout") from exc
         for view in batch:  # drop what went out; keep the rest of a partly sent piece
             if sent >= len(view):
                 sent -= len(view)

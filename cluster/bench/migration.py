@@ -3,7 +3,9 @@
 One run, two raylets on this machine (loopback; separate network namespaces are not used
 here), one node actor on each (node "a" on the head, node "b" on the worker):
 
-1. raw TCP throughput of the loopback link with plain sockets, the ceiling to compare with;
+1. raw TCP throughput of the loopback link with plain sockets, the ceiling to compare with:
+   measured before the cluster starts and again after each model's throughput rows (on a
+   shared machine one reading swings 2x from minute to minute), percentages of their median;
 2. migration throughput of a prefix from a to b, per size: `pull_blocks` end to end (export
    on a, transfer, checks and import on b, blocks usable by b's engine) over the direct KV
    path (`node.kv_link`, the best of `--repeats`) and through Ray's object store, and Ray's
@@ -24,6 +26,7 @@ import argparse
 import os
 import secrets
 import socket
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -296,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.coordinator.coordinator import CoordinatorConfig
     from cluster.runtime.ray_cluster import LocalCluster, ensure_coordinator
 
-    tcp_Bps = tcp_throughput(config.tcp_mib << 20)
+    tcp = [tcp_throughput(config.tcp_mib << 20)]
     rows, cases = [], []
     with LocalCluster(cpus_per_node=1, object_store_mb=400).start(extra_nodes=1) as local:
         ensure_coordinator(CoordinatorConfig())
@@ -304,10 +307,11 @@ def main(argv: list[str] | None = None) -> int:
             pair = NodePair(local, size, config, num_blocks_for(config, size))
             try:
                 rows += throughput(pair, config)
+                tcp.append(tcp_throughput(config.tcp_mib << 20))
                 cases += [run_case(pair, n) for n in config.lengths.get(size, (config.prefix_tokens,))]
             finally:
                 pair.close()
-    print_report(config, tcp_Bps, rows, cases, openblas_in_use())
+    print_report(config, tcp, rows, cases, openblas_in_use())
     return 0
 
 
@@ -326,10 +330,12 @@ def parse_args(argv) -> BenchConfig:
                        pull_tokens=pull_tokens, repeats=args.repeats)
 
 
-def print_report(config: BenchConfig, tcp_Bps: float, rows, cases: list[Case], openblas: bool) -> None:
+def print_report(config: BenchConfig, tcp: list[float], rows, cases: list[Case], openblas: bool) -> None:
     gb = 1e9
+    tcp_Bps = statistics.median(tcp)
     print(f"KV migration, two raylets on loopback (no network namespaces); OpenBLAS preloaded: {openblas}")
-    print(f"raw TCP, plain sockets, one stream: {tcp_Bps / gb:.2f} GB/s")
+    print(f"raw TCP, plain sockets, one stream: {tcp_Bps / gb:.2f} GB/s, the median of "
+          + ", ".join(f"{v / gb:.2f}" for v in tcp) + " (before the cluster, then after each model's pulls)")
     print()
     print(f"{'model':<12}{'prefix':>7}{'MiB':>7}{'direct pull GB/s':>17}{'% TCP':>7}{'median':>8}{'% TCP':>7}"
           f"{'Ray pull GB/s':>14}{'% TCP':>7}{'object store only':>18}{'% TCP':>7}")

@@ -136,3 +136,31 @@ def test_writes_and_copies_update_the_pool_in_place():
     assert mx.get_peak_memory() - before < layer_bytes // 4
     got_keys, _ = pool.read_blocks([3, 4])
     assert same_bits(got_keys, keys)
+
+
+@pytest.mark.parametrize("ids", [[3, 4, 5], [5, 2, 4]], ids=["consecutive", "scattered"])
+def test_a_strided_run_of_blocks_lands_in_consecutive_and_scattered_ids_alike(ids):
+    """One buffer holding blocks equally spaced (as a received payload does) is copied per layer,
+    through a slice where the ids are consecutive and through an index array otherwise."""
+    geometry = tiny_geometry("float32")
+    pool = KVPool(geometry, num_blocks=8)
+    keys, values = random_blocks(geometry, 3, 18), random_blocks(geometry, 3, 19)
+    per_block = keys[:, 0].nbytes
+    buffer = bytearray(3 * (2 * per_block + 24))  # K, V and a gap per block, like a payload's headers
+    flat = np.frombuffer(buffer, dtype=np.uint8)
+    views = []
+    for j in range(3):
+        at = j * (2 * per_block + 24)
+        flat[at : at + per_block] = np.frombuffer(np.ascontiguousarray(keys[:, j]).tobytes(), np.uint8)
+        flat[at + per_block : at + 2 * per_block] = np.frombuffer(np.ascontiguousarray(values[:, j]).tobytes(), np.uint8)
+        k = flat[at : at + per_block].view(np.float32).reshape(keys[:, j].shape)
+        v = flat[at + per_block : at + 2 * per_block].view(np.float32).reshape(keys[:, j].shape)
+        views.append((k, v))
+    from kvcache.pool import _as_run
+
+    assert _as_run([k for k, _ in views]) is not None  # the strided path, not block by block
+    pool.write_block_arrays(ids, [k for k, _ in views], [v for _, v in views])
+    got_keys, got_values = pool.read_blocks(ids)
+    assert same_bits(got_keys, keys) and same_bits(got_values, values)
+    untouched = [b for b in range(1, 8) if b not in ids]
+    assert not pool.read_blocks(untouched)[0].any()

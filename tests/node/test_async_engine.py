@@ -96,3 +96,28 @@ def test_process_exits_cleanly_without_an_explicit_shutdown(demo_model_dir):
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
         assert done.stdout.strip() == "ok"
+
+
+def test_calls_from_a_thread_run_in_order_settle_on_the_engine_thread_and_publish_with_the_next_loop_call(engine):
+    import threading
+
+    seen, settled, published = [], [], []
+    engine.add_kv_listener(lambda events: published.append(len(events)))
+    engine_thread = []
+
+    def call(i):
+        def fn(_engine):
+            engine_thread.append(threading.current_thread())
+            if i == 2:
+                raise ValueError("refused")
+            seen.append(i)
+            return i
+        return fn
+
+    for i in range(4):
+        engine.call_from_thread(call(i), lambda result, exc: settled.append((result, type(exc).__name__ if exc else None)))
+    asyncio.run(engine.run_on_engine(lambda _e: None))  # queued after them: they have all run
+    assert seen == [0, 1, 3]
+    assert settled == [(0, None), (1, None), (None, "ValueError"), (3, None)]
+    assert len(set(engine_thread)) == 1 and engine_thread[0] is not threading.current_thread()
+    assert len(published) == 1  # the loop call published; the four thread calls did not

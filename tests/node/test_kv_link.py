@@ -39,7 +39,7 @@ def nodes():
                for _ in range(3)]
     paths = {name: DirectPath(BlockMover(e), name, KEY, CONFIG) for name, e in zip("abc", engines)}
     for path in paths.values():
-        path.start(loop)
+        path.start()
     yield loop, paths
     for path in paths.values():
         path.close()
@@ -136,6 +136,27 @@ def test_direct_pull_gives_the_greedy_tokens_of_recomputing_and_is_a_prefix_hit(
     assert paths["b"].mover.counters.migrated_blocks >= 5
 
 
+def test_a_second_pull_from_the_same_source_reuses_the_authenticated_connection(nodes):
+    loop, paths = nodes
+    pull(loop, paths, prompt(3))
+    accepted = paths["a"].server.counters.accepted
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(4))
+    assert (result.ok, result.imported) == (True, 5) and (migrated, hit) == (reference, 5 * BS)
+    assert paths["a"].server.counters.accepted == accepted
+
+
+def test_a_kept_connection_the_source_closed_is_replaced_by_a_fresh_one(nodes):
+    loop, paths = nodes
+    pull(loop, paths, prompt(5))
+    kept, _ = paths["b"]._idle["a"]
+    kept.shutdown(socket.SHUT_WR)  # the listener reads the end and closes its side
+    assert wait_until(lambda: kept.recv(1, socket.MSG_PEEK) == b"")
+    accepted = paths["a"].server.counters.accepted
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(6))
+    assert (result.ok, result.imported) == (True, 5) and (migrated, hit) == (reference, 5 * BS)
+    assert paths["a"].server.counters.accepted == accepted + 1
+
+
 def test_pull_from_an_address_where_nothing_listens_is_no_direct_path(nodes):
     loop, paths = nodes
     with socket.socket() as probe:
@@ -214,3 +235,45 @@ def test_a_node_actors_link_listens_at_its_ray_node_address_by_default(monkeypat
     assert actor.listen_config(actor.NodeActorConfig("n", "c", "ns").link).host == "10.1.2.3"
     named = actor.KVLinkConfig(host="127.0.0.1")
     assert actor.listen_config(named) == named  # an address given is kept
+
+
+def test_a_silent_peer_times_out_under_the_kernels_timeout_of_an_authenticated_connection():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        with socket.create_connection(server.getsockname()) as client, server.accept()[0]:
+            kv_link._data_mode(client, 1.0)
+            assert client.gettimeout() is None  # blocking: a chunk is one system call
+            with pytest.raises(TimeoutError):
+                kv_link._recv_into(client, memoryview(bytearray(64)))
+
+
+def test_a_small_pull_asks_for_smaller_chunks_so_its_stages_overlap():
+    from node.direct_path import MIN_CHUNK_BYTES, chunk_size
+
+    mib = 1 << 20
+    assert chunk_size(128 * mib, 4 * mib) == 4 * mib  # a large pull: the configured size
+    assert chunk_size(16 * mib, 4 * mib) == 2 * mib  # eight chunks
+    assert chunk_size(2 * mib, 4 * mib) == MIN_CHUNK_BYTES  # never below the floor...
+    assert chunk_size(2 * mib, 128 * 1024) == 128 * 1024  # ...nor above what is configured
+
+
+def test_the_senders_buffer_grows_as_far_as_the_kernel_allows_and_a_refusal_is_not_an_error(monkeypatch):
+    with socket.socket() as sock:
+        before = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        kv_link._grow_send_buffer(sock, 4 * before)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) > before
+
+    class Refusing:  # macOS: ENOBUFS past kern.ipc.maxsockbuf
+        def __init__(self):
+            self.asked = []
+
+        def getsockopt(self, *_):
+            return 1 << 16
+
+        def setsockopt(self, _level, _name, nbytes):
+            self.asked.append(nbytes)
+            if nbytes > 1 << 20:
+                raise OSError(55, "No buffer space available")
+
+    refusing = Refusing()
+    kv_link._grow_send_buffer(refusing, 8 << 20)
+    assert refusing.asked == [8 << 20, 4 << 20, 2 << 20, 1 << 20]

@@ -1,0 +1,209 @@
+"""Where a direct KV pull spends its time: two processes, no Ray, stage by stage.
+
+The source runs in a child process (its own GIL, as a node actor has), holding a prefix
+seeded by import; the target, in this process, pulls it over `node.kv_link` as a node
+actor's `pull_blocks` does. Each stage is timed by wrapping the function that does it, in
+both processes, and summed over a pull (stages on different threads overlap, so they add up
+to more than the pull's wall time; the one nearest the wall time bounds the pull):
+
+    source: pin (pin_export on the engine thread), encode (headers + checksum), send (sendmsg)
+    target: recv (socket to buffer), decode (checksum + parse), import (pool write, engine thread)
+
+Raw TCP over the same loopback, plain sockets, is measured in the same run.
+
+    python -m experiments.kv_pull_profile [--size large] [--tokens 8192] [--repeats 3] [--chunk-mib 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import statistics
+import sys
+import threading
+import time
+from collections import defaultdict
+
+from experiments.common import machine_line, print_header, save_results
+
+KEY_SECRET = "a-cluster-token-of-at-least-32-characters-for-profiling"
+
+
+class Stages:
+    """Seconds and calls per stage, from any thread."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+
+    def wrap(self, owner, name: str, stage: str) -> None:
+        real = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                with self.lock:
+                    self.seconds[stage] += time.perf_counter() - started
+                    self.calls[stage] += 1
+
+        setattr(owner, name, timed)
+
+    def take(self) -> dict:
+        with self.lock:
+            out = {k: (self.seconds[k], self.calls[k]) for k in self.seconds}
+            self.seconds.clear()
+            self.calls.clear()
+        return out
+
+
+def _engine(size: str, num_blocks: int):
+    from node.async_engine import AsyncEngine
+    from node.demo_model import default_demo_model_path
+    from node.engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(model=str(default_demo_model_path(size)), block_size=16, num_blocks=num_blocks,
+                          max_num_seqs=4, max_num_batched_tokens=512)
+    return AsyncEngine(LLMEngine(config))
+
+
+def _path(name: str, engine, chunk_mib: int = 4):
+    from node import link_auth
+    from node.direct_path import DirectPath
+    from node.kv_link import KVLinkConfig
+    from node.migration import BlockMover
+
+    config = KVLinkConfig(chunk_bytes=chunk_mib << 20)
+    path = DirectPath(BlockMover(engine), name, link_auth.link_key(KEY_SECRET), config)
+    path.start()
+    return path
+
+
+def _instrument(stages: Stages, side: str) -> None:
+    from kvcache import cache
+    from node import kv_link
+
+    if side == "source":
+        stages.wrap(cache.KVCache, "pin_export", "pin")
+        stages.wrap(kv_link, "encode_pieces", "encode")
+        stages.wrap(kv_link, "_send_pieces", "send")
+    else:
+        stages.wrap(kv_link, "_recv_into", "recv")
+        stages.wrap(kv_link, "decode_views", "decode")
+        stages.wrap(cache.KVCache, "import_decoded", "import")
+
+
+def _seed(path, tokens_len: int, seed: int) -> list[bytes]:
+    """A fresh prefix in the source's pool, imported from made-up KV under its true hashes."""
+    import numpy as np
+
+    from kvcache.wire import KVBlockData, encode_blocks
+
+    kv = path.mover.engine.engine.kv
+    geometry = kv.geometry
+    tokens = [(seed * 7919 + j * 13 + (j * j) % 97) % 1500 + 20 for j in range(tokens_len)]
+    hashes = kv.block_hashes(tokens)
+    parents = [kv.root, *hashes[:-1]]
+    block = np.random.default_rng(seed).standard_normal((geometry.num_layers, *geometry.block_shape))
+    block = block.astype(geometry.numpy_storage_dtype)
+    bs = geometry.block_size
+    for start in range(0, len(hashes), 64):
+        blocks = [KVBlockData(hashes[i], parents[i], tuple(tokens[i * bs : (i + 1) * bs]), block, block)
+                  for i in range(start, min(start + 64, len(hashes)))]
+        kv.import_blocks(encode_blocks(geometry, blocks))
+    return [bytes(h) for h in hashes]
+
+
+def _source_main(conn, size: str, num_blocks: int, switch_s: float) -> None:
+    """The source node: answers "seed" (a fresh prefix), "stages" (and clears them), "stop"."""
+    sys.setswitchinterval(switch_s)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    engine = _engine(size, num_blocks)
+    stages = Stages()
+    _instrument(stages, "source")
+    path = _path("src", engine)
+    conn.send(path.address)
+    while True:
+        command, arg = conn.recv()
+        if command == "seed":
+            conn.send(asyncio.run_coroutine_threadsafe(
+                engine.run_on_engine(lambda e, a=arg: _seed(path, *a)), loop).result())
+        elif command == "stages":
+            conn.send(stages.take())
+        else:
+            break
+    path.close()
+    engine.shutdown()
+
+
+def _pull(loop, path, address: str, hashes: list[bytes]):
+    async def resolve(_peer):
+        return address
+
+    return asyncio.run_coroutine_threadsafe(path.pull("src", hashes, resolve), loop).result()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="large")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--switch-ms", type=float, default=5.0, help="the interpreter's GIL switch interval, both processes")
+    p.add_argument("--chunk-mib", type=int, default=4, help="chunk size the target asks for")
+    args = p.parse_args(argv)
+    from cluster.bench.migration import tcp_throughput
+
+    print_header(f"direct KV pull, stage by stage ({args.size}, {args.tokens} tokens)")
+    sys.setswitchinterval(args.switch_ms / 1e3)
+    num_blocks = (args.repeats + 1) * args.tokens // 16 + 64
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    source = ctx.Process(target=_source_main, args=(theirs, args.size, num_blocks, args.switch_ms / 1e3), daemon=True)
+    source.start()
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    engine = _engine(args.size, num_blocks)
+    stages = Stages()
+    _instrument(stages, "target")
+    path = _path("dst", engine, args.chunk_mib)
+    address = ours.recv()
+    ours.send(("seed", (64, 1)))
+    _pull(loop, path, address, ours.recv())  # warm
+    ours.send(("stages", None))
+    ours.recv()
+    stages.take()
+    tcp_Bps = tcp_throughput(256 << 20)
+    rates, pulls = [], []
+    for i in range(args.repeats):
+        ours.send(("seed", (args.tokens, i + 2)))
+        hashes = ours.recv()
+        started = time.perf_counter()
+        result = _pull(loop, path, address, hashes)
+        wall = time.perf_counter() - started
+        ours.send(("stages", None))
+        source_stages = ours.recv()
+        target_stages = stages.take()
+        assert result.ok and result.imported == len(hashes), result
+        rates.append(result.bytes_per_s)
+        pulls.append({"bytes": result.bytes, "wall_s": wall, "source": source_stages, "target": target_stages})
+        print(f"pull {i}: {result.bytes / 2**20:.1f} MiB in {wall * 1e3:.1f} ms "
+              f"({result.bytes_per_s / 1e9:.2f} GB/s, {100 * result.bytes_per_s / tcp_Bps:.0f} % of TCP)")
+        for side, table in (("source", source_stages), ("target", target_stages)):
+            print(f"  {side}: " + ", ".join(f"{k} {s * 1e3:.1f} ms/{n}" for k, (s, n) in sorted(table.items())))
+    print(f"raw TCP {tcp_Bps / 1e9:.2f} GB/s; pull best {max(rates) / 1e9:.2f} GB/s "
+          f"({100 * max(rates) / tcp_Bps:.0f} %), median {statistics.median(rates) / 1e9:.2f} GB/s")
+    save_results("kv_pull_profile", {"machine": machine_line(), "size": args.size, "tokens": args.tokens,
+                                      "chunk_mib": args.chunk_mib, "tcp_Bps": tcp_Bps, "pulls": pulls})
+    ours.send(("stop", None))
+    source.join(10)
+    path.close()
+    engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
