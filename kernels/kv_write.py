@@ -37,10 +37,6 @@ class SlotIndex:
         slots = np.asarray(slot_mapping, dtype=np.int64)
         return cls(mx.array((slots // block_size).astype(np.int32)), mx.array((slots % block_size).astype(np.int32)))
 
-    @property
-    def num_tokens(self) -> int:
-        return self.blocks.shape[0]
-
 
 def write_kv(
     key_cache: mx.array,

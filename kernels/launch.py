@@ -16,7 +16,7 @@ import numpy as np
 
 from kernels import source
 from kernels.errors import UnsupportedAttentionShape
-from kernels.variants import PLAIN, LayerAttention, LayerInputCache, LayerInputs
+from kernels.variants import PLAIN, LayerAttention, LayerInputs, layer_inputs
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 WARP = 32
@@ -143,8 +143,8 @@ class PagedDecodeKernels:
         plan = plan_decode(num_seqs, num_heads, num_kv_heads, head_dim, context_bound(block_tables, context_lens, block_size), tuning)
         tables = as_device_ints(block_tables)
         dims = mx.array(decode_dims(tables.shape[1], plan), dtype=mx.int32)
-        layer_inputs = LayerInputCache(num_heads)(scale, layer)
-        return self.launch(queries, key_cache, value_cache, tables, as_device_ints(context_lens), plan, tuning, dims, layer_inputs)
+        inputs = layer_inputs(num_heads, scale, layer)
+        return self.launch(queries, key_cache, value_cache, tables, as_device_ints(context_lens), plan, tuning, dims, inputs)
 
     def launch(self, queries, key_cache, value_cache, tables, lengths, plan: DecodePlan, tuning: KernelTuning,
                dims: mx.array, layer: LayerInputs) -> mx.array:

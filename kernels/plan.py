@@ -20,7 +20,7 @@ wholly before its window read no keys and add nothing when their partitions are 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -29,7 +29,7 @@ from kernels import mma_source, reference, source
 from kernels.dispatch import resolve_backend
 from kernels.errors import InvalidAttentionMetadata, UnsupportedAttentionShape
 from kernels.launch import DecodePlan, KernelTuning, decode_dims, plan_decode
-from kernels.variants import LayerAttention, LayerInputCache, LayerInputs
+from kernels.variants import LayerAttention, LayerInputs, layer_inputs
 
 WARP = 32
 #: bytes of threadgroup memory one threadgroup may declare: CUDA's static __shared__ limit, Metal's threadgroup limit
@@ -147,13 +147,10 @@ class VarlenPlan:
     block_tables: mx.array
     kernel: KernelPlan | None  # compiled backends
     reference: reference.ReferencePlan | None  # the reference backend
-    _inputs: LayerInputCache | None = field(default=None, compare=False, repr=False)
 
     def layer_inputs(self, scale: float, layer: LayerAttention) -> LayerInputs:
-        """A layer's scale, window, soft cap and sinks as device arrays, made once per step per distinct value."""
-        if self._inputs is None:
-            object.__setattr__(self, "_inputs", LayerInputCache(self.num_heads))
-        return self._inputs(scale, layer)
+        """A layer's scale, window, soft cap and sinks as device arrays, made once per distinct value."""
+        return layer_inputs(self.num_heads, scale, layer)
 
 
 def plan_varlen(

@@ -2,8 +2,9 @@
 
 Layers of one model differ (Gemma 3 has five windowed layers to one global, gpt-oss
 alternates), while a step's plan is shared by every layer; so these travel with each
-attention call, never with the plan, and reach the compiled kernels as run-time inputs,
-not as template constants (one compiled variant serves every window).
+attention call, never with the plan. Their values reach the compiled kernels as run-time
+inputs (one compiled variant serves every window); only whether a layer has each of them
+is a template constant (`LayerInputs.template`), so plain layers compile without their code.
 
 - window W: the query at position p sees the keys at positions (p - W, p], itself included,
   as mlx-lm's `create_causal_mask(window_size=W)` and its `RotatingKVCache(max_size=W)` do;
@@ -82,10 +83,10 @@ class LayerInputs:
         return [("SOFTCAP", int(self.capped)), ("WINDOWED", int(self.windowed)), ("SINKS", int(self.sunk))]
 
 
-
 class LayerInputCache:
-    """Device arrays of the layers' additions, made once per distinct value for a step's lifetime
-    rather than once per layer: a step's 48 layers use two windows and one scale."""
+    """Device arrays of the layers' additions, made once per distinct value: every value is a
+    model's constant (48 layers use two windows and one scale), so one cache serves every step
+    and no step uploads them again (`layer_inputs`)."""
 
     def __init__(self, num_heads: int):
         self.num_heads = num_heads
@@ -112,3 +113,13 @@ class LayerInputCache:
         if key not in self._arrays:
             self._arrays[key] = make()
         return self._arrays[key]
+
+
+_SHARED: dict[int, LayerInputCache] = {}
+
+
+def layer_inputs(num_heads: int, scale: float, layer: LayerAttention) -> LayerInputs:
+    """A layer's additions as kernel inputs, from the one process-wide cache for `num_heads`."""
+    if num_heads not in _SHARED:
+        _SHARED[num_heads] = LayerInputCache(num_heads)
+    return _SHARED[num_heads](scale, layer)

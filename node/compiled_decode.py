@@ -86,7 +86,7 @@ class CompiledDecode:
         inputs = [
             _padded_ids(tokens, step.token_ids, batch),
             _padded(step.positions, np.zeros(batch)),
-            *_padded_slots(step.slot_mapping, batch, pool.keys[0].shape[1]),  # padding rows: the null block's first slot
+            *_padded_slots(step.slot_mapping, batch, pool.keys[0].shape[1]),
             mx.array(padded),
             _padded(step.context_lens, np.ones(batch)),
         ]
@@ -108,20 +108,22 @@ class CompiledDecode:
         return (logits, *pool.keys, *pool.values)
 
 
-def _padded(values, padding: np.ndarray) -> mx.array:
-    """`values` in the first rows of `padding` (int32, one entry per traced row), as a device array."""
+def _host_padded(values, padding: np.ndarray) -> np.ndarray:
+    """`values` in the first rows of `padding` (one entry per traced row), int32."""
     host = np.asarray(values, dtype=np.int32)
     out = padding.astype(np.int32)
     out[: host.size] = host
-    return mx.array(out)
+    return out
+
+
+def _padded(values, padding: np.ndarray) -> mx.array:
+    return mx.array(_host_padded(values, padding))
 
 
 def _padded_slots(slot_mapping, batch: int, block_size: int) -> tuple[mx.array, mx.array]:
-    """(blocks, offsets) of the step's slots, padding rows at block 0, offset 0."""
-    slots = np.zeros(batch, dtype=np.int64)
-    host = np.asarray(slot_mapping, dtype=np.int64)
-    slots[: host.size] = host
-    return mx.array((slots // block_size).astype(np.int32)), mx.array((slots % block_size).astype(np.int32))
+    """(blocks, offsets) of the step's slots; padding rows write the null block's first slot."""
+    index = SlotIndex.of(_host_padded(slot_mapping, np.zeros(batch)), block_size)
+    return index.blocks, index.offsets
 
 
 def _padded_ids(tokens: mx.array | None, token_ids, batch: int) -> mx.array:

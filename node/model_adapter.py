@@ -186,16 +186,13 @@ def _check_step(step: StepInput, starts: np.ndarray, lengths: np.ndarray, tables
         raise InvalidStep(f"block_tables must be [{step.num_seqs}, max_blocks], got {tables.shape}")
 
 
-def _check_decode_step(step: StepInput, pool_shape: tuple) -> None:
-    """What the eager path's plan checks, for a decode step a compiled graph runs unplanned."""
-    starts = np.arange(step.num_seqs + 1, dtype=np.int32)
+def _check_decode_step(step: StepInput, key_cache: mx.array) -> None:
+    """What the eager path's plan checks, for a decode step a compiled graph runs unplanned:
+    shapes, lengths within the tables' capacity, block ids within the pool."""
+    lengths = np.asarray(step.context_lens, dtype=np.int32)
     tables = np.asarray(step.block_tables, dtype=np.int32)
-    _check_step(step, starts, np.asarray(step.context_lens, dtype=np.int32), tables)
-    num_blocks, block_size = pool_shape[:2]
-    kernels.check_varlen_metadata(
-        starts, np.asarray(step.context_lens, dtype=np.int32), tables, block_size=block_size,
-        num_heads=pool_shape[2], num_kv_heads=pool_shape[2], num_blocks=num_blocks,
-    )
+    _check_step(step, np.arange(step.num_seqs + 1, dtype=np.int32), lengths, tables)
+    kernels.reference.check_table_values(key_cache, tables, lengths)  # as the eager plan does, InvalidAttentionMetadata
 
 
 class PagedLayerCache:
@@ -309,7 +306,7 @@ class ModelRunner:
         them also materialises this step's KV writes). `tokens` replaces `step.token_ids`
         when some ids are still on the device."""
         if self.compiled_decode is not None and step.num_tokens == step.num_seqs:
-            _check_decode_step(step, self.pool.keys[0].shape)
+            _check_decode_step(step, self.pool.keys[0])
             return self.compiled_decode(self.pool, step, tokens)
         context = StepContext.build(step, self.pool, self.attention_backend, self._num_heads)
         if tokens is None:
