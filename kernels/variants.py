@@ -97,7 +97,9 @@ class LayerInputCache:
             self._get(("scale", scale, layer.softcap_base2), lambda: mx.array([scale, layer.softcap_base2], dtype=mx.float32)),
             self._get(("window", layer.window_or_zero), lambda: mx.array([layer.window_or_zero], dtype=mx.int32)),
             self._sinks(layer.sinks),
-            capped=layer.softcap is not None, windowed=layer.window is not None, sunk=layer.sinks is not None,
+            capped=layer.softcap is not None,
+            windowed=layer.window is not None,
+            sunk=layer.sinks is not None,
         )
 
     def _sinks(self, sinks: mx.array | None) -> mx.array:
@@ -106,13 +108,20 @@ class LayerInputCache:
         # Keyed by identity: a model's sinks are one array per layer; the entry keeps it alive, so the id stays its own.
         key = ("sinks", id(sinks))
         if key not in self._arrays:
-            self._arrays[key] = (sinks, sinks.astype(mx.float32) * LOG2E)
+            self._arrays[key] = (sinks, self._made(lambda: sinks.astype(mx.float32) * LOG2E))
         return self._arrays[key][1]
 
     def _get(self, key, make):
         if key not in self._arrays:
-            self._arrays[key] = make()
+            self._arrays[key] = self._made(make)
         return self._arrays[key]
+
+    @staticmethod
+    def _made(make) -> mx.array:
+        """Evaluated now: a cached array is an input of steps on any engine's stream and thread."""
+        value = make()
+        mx.eval(value)
+        return value
 
 
 _SHARED: dict[int, LayerInputCache] = {}
