@@ -44,7 +44,8 @@ def check_decode_metadata(queries: mx.array, key_cache: mx.array, block_tables: 
         raise InvalidAttentionMetadata(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs or context_lens.shape != (num_seqs,):
         raise InvalidAttentionMetadata(
-            f"expected block_tables [{num_seqs}, max_blocks] and context_lens [{num_seqs}], got {block_tables.shape} and {context_lens.shape}"
+            f"expected block_tables [{num_seqs}, max_blocks] and context_lens [{num_seqs}], "
+            f"got {block_tables.shape} and {context_lens.shape}"
         )
     check_table_values(key_cache, block_tables, context_lens)
 
@@ -55,12 +56,16 @@ def check_table_values(key_cache: mx.array, block_tables: np.ndarray, context_le
     if context_lens.size == 0:
         return
     if context_lens.min() < 1 or context_lens.max() > block_tables.shape[1] * block_size:
-        raise InvalidAttentionMetadata(f"context_lens must lie in 1..{block_tables.shape[1] * block_size}, got {context_lens.min()}..{context_lens.max()}")
+        raise InvalidAttentionMetadata(
+            f"context_lens must lie in 1..{block_tables.shape[1] * block_size}, "
+            f"got {context_lens.min()}..{context_lens.max()}"
+        )
     if block_tables.min() < 0 or block_tables.max() >= num_blocks:
         raise InvalidAttentionMetadata(f"block ids must lie in 0..{num_blocks - 1}")
 
 
-def token_slots(block_tables: np.ndarray, context_lens: np.ndarray, block_size: int, width: int, first: np.ndarray | None = None) -> np.ndarray:
+def token_slots(block_tables: np.ndarray, context_lens: np.ndarray, block_size: int, width: int,
+                first: np.ndarray | None = None) -> np.ndarray:
     """Pool slot of positions first..first+width-1 of each sequence (first 0 unless given);
     positions past the end repeat the last token."""
     positions = np.arange(width, dtype=np.int32)[None, :] + (0 if first is None else first[:, None])
@@ -176,7 +181,10 @@ def paged_decode_reference(
     groups = length_groups(context_lens - window_starts(context_lens, layer.window))
     if len(groups) == 1:
         return _decode_group(queries, key_cache, value_cache, block_tables, context_lens, scale, layer)
-    pieces = [_decode_group(queries[mx.array(g)], key_cache, value_cache, block_tables[g], context_lens[g], scale, layer) for g in groups]
+    pieces = [
+        _decode_group(queries[mx.array(g)], key_cache, value_cache, block_tables[g], context_lens[g], scale, layer)
+        for g in groups
+    ]
     order = np.concatenate(groups)
     inverse = np.empty_like(order)
     inverse[order] = np.arange(num_seqs)
@@ -237,7 +245,9 @@ class ReferencePlan:
         return self.layout(None).pieces
 
 
-def plan_reference(starts: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray, block_size: int, num_kv_heads: int) -> ReferencePlan:
+def plan_reference(
+    starts: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray, block_size: int, num_kv_heads: int
+) -> ReferencePlan:
     """The step's host metadata, with its full-context layout made now."""
     plan = ReferencePlan(starts, context_lens, block_tables, block_size, num_kv_heads)
     plan.layout(None)
@@ -257,7 +267,7 @@ def _layout(plan: ReferencePlan, window: int | None) -> ReferenceLayout:
             pieces.append(_decode_piece(starts[seqs], block_tables[seqs], context_lens[seqs], plan, window))
             order.append(starts[seqs])
     for seq in np.nonzero(q_lens > 1)[0].tolist():
-        pieces.append(_chunk_piece(int(starts[seq]), int(q_lens[seq]), block_tables[seq : seq + 1], int(context_lens[seq]), plan, window))
+        pieces.append(_chunk_piece(int(starts[seq]), int(q_lens[seq]), block_tables[seq:seq + 1], int(context_lens[seq]), plan, window))
         order.append(np.arange(starts[seq], starts[seq + 1]))
     return ReferenceLayout(tuple(pieces), _inverse(np.concatenate(order)) if order else None)
 
@@ -296,11 +306,7 @@ def _inverse(order: np.ndarray) -> mx.array | None:
 
 
 def paged_varlen_reference(
-    queries: mx.array,
-    key_cache: mx.array,
-    value_cache: mx.array,
-    plan: ReferencePlan,
-    scale: float,
+    queries: mx.array, key_cache: mx.array, value_cache: mx.array, plan: ReferencePlan, scale: float,
     layer: LayerAttention = PLAIN,
 ) -> mx.array:
     """Run a step's pieces for this layer's window (gather + SDPA each) and put their rows back in packed order."""
@@ -319,7 +325,7 @@ def _run_piece(piece, queries: mx.array, key_cache: mx.array, value_cache: mx.ar
         q = queries[piece.query_rows].astype(key_cache.dtype)[:, :, None, :]
         out = attention(q, keys, values, scale, piece.mask, layer)
         return out[:, :, 0, :].astype(queries.dtype)
-    q = queries[piece.first_row : piece.stop_row].astype(key_cache.dtype).transpose(1, 0, 2)[None]
+    q = queries[piece.first_row:piece.stop_row].astype(key_cache.dtype).transpose(1, 0, 2)[None]
     out = attention(q, keys, values, scale, piece.mask, layer)
     return out[0].transpose(1, 0, 2).astype(queries.dtype)
 
@@ -354,13 +360,8 @@ def capped_attention(q, keys, values, scale: float, mask, softcap: float, sinks)
 
 
 def paged_decode_on_device(
-    queries: mx.array,
-    key_cache: mx.array,
-    value_cache: mx.array,
-    block_tables: mx.array,
-    context_lens: mx.array,
-    scale: float,
-    layer: LayerAttention = PLAIN,
+    queries: mx.array, key_cache: mx.array, value_cache: mx.array, block_tables: mx.array, context_lens: mx.array,
+    scale: float, layer: LayerAttention = PLAIN,
 ) -> mx.array:
     """Decode with its metadata left on the device: no host read, so a traced graph can hold it.
 

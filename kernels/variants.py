@@ -97,9 +97,7 @@ class LayerInputCache:
             self._get(("scale", scale, layer.softcap_base2), lambda: mx.array([scale, layer.softcap_base2], dtype=mx.float32)),
             self._get(("window", layer.window_or_zero), lambda: mx.array([layer.window_or_zero], dtype=mx.int32)),
             self._sinks(layer.sinks),
-            capped=layer.softcap is not None,
-            windowed=layer.window is not None,
-            sunk=layer.sinks is not None,
+            capped=layer.softcap is not None, windowed=layer.window is not None, sunk=layer.sinks is not None,
         )
 
     def _sinks(self, sinks: mx.array | None) -> mx.array:
