@@ -38,7 +38,7 @@ class SampleRow:
     def penalised_outputs(self) -> list[int]:
         """What presence and frequency penalties count: this attempt's outputs and an earlier one's."""
         earlier = self.params.resumed_outputs
-        carried = list(self.prompt_token_ids[len(self.prompt_token_ids) - earlier :]) if earlier else []
+        carried = list(self.prompt_token_ids[len(self.prompt_token_ids) - earlier:]) if earlier else []
         return carried + list(self.output_token_ids)
 
 
