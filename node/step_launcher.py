@@ -14,10 +14,13 @@ not take as inputs (`DeviceSample.host_tokens`), and waits for the launch before
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import mlx.core as mx
 
+#: ORCHARD_STEP_LAUNCH_THREAD=0 launches on the engine thread (to compare, or to rule the thread out).
+ON_THREAD = os.environ.get("ORCHARD_STEP_LAUNCH_THREAD", "1") != "0"
 _launcher: ThreadPoolExecutor | None = None
 
 
@@ -30,4 +33,9 @@ def _executor() -> ThreadPoolExecutor:
 
 def launch(arrays: list[mx.array]) -> Future:
     """Start evaluating `arrays` on the launch thread; the future settles once all are enqueued."""
-    return _executor().submit(mx.async_eval, *arrays)
+    if ON_THREAD:
+        return _executor().submit(mx.async_eval, *arrays)
+    done: Future = Future()
+    mx.async_eval(*arrays)
+    done.set_result(None)
+    return done
