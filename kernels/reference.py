@@ -85,18 +85,13 @@ _SIDE_STREAMS: dict = {}
 
 
 def side_stream() -> mx.Stream | None:
-    """A second CPU stream, so the K and V gathers run on two cores; GPUs overlap work by themselves.
-
-    One per stream the step is built on (an engine's, node.engine), usable from any thread like
-    that stream, and never shared by two engines stepping at once.
-    """
+    """A second CPU stream, so the K and V gathers run on two cores; GPUs overlap work by themselves."""
     device = mx.default_device()
     if device.type != mx.cpu:
         return None
-    key = str(mx.default_stream(device))
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = mx.new_thread_unsafe_stream(device)
-    return _SIDE_STREAMS[key]
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = mx.new_stream(device)
+    return _SIDE_STREAMS[device]
 
 
 def head_major_rows(slots: np.ndarray, num_kv_heads: int) -> np.ndarray:

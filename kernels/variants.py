@@ -106,20 +106,13 @@ class LayerInputCache:
         # Keyed by identity: a model's sinks are one array per layer; the entry keeps it alive, so the id stays its own.
         key = ("sinks", id(sinks))
         if key not in self._arrays:
-            self._arrays[key] = (sinks, self._made(lambda: sinks.astype(mx.float32) * LOG2E))
+            self._arrays[key] = (sinks, sinks.astype(mx.float32) * LOG2E)
         return self._arrays[key][1]
 
     def _get(self, key, make):
         if key not in self._arrays:
-            self._arrays[key] = self._made(make)
+            self._arrays[key] = make()
         return self._arrays[key]
-
-    @staticmethod
-    def _made(make) -> mx.array:
-        """Evaluated now: a cached array is an input of steps on any engine's stream and thread."""
-        value = make()
-        mx.eval(value)
-        return value
 
 
 _SHARED: dict[int, LayerInputCache] = {}

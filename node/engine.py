@@ -10,14 +10,12 @@ the node actor drive it.
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
 from kvcache import CacheConfig, KVCache
-from node import step_launcher
 from node.detokenizer import IncrementalDetokenizer, fast_decoder
 from node.errors import DuplicateRequest, InvalidPrompt, PromptTooLong
 from node.model_adapter import ModelRunner, SequenceChunk, StepInput, pack_step
@@ -94,7 +92,6 @@ class _InFlightStep:
     launched_at: float
     prefill_tokens: int
     decode_tokens: int
-    enqueued: Future  # settles once the launch thread has encoded the step (node.step_launcher)
 
 
 @dataclass
@@ -137,9 +134,6 @@ class LLMEngine:
         self._in_flight: _InFlightStep | None = None
         self._rng = np.random.default_rng(self.config.seed)
         self.counters = _StepCounters()
-        # Steps are built on this stream, which (unlike a thread's default stream) the launch
-        # thread may evaluate; one per engine, since two engines may step at once.
-        self.stream = mx.new_thread_unsafe_stream(mx.default_device())
         self.grammars = GrammarMasks(self.tokenizer, self.model.vocab_size, self.eos_token_ids)
 
     # -- requests -------------------------------------------------------------------
@@ -212,12 +206,9 @@ class LLMEngine:
         still runs step N, whose sampled tokens feed step N+1 on the device; only then does
         it wait for N's tokens. Outputs arrive one step later; the tokens are the same. A
         schedule that needs N's values on the host first (penalties, a preemption) settles N.
-        Settling N runs while the launch thread still encodes N+1's kernels (node.step_launcher);
-        the step returns once both are done, so nothing else touches MLX meanwhile.
         """
         try:
-            with mx.stream(self.stream):
-                return self._step()
+            return self._step()
         except Exception:
             self._in_flight = None  # a failed step's samples will never arrive
             raise
@@ -228,13 +219,7 @@ class LLMEngine:
         sched = self._schedule(outputs)
         self.counters.schedule_seconds += time.perf_counter() - t0
         launched = self._launch(sched) if sched.chunks else None
-        try:
-            outputs += self._settle_in_flight()  # runs while the launch thread encodes `launched`
-        finally:
-            if launched is not None:
-                t_wait = time.perf_counter()
-                launched.enqueued.result()
-                self.counters.graph_seconds += time.perf_counter() - t_wait  # the launch, as before
+        outputs += self._settle_in_flight()
         self._in_flight = launched
         if launched is not None and not self.config.async_scheduling:
             outputs += self._settle_in_flight()
@@ -275,7 +260,7 @@ class LLMEngine:
             else:  # later steps run after this one on the device, so they may reuse these blocks now
                 self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed)
         owners, sample = self._sample_on_device([sched.chunks[i].seq for i in completing], logits)
-        enqueued = step_launcher.launch(sample.outputs)
+        mx.async_eval(sample.tokens, *([] if sample.raw_logprobs is None else [sample.raw_logprobs]))
         for row, seq in enumerate(owners):
             seq.token_ids.append(PENDING_TOKEN)
             seq.num_unresolved += 1
@@ -283,7 +268,7 @@ class LLMEngine:
             seq.last_in_flight = seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
         self.counters.pack_seconds += t0 - t_pack
         self.counters.graph_seconds += time.perf_counter() - t0
-        return _InFlightStep(commits, owners, sample, t0, sched.num_tokens - decode, decode, enqueued)
+        return _InFlightStep(commits, owners, sample, t0, sched.num_tokens - decode, decode)
 
     def _device_tokens(self, chunks: list[ScheduledChunk], step: StepInput) -> mx.array | None:
         """The step's input ids; a placeholder's value is read from the in-flight step's samples."""

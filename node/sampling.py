@@ -92,37 +92,22 @@ def _filter(scaled: mx.array, rows: list[SampleRow]) -> mx.array:
 
 @dataclass
 class DeviceSample:
-    """One step's sampled tokens, still on the device; `resolve()` brings them to the host.
+    """One step's sampled tokens, still on the device; `resolve()` brings them to the host."""
 
-    `tokens` feeds the next step's graph on the device; `host_tokens` (same values, another
-    array) and `raw_logprobs` (already narrowed to the rows that asked) are what `resolve()`
-    reads. So resolving builds no graph and never touches an array the next step's launch is
-    evaluating: it can run on one thread while another launches that step (node.step_launcher).
-    """
-
-    tokens: mx.array  # int32 [rows], input of the next step
-    host_tokens: mx.array  # int32 [rows], read by resolve()
-    raw_logprobs: mx.array | None  # float32 [rows that want logprobs, vocab]
+    tokens: mx.array  # int32 [rows]
+    raw_logprobs: mx.array | None
     rows: list[SampleRow]
 
-    @property
-    def outputs(self) -> list[mx.array]:
-        """What the launch evaluates."""
-        return [self.tokens, self.host_tokens] + ([] if self.raw_logprobs is None else [self.raw_logprobs])
-
     def resolve(self) -> tuple[list[int], list[TokenLogprob | None]]:
-        token_list = self.host_tokens.tolist()
+        token_list = self.tokens.tolist()
         return token_list, _logprobs(self.raw_logprobs, self.rows, token_list)
 
 
 def sample_on_device(logits: mx.array, rows: list[SampleRow]) -> DeviceSample:
     """Sample one token per row of `logits` `[rows, vocab]` without waiting for the device."""
     logits = logits.astype(mx.float32)
-    wanted = _logprob_rows(rows)
-    raw_logprobs = None
-    if wanted:
-        chosen = logits if len(wanted) == len(rows) else logits[mx.array(wanted)]
-        raw_logprobs = chosen - mx.logsumexp(chosen, axis=-1, keepdims=True)
+    want_logprobs = any(r.params.logprobs is not None for r in rows)
+    raw_logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True) if want_logprobs else None
     logits = _apply_penalties(logits, rows)
     greedy = [r.params.greedy for r in rows]
     if all(greedy):
@@ -134,7 +119,7 @@ def sample_on_device(logits: mx.array, rows: list[SampleRow]) -> DeviceSample:
         noise = mx.stack([mx.random.gumbel((vocab,), key=row_key(r.seed, r.index, r.key_position)) for r in rows])
         sampled = mx.argmax(scaled + noise, axis=-1)
         tokens = mx.where(mx.array(greedy), mx.argmax(logits, axis=-1), sampled)
-    return DeviceSample(tokens.astype(mx.int32), tokens.astype(mx.int32), raw_logprobs, rows)
+    return DeviceSample(tokens.astype(mx.int32), raw_logprobs, rows)
 
 
 def sample(logits: mx.array, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -142,15 +127,11 @@ def sample(logits: mx.array, rows: list[SampleRow]) -> tuple[list[int], list[Tok
     return sample_on_device(logits, rows).resolve()
 
 
-def _logprob_rows(rows: list[SampleRow]) -> list[int]:
-    return [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-
-
 def _logprobs(raw: mx.array | None, rows: list[SampleRow], tokens: list[int]) -> list[TokenLogprob | None]:
     if raw is None:
         return [None] * len(rows)
-    wanted = _logprob_rows(rows)
-    host = np.asarray(raw)
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    host = np.asarray(raw[mx.array(wanted)])
     out: list[TokenLogprob | None] = [None] * len(rows)
     for j, i in enumerate(wanted):
         row, k = host[j], rows[i].params.logprobs
