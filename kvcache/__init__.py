@@ -13,7 +13,9 @@ from kvcache.errors import (
     IncompatibleKVPayload,
     KVCacheError,
     OutOfBlocks,
+    OutOfStateSlots,
     QuotaExceeded,
+    StateNotMigratable,
     UnknownSequence,
 )
 from kvcache.events import DISK, MEMORY, BlockRemoved, BlockStored, EventLog, KVEvent
@@ -24,6 +26,7 @@ from kvcache.stats import KVStats, contiguous_waste, paged_waste
 _LAZY = {
     "KVCache": "kvcache.cache",
     "KVPool": "kvcache.pool",
+    "StatePool": "kvcache.state_pool",
     "MemoryBudget": "kvcache.budget",
     "ColdTier": "kvcache.cold_tier",
     "KVBlockData": "kvcache.wire",
@@ -59,7 +62,9 @@ __all__ = [
     "KVStats",
     "MEMORY",
     "OutOfBlocks",
+    "OutOfStateSlots",
     "QuotaExceeded",
+    "StateNotMigratable",
     "UnknownSequence",
     "block_hashes",
     "contiguous_waste",

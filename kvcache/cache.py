@@ -22,11 +22,12 @@ from kvcache.block_manager import BlockManager, chain_order
 from kvcache.budget import GIB, MemoryBudget, num_blocks_for
 from kvcache.cold_tier import ColdTier
 from kvcache.config import CacheConfig, InvalidCacheConfig
-from kvcache.errors import ColdTierError, IncompatibleKVPayload, OutOfBlocks
+from kvcache.errors import ColdTierError, IncompatibleKVPayload, OutOfBlocks, OutOfStateSlots, StateNotMigratable
 from kvcache.events import DISK, BlockStored, EventLog, KVEvent
 from kvcache.geometry import KVGeometry
 from kvcache.hashing import BlockHash, block_hashes, hash_block, root_hash
 from kvcache.pool import KVPool
+from kvcache.state_pool import StatePool
 from kvcache.stats import KVStats
 from kvcache.wire import KVBlockData, decode_blocks, encode_blocks
 from kvcache.wire_stream import BlockPieces
@@ -46,7 +47,11 @@ class KVCache:
         *,
         budget: MemoryBudget | None = None,
         model_name: str | None = None,
+        states: StatePool | None = None,
     ):
+        """`states`: a hybrid model's recurrent-state slots, held and freed with each sequence's
+        blocks. Its KV alone cannot resume a sequence, so such a cache reuses no prefix, swaps
+        nothing to disk and neither exports nor imports blocks (`StateNotMigratable`)."""
         if config.dtype is not None and config.dtype != geometry.dtype:
             raise InvalidCacheConfig("dtype", f"{config.dtype!r} disagrees with the geometry's {geometry.dtype!r}")
         self.geometry = geometry
@@ -59,6 +64,9 @@ class KVCache:
             budget.reserve(model_name, num_blocks * geometry.bytes_per_block)
             self._reservation = (budget, model_name, num_blocks * geometry.bytes_per_block)
         self.pool = KVPool(geometry, num_blocks)
+        self.states = states
+        if states is not None and (config.enable_prefix_caching or config.cold_tier_dir is not None):
+            raise InvalidCacheConfig("enable_prefix_caching", "a hybrid model's KV blocks cannot be reused or spilled without its states")
         self.events = EventLog()
         self.cold: ColdTier | None = None
         if config.cold_tier_dir is not None:
@@ -94,6 +102,12 @@ class KVCache:
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
         """Reserve slots for the prompt; return how many leading tokens already have KV."""
+        if self.states is not None:
+            if self.states.num_free == 0:
+                raise OutOfStateSlots(f"sequence {seq_id!r}: every state slot is held")
+            computed = self.manager.allocate(seq_id, token_ids)
+            self.states.allocate(seq_id)
+            return computed
         if self.cold is None:
             return self.manager.allocate(seq_id, token_ids)
         if not self.manager.can_allocate(token_ids, keep_watermark=False):
@@ -118,9 +132,19 @@ class KVCache:
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         self.manager.fork(parent_id, child_id)
+        if self.states is not None:
+            self.states.fork(parent_id, child_id)
 
     def free(self, seq_id: Hashable) -> None:
         self.manager.free(seq_id)
+        if self.states is not None:
+            self.states.free(seq_id)
+
+    def state_slots(self, seq_ids: Sequence[Hashable]) -> list[int] | None:
+        """The sequences' state slots, in order; None for a model without state layers."""
+        if self.states is None:
+            return None
+        return [self.states.slot(s) for s in seq_ids]
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         return self.manager.block_table(seq_id)
@@ -171,6 +195,8 @@ class KVCache:
 
     def export_blocks(self, hashes: Sequence[BlockHash]) -> bytes:
         """Encode the leading blocks of `hashes` held in memory or on disk (a prefix run)."""
+        if self.states is not None:
+            raise StateNotMigratable("a hybrid model's KV blocks do not travel without their recurrent states")
         pinned = self.manager.pin(hashes)
         try:
             blocks = self._memory_blocks(pinned)
@@ -189,6 +215,8 @@ class KVCache:
 
     def import_decoded(self, blocks: Sequence[KVBlockData]) -> int:
         """Cache decoded blocks (`decode_blocks`, `decode_views`) not held yet, in chain order."""
+        if self.states is not None:
+            raise StateNotMigratable("a hybrid model's KV blocks do not travel without their recurrent states")
         for block in blocks:
             if not _hash_checks_out(block):
                 raise IncompatibleKVPayload(f"block {block.block_hash.hex()}: hash does not match its parent and tokens")
@@ -214,6 +242,8 @@ class KVCache:
     def pin_export(self, hashes: Sequence[BlockHash]) -> tuple[list[int], list[BlockPieces]]:
         """Pin the leading run of `hashes` held here (memory, then disk) and describe it as wire
         pieces that point into the pool's arrays where it can; `unpin_export` when sent."""
+        if self.states is not None:
+            raise StateNotMigratable("a hybrid model's KV blocks do not travel without their recurrent states")
         pinned = self.manager.pin(hashes)
         views = self.pool.layer_views()
         if views is None:

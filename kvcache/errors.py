@@ -27,3 +27,11 @@ class ColdTierError(KVCacheError):
 
 class QuotaExceeded(KVCacheError):
     """A model asked for more KV memory than its quota of the shared budget."""
+
+
+class OutOfStateSlots(KVCacheError):
+    """Every recurrent-state slot of a hybrid model's state pool is held; nothing was changed."""
+
+
+class StateNotMigratable(KVCacheError):
+    """A hybrid model's KV blocks cannot leave or enter the pool without the recurrent states they pair with."""

@@ -7,7 +7,8 @@ correctly when everything that depends on context goes through those seams:
 
 - every layer keeps a plain KV cache, over the whole context or over a sliding window
   (mlx-lm's `RotatingKVCache` without kept tokens, whose size is the window the kernels
-  apply to that layer: `layer_windows`), and no recurrent state;
+  apply to that layer: `layer_windows`), and no recurrent state but a Gated DeltaNet's, which
+  the state pool holds (node.state_layers);
 - positions reach the layers only through a rope that accepts one position per token;
 - every layer stores its K/V through its cache and attends with that one call (its
   attention sinks, if any, passed along), with one KV geometry shared by all layers;
@@ -32,8 +33,9 @@ import mlx.core as mx
 import numpy as np
 
 from node.head import trace_head
-from node.layers import ATTENTION_NAMES, attention_of
+from node.layers import ATTENTION_NAMES, attention_layers, attention_of
 from node.positions import PackedPositions, PositionalRoPE, install_positional_rope
+from node.state_layers import state_layer_indices
 
 _PROBE_TOKENS = 3
 _ROPE_POSITIONS = (7, 0, 3)  # out of order, as in a packed step
@@ -52,7 +54,7 @@ def _stack_reason(model) -> str | None:
     layers = getattr(model, "layers", None)
     if not layers:
         return "no decoder layers at model.layers (a text stack nested elsewhere is not driven yet)"
-    for index, layer in enumerate(layers):
+    for index, layer in attention_layers(model):
         attention = attention_of(layer)
         if attention is None:
             where = " or ".join(f"layers[{index}].{name}" for name in ATTENTION_NAMES)
@@ -68,7 +70,12 @@ def _cache_reason(model) -> str | None:
     if not hasattr(model, "make_cache"):
         return None  # mlx-lm gives such a model a full-context KVCache per layer
     caches = model.make_cache()
-    kinds = sorted({type(cache).__name__ for cache in caches if _window_of(cache) is False})
+    state = set(state_layer_indices(model))
+    if state and len(caches) != len(model.layers):
+        return f"it makes {len(caches)} caches for {len(model.layers)} layers, so which layer keeps its state is not known"
+    if (kinds := sorted({type(caches[i]).__name__ for i in state} - {"ArraysCache"})):
+        return f"its recurrent-state layers keep {', '.join(kinds)}, not the convolution and DeltaNet state the state pool holds"
+    kinds = sorted({type(cache).__name__ for i, cache in enumerate(caches) if i not in state and _window_of(cache) is False})
     if kinds:
         return f"layers keep {', '.join(kinds)} state (recurrent, chunked or sink-keeping attention)"
     if any(_window_of(cache) is not None for cache in caches) and len(caches) != len(model.layers):
@@ -80,9 +87,12 @@ def layer_windows(model) -> list[int | None]:
     """Each layer's sliding window (keys a query sees, itself included), None for full context.
 
     Read from the caches the model makes for itself: mlx-lm gives a windowed layer a
-    `RotatingKVCache` of the window's size, and masks that layer with the same window.
+    `RotatingKVCache` of the window's size, and masks that layer with the same window. A
+    recurrent-state layer (node.state_layers) has none.
     """
-    windows = [_window_of(cache) for cache in model.make_cache()] if hasattr(model, "make_cache") else []
+    state = set(state_layer_indices(model))
+    caches = model.make_cache() if hasattr(model, "make_cache") else []
+    windows = [None if i in state else _window_of(cache) for i, cache in enumerate(caches)]
     if all(window is None for window in windows):
         return [None] * len(model.layers)  # also a model whose layers share caches (Hunyuan's CLA pairs)
     if False in windows or len(windows) != len(model.layers):
@@ -143,7 +153,7 @@ class ProbeCache:
 def attention_modules(model) -> list:
     """The Python modules whose `scaled_dot_product_attention` the layers call: each layer's
     attention class's own module (SmolLM3 reuses Llama's attention class, for one)."""
-    names = dict.fromkeys(type(attention_of(layer)).__module__ for layer in model.layers)
+    names = dict.fromkeys(type(attention_of(layer)).__module__ for _, layer in attention_layers(model))
     return [sys.modules[name] for name in names]
 
 
@@ -174,7 +184,8 @@ def _recording_one(module):
 
 
 def trace_layers(model) -> list[ProbeCache]:
-    """Build (never evaluate) one forward pass of a few packed tokens over probe caches.
+    """Build (never evaluate) one forward pass of a few packed tokens over probe caches (mlx-lm's
+    own `ArraysCache` for a recurrent-state layer, which the probe does not judge).
 
     Installs the per-token rope wrapper the runner would install anyway. Raises whatever
     the model raises when handed per-token positions.
@@ -184,8 +195,11 @@ def trace_layers(model) -> list[ProbeCache]:
     for module in modules:
         if not hasattr(module, "scaled_dot_product_attention"):
             raise AttributeError(f"{module.__name__} does not call scaled_dot_product_attention")
+    from mlx_lm.models.cache import ArraysCache
+
     positions = PackedPositions(mx.arange(_PROBE_TOKENS, dtype=mx.int32))
-    caches = [ProbeCache(positions) for _ in model.layers]
+    state = set(state_layer_indices(model))
+    caches = [ArraysCache(size=2) if i in state else ProbeCache(positions) for i in range(len(model.layers))]
     with _recording_attention(modules):
         model(mx.arange(_PROBE_TOKENS, dtype=mx.int32)[:, None], cache=caches)  # the runner's layout: a token per row
     return caches
@@ -213,6 +227,8 @@ _ATTENTION_KWARGS = frozenset({"sinks"})
 def _layers_reason(caches: list[ProbeCache], num_kv_heads: int, head_dim: int) -> str | None:
     expected = (num_kv_heads, head_dim)
     for index, cache in enumerate(caches):
+        if not isinstance(cache, ProbeCache):
+            continue  # a recurrent-state layer: its state goes to the state pool whatever its shape
         if cache.stored is None:
             return f"layer {index} stores no K/V through its cache"
         if cache.attended is None:
@@ -230,7 +246,7 @@ def _mask_reason(caches: list[ProbeCache], windows: list[int | None]) -> str | N
     """A mask the model builds from a layer's cache must have that layer's window: the kernels
     apply the cache's window, so a model that masks otherwise would be computed differently."""
     for index, (cache, window) in enumerate(zip(caches, windows)):
-        if any(asked != window for asked in cache.mask_windows):
+        if isinstance(cache, ProbeCache) and any(asked != window for asked in cache.mask_windows):
             return f"layer {index} keeps a cache of window {window} but is masked with window {cache.mask_windows}"
     return None
 
@@ -238,7 +254,7 @@ def _mask_reason(caches: list[ProbeCache], windows: list[int | None]) -> str | N
 def _rope_reason(model, head_dim: int) -> str | None:
     """Each layer's rope must rotate a batch of one-token rows, each at its own position, exactly as it rotates each token alone."""
     x = mx.random.normal((len(_ROPE_POSITIONS), 2, 1, head_dim), key=mx.random.key(0))
-    for index, layer in enumerate(model.layers):
+    for index, layer in attention_layers(model):
         rope: PositionalRoPE = attention_of(layer).rope
         try:
             packed = rope(x, offset=PackedPositions(mx.array(_ROPE_POSITIONS, dtype=mx.int32)))

@@ -10,12 +10,13 @@ the node actor drive it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
 
 from kvcache import CacheConfig, KVCache
+from kvcache.state_pool import StatePool
 from node.detokenizer import IncrementalDetokenizer, fast_decoder
 from node.errors import DuplicateRequest, InvalidPrompt, PromptTooLong
 from node.model_adapter import ModelRunner, SequenceChunk, StepInput, pack_step
@@ -25,6 +26,7 @@ from node.residency import wire_model_and_pool
 from node.sampling import DeviceSample, SampleRow, sample_on_device
 from node.scheduler import PreemptionNeeded, ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from node.sequence import PENDING_TOKEN, Request, Sequence, Status
+from node.state_layers import probe_state_shapes
 from node.structured import GrammarMasks
 from node.types import RequestOutput, SamplingParams
 
@@ -118,8 +120,12 @@ class LLMEngine:
         self.tokenizer = self.model.tokenizer
         self._decode = fast_decoder(self.tokenizer)
         geometry = self.model.geometry(self.config.block_size, self.config.dtype)
-        self.kv = KVCache(geometry, self.config.cache_config())
-        self.runner = ModelRunner(self.model, self.kv.pool, compiled_decode=self.config.compiled_decode)
+        states = hybrid_state_pool(self.model, self.config.max_num_seqs)
+        cache_config = self.config.cache_config()
+        if states is not None:  # its KV alone cannot resume a sequence: no prefix reuse, no swap to disk
+            cache_config = replace(cache_config, enable_prefix_caching=False, cold_tier_dir=None)
+        self.kv = KVCache(geometry, cache_config, states=states)
+        self.runner = ModelRunner(self.model, self.kv.pool, compiled_decode=self.config.compiled_decode, states=states)
         wire_model_and_pool(self.model.model, self.kv.pool.nbytes)
         self.max_model_len = min(self.config.max_model_len or self.model.max_context_length, self.model.max_context_length)
         self.eos_token_ids = set(self.model.eos_token_ids)
@@ -412,7 +418,7 @@ class LLMEngine:
 
     def _should_swap(self, seq: Sequence) -> bool:
         """Swap to the cold tier when restoring is expected to beat recomputing."""
-        if self.kv.cold is None or self.config.preemption == "recompute":
+        if self.kv.cold is None or self.kv.states is not None or self.config.preemption == "recompute":
             return False
         if self.config.preemption == "swap":
             return True
@@ -466,4 +472,12 @@ def build_step_input(chunks: list[ScheduledChunk], kv: KVCache, block_size: int)
             for c in chunks
         ],
         block_size,
+        kv.state_slots([c.seq.seq_id for c in chunks]),
     )
+
+
+def hybrid_state_pool(loaded: LoadedModel, max_num_seqs: int) -> StatePool | None:
+    """A state slot per sequence the scheduler may run (forks included), for a model with
+    recurrent-state layers (node.state_layers); None for a model of attention layers only."""
+    shapes = probe_state_shapes(loaded.model, getattr(mx, loaded.dtype))
+    return StatePool(shapes, 2 * max_num_seqs + 1) if shapes else None

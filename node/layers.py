@@ -19,7 +19,11 @@ FINAL_NORM_NAMES = ("norm", "ln_f")
 def text_model(model):
     """The model the engine drives: a wrapper's `language_model`, else the model itself."""
     inner = getattr(model, "language_model", None)
-    return inner if inner is not None and not hasattr(model, "model") else model
+    if inner is None:
+        return model
+    # Qwen3.5's wrapper also exposes the text stack as `model`, a property that delegates to it
+    delegated = getattr(model, "model", None)
+    return inner if delegated is None or delegated is getattr(inner, "model", None) else model
 
 
 def text_config(config: dict) -> dict:
@@ -61,3 +65,11 @@ def attention_of(layer, depth: int = 2):
         if inner is not None:
             return inner
     return None
+
+
+def attention_layers(model) -> list:
+    """`(index, layer)` of the layers that attend over KV: all but a hybrid model's recurrent-state
+    layers (node.state_layers), which keep no KV and have no rope."""
+    from node.state_layers import state_module_of
+
+    return [(i, layer) for i, layer in enumerate(model.layers) if state_module_of(layer) is None]

@@ -36,9 +36,10 @@ import kernels
 from node.capability import attention_modules, layer_windows
 from node.compiled_decode import CompiledDecode
 from node.head import ModelHead
-from node.layers import attention_of, text_stack
+from node.layers import attention_layers, attention_of, text_stack
 from node.models import LoadedModel
 from node.positions import PackedPositions, install_positional_rope
+from node.state_layers import PagedStateCache, StateStep, install_paged_state_layers, state_layer_indices
 
 _PAGED_MARK = "_orchard_paged_attention"
 
@@ -63,6 +64,7 @@ class StepInput:
     block_tables: Any  # [S, max_blocks]
     query_start_loc: Sequence[int]
     context_lens: Sequence[int]
+    state_slots: Sequence[int] | None = None  # each sequence's state slot (hybrid models: kvcache.StatePool)
 
     @property
     def num_tokens(self) -> int:
@@ -91,7 +93,7 @@ def pad_block_tables(tables: Sequence[Sequence[int]]) -> np.ndarray:
     return out
 
 
-def pack_step(chunks: Sequence[SequenceChunk], block_size: int) -> StepInput:
+def pack_step(chunks: Sequence[SequenceChunk], block_size: int, state_slots: Sequence[int] | None = None) -> StepInput:
     """Lay several sequences' new tokens side by side and derive positions and slots.
 
     Vectorised over the step's tokens: with 64 decode rows a loop per chunk cost more host
@@ -117,6 +119,7 @@ def pack_step(chunks: Sequence[SequenceChunk], block_size: int) -> StepInput:
         block_tables=tables,
         query_start_loc=starts.tolist(),
         context_lens=(first + lengths).tolist(),
+        state_slots=state_slots,
     )
 
 
@@ -143,6 +146,7 @@ class StepContext:
     decode_tables: Any = None
     decode_lens: Any = None
     varlen_plan: Any = None  # kernels.VarlenPlan of a mixed step, shared by every layer
+    states: StateStep | None = None  # the state layers' regrouping (hybrid models)
 
     @classmethod
     def build(cls, step: StepInput, pool: Any, backend: str, num_heads: int | None = None) -> StepContext:
@@ -160,6 +164,8 @@ class StepContext:
             backend=backend,
         )
         context.decode_only = step.num_tokens == step.num_seqs
+        if step.state_slots is not None:
+            context.states = StateStep.build(step.state_slots, starts)
         if num_heads is None and context.decode_only:  # no step plan: the decode entry plans per layer
             on_device = backend != "reference"
             context.decode_tables = mx.array(tables) if on_device else tables
@@ -267,9 +273,16 @@ def _install_in(module) -> bool:
     return True
 
 
+def layer_slots(model) -> list[int]:
+    """Where each layer keeps its context: `k >= 0` is KV pool layer k, `-1 - j` state pool layer j."""
+    state = {layer: j for j, layer in enumerate(state_layer_indices(model))}
+    kv = {layer: k for k, (layer, _) in enumerate(attention_layers(model))}
+    return [kv[i] if i in kv else -1 - state[i] for i in range(len(model.layers))]
+
+
 def _query_heads(model) -> int | None:
     """Query heads per layer, which a step's attention plan is built for; None if layers disagree."""
-    attentions = [attention_of(layer) for layer in model.layers]
+    attentions = [attention_of(layer) for _, layer in attention_layers(model)]
     heads = {getattr(a, "n_heads", None) or getattr(a, "num_heads", None) for a in attentions}
     return heads.pop() if len(heads) == 1 and None not in heads else None
 
@@ -282,24 +295,33 @@ class ModelRunner:
     """
 
     def __init__(self, loaded: LoadedModel, pool: Any, *, attention_backend: str | None = None,
-                 compiled_decode: bool | None = None):
+                 compiled_decode: bool | None = None, states: Any = None):
         self.loaded = loaded
         self.pool = pool
+        self.states = states  # kvcache.StatePool of a hybrid model's recurrent-state layers
         self.attention_backend = kernels.default_backend() if attention_backend is None else attention_backend
         install_positional_rope(loaded.model)
         install_paged_attention(loaded.model)
+        install_paged_state_layers(loaded.model)
         self._head = ModelHead(loaded.model)  # the model's own head and logit transforms
         self._stack = text_stack(loaded.model)  # the decoder stack each step runs
-        self._num_layers = len(loaded.model.layers)
+        self._num_layers = len(attention_layers(loaded.model))  # the KV pool's layers
         self._num_heads = _query_heads(loaded.model)
         self._windows = layer_windows(loaded.model)
-        if compiled_decode is None:
-            compiled_decode = self.attention_backend != "reference"
+        self._slots = layer_slots(loaded.model)
+        if min(self._slots) < 0 and states is None:
+            raise ValueError("a model with recurrent-state layers needs a state pool")
+        if compiled_decode is None:  # a compiled graph carries no state pool yet
+            compiled_decode = self.attention_backend != "reference" and states is None
         self.compiled_decode = CompiledDecode(self._num_layers, self._decode_context, self._run) if compiled_decode else None
 
-    def layer_caches(self, context: StepContext) -> list[PagedLayerCache]:
-        """One paged cache per layer for a step, each with its layer's sliding window."""
-        return [PagedLayerCache(layer, context, window) for layer, window in enumerate(self._windows)]
+    def layer_caches(self, context: StepContext) -> list:
+        """One cache per layer for a step: a paged KV cache with its layer's sliding window, or a
+        recurrent-state layer's view of the state pool."""
+        return [
+            PagedStateCache(-1 - slot, context.states, self.states) if slot < 0 else PagedLayerCache(slot, context, window)
+            for slot, window in zip(self._slots, self._windows)
+        ]
 
     def forward(self, step: StepInput, tokens: mx.array | None = None) -> mx.array:
         """Logits `[S, vocab]` for the last new token of each sequence (lazy; evaluating

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.geometry import DTYPE_SIZES, KVGeometry
-from node.layers import attention_of, final_norm, text_config, text_model, text_stack
+from node.layers import attention_layers, attention_of, final_norm, text_config, text_model, text_stack
 
 DEMO_MODEL_NAME = "orchard-demo"
 #: Used when a config states no maximum position.
@@ -54,11 +54,12 @@ class LoadedModel:
 
     @property
     def num_layers(self) -> int:
-        return len(self.model.layers)
+        """Layers that keep KV in the pool: a hybrid model's state layers keep theirs in the state pool."""
+        return len(attention_layers(self.model))
 
     @property
     def num_kv_heads(self) -> int:
-        attention = attention_of(self.model.layers[0])
+        attention = attention_of(attention_layers(self.model)[0][1])
         count = getattr(attention, "n_kv_heads", None) or getattr(attention, "num_key_value_heads", None)
         if count is None:
             raise AttributeError(f"{type(attention).__qualname__} has neither n_kv_heads nor num_key_value_heads")
@@ -102,7 +103,7 @@ def unsupported_reason(config: dict) -> str | None:
 
 
 #: layer types a config may name: the kernels apply each layer's window (node.capability.layer_windows)
-PAGED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
+PAGED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "linear_attention"})
 
 
 def _config_reason(config: dict) -> str | None:
@@ -110,7 +111,7 @@ def _config_reason(config: dict) -> str | None:
         return "custom model code (model_file) is not supported"
     layer_types = set(config.get("layer_types") or ["full_attention"])
     if not layer_types <= PAGED_LAYER_TYPES:
-        return f"layer types {sorted(layer_types)} (only full and sliding-window attention page correctly)"
+        return f"layer types {sorted(layer_types)} (only full, sliding-window and Gated DeltaNet linear attention are served)"
     return None
 
 
@@ -131,6 +132,7 @@ def _structure_reason(config: dict) -> str | None:
     from mlx_lm.utils import _get_classes
 
     from node.capability import architecture_reason, layer_windows
+    from node.state_layers import state_layer_indices
 
     try:
         model_class, args_class = _get_classes(config)
@@ -143,6 +145,8 @@ def _structure_reason(config: dict) -> str | None:
     model = text_model(skeleton)
     if (reason := architecture_reason(model)) is not None:
         return reason
+    if "linear_attention" in (text_config(config).get("layer_types") or []) and not state_layer_indices(model):
+        return "its layer_types name linear_attention layers, which mlx-lm's class for it does not build"
     if any(window is not None for window in layer_windows(model)):
         return None  # mlx-lm windows these layers, and the kernels apply the same windows
     return _sliding_window_reason(text_config(config))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from node.layers import attention_of
+from node.layers import attention_layers, attention_of
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class PositionalRoPE(nn.Module):
 def install_positional_rope(model: nn.Module) -> int:
     """Wrap the rope of every attention layer once; returns how many were wrapped now."""
     wrapped = 0
-    for layer in model.layers:
+    for _, layer in attention_layers(model):
         attention = attention_of(layer)
         if not isinstance(attention.rope, PositionalRoPE):
             attention.rope = PositionalRoPE(attention.rope)

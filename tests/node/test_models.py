@@ -100,7 +100,8 @@ MAMBA = dict(model_type="mamba", vocab_size=256, hidden_size=64, intermediate_si
     # Windows the config states but mlx-lm's class does not apply (Mistral 7B v0.1, Qwen2 with the flag on).
     (full_config("mistral", sliding_window=4096, max_position_embeddings=32768), "does not apply"),
     (full_config("qwen2", use_sliding_window=True, sliding_window=4096), "sliding-window"),
-    ({"model_type": "qwen3", "layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
+    # A config naming linear-attention layers for a class that builds none (Qwen3-Next's are served).
+    (full_config("qwen3", layer_types=["linear_attention", "full_attention"]), "linear_attention"),
     ({"model_type": "no_such_architecture"}, "no model class"),
     (full_config("gemma", model_type="gemma2", query_pre_attn_scalar=16), "compute attention themselves"),
 ])

@@ -105,6 +105,22 @@ TINY_CONFIGS = {
                     rotary_dim=8),
 }
 
+#: Hybrid models: Gated DeltaNet layers (recurrent state, node.state_layers) between full-attention
+#: layers (every second one here); small heads, so the CPU's sequential DeltaNet stays quick.
+_GATED_DELTA = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                    linear_conv_kernel_dim=4, full_attention_interval=2)
+HYBRID_CONFIGS = {
+    "qwen3_next": dict(_COMMON, **_GATED_DELTA, model_type="qwen3_next", num_hidden_layers=4, num_key_value_heads=2,
+                       head_dim=16, rms_norm_eps=1e-6, rope_theta=1_000_000.0, partial_rotary_factor=0.25,
+                       num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, shared_expert_intermediate_size=64,
+                       mlp_only_layers=[], moe_intermediate_size=32, norm_topk_prob=True, tie_word_embeddings=False),
+    # Qwen3.5 as published: the text model under a multimodal wrapper's language_model.
+    "qwen3_5": dict(model_type="qwen3_5", torch_dtype="float32", text_config=dict(
+        _COMMON, **_GATED_DELTA, model_type="qwen3_5_text", num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+        rms_norm_eps=1e-6, tie_word_embeddings=False,
+        rope_parameters=dict(type="default", rope_theta=1_000_000.0, partial_rotary_factor=0.25))),
+}
+
 #: Architectures the loader must refuse for what their loaded layers do (a rope or a query
 #: scale that cannot take per-token positions).
 REFUSED_CONFIGS = {
@@ -124,7 +140,7 @@ def write_tiny_model(folder: Path, model_type: str, tokenizer_from: Path, seed: 
 
     folder.mkdir(parents=True, exist_ok=True)
     vocab = json.loads((tokenizer_from / "config.json").read_text())["vocab_size"]
-    config = dict({**TINY_CONFIGS, **REFUSED_CONFIGS}[model_type], vocab_size=vocab)
+    config = dict({**TINY_CONFIGS, **HYBRID_CONFIGS, **REFUSED_CONFIGS}[model_type], vocab_size=vocab)
     if "text_config" in config:  # a multimodal wrapper: the text model states the vocabulary
         config["text_config"] = dict(config["text_config"], vocab_size=vocab)
     model_class, args_class = _get_classes(config)
