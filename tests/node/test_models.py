@@ -18,6 +18,7 @@ from node.models import (
     UnsupportedModel,
     evaluate_held_arrays,
     load_model,
+    served_context_length,
     unsupported_reason,
 )
 from tests.node.tiny_models import TINY_CONFIGS, write_quantized_model, write_tiny_model
@@ -97,9 +98,6 @@ MAMBA = dict(model_type="mamba", vocab_size=256, hidden_size=64, intermediate_si
 
 @pytest.mark.parametrize("config,named", [
     (MAMBA, "ArraysCache"),
-    # Windows the config states but mlx-lm's class does not apply (Mistral 7B v0.1, Qwen2 with the flag on).
-    (full_config("mistral", sliding_window=4096, max_position_embeddings=32768), "does not apply"),
-    (full_config("qwen2", use_sliding_window=True, sliding_window=4096), "sliding-window"),
     ({"model_type": "qwen3", "layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
     ({"model_type": "no_such_architecture"}, "no model class"),
     (full_config("gemma", model_type="gemma2", query_pre_attn_scalar=16), "compute attention themselves"),
@@ -179,6 +177,20 @@ def test_a_layer_masked_with_another_window_than_its_cache_is_refused(demo_path,
     monkeypatch.setattr(gemma3_text.Model, "make_cache", lambda self: [RotatingKVCache(max_size=9), KVCache()] * 2)
     with pytest.raises(UnsupportedModel, match="cache of window 9 but is masked with window"):
         load_model(str(folder))
+
+
+@pytest.mark.parametrize("config,context", [
+    (full_config("mistral", sliding_window=4096, max_position_embeddings=32768), 4096),  # Mistral 7B v0.1
+    (full_config("qwen2", use_sliding_window=True, sliding_window=1024), 1024),
+    (full_config("qwen2", use_sliding_window=False, sliding_window=64), 2048),  # the flag is off
+    (full_config("gemma3_text"), 2048),  # mlx-lm windows its layers, and so do the kernels
+])
+def test_a_window_mlx_lm_does_not_apply_caps_the_context_instead_of_refusing(config, context):
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    assert unsupported_reason(config) is None
+    assert served_context_length(config, model_class(args_class.from_dict(config))) == context
 
 
 def test_unused_sliding_window_fields_are_accepted():
