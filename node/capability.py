@@ -11,7 +11,8 @@ correctly when everything that depends on context goes through those seams:
   the state pool holds (node.state_layers);
 - positions reach the layers only through a rope that accepts one position per token;
 - every layer stores its K/V through its cache and attends with that one call (its
-  attention sinks, if any, passed along), with one KV geometry shared by all layers;
+  attention sinks or score soft cap, if any, passed along; Gemma 2 once patched,
+  node.layer_patches), with one KV geometry shared by all layers;
 - the model's `__call__` is the text stack (`model.model`, EXAONE's `model.transformer`:
   node.layers) followed by a head that reads
   nothing but the stack's output and gives one row of logits per hidden row (the runner
@@ -33,6 +34,7 @@ import mlx.core as mx
 import numpy as np
 
 from node.head import trace_head
+from node.layer_patches import calls_attention, install_layer_patches
 from node.layers import ATTENTION_NAMES, attention_layers, attention_of
 from node.positions import PackedPositions, PositionalRoPE, install_positional_rope
 from node.state_layers import state_layer_indices
@@ -59,8 +61,7 @@ def _stack_reason(model) -> str | None:
         if attention is None:
             where = " or ".join(f"layers[{index}].{name}" for name in ATTENTION_NAMES)
             return f"layer {index} has no attention module with a rope at {where}"
-        if not hasattr(sys.modules[type(attention).__module__], "scaled_dot_product_attention"):
-            # Gemma 2, for one: it soft-caps the scores, so it multiplies queries and keys itself.
+        if not calls_attention(attention):  # and no patch of node.layer_patches gives it one
             return f"its layers compute attention themselves ({type(attention).__module__} has no scaled_dot_product_attention)"
     return None
 
@@ -187,10 +188,11 @@ def trace_layers(model) -> list[ProbeCache]:
     """Build (never evaluate) one forward pass of a few packed tokens over probe caches (mlx-lm's
     own `ArraysCache` for a recurrent-state layer, which the probe does not judge).
 
-    Installs the per-token rope wrapper the runner would install anyway. Raises whatever
+    Installs the per-token rope wrapper and the layer patches the runner would install anyway. Raises whatever
     the model raises when handed per-token positions.
     """
     install_positional_rope(model)
+    install_layer_patches(model)
     modules = attention_modules(model)
     for module in modules:
         if not hasattr(module, "scaled_dot_product_attention"):
@@ -221,7 +223,7 @@ def paging_reason(model, num_kv_heads: int, head_dim: int) -> str | None:
 
 
 #: keyword arguments of the attention call the paged kernels apply
-_ATTENTION_KWARGS = frozenset({"sinks"})
+_ATTENTION_KWARGS = frozenset({"sinks", "softcap"})
 
 
 def _layers_reason(caches: list[ProbeCache], num_kv_heads: int, head_dim: int) -> str | None:

@@ -16,8 +16,11 @@ code is left as it is; three seams make it paged:
   paged kernels (`kernels.paged_attention` for decode-only steps, `kernels.paged_varlen_attention`
   with the step's one `VarlenPlan` otherwise) for a paged cache and defers to the original for
   any other cache, so `mlx_lm.generate` still works on the same model object. A layer's
-  sliding window (from the caches the model makes for itself, `node.capability.layer_windows`)
-  and its attention sinks (the call's own `sinks=`) go to the kernels with each call.
+  sliding window (from the caches the model makes for itself, `node.capability.layer_windows`),
+  its attention sinks and its score soft cap (the call's own `sinks=`, `softcap=`) go to the
+  kernels with each call.
+
+Gemma 2 and Ministral 3 reach past these seams; `node.layer_patches` patches them into them.
 
 Metadata arrays are built once per step and shared by every layer through `StepContext`;
 decode-only steps on a compiled backend replay a traced graph instead (`node.compiled_decode`).
@@ -36,6 +39,7 @@ import kernels
 from node.capability import attention_modules, layer_windows
 from node.compiled_decode import CompiledDecode
 from node.head import ModelHead
+from node.layer_patches import install_layer_patches
 from node.layers import attention_layers, attention_of, text_stack
 from node.models import LoadedModel
 from node.positions import PackedPositions, install_positional_rope
@@ -224,12 +228,13 @@ class PagedLayerCache:
         )
         return keys, values
 
-    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None) -> mx.array:
+    def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None,
+               softcap: float | None = None) -> mx.array:
         """Queries `[T, H_q, 1, D]` over each sequence's paged context (this layer's window of it), same layout back."""
         ctx, layer = self.context, self.layer
         packed = _packed(queries)
         keys, values = ctx.pool.keys[layer], ctx.pool.values[layer]
-        rules = dict(scale=scale, window=self.window, sinks=sinks)
+        rules = dict(scale=scale, window=self.window, sinks=sinks, softcap=softcap)
         if ctx.varlen_plan is not None:
             out = kernels.paged_varlen_attention(packed, keys, values, ctx.varlen_plan, **rules)
         elif ctx.decode_only:
@@ -254,6 +259,7 @@ def _packed(rows: mx.array) -> mx.array:
 def install_paged_attention(model) -> bool:
     """Route the attention call of every module the model's layers use through the pool for
     paged caches; once per module. True when any module was newly routed."""
+    install_layer_patches(model)  # Gemma 2's module has an attention call only once patched
     installed = [_install_in(module) for module in attention_modules(model)]
     return any(installed)
 
@@ -265,7 +271,7 @@ def _install_in(module) -> bool:
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, **kwargs):
         if isinstance(cache, PagedLayerCache):
-            return cache.attend(queries, scale, sinks=kwargs.get("sinks"))
+            return cache.attend(queries, scale, sinks=kwargs.get("sinks"), softcap=kwargs.get("softcap"))
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
 
     setattr(scaled_dot_product_attention, _PAGED_MARK, True)

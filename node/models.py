@@ -3,9 +3,11 @@
 The engine runs mlx-lm's model classes unchanged and only replaces their KV cache and
 attention call (see `node.model_adapter`). That works for architectures whose every layer
 is causal attention over the whole context or over a sliding window that mlx-lm's model
-applies (the kernels apply the same window per layer); linear attention, state-space
-layers, or a window the config states but mlx-lm's class ignores would silently compute
-something else over a paged pool, so they are refused here, at load, with the reason. What a model is decides, not its name:
+applies (the kernels apply the same window per layer); linear attention or state-space
+layers would silently compute something else over a paged pool, so they are refused here,
+at load, with the reason. A window the config states but mlx-lm's class ignores (Gemma 2,
+Mistral 7B v0.1) caps the context at that window instead: up to it, windowed and full
+attention agree, so the engine, mlx-lm and the model as trained all compute the same. What a model is decides, not its name:
 the config and the model's structure are checked before any weights are read
 (`node.capability`), and a traced forward pass of the loaded model after.
 """
@@ -115,23 +117,19 @@ def _config_reason(config: dict) -> str | None:
     return None
 
 
-def _sliding_window_reason(config: dict) -> str | None:
-    """A window the config states, for a model none of whose layers mlx-lm windows."""
+def _stated_window(config: dict) -> int | None:
+    """The sliding window a config states; Qwen-style configs carry one that applies only when `use_sliding_window` is on."""
+    if not config.get("use_sliding_window", True):
+        return None
     window = config.get("sliding_window")
-    if "use_sliding_window" in config:
-        # Qwen-style configs carry a window size that only applies when this flag is on.
-        return f"sliding-window attention (window {window})" if config["use_sliding_window"] else None
-    max_positions = config.get("max_position_embeddings")
-    if window is not None and (max_positions is None or window < max_positions):
-        return f"sliding-window attention (window {window} < max_position_embeddings {max_positions}) that mlx-lm's model does not apply"
-    return None
+    return None if window is None else int(window)
 
 
 def _structure_reason(config: dict) -> str | None:
     """Build mlx-lm's model for `config` without weights (its arrays stay lazy) and inspect it."""
     from mlx_lm.utils import _get_classes
 
-    from node.capability import architecture_reason, layer_windows
+    from node.capability import architecture_reason
     from node.state_layers import state_layer_indices
 
     try:
@@ -147,9 +145,7 @@ def _structure_reason(config: dict) -> str | None:
         return reason
     if "linear_attention" in (text_config(config).get("layer_types") or []) and not state_layer_indices(model):
         return "its layer_types name linear_attention layers, which mlx-lm's class for it does not build"
-    if any(window is not None for window in layer_windows(model)):
-        return None  # mlx-lm windows these layers, and the kernels apply the same windows
-    return _sliding_window_reason(text_config(config))
+    return None
 
 
 def check_supported(config: dict) -> None:
@@ -223,17 +219,24 @@ def load_model(model: str | None = None) -> LoadedModel:
         model_type=config["model_type"],
         fingerprint=checkpoint_fingerprint(path),
         eos_token_ids=frozenset(int(t) for t in tokenizer.eos_token_ids),
-        max_context_length=_max_context(text_config(config), mlx_model.args),
+        max_context_length=served_context_length(text_config(config), mlx_model),
     )
     if (reason := loaded_reason(loaded)) is not None:
         raise UnsupportedModel(config["model_type"], reason)
     return loaded
 
 
-def _max_context(config: dict, args) -> int:
-    """The config's maximum position; some ModelArgs classes (qwen2_moe) drop the field."""
-    stated = config.get("max_position_embeddings") or getattr(args, "max_position_embeddings", None)
-    return int(stated or DEFAULT_MAX_CONTEXT)
+def served_context_length(config: dict, model) -> int:
+    """The config's maximum position (some ModelArgs classes, qwen2_moe, drop the field), or a
+    shorter window the config states for a model none of whose layers mlx-lm windows."""
+    from node.capability import layer_windows
+
+    stated = int(config.get("max_position_embeddings") or getattr(model.args, "max_position_embeddings", None)
+                 or DEFAULT_MAX_CONTEXT)
+    window = _stated_window(config)
+    if window is None or any(w is not None for w in layer_windows(model)):
+        return stated  # no window, or mlx-lm windows these layers and the kernels apply the same windows
+    return min(stated, window)
 
 
 def held_arrays(model) -> list:

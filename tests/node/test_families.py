@@ -21,12 +21,14 @@ from tests.node.tiny_models import write_quantized_model, write_tiny_model
 FAMILIES = ["llama3", "qwen2", "qwen3_moe", "qwen2_moe", "gemma", "phi3", "olmo2", "glm4", "starcoder2", "hunyuan",
             "granite", "cohere", "mixtral", "smollm3", "internlm2", "minimax", "mistral3", "exaone",
             # sliding windows per layer (gpt-oss with attention sinks too), windows shorter than the prompts
-            "gemma3_text", "gemma3", "gpt_oss", "llama_swa", "olmo3"]
+            "gemma3_text", "gemma3", "gpt_oss", "llama_swa", "olmo3",
+            # Ministral 3 (windows too) scales queries by position; Gemma 2 soft-caps scores and logits
+            "ministral3", "mistral3_ministral3", "gemma2"]
 #: Quantized checkpoints as mlx-community publishes them, (family, bits, group size): qwen3 ties its
 #: head to a quantized embedding, mistral quantizes a separate lm_head, qwen3_moe its experts too.
 QUANTIZED = {"qwen3-4bit-g64": ("qwen3", 4, 64), "mistral-8bit-g32": ("mistral", 8, 32),
              "qwen3_moe-4bit-g32": ("qwen3_moe", 4, 32), "gemma3_text-4bit-g32": ("gemma3_text", 4, 32),
-             "gpt_oss-8bit-g32": ("gpt_oss", 8, 32)}
+             "gpt_oss-8bit-g32": ("gpt_oss", 8, 32), "gemma2-4bit-g32": ("gemma2", 4, 32)}
 MAX_TOKENS = 8
 TOP = 5
 LOGPROB_ATOL = 1e-5

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import threading
+import types
 
 import mlx.core as mx
 import pytest
@@ -18,6 +20,7 @@ from node.models import (
     UnsupportedModel,
     evaluate_held_arrays,
     load_model,
+    served_context_length,
     unsupported_reason,
 )
 from tests.node.tiny_models import TINY_CONFIGS, write_quantized_model, write_tiny_model
@@ -97,13 +100,9 @@ MAMBA = dict(model_type="mamba", vocab_size=256, hidden_size=64, intermediate_si
 
 @pytest.mark.parametrize("config,named", [
     (MAMBA, "ArraysCache"),
-    # Windows the config states but mlx-lm's class does not apply (Mistral 7B v0.1, Qwen2 with the flag on).
-    (full_config("mistral", sliding_window=4096, max_position_embeddings=32768), "does not apply"),
-    (full_config("qwen2", use_sliding_window=True, sliding_window=4096), "sliding-window"),
     # A config naming linear-attention layers for a class that builds none (Qwen3-Next's are served).
     (full_config("qwen3", layer_types=["linear_attention", "full_attention"]), "linear_attention"),
     ({"model_type": "no_such_architecture"}, "no model class"),
-    (full_config("gemma", model_type="gemma2", query_pre_attn_scalar=16), "compute attention themselves"),
 ])
 def test_unsupported_models_fail_at_load_naming_type_and_reason(config, named, tmp_path):
     # The folder holds no weights: refusal must come from the config, before any loading.
@@ -117,13 +116,24 @@ def test_unsupported_models_fail_at_load_naming_type_and_reason(config, named, t
 
 @pytest.mark.parametrize("name,named", [
     ("llama_dynamic_ntk", "DynamicNTKScalingRoPE"),  # takes its base from one offset for the whole row
-    ("ministral3", "PackedPositions"),  # scales queries by position outside its rope
 ])
 def test_models_whose_layers_cannot_page_are_refused_after_loading(name, named, demo_path, tmp_path):
     folder = write_tiny_model(tmp_path / name, name, demo_path)
     assert unsupported_reason(json.loads((folder / "config.json").read_text())) is None
     with pytest.raises(UnsupportedModel, match=named):
         load_model(str(folder))
+
+
+def test_layers_that_compute_attention_themselves_are_refused(monkeypatch):
+    from mlx_lm.models import llama
+
+    module = types.ModuleType("self_attending")  # a model file with no scaled_dot_product_attention to route
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    attention_class = type("Attention", (llama.Attention,), {"__module__": module.__name__})
+    model = llama.Model(llama.ModelArgs.from_dict(full_config("llama3")))
+    for layer in model.layers:
+        layer.self_attn = attention_class(model.args)
+    assert "its layers compute attention themselves" in architecture_reason(model)
 
 
 def test_a_forward_that_reads_token_ids_beyond_the_text_stack_is_refused(demo_path, tmp_path):
@@ -151,6 +161,8 @@ def test_a_bfloat16_quantized_checkpoint_keeps_its_kv_in_bfloat16(demo_path, tmp
     ("gpt_oss", [5, None, 5]),  # layer_types
     ("llama_swa", [7, None, 7]),
     ("olmo3", [6, 6, 6, None]),
+    ("ministral3", [5, None, 5]),  # layer_types
+    ("gemma2", [None, None, None]),  # mlx-lm does not window Gemma 2 (its context is capped instead)
     ("llama3", [None, None]),
 ])
 def test_each_layer_s_window_is_read_from_the_caches_the_model_makes(tiny, windows):
@@ -180,6 +192,27 @@ def test_a_layer_masked_with_another_window_than_its_cache_is_refused(demo_path,
     monkeypatch.setattr(gemma3_text.Model, "make_cache", lambda self: [RotatingKVCache(max_size=9), KVCache()] * 2)
     with pytest.raises(UnsupportedModel, match="cache of window 9 but is masked with window"):
         load_model(str(folder))
+
+
+@pytest.mark.parametrize("config,context", [
+    (full_config("mistral", sliding_window=4096, max_position_embeddings=32768), 4096),  # Mistral 7B v0.1
+    (full_config("qwen2", use_sliding_window=True, sliding_window=1024), 1024),
+    (full_config("qwen2", use_sliding_window=False, sliding_window=64), 2048),  # the flag is off
+    (full_config("gemma2"), 40),
+    (full_config("gemma3_text"), 2048),  # mlx-lm windows its layers, and so do the kernels
+])
+def test_a_window_mlx_lm_does_not_apply_caps_the_context_instead_of_refusing(config, context):
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config)
+    assert unsupported_reason(config) is None
+    assert served_context_length(config, model_class(args_class.from_dict(config))) == context
+
+
+def test_gemma2_loads_with_its_context_capped_at_its_window(demo_path, tmp_path):
+    loaded = load_model(str(write_tiny_model(tmp_path / "gemma2", "gemma2", demo_path)))
+    assert loaded.max_context_length == TINY_CONFIGS["gemma2"]["sliding_window"] == 40
+    assert (loaded.num_kv_heads, loaded.head_dim) == (2, 32)
 
 
 def test_unused_sliding_window_fields_are_accepted():

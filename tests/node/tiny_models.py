@@ -99,6 +99,25 @@ TINY_CONFIGS = {
     # OLMo 3: three windowed layers to one full.
     "olmo3": dict(_COMMON, model_type="olmo3", num_hidden_layers=4, num_key_value_heads=2, rms_norm_eps=1e-6,
                   rope_theta=500_000.0, sliding_window=6),
+    # Gemma 2: scores soft-capped (capped low, so the caps bite on random weights), logits soft-capped,
+    # a query scale of its own. mlx-lm does not apply its configs' sliding_window, so the window caps
+    # the context (node.models): set past the tests' sequences, which stay where a window changes nothing.
+    "gemma2": dict(_COMMON, model_type="gemma2", num_hidden_layers=3, num_key_value_heads=2, head_dim=32,
+                   rms_norm_eps=1e-6, rope_theta=10_000.0, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=5.0, sliding_window=40),
+    # Ministral 3: Llama 4's query scaling by position (original_max_position_embeddings small, so
+    # the scale changes within the prompts), yarn rope, windowed and full layers by layer_types.
+    "ministral3": dict(_COMMON, model_type="ministral3", num_hidden_layers=3, num_key_value_heads=2, head_dim=16,
+                       rms_norm_eps=1e-5, sliding_window=5,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                       rope_parameters=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=4,
+                                            llama_4_scaling_beta=0.5, rope_theta=1_000_000.0)),
+    # Ministral 3 as published (Ministral-3-8B-Instruct-2512): the text model under Mistral 3's wrapper.
+    "mistral3_ministral3": dict(model_type="mistral3", torch_dtype="float32", text_config=dict(
+        _COMMON, model_type="ministral3", num_hidden_layers=2, num_key_value_heads=1, head_dim=16, rms_norm_eps=1e-5,
+        sliding_window=7, layer_types=["full_attention", "sliding_attention"], tie_word_embeddings=False,
+        rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=8,
+                             llama_4_scaling_beta=0.1, rope_theta=1_000_000_000.0))),
     # MiniMax: sigmoid-routed experts, query/key norms over all heads, a partial rotary dim.
     "minimax": dict(_COMMON, model_type="minimax", num_key_value_heads=2, head_dim=16, num_experts_per_tok=2,
                     num_local_experts=4, shared_intermediate_size=0, rms_norm_eps=1e-5, rope_theta=1_000_000.0,
@@ -121,14 +140,11 @@ HYBRID_CONFIGS = {
         rope_parameters=dict(type="default", rope_theta=1_000_000.0, partial_rotary_factor=0.25))),
 }
 
-#: Architectures the loader must refuse for what their loaded layers do (a rope or a query
-#: scale that cannot take per-token positions).
+#: Architectures the loader must refuse for what their loaded layers do (a rope that cannot
+#: take per-token positions).
 REFUSED_CONFIGS = {
     "llama_dynamic_ntk": dict(_COMMON, model_type="llama", num_key_value_heads=2, rms_norm_eps=1e-5,
                               rope_theta=10_000.0, rope_scaling=dict(type="dynamic", factor=2.0)),
-    "ministral3": dict(_COMMON, model_type="ministral3", num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                       rope_parameters=dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=1024,
-                                            llama_4_scaling_beta=0.1, rope_theta=1_000_000.0)),
 }
 
 
