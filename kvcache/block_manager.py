@@ -65,6 +65,7 @@ class BlockManager:
         watermark: float = 0.01,
         events: EventLog | None = None,
         on_evict: EvictHook | None = None,
+        reuse_limit: Callable[[list[BlockHash]], int] | None = None,
         prefix_caching: bool = True,
     ):
         if num_blocks < 2:
@@ -77,6 +78,9 @@ class BlockManager:
         self.root = root
         self.events = events if events is not None else EventLog()
         self.on_evict = on_evict
+        # How many leading cached blocks a new sequence may reuse, given their hashes; all by default.
+        # A hybrid model resumes only where a recurrent-state snapshot exists (kvcache.state_snapshots).
+        self.reuse_limit = reuse_limit
         self.prefix_caching = prefix_caching
         self.watermark_blocks = int(watermark * (num_blocks - 1))
         self._blocks = [Block(i) for i in range(num_blocks)]
@@ -306,7 +310,14 @@ class BlockManager:
             raise UnknownSequence(f"sequence {seq_id!r} is not held") from None
 
     def _prefix_hits(self, token_ids: Sequence[int], limit: int) -> tuple[list[int], list[BlockHash]]:
-        """Cached block ids and their hashes for up to `limit` leading full blocks."""
+        """Cached block ids and their hashes for up to `limit` leading full blocks (as many as `reuse_limit` allows)."""
+        hits, hashes = self._cached_run(token_ids, limit)
+        if self.reuse_limit is not None:
+            usable = self.reuse_limit(hashes)
+            hits, hashes = hits[:usable], hashes[:usable]
+        return hits, hashes
+
+    def _cached_run(self, token_ids: Sequence[int], limit: int) -> tuple[list[int], list[BlockHash]]:
         bs = self.block_size
         hits: list[int] = []
         hashes: list[BlockHash] = []

@@ -28,6 +28,7 @@ from kvcache.geometry import KVGeometry
 from kvcache.hashing import BlockHash, block_hashes, hash_block, root_hash
 from kvcache.pool import KVPool
 from kvcache.state_pool import StatePool
+from kvcache.state_snapshots import StateSnapshots
 from kvcache.stats import KVStats
 from kvcache.wire import KVBlockData, decode_blocks, encode_blocks
 from kvcache.wire_stream import BlockPieces
@@ -50,8 +51,10 @@ class KVCache:
         states: StatePool | None = None,
     ):
         """`states`: a hybrid model's recurrent-state slots, held and freed with each sequence's
-        blocks. Its KV alone cannot resume a sequence, so such a cache reuses no prefix, swaps
-        nothing to disk and neither exports nor imports blocks (`StateNotMigratable`)."""
+        blocks. Its KV alone cannot resume a sequence: a prefix is reused only up to a block
+        whose state was snapshotted (`capture_state`, `publish_state`; kvcache.state_snapshots),
+        and such a cache swaps nothing to disk and neither exports nor imports blocks
+        (`StateNotMigratable`)."""
         if config.dtype is not None and config.dtype != geometry.dtype:
             raise InvalidCacheConfig("dtype", f"{config.dtype!r} disagrees with the geometry's {geometry.dtype!r}")
         self.geometry = geometry
@@ -65,8 +68,10 @@ class KVCache:
             self._reservation = (budget, model_name, num_blocks * geometry.bytes_per_block)
         self.pool = KVPool(geometry, num_blocks)
         self.states = states
-        if states is not None and (config.enable_prefix_caching or config.cold_tier_dir is not None):
-            raise InvalidCacheConfig("enable_prefix_caching", "a hybrid model's KV blocks cannot be reused or spilled without its states")
+        self.snapshots = StateSnapshots(capacity=states.num_slots) if states is not None else None
+        self._pending_states: dict[Hashable, tuple[int, list]] = {}
+        if states is not None and config.cold_tier_dir is not None:
+            raise InvalidCacheConfig("cold_tier_dir", "a hybrid model's blocks cannot spill to disk without their states")
         self.events = EventLog()
         self.cold: ColdTier | None = None
         if config.cold_tier_dir is not None:
@@ -77,7 +82,8 @@ class KVCache:
             self.root,
             watermark=config.watermark,
             events=self.events,
-            on_evict=self._spill if self.cold is not None else None,
+            on_evict=self._spill if self.cold is not None else (self._drop_snapshot if states is not None else None),
+            reuse_limit=self.snapshots.usable_blocks if self.snapshots is not None else None,
             prefix_caching=config.enable_prefix_caching,
         )
         self._disk_blocks: dict[BlockHash, tuple[BlockHash | None, tuple[int, ...]]] = {}
@@ -107,6 +113,8 @@ class KVCache:
                 raise OutOfStateSlots(f"sequence {seq_id!r}: every state slot is held")
             computed = self.manager.allocate(seq_id, token_ids)
             self.states.allocate(seq_id)
+            if computed:
+                self.states.restore(seq_id, self.snapshots.take(self.block_hashes(token_ids[:computed])[-1]))
             return computed
         if self.cold is None:
             return self.manager.allocate(seq_id, token_ids)
@@ -139,6 +147,24 @@ class KVCache:
         self.manager.free(seq_id)
         if self.states is not None:
             self.states.free(seq_id)
+            self._pending_states.pop(seq_id, None)
+
+    def capture_state(self, seq_id: Hashable, num_computed: int) -> None:
+        """Copy the sequence's state as the step just built leaves it, at block boundary `num_computed`;
+        it is stored by `publish_state` once the tokens up to there are known."""
+        if num_computed % self.block_size:
+            raise ValueError(f"a state snapshot sits at a block boundary, not at token {num_computed}")
+        self._pending_states[seq_id] = (num_computed, self.states.snapshot(seq_id))
+
+    def publish_state(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
+        """Store the sequence's captured state under the hash of the block it ends, if those tokens are known."""
+        pending = self._pending_states.pop(seq_id, None)
+        if pending is not None and pending[0] <= len(token_ids):
+            boundary, snapshot = pending
+            self.snapshots.put(self.block_hashes(token_ids[:boundary])[-1], snapshot)
+
+    def _drop_snapshot(self, block_id: int, block_hash: BlockHash, parent, token_ids) -> None:
+        self.snapshots.drop(block_hash)
 
     def state_slots(self, seq_ids: Sequence[Hashable]) -> list[int] | None:
         """The sequences' state slots, in order; None for a model without state layers."""

@@ -78,6 +78,21 @@ class StatePool:
         if slot is not None:
             self._free.append(slot)
 
+    def snapshot(self, seq_id: Hashable) -> list[list[mx.array]]:
+        """A copy of the sequence's state as the last step built leaves it (lazy, evaluated with that step)."""
+        slot = self._slots[seq_id]
+        copies = [[pool[slot] * 1 for pool in layer] for layer in self.arrays]  # * 1: a copy, not a view of the pool
+        mx.async_eval(copies)
+        return copies
+
+    def restore(self, seq_id: Hashable, snapshot: Sequence[Sequence[mx.array]]) -> None:
+        """Put a snapshot's state into the sequence's slot."""
+        slot = self._slots[seq_id]
+        for layer, saved in zip(self.arrays, snapshot, strict=True):
+            for kind, pool in enumerate(layer):
+                pool[slot] = saved[kind]
+                layer[kind] = pool
+
     def store(self, layer: int, slots: mx.array, states: Sequence[mx.array]) -> None:
         """A step's new states of one layer into its sequences' slots (in place once evaluated)."""
         for kind, state in enumerate(states):

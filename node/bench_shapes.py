@@ -52,26 +52,31 @@ def shape_config(name: str, *, num_layers: int | None = None) -> dict:
 
 def random_llama(name: str, *, dtype=mx.bfloat16, num_layers: int | None = None, seed: int = 0) -> LoadedModel:
     """mlx-lm's Llama with the shape's dimensions and random weights, evaluated on the default device."""
-    from mlx_lm.models.llama import Model, ModelArgs
-    from mlx_lm.utils import load_tokenizer
+    config = shape_config(name, num_layers=num_layers)
+    return random_model(config, f"random-llama-{name}", dtype=dtype, seed=seed)
+
+
+def random_model(config: dict, name: str, *, dtype=mx.bfloat16, seed: int = 0) -> LoadedModel:
+    """mlx-lm's model class for `config` with random weights and the demo tokenizer, evaluated on the default device."""
+    from mlx_lm.utils import _get_classes, load_tokenizer
 
     from node.demo_model import default_demo_model_path
 
-    config = shape_config(name, num_layers=num_layers)
+    model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
-    model = Model(ModelArgs.from_dict(config))
+    model = model_class(args_class.from_dict(config))
     model.set_dtype(dtype)
     mx.eval(model.parameters())
     demo = Path(default_demo_model_path())
     tokenizer = load_tokenizer(demo)
     return LoadedModel(
-        name=f"random-llama-{name}",
+        name=name,
         path=demo,
         model=model,
         tokenizer=tokenizer,
         config=config,
-        model_type="llama",
-        fingerprint=f"random-llama-{name}-{config['num_hidden_layers']}-{dtype}-seed{seed}",
+        model_type=config["model_type"],
+        fingerprint=f"{name}-{config['num_hidden_layers']}-{dtype}-seed{seed}",
         eos_token_ids=frozenset(int(t) for t in tokenizer.eos_token_ids),
         max_context_length=int(config["max_position_embeddings"]),
     )

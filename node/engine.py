@@ -35,6 +35,10 @@ from node.types import RequestOutput, SamplingParams
 #: against 1.33x) and 2,048 (8B burst 1.64x, its TTFT p99 worse than mlx-lm's); on CPUs 512.
 GPU_TOKEN_BUDGET = 1024
 CPU_TOKEN_BUDGET = 512
+#: A hybrid model's prompt chunks stop at every multiple of this many blocks, where its recurrent
+#: state is snapshotted (besides each prompt's last full block and each finished sequence's last
+#: boundary): a shared system prompt of 256 tokens or more resumes from its first 256.
+STATE_SNAPSHOT_BLOCKS = 16
 
 
 def device_token_budget() -> int:
@@ -122,16 +126,18 @@ class LLMEngine:
         geometry = self.model.geometry(self.config.block_size, self.config.dtype)
         states = hybrid_state_pool(self.model, self.config.max_num_seqs)
         cache_config = self.config.cache_config()
-        if states is not None:  # its KV alone cannot resume a sequence: no prefix reuse, no swap to disk
-            cache_config = replace(cache_config, enable_prefix_caching=False, cold_tier_dir=None)
+        if states is not None:  # a state is not on disk: no spill, no swap
+            cache_config = replace(cache_config, cold_tier_dir=None)
         self.kv = KVCache(geometry, cache_config, states=states)
+        self._snapshots_on = states is not None and cache_config.enable_prefix_caching
         self.runner = ModelRunner(self.model, self.kv.pool, compiled_decode=self.config.compiled_decode, states=states)
         wire_model_and_pool(self.model.model, self.kv.pool.nbytes)
         self.max_model_len = min(self.config.max_model_len or self.model.max_context_length, self.model.max_context_length)
         self.eos_token_ids = set(self.model.eos_token_ids)
         self.rates = NodeRates.new()
         self.scheduler = Scheduler(
-            SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens),
+            SchedulerConfig(self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                            state_interval=STATE_SNAPSHOT_BLOCKS * self.config.block_size if states is not None else None),
             self.kv,
             self._should_swap,
         )
@@ -267,6 +273,8 @@ class LLMEngine:
                 self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed)
         owners, sample = self._sample_on_device([sched.chunks[i].seq for i in completing], logits)
         mx.async_eval(sample.tokens, *([] if sample.raw_logprobs is None else [sample.raw_logprobs]))
+        if self._snapshots_on:
+            self._snapshot_states(sched.chunks)
         for row, seq in enumerate(owners):
             seq.token_ids.append(PENDING_TOKEN)
             seq.num_unresolved += 1
@@ -275,6 +283,16 @@ class LLMEngine:
         self.counters.pack_seconds += t0 - t_pack
         self.counters.graph_seconds += time.perf_counter() - t0
         return _InFlightStep(commits, owners, sample, t0, sched.num_tokens - decode, decode)
+
+    def _snapshot_states(self, chunks: list[ScheduledChunk]) -> None:
+        """A hybrid model's state at each block boundary a chunk just reached: stored now when
+        the tokens up to there are known (prompt chunks), else when the sequence finishes."""
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.num_computed % self.config.block_size == 0:
+                self.kv.capture_state(seq.seq_id, seq.num_computed)
+                if not seq.num_unresolved:
+                    self.kv.publish_state(seq.seq_id, seq.token_ids)
 
     def _device_tokens(self, chunks: list[ScheduledChunk], step: StepInput) -> mx.array | None:
         """The step's input ids; a placeholder's value is read from the in-flight step's samples."""
@@ -400,6 +418,8 @@ class LLMEngine:
         seq.drop_unresolved()
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
+        if self._snapshots_on:
+            self.kv.publish_state(seq.seq_id, seq.token_ids)  # where a next turn resumes
         self.kv.free(seq.seq_id)
         self.scheduler.remove(seq)
         seq.status = Status.FINISHED

@@ -27,6 +27,10 @@ from node.sequence import Sequence, Status
 class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # A hybrid model's state snapshot interval, in tokens (a multiple of the block size): prompt
+    # chunks stop at each multiple of it, and a prompt's last chunk at its last full block, so the
+    # engine can snapshot the recurrent state there (kvcache.state_snapshots).
+    state_interval: int | None = None
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -126,7 +130,7 @@ class Scheduler:
                 break
             if seq.status is not Status.RUNNING or seq.last_in_flight:
                 continue  # preempted earlier in this loop, or its last token is on the device
-            n = min(seq.num_pending, budget)
+            n = self._chunk(seq, budget)
             if n == 0:
                 continue
             if not self._make_room(seq, seq.num_computed + n, out):
@@ -182,9 +186,25 @@ class Scheduler:
             seq.status = Status.RUNNING
             bisect.insort(self.running, seq, key=_key)
             self._start_computing(seq)
-            n = min(seq.num_pending, budget)
+            n = self._chunk(seq, budget)
             out.chunks.append(ScheduledChunk(seq, n))
             budget -= n
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """How many of the sequence's pending tokens this step computes: as many as the budget
+        allows; for a hybrid model (`SchedulerConfig.state_interval`) no further than the next
+        multiple of the interval, and a prompt's last chunk stops at its last full block, so the
+        engine can snapshot the recurrent state at each."""
+        n = min(seq.num_pending, budget)
+        interval = self.config.state_interval
+        if interval is None or n <= 1:
+            return n
+        start, end, known = seq.num_computed, seq.num_computed + n, len(seq.token_ids)
+        mark = (start // interval + 1) * interval
+        if mark < known and mark < end:
+            return mark - start
+        last = known - known % self.kv.block_size
+        return last - start if end == known and start < last < end else n
 
     # -- prefixes being computed --------------------------------------------------------
 

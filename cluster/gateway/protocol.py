@@ -78,10 +78,15 @@ class StreamOptions(_Request):
     include_obfuscation: bool | None = Field(None, description="accepted, ignored: streams here are not padded")
 
 
+class PromptTokensDetails(_Response):
+    cached_tokens: int = Field(0, description="prompt tokens served from the prefix cache, not computed")
+
+
 class Usage(_Response):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class _SamplingFields(ConstraintFields):

@@ -30,6 +30,7 @@ from cluster.gateway.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptTokensDetails,
     TopLogprob,
     Usage,
 )
@@ -61,11 +62,13 @@ class Choices:
     def __init__(self, n: int, num_jobs: int):
         self.n = n
         self.states = [ChoiceState() for _ in range(n * num_jobs)]
+        self.cached_tokens = [0] * num_jobs  # each prompt's tokens the engine found in its prefix cache
 
     def index(self, job: int, completion_index: int) -> int:
         return job * self.n + completion_index
 
     def add(self, job: int, out: RequestOutput) -> None:
+        self.cached_tokens[job] = max(self.cached_tokens[job], out.num_cached_tokens or 0)
         for c in out.outputs:
             state = self.states[self.index(job, c.index)]
             state.text = c.text
@@ -76,7 +79,8 @@ class Choices:
     def usage(self, prompts: list[list[int]]) -> Usage:
         prompt_tokens = sum(len(p) for p in prompts)
         completion_tokens = sum(s.num_tokens for s in self.states)
-        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens)))
 
 
 class TokenText:

@@ -35,16 +35,22 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
     demo = write_demo_model(root / "demo")
     # gemma3 and gpt_oss window some layers (5 tokens) and gpt_oss has attention sinks: the prompt crosses the windows.
-    folders = {name: write_tiny_model(root / name, name, demo) for name in ("llama3", "qwen3_moe", "qwen3", "gemma3", "gpt_oss")}
+    # qwen3_next: Gated DeltaNet layers keep a recurrent state (the state pool) between attention layers.
+    names = ("llama3", "qwen3_moe", "qwen3", "gemma3", "gpt_oss", "qwen3_next")
+    folders = {name: write_tiny_model(root / name, name, demo) for name in names}
     # What Mac users mostly download: a 4-bit mlx-community-style checkpoint, head tied to a quantized embedding.
     folders["qwen3-4bit"] = write_quantized_model(root / "qwen3-4bit", folders.pop("qwen3"), bits=4, group_size=64)
     return folders
 
 
-def mlx_lm_greedy_text(folder: Path) -> str:
+def mlx_lm_greedy(folder: Path, prompt: list[int] = PROMPT) -> tuple[list[int], str]:
     model, tokenizer = load(str(folder))
-    tokens = [int(t) for t, _ in generate_step(mx.array(PROMPT), model, max_tokens=MAX_TOKENS)]
-    return tokenizer.decode(tokens)
+    tokens = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=MAX_TOKENS)]
+    return tokens, tokenizer.decode(tokens)
+
+
+def mlx_lm_greedy_text(folder: Path) -> str:
+    return mlx_lm_greedy(folder)[1]
 
 
 @contextlib.contextmanager
@@ -80,7 +86,7 @@ def assert_is_mlx_lm_greedy(completion, folder: Path) -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("family", ["llama3", "qwen3_moe", "qwen3-4bit", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3_moe", "qwen3-4bit", "gemma3", "gpt_oss", "qwen3_next"])
 def test_serve_without_ray_answers_with_mlx_lm_greedy_tokens(family, checkpoints, tmp_path):
     with served(checkpoints[family], tmp_path / "serve.log", "--no-ray") as (url, model):
         completion = greedy_completion(url, model)
@@ -102,3 +108,20 @@ def test_serve_with_compiled_decode_answers_with_mlx_lm_greedy_tokens(checkpoint
     with served(checkpoints["llama3"], tmp_path / "serve.log", "--no-ray", "--compiled-decode", "on") as (url, model):
         completion = greedy_completion(url, model)
     assert_is_mlx_lm_greedy(completion, checkpoints["llama3"])
+
+
+@pytest.mark.timeout(240)
+def test_a_hybrid_models_next_turn_is_served_from_its_state_snapshot(checkpoints, tmp_path):
+    """Turn 2 resends turn 1 and its answer: the server reports the cached prompt tokens (up to
+    the last block boundary turn 1 computed, 16 of 24) and still answers with mlx-lm's tokens."""
+    folder = checkpoints["qwen3_next"]
+    answer, _ = mlx_lm_greedy(folder)
+    turn2 = PROMPT + answer + [60, 61, 62]
+    with served(folder, tmp_path / "serve.log", "--no-ray") as (url, model):
+        first = greedy_completion(url, model)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        second = client.completions.create(model=model, prompt=turn2, max_tokens=MAX_TOKENS, temperature=0,
+                                           extra_body={"ignore_eos": True})
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 16
+    assert second.choices[0].text == mlx_lm_greedy(folder, turn2)[1]
