@@ -105,7 +105,9 @@ def main() -> None:
                                         max_num_seqs=args.sessions), loaded=loaded)
         t0 = time.perf_counter()
         results[caching] = summary(run_sessions(engine, args), args) | {"seconds": time.perf_counter() - t0}
-        print(f"prefix caching {'on' if caching else 'off'}: {results[caching]['seconds']:.1f} s", flush=True)
+        r = results[caching]
+        print(f"prefix caching {'on' if caching else 'off'}: {r['seconds']:.1f} s, hit rate {r['hit']:.1%}, "
+              f"TTFT p50 turn 1 {r['ttft'][0] * 1e3:.0f} ms, turn {args.turns} {r['ttft'][-1] * 1e3:.0f} ms", flush=True)
         del engine
     on, off = results[True], results[False]
     print(f"hybrid sessions: {args.sessions} x {args.turns} turns, system {args.system}, message {args.message}, "

@@ -131,7 +131,9 @@ class LLMEngine:
         self.kv = KVCache(geometry, cache_config, states=states)
         self._snapshots_on = states is not None and cache_config.enable_prefix_caching
         self.runner = ModelRunner(self.model, self.kv.pool, compiled_decode=self.config.compiled_decode, states=states)
-        wire_model_and_pool(self.model.model, self.kv.pool.nbytes)
+        # a hybrid model's states: the pool's slots and as many snapshots (kvcache.state_snapshots)
+        state_bytes = 2 * states.nbytes if states is not None else 0
+        wire_model_and_pool(self.model.model, self.kv.pool.nbytes + state_bytes)
         self.max_model_len = min(self.config.max_model_len or self.model.max_context_length, self.model.max_context_length)
         self.eos_token_ids = set(self.model.eos_token_ids)
         self.rates = NodeRates.new()

@@ -95,7 +95,7 @@ def test_serve_without_ray_answers_with_mlx_lm_greedy_tokens(family, checkpoints
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("family", ["llama3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3_moe", "qwen3_next"])
 def test_serve_with_ray_answers_with_mlx_lm_greedy_tokens(family, checkpoints, tmp_path):
     with served(checkpoints[family], tmp_path / "serve.log") as (url, model):
         completion = greedy_completion(url, model)

@@ -1,7 +1,8 @@
 """The README's supported-architectures table says what the family tests test, so the two cannot drift.
 
 A `model_type` marked served must be one the token-exact family tests run (tests/node/test_families.py,
-directly or through mlx-lm's own alias for it), and every family they run must be marked served.
+tests/node/test_hybrid.py for hybrid models, directly or through mlx-lm's own alias for it), and every
+family they run must be marked served.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 from mlx_lm.utils import MODEL_REMAPPING
 
 from tests.node.test_families import FAMILIES, QUANTIZED
-from tests.node.tiny_models import REFUSED_CONFIGS, TINY_CONFIGS
+from tests.node.tiny_models import HYBRID_CONFIGS, REFUSED_CONFIGS, TINY_CONFIGS
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -36,12 +37,12 @@ def is_model_type(name: str) -> bool:
 
 
 def model_type_of(name: str) -> str:
-    config = {**TINY_CONFIGS, **REFUSED_CONFIGS}[name]
+    config = {**TINY_CONFIGS, **HYBRID_CONFIGS, **REFUSED_CONFIGS}[name]
     return config["model_type"]
 
 
 def families_tested() -> set[str]:
-    names = set(FAMILIES) | {base for base, _, _ in QUANTIZED.values()}
+    names = set(FAMILIES) | {base for base, _, _ in QUANTIZED.values()} | set(HYBRID_CONFIGS)  # test_hybrid runs each
     return {model_type_of(name) for name in names}
 
 

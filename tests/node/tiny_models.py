@@ -138,6 +138,12 @@ HYBRID_CONFIGS = {
         _COMMON, **_GATED_DELTA, model_type="qwen3_5_text", num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
         rms_norm_eps=1e-6, tie_word_embeddings=False,
         rope_parameters=dict(type="default", rope_theta=1_000_000.0, partial_rotary_factor=0.25))),
+    # Qwen3.5-MoE: the same with routed experts and a shared expert in every layer.
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe", torch_dtype="float32", text_config=dict(
+        _COMMON, **_GATED_DELTA, model_type="qwen3_5_moe_text", num_hidden_layers=4, num_key_value_heads=2, head_dim=16,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        rope_parameters=dict(type="default", rope_theta=1_000_000.0, partial_rotary_factor=0.25))),
 }
 
 #: Architectures the loader must refuse for what their loaded layers do (a rope that cannot
