@@ -56,6 +56,37 @@ def random_llama(name: str, *, dtype=mx.bfloat16, num_layers: int | None = None,
     return random_model(config, f"random-llama-{name}", dtype=dtype, seed=seed)
 
 
+def write_random_checkpoint(folder: Path, config: dict, tokenizer_from: Path, seed: int = 7,
+                            randomize: tuple[str, ...] = ()) -> Path:
+    """`config` with random weights (MLX's default initialisation under `seed`) written in Hugging
+    Face layout into `folder`, with the tokenizer of the checkpoint at `tokenizer_from`, so
+    `mlx_lm.load` and `orchard serve` take it as any model. Parameters whose names end with one of
+    `randomize` (built as zeros, trained in real checkpoints) get random values."""
+    import json
+    import shutil
+
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import _get_classes
+
+    folder.mkdir(parents=True, exist_ok=True)
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    weights = dict(tree_flatten(model.parameters()))
+    for name in weights:
+        if randomize and name.endswith(randomize):
+            weights[name] = mx.random.normal(weights[name].shape) * 2.0
+    mx.save_safetensors(str(folder / "model.safetensors"), weights)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    for name in TOKENIZER_FILES:
+        shutil.copy(tokenizer_from / name, folder / name)
+    return folder
+
+
+#: The files of a checkpoint's tokenizer (Hugging Face layout).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
 def random_model(config: dict, name: str, *, dtype=mx.bfloat16, seed: int = 0) -> LoadedModel:
     """mlx-lm's model class for `config` with random weights and the demo tokenizer, evaluated on the default device."""
     from mlx_lm.utils import _get_classes, load_tokenizer

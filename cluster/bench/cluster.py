@@ -182,8 +182,9 @@ async def _drive(backend, model, requests, params, sessions: bool):
     return results, time.perf_counter() - t0
 
 
-def bench_policy(name: str, cfg: WorkloadConfig, requests: list[Request], nodes: int = 3) -> PolicyFigures:
-    """One policy (optionally `+sessions`) on a fresh three-raylet cluster."""
+def bench_policy(name: str, cfg: WorkloadConfig, requests: list[Request], nodes: int = 3,
+                 model: str | None = None) -> PolicyFigures:
+    """One policy (optionally `+sessions`) on a fresh cluster of `nodes` raylets serving `model` (the demo's by default)."""
     import ray
 
     from cluster.coordinator.coordinator import CoordinatorConfig
@@ -194,7 +195,7 @@ def bench_policy(name: str, cfg: WorkloadConfig, requests: list[Request], nodes:
     from node.types import SamplingParams
 
     policy, sessions = name.removesuffix(SESSIONS), name.endswith(SESSIONS)
-    engine = EngineConfig(block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_batched_tokens=1024)
+    engine = EngineConfig(model=model, block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_batched_tokens=1024)
     with LocalCluster(cpus_per_node=1).start(extra_nodes=nodes - 1):
         ensure_coordinator(CoordinatorConfig(router=RouterConfig(policy=policy)))
         live = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
@@ -235,8 +236,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--num-blocks", type=int, default=WorkloadConfig.num_blocks, help="KV blocks per node")
     p.add_argument("--router-blocks", type=int, default=100_000)
     p.add_argument("--router-nodes", type=int, default=8)
+    p.add_argument("--nodes", type=int, default=3, help="raylets (one engine each) of the workload's cluster")
+    p.add_argument("--hybrid", action="store_true",
+                   help="serve a random small Qwen3-Next (Gated DeltaNet + attention: node.bench_sessions) instead of the demo model")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return p.parse_args(argv)
+
+
+def _hybrid_checkpoint() -> str:
+    """node.bench_sessions' hybrid shape with random weights, written where every raylet can load it."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from node.bench_sessions import HYBRID_SHAPE
+    from node.bench_shapes import write_random_checkpoint
+    from node.demo_model import default_demo_model_path
+
+    demo = Path(default_demo_model_path())
+    vocab = json.loads((demo / "config.json").read_text())["vocab_size"]
+    folder = Path(tempfile.mkdtemp(prefix="orchard-hybrid-")) / "qwen3-next-small"
+    return str(write_random_checkpoint(folder, dict(HYBRID_SHAPE, vocab_size=vocab, torch_dtype="float32"), demo))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -251,10 +271,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = WorkloadConfig(args.tenants, args.turns, args.system_tokens, args.turn_tokens, args.max_tokens,
                              args.rate, num_blocks=args.num_blocks)
         requests = build_workload(cfg)
-        out["workload"] = asdict(cfg)
+        out["workload"] = asdict(cfg) | {"nodes": args.nodes, "hybrid": args.hybrid}
         out["policies"] = []
+        model = _hybrid_checkpoint() if args.hybrid else None
         for policy in args.policies.split(","):
-            figures = bench_policy(policy, cfg, requests)
+            figures = bench_policy(policy, cfg, requests, nodes=args.nodes, model=model)
             out["policies"].append(asdict(figures))
             print(f"{policy:>13}: TTFT p50 {figures.ttft_p50_s:.3f} s p90 {figures.ttft_p90_s:.3f} s, "
                   f"{figures.output_tokens_per_s:.1f} out tok/s, hit rate {figures.hit_rate:.1%} "

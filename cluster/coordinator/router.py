@@ -241,7 +241,7 @@ class Router:
         prompt_blocks = request.num_tokens // request.block_size
         source, source_blocks = _best_other_holder(request.held, node.node_id)
         extra = min(source_blocks, prompt_blocks) - own
-        if source is None or extra <= 0 or node.info.bytes_per_block <= 0:
+        if source is None or extra <= 0 or node.info.bytes_per_block <= 0 or not node.info.kv_migrates:
             return None
         bytes_per_s = link_rate(source, node.node_id)
         if not bytes_per_s:

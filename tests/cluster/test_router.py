@@ -20,10 +20,10 @@ class Clock:
         return self.now
 
 
-def cluster(*node_ids, model="m", prefill_tps=1000.0, decode_tps=100.0, bytes_per_block=0):
+def cluster(*node_ids, model="m", prefill_tps=1000.0, decode_tps=100.0, bytes_per_block=0, kv_migrates=True):
     members = Membership(clock=Clock())
     for node_id in node_ids:
-        members.register(node_id, NodeInfo(model=model, block_size=BS, bytes_per_block=bytes_per_block))
+        members.register(node_id, NodeInfo(model=model, block_size=BS, bytes_per_block=bytes_per_block, kv_migrates=kv_migrates))
         members.heartbeat(node_id, NodeLoad(prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps))
     return members
 
@@ -173,6 +173,15 @@ def test_fast_link_makes_busy_holder_a_migration_source():
     assert decision.migration.source == "a"
     assert decision.migration.num_blocks == 16
     assert decision.migration.est_transfer_s < decision.migration.est_recompute_s
+
+
+def test_blocks_that_cannot_travel_are_never_migrated():
+    """A hybrid model's blocks are useless without their recurrent states, which do not travel."""
+    members = cluster("a", "b", bytes_per_block=1_000_000, kv_migrates=False)
+    members.heartbeat("a", NodeLoad(queued_prefill_tokens=50_000, prefill_tokens_per_s=1000.0, decode_tokens_per_s=100.0))
+    members.record_link_rate("a", "b", 1e9)  # the link that makes the same request migrate above
+    decision = Router().route(request({"a": 16}), members.candidates("m"), members.link_rate)
+    assert decision.node_id == "b" and decision.migration is None
 
 
 def test_slow_link_means_recompute_instead_of_migrate():

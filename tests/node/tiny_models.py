@@ -8,10 +8,10 @@ copies are made from them with mlx-lm's own converter.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+from node.bench_shapes import write_random_checkpoint
+
 #: parameters mlx-lm's classes build as zeros and checkpoints train: gpt-oss's attention sinks
 TRAINED_FROM_ZERO = ("self_attn.sinks",)
 
@@ -156,27 +156,12 @@ REFUSED_CONFIGS = {
 
 def write_tiny_model(folder: Path, model_type: str, tokenizer_from: Path, seed: int = 7) -> Path:
     """Write the tiny config named `model_type` with random weights into `folder`; returns it."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import _get_classes
-
-    folder.mkdir(parents=True, exist_ok=True)
     vocab = json.loads((tokenizer_from / "config.json").read_text())["vocab_size"]
     config = dict({**TINY_CONFIGS, **HYBRID_CONFIGS, **REFUSED_CONFIGS}[model_type], vocab_size=vocab)
     if "text_config" in config:  # a multimodal wrapper: the text model states the vocabulary
         config["text_config"] = dict(config["text_config"], vocab_size=vocab)
-    model_class, args_class = _get_classes(config)
-    mx.random.seed(seed)
-    model = model_class(args_class.from_dict(config))
-    weights = dict(tree_flatten(model.parameters()))
-    for name in weights:
-        if name.endswith(TRAINED_FROM_ZERO):  # zeros at construction, which would hide what they do
-            weights[name] = mx.random.normal(weights[name].shape) * 2.0
-    mx.save_safetensors(str(folder / "model.safetensors"), weights)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    for name in TOKENIZER_FILES:
-        shutil.copy(tokenizer_from / name, folder / name)
-    return folder
+    # zeros at construction would hide what trained-from-zero parameters do
+    return write_random_checkpoint(folder, config, tokenizer_from, seed, randomize=TRAINED_FROM_ZERO)
 
 
 def write_quantized_model(folder: Path, source: Path, bits: int, group_size: int, dtype: str | None = None) -> Path:
