@@ -22,8 +22,6 @@ FAMILIES = ["llama3", "qwen2", "qwen3_moe", "qwen2_moe", "gemma", "phi3", "olmo2
             "granite", "cohere", "mixtral", "smollm3", "internlm2", "minimax", "mistral3", "exaone",
             # sliding windows per layer (gpt-oss with attention sinks too), windows shorter than the prompts
             "gemma3_text", "gemma3", "gpt_oss", "llama_swa", "olmo3",
-            # hybrid: Gated DeltaNet layers keep recurrent state (the state pool; more in test_hybrid.py)
-            "qwen3_next", "qwen3_5", "qwen3_5_moe",
             # Ministral 3 (windows too) scales queries by position; Gemma 2 soft-caps scores and logits
             "ministral3", "mistral3_ministral3", "gemma2"]
 #: Quantized checkpoints as mlx-community publishes them, (family, bits, group size): qwen3 ties its

@@ -3,10 +3,8 @@ against mlx-lm over the paged KV pool and the state pool.
 
 Tiny random checkpoints built with mlx-lm's own classes (`tiny_models.HYBRID_CONFIGS`). The
 engine's greedy tokens equal mlx-lm's `generate_step` and its top-5 log-probs agree to 1e-5 in
-float32: whole prompts in one batch, `n > 1` forks, preemption without a swap, and prefixes resumed
-from state snapshots at block boundaries (a next turn, a resent prompt, a shared system prompt).
-Chunked prefill beside decodes, a shared prefix and recompute preemption run for these families in
-tests/node/test_families.py with every other family.
+float32: whole and chunked prefill in a packed batch beside decodes, `n > 1` forks, preemption,
+and prefixes resumed from state snapshots at block boundaries (a next turn, a resent prompt).
 """
 
 from __future__ import annotations
@@ -37,6 +35,14 @@ def test_whole_prompts_in_one_batch_match_mlx_lm(hybrid):
     batch = prompts(engine.model.vocab_size, [5, 17, 1, 11])
     assert_matches_mlx_lm(model, batch, run(engine, batch))
     assert engine.kv.states.num_free == engine.kv.states.num_slots - 1  # every slot back
+
+
+def test_chunked_prefill_beside_decodes_matches_mlx_lm(hybrid):
+    folder, model = hybrid
+    # Chunks of 7 tokens: a long prompt's chunks continue its state while shorter ones decode.
+    engine = LLMEngine(EngineConfig(model=str(folder), num_blocks=64, block_size=4, max_num_batched_tokens=7))
+    batch = prompts(engine.model.vocab_size, [5, 23, 1, 11])
+    assert_matches_mlx_lm(model, batch, run(engine, batch))
 
 
 def test_preempted_sequences_recompute_their_state(hybrid):

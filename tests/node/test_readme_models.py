@@ -1,7 +1,8 @@
 """The README's supported-architectures table says what the family tests test, so the two cannot drift.
 
 A `model_type` marked served must be one the token-exact family tests run (tests/node/test_families.py,
-directly or through mlx-lm's own alias for it), and every family they run must be marked served.
+tests/node/test_hybrid.py for hybrid models, directly or through mlx-lm's own alias for it), and every
+family they run must be marked served.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def model_type_of(name: str) -> str:
 
 
 def families_tested() -> set[str]:
-    names = set(FAMILIES) | {base for base, _, _ in QUANTIZED.values()}
+    names = set(FAMILIES) | {base for base, _, _ in QUANTIZED.values()} | set(HYBRID_CONFIGS)  # test_hybrid runs each
     return {model_type_of(name) for name in names}
 
 
