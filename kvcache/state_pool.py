@@ -53,9 +53,6 @@ class StatePool:
     def slot(self, seq_id: Hashable) -> int:
         return self._slots[seq_id]
 
-    def has(self, seq_id: Hashable) -> bool:
-        return seq_id in self._slots
-
     def allocate(self, seq_id: Hashable) -> int:
         """A zeroed slot for a sequence that starts from its first token."""
         if seq_id in self._slots:

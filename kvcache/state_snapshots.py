@@ -26,19 +26,18 @@ class StateSnapshots:
     def __init__(self, capacity: int):
         self.capacity = capacity
         self._by_hash: OrderedDict[BlockHash, list] = OrderedDict()
-        self.stored = 0
         self.restored = 0
 
     def __len__(self) -> int:
         return len(self._by_hash)
 
-    def __contains__(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._by_hash
+    def hashes(self) -> list[BlockHash]:
+        """The blocks that have a snapshot, least recently used first."""
+        return list(self._by_hash)
 
     def put(self, block_hash: BlockHash, snapshot: list) -> None:
         self._by_hash[block_hash] = snapshot
         self._by_hash.move_to_end(block_hash)
-        self.stored += 1
         while len(self._by_hash) > self.capacity:
             self._by_hash.popitem(last=False)
 

@@ -440,7 +440,7 @@ class LLMEngine:
 
     def _should_swap(self, seq: Sequence) -> bool:
         """Swap to the cold tier when restoring is expected to beat recomputing."""
-        if self.kv.cold is None or self.kv.states is not None or self.config.preemption == "recompute":
+        if self.kv.cold is None or self.config.preemption == "recompute":  # a hybrid model has no cold tier
             return False
         if self.config.preemption == "swap":
             return True

@@ -36,10 +36,6 @@ def state_layer_indices(model) -> list[int]:
     return [i for i, layer in enumerate(model.layers) if state_module_of(layer) is not None]
 
 
-def attention_layer_indices(model) -> list[int]:
-    return [i for i, layer in enumerate(model.layers) if state_module_of(layer) is None]
-
-
 @dataclass(frozen=True)
 class StateShape:
     """One state layer's arrays per sequence: shape and dtype of each `cache[i]`."""

@@ -129,6 +129,7 @@ def test_snapshots_go_with_their_blocks_and_no_block_leaves(hybrid):
     assert len(engine.kv.snapshots) == 2  # the prompt's last full block, the answer's last boundary
     run(engine, prompts(vocab, [30], offset=40), prefix="b")  # needs the cached blocks back
     assert engine.kv.manager.stats().evictions > 0 and len(engine.kv.snapshots) <= 2
+    assert all(engine.kv.manager.cached_block(h) is not None for h in engine.kv.snapshots.hashes())  # none outlives its block
     with pytest.raises(StateNotMigratable):
         engine.export_blocks(engine.kv.block_hashes(prompts(vocab, [13], offset=2)[0]))
 
