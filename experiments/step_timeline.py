@@ -18,16 +18,21 @@ import numpy as np
 from experiments.decode_step_profile import decoding_engine
 from node import engine as engine_module
 from node import sampling
-from node.bench_shapes import random_llama
+from node.bench_shapes import random_llama, random_model, shape_config
+
+#: the clock phases are timed by: wall time, or the engine thread's own CPU time (`--clock
+#: thread`), which other processes on a shared machine do not inflate
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+_clock = time.perf_counter
 
 
 def _timed(store: dict, name: str, fn):
     def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
+        t0 = _clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            store[name].append(time.perf_counter() - t0)
+            store[name].append(_clock() - t0)
     return wrapper
 
 
@@ -52,6 +57,14 @@ class _Patched:
         return self._replaced.get(name) or getattr(self._module, name)
 
 
+def host_only_model():
+    """A one-layer Llama of width 64 in float32 with the demo tokenizer's vocabulary, so every
+    sampled id decodes to real text: on a CPU its forward is a small part of a step."""
+    config = {**shape_config("1b", num_layers=1), "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 1024}
+    return random_model(config, "host-only", dtype=mx.float32)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--shape", default="1b")
@@ -60,9 +73,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--kv-gb", type=float, default=4.0)
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than the shape (a quick CPU run)")
+    parser.add_argument("--host-only", action="store_true",
+                        help="a model so small its forward is negligible: the step's time is the engine's host work")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
+    parser.add_argument("--compiled-decode", choices=("auto", "on", "off"), default="auto")
     args = parser.parse_args()
-    loaded = random_llama(args.shape, num_layers=args.layers)
-    engine = decoding_engine(loaded, args.batch, args.prompt, args.kv_gb)
+    global _clock
+    _clock = CLOCKS[args.clock]
+    loaded = host_only_model() if args.host_only else random_llama(args.shape, num_layers=args.layers)
+    compiled = {"on": True, "off": False}.get(args.compiled_decode)
+    engine = decoding_engine(loaded, args.batch, args.prompt, args.kv_gb, compiled_decode=compiled)
     engine.config.async_scheduling = True
     for _ in range(5):
         engine.step()
@@ -70,10 +90,11 @@ def main() -> None:
     instrument(engine, store)
     totals = []
     for _ in range(args.steps):
-        t0 = time.perf_counter()
+        t0 = _clock()
         engine.step()
-        totals.append(time.perf_counter() - t0)
-    print(f"{args.shape} shape, batch {args.batch}, {mx.default_device()}")
+        totals.append(_clock() - t0)
+    what = "host-only model" if args.host_only else f"{args.shape} shape"
+    print(f"{what}, batch {args.batch}, {mx.default_device()}, {args.clock} clock")
     print(f"  {'whole step':32s} {np.median(totals) * 1e3:7.2f} ms")
     for name, times in store.items():
         print(f"  {name:32s} {np.median(times) * 1e3:7.2f} ms  (x{len(times) / len(totals):.0f} per step)")

@@ -126,6 +126,9 @@ class KVCache:
         finally:
             self.manager.unpin(held)
 
+    def holds_slots(self, seq_id: Hashable, num_tokens: int) -> bool:
+        return self.manager.holds_slots(seq_id, num_tokens)
+
     def can_append(self, seq_id: Hashable, num_tokens: int) -> bool:
         return self.manager.can_append(seq_id, num_tokens)
 

@@ -333,8 +333,9 @@ class LLMEngine:
         return [self._request_output(request) for request in touched.values()]
 
     def _request_output(self, request: Request) -> RequestOutput:
-        out = self._output(request, final=request.finished)
-        if request.finished:
+        finished = request.finished
+        out = self._output(request, final=finished)
+        if finished:
             self.requests.pop(request.request_id, None)
             self.counters.finished_requests += 1
         return out
@@ -375,7 +376,7 @@ class LLMEngine:
             index=seq.index,
             position=seq.num_output_tokens,
             prompt_token_ids=seq.request.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
+            output_token_ids=seq.output_token_ids if seq.params.has_penalty else (),
         )
 
     def _resolve_token(self, seq: Sequence, token: int, logprob) -> None:
@@ -400,7 +401,7 @@ class LLMEngine:
         if seq.matcher is not None and (done := self.grammars.advance(seq.matcher, token)):
             return self._finish(seq, done, None)
         known = len(seq.token_ids) - seq.num_unresolved
-        if len(seq.output_token_ids) >= params.max_tokens or known >= self.max_model_len:
+        if seq.num_known_outputs >= params.max_tokens or known >= self.max_model_len:
             return self._finish(seq, "length", None)
         return None
 
@@ -427,7 +428,7 @@ class LLMEngine:
         seq.status = Status.FINISHED
 
     def _output(self, request: Request, final: bool) -> RequestOutput:
-        holdback = max((len(s) for s in request.params.stop), default=1) - 1
+        holdback = request.stop_holdback
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,

@@ -27,7 +27,7 @@ class SampleRow:
     index: int  # which of the request's n continuations
     position: int  # number of output tokens so far
     prompt_token_ids: Seq[int]
-    output_token_ids: Seq[int]
+    output_token_ids: Seq[int]  # read by penalties alone: a row without one may leave it empty
 
     @property
     def key_position(self) -> int:

@@ -133,9 +133,10 @@ class Scheduler:
             n = self._chunk(seq, budget)
             if n == 0:
                 continue
-            if not self._make_room(seq, seq.num_computed + n, out):
-                continue
-            self.kv.ensure_slots(seq.seq_id, seq.num_computed + n)
+            if not self.kv.holds_slots(seq.seq_id, seq.num_computed + n):
+                if not self._make_room(seq, seq.num_computed + n, out):
+                    continue
+                self.kv.ensure_slots(seq.seq_id, seq.num_computed + n)
             out.chunks.append(ScheduledChunk(seq, n))
             budget -= n
         return budget

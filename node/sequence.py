@@ -13,6 +13,7 @@ value from the device. Everything the host shows or hashes skips those placehold
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -76,8 +77,13 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        """Output tokens whose values are known on the host."""
+        """Output tokens whose values are known on the host (a copy: O(outputs) per call)."""
         return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - self.num_unresolved]
+
+    @property
+    def num_known_outputs(self) -> int:
+        """len(output_token_ids), without copying them."""
+        return len(self.token_ids) - self.num_unresolved - self.num_prompt_tokens
 
     @property
     def num_output_tokens(self) -> int:
@@ -97,18 +103,19 @@ class Sequence:
     def take_delta(self, final: bool, holdback: int) -> CompletionOutput:
         """What is new since the last call; text near the end is held back while a stop string could still match."""
         visible = len(self.text) if final else max(self.sent_text_len, len(self.text) - holdback)
+        outputs = self.output_token_ids
         out = CompletionOutput(
             index=self.index,
             text=self.text[:visible],
-            token_ids=list(self.output_token_ids),
+            token_ids=outputs,
             text_delta=self.text[self.sent_text_len : visible],
-            token_ids_delta=self.output_token_ids[self.sent_tokens :],
+            token_ids_delta=outputs[self.sent_tokens :],
             logprobs_delta=self.pending_logprobs,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
         self.sent_text_len = visible
-        self.sent_tokens = len(self.output_token_ids)
+        self.sent_tokens = len(outputs)
         self.pending_logprobs = []
         return out
 
@@ -125,6 +132,11 @@ class Request:
     seed: int = 0  # the request's seed, or one the engine drew for it
     forked: bool = False  # the n > 1 continuations have been created
     grammar: Any = None  # the constraint's matcher at the output's start; each continuation works on a copy
+
+    @functools.cached_property
+    def stop_holdback(self) -> int:
+        """Characters of new text held back while a stop string could still complete across them."""
+        return max((len(s) for s in self.params.stop), default=1) - 1
 
     @property
     def sort_key(self) -> tuple[int, int]:

@@ -238,6 +238,20 @@ def test_ensure_slots_appends_blocks_only_when_needed(make_manager):
     m.free("a")
 
 
+def test_holds_slots_only_while_the_blocks_to_write_are_held_and_not_shared(make_manager):
+    m = make_manager()
+    run(m, "p", list(range(6)))  # BS 4: blocks [1, 2], 6 slots computed
+    assert m.holds_slots("p", 8)  # the rest of block 2
+    assert not m.holds_slots("p", 9)  # needs a third block
+    m.fork("p", "c")
+    assert not m.holds_slots("c", 7)  # block 2 is shared: writing it copies
+    assert m.holds_slots("c", 6)  # nothing left to write
+    assert m.ensure_slots("c", 7) == [(2, 3)]
+    assert m.holds_slots("c", 8) and m.holds_slots("p", 8)  # each holds its own block now
+    m.free("p")
+    m.free("c")
+
+
 def test_fork_shares_every_block(make_manager):
     m = make_manager()
     run(m, "p", list(range(6)))
