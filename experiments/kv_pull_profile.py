@@ -92,7 +92,7 @@ def _instrument(stages: Stages, side: str) -> None:
         stages.wrap(kv_link, "_send_pieces", "send")
     else:
         stages.wrap(kv_link, "_recv_into", "recv")
-        stages.wrap(kv_link, "decode_views", "decode")
+        stages.wrap(kv_link, "decode_payload_views", "decode")
         stages.wrap(cache.KVCache, "import_decoded", "import")
 
 

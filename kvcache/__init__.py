@@ -15,7 +15,6 @@ from kvcache.errors import (
     OutOfBlocks,
     OutOfStateSlots,
     QuotaExceeded,
-    StateNotMigratable,
     UnknownSequence,
 )
 from kvcache.events import DISK, MEMORY, BlockRemoved, BlockStored, EventLog, KVEvent
@@ -64,7 +63,6 @@ __all__ = [
     "OutOfBlocks",
     "OutOfStateSlots",
     "QuotaExceeded",
-    "StateNotMigratable",
     "UnknownSequence",
     "block_hashes",
     "contiguous_waste",

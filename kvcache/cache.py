@@ -22,15 +22,15 @@ from kvcache.block_manager import BlockManager, chain_order
 from kvcache.budget import GIB, MemoryBudget, num_blocks_for
 from kvcache.cold_tier import ColdTier
 from kvcache.config import CacheConfig, InvalidCacheConfig
-from kvcache.errors import ColdTierError, IncompatibleKVPayload, OutOfBlocks, OutOfStateSlots, StateNotMigratable
+from kvcache.errors import ColdTierError, IncompatibleKVPayload, OutOfBlocks, OutOfStateSlots
 from kvcache.events import DISK, BlockStored, EventLog, KVEvent
-from kvcache.geometry import KVGeometry
+from kvcache.geometry import KVGeometry, StateGeometry
 from kvcache.hashing import BlockHash, block_hashes, hash_block, root_hash
 from kvcache.pool import KVPool
 from kvcache.state_pool import StatePool
 from kvcache.state_snapshots import StateSnapshots
 from kvcache.stats import KVStats
-from kvcache.wire import KVBlockData, decode_blocks, encode_blocks
+from kvcache.wire import KVBlockData, StateSnapshotData, decode_payload, encode_blocks
 from kvcache.wire_stream import BlockPieces
 
 log = logging.getLogger(__name__)
@@ -53,8 +53,8 @@ class KVCache:
         """`states`: a hybrid model's recurrent-state slots, held and freed with each sequence's
         blocks. Its KV alone cannot resume a sequence: a prefix is reused only up to a block
         whose state was snapshotted (`capture_state`, `publish_state`; kvcache.state_snapshots),
-        and such a cache swaps nothing to disk and neither exports nor imports blocks
-        (`StateNotMigratable`)."""
+        such a cache swaps nothing to disk, and its blocks travel only with the snapshot of the
+        last of them (`export_blocks`, `import_decoded`)."""
         if config.dtype is not None and config.dtype != geometry.dtype:
             raise InvalidCacheConfig("dtype", f"{config.dtype!r} disagrees with the geometry's {geometry.dtype!r}")
         self.geometry = geometry
@@ -223,9 +223,9 @@ class KVCache:
     # ----------------------------------------------------------------- migration
 
     def export_blocks(self, hashes: Sequence[BlockHash]) -> bytes:
-        """Encode the leading blocks of `hashes` held in memory or on disk (a prefix run)."""
-        if self.states is not None:
-            raise StateNotMigratable("a hybrid model's KV blocks do not travel without their recurrent states")
+        """Encode the leading blocks of `hashes` held in memory or on disk (a prefix run); for a
+        hybrid model, up to the last of them with a state snapshot, and that snapshot."""
+        hashes = self._exportable(hashes)
         pinned = self.manager.pin(hashes)
         try:
             blocks = self._memory_blocks(pinned)
@@ -234,18 +234,24 @@ class KVCache:
                 if data is None:
                     break
                 blocks.append(data)
-            return encode_blocks(self.geometry, blocks)
+            return encode_blocks(self.geometry, blocks, self._state_after(blocks))
         finally:
             self.manager.unpin(pinned)
 
     def import_blocks(self, payload: bytes) -> int:
         """Cache the blocks of `payload` not held yet, in chain order; return how many."""
-        return self.import_decoded(decode_blocks(payload, self.geometry))
+        decoded = decode_payload(payload, self.geometry, self.state_geometry)
+        return self.import_decoded(decoded.blocks, decoded.state)
 
-    def import_decoded(self, blocks: Sequence[KVBlockData]) -> int:
-        """Cache decoded blocks (`decode_blocks`, `decode_views`) not held yet, in chain order."""
-        if self.states is not None:
-            raise StateNotMigratable("a hybrid model's KV blocks do not travel without their recurrent states")
+    @property
+    def state_geometry(self) -> StateGeometry | None:
+        """The state pool's geometry, which a payload's state must have; None for a model without state."""
+        return self.states.geometry if self.states is not None else None
+
+    def import_decoded(self, blocks: Sequence[KVBlockData], state: StateSnapshotData | None = None) -> int:
+        """Cache decoded blocks (`decode_payload`, `decode_payload_views`) not held yet, in chain
+        order; a hybrid model's `state` (the snapshot after the last block) is stored with them."""
+        self._check_state_fits(blocks, state)
         for block in blocks:
             if not _hash_checks_out(block):
                 raise IncompatibleKVPayload(f"block {block.block_hash.hex()}: hash does not match its parent and tokens")
@@ -264,15 +270,16 @@ class KVCache:
                 written.append(block)
             if written:
                 self.pool.write_block_arrays(pinned, [b.keys for b in written], [b.values for b in written])
+            self._keep_state(state)
             return len(written)
         finally:
             self.manager.unpin(list(reversed(pinned)))  # the chain's head ends most recent
 
-    def pin_export(self, hashes: Sequence[BlockHash]) -> tuple[list[int], list[BlockPieces]]:
-        """Pin the leading run of `hashes` held here (memory, then disk) and describe it as wire
-        pieces that point into the pool's arrays where it can; `unpin_export` when sent."""
-        if self.states is not None:
-            raise StateNotMigratable("a hybrid model's KV blocks do not travel without their recurrent states")
+    def pin_export(self, hashes: Sequence[BlockHash]) -> tuple[list[int], list[BlockPieces], StateSnapshotData | None]:
+        """Pin the leading run of `hashes` held here (memory, then disk; for a hybrid model up to
+        the last block with a state snapshot) and describe it as wire pieces that point into the
+        pool's arrays where it can, with that snapshot; `unpin_export` when sent."""
+        hashes = self._exportable(hashes)
         pinned = self.manager.pin(hashes)
         views = self.pool.layer_views()
         if views is None:
@@ -284,7 +291,7 @@ class KVCache:
             if data is None:
                 break
             blocks.append(_pieces(data))
-        return pinned, blocks
+        return pinned, blocks, self._state_after(blocks)
 
     def unpin_export(self, pinned: Sequence[int]) -> None:
         self.manager.unpin(pinned)
@@ -448,6 +455,48 @@ class KVCache:
         parent = self.manager.sequence_hashes(seq_id)[full - 1] if full else self.root
         tokens = tuple(token_ids[reused : reused + len(partial.token_ids)])
         return partial.parent_hash == parent and tuple(partial.token_ids) == tokens
+
+    def _exportable(self, hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
+        """The leading hashes worth sending: all of them, or for a hybrid model the held run up to
+        its last block with a state snapshot (KV past it cannot be resumed from without a state)."""
+        if self.states is None:
+            return hashes
+        held = 0
+        while held < len(hashes) and self.manager.cached_block(hashes[held]) is not None:
+            held += 1
+        return hashes[: self.snapshots.usable_blocks(hashes[:held])]
+
+    def _state_after(self, blocks) -> StateSnapshotData | None:
+        """The state snapshot after the last of the exported `blocks`, for a hybrid model."""
+        if self.states is None or not blocks:
+            return None
+        last = blocks[-1].block_hash
+        return StateSnapshotData(last, self.states.geometry, self.states.host_copy(self.snapshots.get(last)))
+
+    def _check_state_fits(self, blocks: Sequence[KVBlockData], state: StateSnapshotData | None) -> None:
+        """A hybrid model imports blocks only with the state after the last of them; others take no state."""
+        if self.states is None:
+            if state is not None:
+                raise IncompatibleKVPayload("KV payload carries a recurrent state, and this model keeps none")
+            return
+        if not blocks:
+            if state is not None:
+                raise IncompatibleKVPayload("KV payload carries a recurrent state without the block it follows")
+            return
+        if state is None:
+            raise IncompatibleKVPayload("KV payload has no recurrent state: a hybrid model cannot resume from its blocks alone")
+        if state.block_hash != blocks[-1].block_hash:
+            raise IncompatibleKVPayload(f"KV payload's state belongs to block {state.block_hash.hex()}, "
+                                        f"not to its last block {blocks[-1].block_hash.hex()}")
+        mismatch = self.states.geometry.mismatch(state.geometry)
+        if mismatch is not None:
+            raise IncompatibleKVPayload(f"KV payload's recurrent state is for another state pool: {mismatch}")
+
+    def _keep_state(self, state: StateSnapshotData | None) -> None:
+        """Store an imported state under its block, if that block is held here now (the run may have
+        stopped short of it: a full pool, a broken chain); the block's eviction drops it as any other."""
+        if state is not None and self.manager.cached_block(state.block_hash) is not None:
+            self.snapshots.put(state.block_hash, self.states.device_copy(state.arrays))
 
     def _chains_here(self, parent: BlockHash | None) -> bool:
         """Whether a block with this parent is reachable from our root."""

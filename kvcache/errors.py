@@ -31,7 +31,3 @@ class QuotaExceeded(KVCacheError):
 
 class OutOfStateSlots(KVCacheError):
     """Every recurrent-state slot of a hybrid model's state pool is held; nothing was changed."""
-
-
-class StateNotMigratable(KVCacheError):
-    """A hybrid model's KV blocks cannot leave or enter the pool without the recurrent states they pair with."""

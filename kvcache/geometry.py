@@ -74,3 +74,66 @@ class KVGeometry:
             if mine != theirs:
                 return f"{name}: expected {mine!r}, got {theirs!r}"
         return None
+
+
+@dataclass(frozen=True)
+class StateArray:
+    """One of a state layer's per-sequence arrays (a Gated DeltaNet layer has two: its
+    convolution window and its recurrent state)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self):
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"unsupported state dtype {self.dtype!r}; expected one of {sorted(DTYPE_SIZES)}")
+        if any(not isinstance(n, int) or n <= 0 for n in self.shape):
+            raise ValueError(f"a state array's dimensions must be positive integers, got {self.shape}")
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * DTYPE_SIZES[self.dtype]
+
+    @property
+    def numpy_storage_dtype(self) -> np.dtype:
+        """As for KV: bfloat16's raw bytes travel as uint16."""
+        return np.dtype({"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16}[self.dtype])
+
+
+@dataclass(frozen=True)
+class StateGeometry:
+    """The recurrent state one sequence of a hybrid model holds: `layers[l]` are state layer l's
+    arrays. A state snapshot is only meaningful to a state pool of exactly this geometry, so the
+    wire format carries it and a receiver compares it with its own before reading a byte."""
+
+    layers: tuple[tuple[StateArray, ...], ...]
+
+    @classmethod
+    def of(cls, layer_shapes) -> StateGeometry:
+        """From per-layer objects with `shapes` and `dtypes` (the state pool's `layer_shapes`)."""
+        return cls(tuple(tuple(StateArray(tuple(int(n) for n in shape), str(dtype))
+                               for shape, dtype in zip(layer.shapes, layer.dtypes, strict=True))
+                         for layer in layer_shapes))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(array.nbytes for layer in self.layers for array in layer)
+
+    def to_list(self) -> list:
+        return [[{"shape": list(a.shape), "dtype": a.dtype} for a in layer] for layer in self.layers]
+
+    @classmethod
+    def from_list(cls, raw: list) -> StateGeometry:
+        return cls(tuple(tuple(StateArray(tuple(a["shape"]), a["dtype"]) for a in layer) for layer in raw))
+
+    def mismatch(self, other: StateGeometry) -> str | None:
+        """Name the first difference from `other` (layer count, array count, shape, dtype), or None."""
+        if len(self.layers) != len(other.layers):
+            return f"state layers: expected {len(self.layers)}, got {len(other.layers)}"
+        for index, (mine, theirs) in enumerate(zip(self.layers, other.layers)):
+            if len(mine) != len(theirs):
+                return f"state layer {index} arrays: expected {len(mine)}, got {len(theirs)}"
+            for kind, (a, b) in enumerate(zip(mine, theirs)):
+                if a != b:
+                    return f"state layer {index} array {kind}: expected {a.shape} {a.dtype}, got {b.shape} {b.dtype}"
+        return None

@@ -15,8 +15,10 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from kvcache.errors import OutOfStateSlots
+from kvcache.geometry import StateGeometry
 
 NULL_SLOT = 0
 
@@ -45,6 +47,10 @@ class StatePool:
     @property
     def bytes_per_slot(self) -> int:
         return sum(s.nbytes for s in self.layer_shapes)
+
+    @property
+    def geometry(self) -> StateGeometry:
+        return StateGeometry.of(self.layer_shapes)
 
     @property
     def num_free(self) -> int:
@@ -90,6 +96,17 @@ class StatePool:
                 pool[slot] = saved[kind]
                 layer[kind] = pool
 
+    def host_copy(self, snapshot: Sequence[Sequence[mx.array]]) -> list[list[np.ndarray]]:
+        """A snapshot as numpy arrays in the wire's storage dtypes (bfloat16 as its uint16 bits), to send."""
+        return [[np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a) for a in layer] for layer in snapshot]
+
+    def device_copy(self, arrays: Sequence[Sequence[np.ndarray]]) -> list[list[mx.array]]:
+        """A snapshot received as numpy arrays (`host_copy`'s form), copied into MLX arrays of this pool's dtypes."""
+        copies = [[_from_storage(a, pool.dtype) for a, pool in zip(layer, pools, strict=True)]
+                  for layer, pools in zip(arrays, self.arrays, strict=True)]
+        mx.eval(copies)
+        return copies
+
     def store(self, layer: int, slots: mx.array, states: Sequence[mx.array]) -> None:
         """A step's new states of one layer into its sequences' slots (in place once evaluated)."""
         for kind, state in enumerate(states):
@@ -102,3 +119,8 @@ class StatePool:
             for kind, pool in enumerate(layer):
                 pool[slot] = 0 if source is None else pool[source]
                 layer[kind] = pool
+
+
+def _from_storage(array: np.ndarray, dtype: mx.Dtype) -> mx.array:
+    copy = mx.array(np.ascontiguousarray(array))
+    return copy.view(mx.bfloat16) if dtype == mx.bfloat16 else copy

@@ -47,6 +47,11 @@ class StateSnapshots:
         self.restored += 1
         return self._by_hash[block_hash]
 
+    def get(self, block_hash: BlockHash) -> list:
+        """The snapshot to send elsewhere (not a restore here; it becomes the most recently used)."""
+        self._by_hash.move_to_end(block_hash)
+        return self._by_hash[block_hash]
+
     def drop(self, block_hash: BlockHash) -> None:
         self._by_hash.pop(block_hash, None)
 

@@ -2,10 +2,19 @@
 
 One msgpack map, keys in a fixed order: format tag, format version, the sender's full
 geometry, the blocks (hash, parent hash, token ids, K bytes, V bytes for every layer),
-and last a 16-byte xxh3_128 checksum. The checksum covers every byte of the payload
+for a hybrid model the recurrent state after the last block (version 2, below), and last
+a 16-byte xxh3_128 checksum. The checksum covers every byte of the payload
 before its own 16 bytes, so it is verified on the raw bytes before anything is
 unpacked or trusted. A decoder that finds anything unexpected raises and hands back
 nothing: a payload is imported whole or not at all.
+
+Version 1 carries blocks only. Version 2 adds a `state` key after the blocks: a hybrid
+model's KV cannot resume a sequence without the recurrent state of its linear-attention
+layers at the last block, so the state snapshot keyed by that block's hash travels with
+it, together with its geometry (per state layer, each array's shape and dtype) and its
+raw bytes. A decoder whose state pool differs refuses it, as it refuses a foreign KV
+geometry; a hybrid decoder refuses blocks that come without a state, and a decoder
+without a state pool refuses a state.
 """
 
 from __future__ import annotations
@@ -17,10 +26,12 @@ import numpy as np
 import xxhash
 
 from kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
-from kvcache.geometry import KVGeometry
+from kvcache.geometry import KVGeometry, StateGeometry
 
 FORMAT_TAG = "mlx-orchard/kv-blocks"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # blocks only
+STATE_FORMAT_VERSION = 2  # blocks and the recurrent state after the last of them
+KNOWN_VERSIONS = (FORMAT_VERSION, STATE_FORMAT_VERSION)
 CHECKSUM_SIZE = 16
 
 
@@ -35,6 +46,24 @@ class KVBlockData:
     values: np.ndarray
 
 
+@dataclass
+class StateSnapshotData:
+    """A hybrid model's recurrent state after the block `block_hash`: `arrays[l][k]` is state layer
+    l's k-th array, shaped and typed as `geometry` says (its storage dtype: bfloat16 as uint16)."""
+
+    block_hash: bytes
+    geometry: StateGeometry
+    arrays: list[list[np.ndarray]]
+
+
+@dataclass
+class KVPayload:
+    """A decoded payload: its blocks in chain order and, for a hybrid model, the state after the last."""
+
+    blocks: list[KVBlockData]
+    state: StateSnapshotData | None = None
+
+
 def block_array_shape(geometry: KVGeometry) -> tuple[int, ...]:
     """Shape of one block's K (or V) across all layers."""
     return (geometry.num_layers, *geometry.block_shape)
@@ -45,35 +74,78 @@ def wire_dtype(geometry: KVGeometry) -> np.dtype:
     return geometry.numpy_storage_dtype.newbyteorder("<")
 
 
-def encode_blocks(geometry: KVGeometry, blocks: list[KVBlockData]) -> bytes:
-    """Serialize `blocks` of a model with `geometry` into one self-describing payload."""
+def encode_blocks(geometry: KVGeometry, blocks: list[KVBlockData], state: StateSnapshotData | None = None) -> bytes:
+    """Serialize `blocks` of a model with `geometry` (and a hybrid model's `state` after the last
+    of them) into one self-describing payload."""
     envelope = {
         "format": FORMAT_TAG,
-        "version": FORMAT_VERSION,
+        "version": FORMAT_VERSION if state is None else STATE_FORMAT_VERSION,
         "geometry": geometry.to_dict(),
         "blocks": [_encode_block(geometry, block) for block in blocks],
-        "checksum": bytes(CHECKSUM_SIZE),
     }
+    if state is not None:
+        envelope["state"] = state_map(state, blocks)
+    envelope["checksum"] = bytes(CHECKSUM_SIZE)
     payload = bytearray(msgpack.packb(envelope, use_bin_type=True))
     payload[-CHECKSUM_SIZE:] = _checksum(payload)
     return bytes(payload)
 
 
 def decode_blocks(payload: bytes, expected: KVGeometry) -> list[KVBlockData]:
-    """Blocks of `payload` if it was made for `expected`.
+    """Blocks of `payload` if it was made for `expected`, a model without recurrent state.
 
     The arrays are read-only `np.frombuffer` views of the K/V byte strings msgpack
     unpacked, so the only copy is msgpack's own; write them into a pool, do not mutate.
     """
+    return decode_payload(payload, expected).blocks
+
+
+def decode_payload(payload: bytes, expected: KVGeometry, expected_state: StateGeometry | None = None) -> KVPayload:
+    """Blocks and state of `payload` if it was made for `expected` and, for a hybrid model, a
+    state pool of `expected_state` (None: the model keeps no recurrent state). Views as above."""
     envelope = _unpack(payload)
-    _check_version(envelope)
+    version = _check_version(envelope)
     if envelope.get("checksum") != bytes(memoryview(payload)[-CHECKSUM_SIZE:]) or _checksum(payload) != envelope["checksum"]:
         raise CorruptKVPayload("KV payload checksum mismatch: the bytes were damaged on the way")
     _check_geometry(envelope.get("geometry"), expected)
     raw_blocks = envelope.get("blocks")
     if not isinstance(raw_blocks, list):
         raise CorruptKVPayload("KV payload has no block list")
-    return [_decode_block(expected, raw, i) for i, raw in enumerate(raw_blocks)]
+    check_state_presence(version, len(raw_blocks), expected_state)
+    blocks = [_decode_block(expected, raw, i) for i, raw in enumerate(raw_blocks)]
+    state = None if version == FORMAT_VERSION else _decode_state(envelope.get("state"), expected_state)
+    return KVPayload(blocks, state)
+
+
+def state_map(state: StateSnapshotData, blocks) -> dict:
+    """The `state` entry of a version 2 envelope; the arrays as buffers of their little-endian bytes."""
+    if not blocks or bytes(blocks[-1].block_hash) != bytes(state.block_hash):
+        raise ValueError("a state snapshot travels after the block it belongs to, as the payload's last")
+    return {
+        "geometry": state.geometry.to_list(),
+        "hash": bytes(state.block_hash),
+        "arrays": [[_state_bytes(spec, array, index, kind) for kind, (spec, array) in enumerate(zip(specs, arrays, strict=True))]
+                   for index, (specs, arrays) in enumerate(zip(state.geometry.layers, state.arrays, strict=True))],
+    }
+
+
+def check_state_presence(version: int, num_blocks: int, expected_state: StateGeometry | None) -> None:
+    """A hybrid model takes blocks only with the state after them; a model without state takes none."""
+    if version == STATE_FORMAT_VERSION and expected_state is None:
+        raise IncompatibleKVPayload("KV payload carries a recurrent state, and this model keeps none")
+    if version == FORMAT_VERSION and expected_state is not None and num_blocks:
+        raise IncompatibleKVPayload("KV payload has no recurrent state: a hybrid model cannot resume from its blocks alone")
+
+
+def check_state_geometry(raw: object, expected: StateGeometry) -> StateGeometry:
+    try:
+        theirs = StateGeometry.from_list(raw)
+    except (KeyError, TypeError, ValueError) as err:
+        raise IncompatibleKVPayload(f"KV payload state geometry is unreadable: {err}") from err
+    difference = expected.mismatch(theirs)
+    if difference is not None:
+        raise IncompatibleKVPayload(f"KV payload's recurrent state is for another state pool: {difference}")
+    return theirs
 
 
 def _checksum(payload) -> bytes:
@@ -101,6 +173,36 @@ def _array_bytes(geometry: KVGeometry, name: str, array: np.ndarray) -> memoryvi
     return memoryview(contiguous).cast("B")
 
 
+def _state_bytes(spec, array: np.ndarray, layer: int, kind: int) -> memoryview:
+    if array.shape != spec.shape or array.dtype != spec.numpy_storage_dtype:
+        raise ValueError(f"state layer {layer} array {kind} is {array.shape} {array.dtype}, "
+                         f"expected {spec.shape} {spec.numpy_storage_dtype}")
+    contiguous = np.ascontiguousarray(array, dtype=spec.numpy_storage_dtype.newbyteorder("<"))
+    return memoryview(contiguous).cast("B")
+
+
+def _decode_state(raw: object, expected: StateGeometry) -> StateSnapshotData:
+    if not isinstance(raw, dict):
+        raise CorruptKVPayload("KV payload of version 2 has no state map")
+    geometry = check_state_geometry(raw.get("geometry"), expected)
+    block_hash, layers = raw.get("hash"), raw.get("arrays")
+    if not isinstance(block_hash, bytes):
+        raise CorruptKVPayload("KV payload state hash is not bytes")
+    if not isinstance(layers, list) or [len(x) if isinstance(x, list) else None for x in layers] != [len(x) for x in geometry.layers]:
+        raise CorruptKVPayload("KV payload state arrays are not laid out as its geometry says")
+    arrays = [[state_array_view(spec, data, index, kind) for kind, (spec, data) in enumerate(zip(specs, datas))]
+              for index, (specs, datas) in enumerate(zip(geometry.layers, layers))]
+    return StateSnapshotData(block_hash, geometry, arrays)
+
+
+def state_array_view(spec, data, layer: int, kind: int) -> np.ndarray:
+    """A state array of `spec` read in place from its wire bytes (any buffer)."""
+    if not isinstance(data, (bytes, memoryview)) or len(data) != spec.nbytes:
+        raise CorruptKVPayload(f"state layer {layer} array {kind} bytes: expected {spec.nbytes}, got {_length(data)}")
+    view = np.frombuffer(data, dtype=spec.numpy_storage_dtype.newbyteorder("<")).reshape(spec.shape)
+    return view.view(spec.numpy_storage_dtype)
+
+
 def _unpack(payload: bytes) -> dict:
     if len(payload) <= CHECKSUM_SIZE:
         raise CorruptKVPayload(f"KV payload of {len(payload)} bytes is too short to hold anything")
@@ -113,10 +215,11 @@ def _unpack(payload: bytes) -> dict:
     return envelope
 
 
-def _check_version(envelope: dict) -> None:
+def _check_version(envelope: dict) -> int:
     version = envelope.get("version")
-    if version != FORMAT_VERSION:
-        raise IncompatibleKVPayload(f"KV payload format version: expected {FORMAT_VERSION}, got {version!r}")
+    if type(version) is not int or version not in KNOWN_VERSIONS:
+        raise IncompatibleKVPayload(f"KV payload format version: expected one of {KNOWN_VERSIONS}, got {version!r}")
+    return version
 
 
 def _check_geometry(raw: object, expected: KVGeometry) -> None:

@@ -5,7 +5,8 @@ copies of every KV byte (msgpack's buffer on the way out, msgpack's bin objects 
 way in). A socket does not need one object: `encode_pieces` lays the very same bytes
 out as a list of small msgpack headers and buffers that point into the pool's arrays,
 so a scatter-gather send reads the KV where it lies; `decode_views` reads a received
-payload in place and hands back numpy views into it. Both are the format `kvcache.wire`
+payload in place and hands back numpy views into it (a hybrid model's recurrent state
+after the last block too: `encode_pieces(..., state)`, `decode_payload_views`). Both are the format `kvcache.wire`
 defines, field for field (tests pin that each reads the other's payloads); the one
 liberty taken is msgpack's: token ids are written at one width, so equal blocks are
 equally spaced.
@@ -27,15 +28,22 @@ import numpy as np
 import xxhash
 
 from kvcache.errors import CorruptKVPayload
-from kvcache.geometry import KVGeometry
+from kvcache.geometry import KVGeometry, StateGeometry
 from kvcache.wire import (
     CHECKSUM_SIZE,
     FORMAT_TAG,
     FORMAT_VERSION,
+    STATE_FORMAT_VERSION,
     KVBlockData,
+    KVPayload,
+    StateSnapshotData,
     _check_geometry,
     _check_version,
     block_array_shape,
+    check_state_geometry,
+    check_state_presence,
+    state_array_view,
+    state_map,
     wire_dtype,
 )
 
@@ -54,13 +62,15 @@ class BlockPieces:
     values: Sequence[Piece]
 
 
-def encode_pieces(geometry: KVGeometry, blocks: Sequence[BlockPieces]) -> list[Piece]:
-    """The payload `encode_blocks` would make, as pieces whose KV parts are the given buffers."""
+def encode_pieces(geometry: KVGeometry, blocks: Sequence[BlockPieces],
+                  state: StateSnapshotData | None = None) -> list[Piece]:
+    """The payload `encode_blocks` would make, as pieces whose KV (and state) parts are the given buffers."""
     pack = msgpack.Packer(use_bin_type=True).pack
     layer_bytes = geometry.bytes_per_block_layer
     kv_header = _bin_header(geometry.num_layers * layer_bytes)
-    head = bytearray(_map_header(5))
-    head += pack("format") + pack(FORMAT_TAG) + pack("version") + pack(FORMAT_VERSION)
+    version = FORMAT_VERSION if state is None else STATE_FORMAT_VERSION
+    head = bytearray(_map_header(5 if state is None else 6))
+    head += pack("format") + pack(FORMAT_TAG) + pack("version") + pack(version)
     head += pack("geometry") + pack(geometry.to_dict()) + pack("blocks") + _array_header(len(blocks))
     pieces: list[Piece] = []
     for block in blocks:
@@ -74,6 +84,8 @@ def encode_pieces(geometry: KVGeometry, blocks: Sequence[BlockPieces]) -> list[P
         pieces.append(b"\xa1v" + kv_header)
         pieces.extend(_checked_layers(block.values, geometry, layer_bytes))
         head = bytearray()
+    if state is not None:
+        head = _state_pieces(state_map(state, blocks), head, pieces, pack)
     head += pack("checksum") + _bin_header(CHECKSUM_SIZE)
     pieces.append(bytes(head))
     digest = xxhash.xxh3_128()
@@ -89,6 +101,12 @@ def decode_views(payload, expected: KVGeometry) -> list[KVBlockData]:
     The views are valid as long as `payload` is and change if it does: import them
     before the buffer is reused.
     """
+    return decode_payload_views(payload, expected).blocks
+
+
+def decode_payload_views(payload, expected: KVGeometry, expected_state: StateGeometry | None = None) -> KVPayload:
+    """`decode_views` for any model: also the recurrent state of a hybrid model's payload, read in
+    place (`expected_state` is its state pool's geometry; None for a model without state)."""
     data = memoryview(payload).cast("B")
     if len(data) <= CHECKSUM_SIZE:
         raise CorruptKVPayload(f"KV payload of {len(data)} bytes is too short to hold anything")
@@ -96,12 +114,12 @@ def decode_views(payload, expected: KVGeometry) -> list[KVBlockData]:
         raise CorruptKVPayload("KV payload checksum mismatch: the bytes were damaged on the way")
     reader = _Reader(data)
     try:
-        blocks = _read_envelope(reader, expected)
+        decoded = _read_envelope(reader, expected, expected_state)
     except (IndexError, struct.error, UnicodeDecodeError) as err:
         raise CorruptKVPayload(f"KV payload is not a whole envelope ({type(err).__name__}: {err})") from err
     if reader.pos != len(data):
         raise CorruptKVPayload(f"KV payload has {len(data) - reader.pos} bytes after its envelope")
-    return blocks
+    return decoded
 
 
 # ---- writing ------------------------------------------------------------------------
@@ -133,6 +151,19 @@ def _tokens(token_ids: Sequence[int], pack) -> bytes:
     return _array_header(len(ids)) + _token_struct(len(ids)).pack(*tagged)
 
 
+def _state_pieces(entry: dict, head: bytearray, pieces: list[Piece], pack) -> bytearray:
+    """The `state` entry laid out as msgpack packs it, its arrays as pieces; returns the open header."""
+    head += pack("state") + _map_header(3) + pack("geometry") + pack(entry["geometry"])
+    head += pack("hash") + pack(entry["hash"]) + pack("arrays") + _array_header(len(entry["arrays"]))
+    for layer in entry["arrays"]:
+        head += _array_header(len(layer))
+        for array in layer:
+            pieces.append(bytes(head + _bin_header(len(array))))
+            pieces.append(array)
+            head = bytearray()
+    return head
+
+
 def _map_header(n: int) -> bytes:
     return bytes([0x80 | n]) if n < 16 else b"\xde" + struct.pack(">H", n)
 
@@ -152,19 +183,45 @@ def _bin_header(n: int) -> bytes:
 # ---- reading ------------------------------------------------------------------------
 
 
-def _read_envelope(reader: _Reader, expected: KVGeometry) -> list[KVBlockData]:
-    if reader.map_header() != 5 or reader.str() != "format" or reader.value() != FORMAT_TAG:
+def _read_envelope(reader: _Reader, expected: KVGeometry, expected_state: StateGeometry | None) -> KVPayload:
+    fields = reader.map_header()
+    if fields not in (5, 6) or reader.str() != "format" or reader.value() != FORMAT_TAG:
         raise CorruptKVPayload("bytes are not a KV block payload (no format tag)")
     reader.key("version")
-    _check_version({"version": reader.value()})
+    version = _check_version({"version": reader.value()})
+    if fields != (5 if version == FORMAT_VERSION else 6):
+        raise CorruptKVPayload(f"KV payload of version {version} has {fields} fields")
     reader.key("geometry")
     _check_geometry(reader.value(), expected)
     reader.key("blocks")
     layout = _BlockLayout.of(expected)
-    blocks = [_read_block(reader, layout, i) for i in range(reader.array_header())]
+    num_blocks = reader.array_header()
+    check_state_presence(version, num_blocks, expected_state)
+    blocks = [_read_block(reader, layout, i) for i in range(num_blocks)]
+    state = None if version == FORMAT_VERSION else _read_state(reader, expected_state)
     reader.key("checksum")
     reader.bin(CHECKSUM_SIZE)
-    return blocks
+    return KVPayload(blocks, state)
+
+
+def _read_state(reader: _Reader, expected: StateGeometry) -> StateSnapshotData:
+    """The `state` entry, its arrays as views into the payload."""
+    reader.key("state")
+    if reader.map_header() != 3:
+        raise CorruptKVPayload("KV payload state map is not laid out as the wire format lays it out")
+    reader.key("geometry")
+    geometry = check_state_geometry(reader.value(limit=1 << 16), expected)
+    reader.key("hash")
+    block_hash = bytes(reader.bin())
+    reader.key("arrays")
+    if reader.array_header() != len(geometry.layers):
+        raise CorruptKVPayload("KV payload state arrays are not laid out as its geometry says")
+    arrays = []
+    for index, specs in enumerate(geometry.layers):
+        if reader.array_header() != len(specs):
+            raise CorruptKVPayload("KV payload state arrays are not laid out as its geometry says")
+        arrays.append([state_array_view(spec, reader.bin(spec.nbytes), index, kind) for kind, spec in enumerate(specs)])
+    return StateSnapshotData(block_hash, geometry, arrays)
 
 
 @dataclass(frozen=True)

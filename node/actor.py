@@ -124,7 +124,7 @@ class NodeActor:
             "model": self.model_name,
             "block_size": geometry.block_size,
             "bytes_per_block": geometry.bytes_per_block,
-            "kv_migrates": engine.kv.states is None,  # a hybrid model's blocks need their states (StateNotMigratable)
+            "state_bytes": engine.kv.state_geometry.nbytes if engine.kv.states is not None else 0,
             "fingerprint": geometry.model_fingerprint,
             "cache_salt": self.config.engine.cache_salt,
             "max_model_len": self.engine.max_model_len,

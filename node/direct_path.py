@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 
 from kvcache.hashing import BlockHash
+from kvcache.wire import KVPayload
 from node.kv_link import KVLinkConfig, KVLinkServer, LinkRefused, LinkStream, connect
 from node.migration import BlockMover, PullResult, local_prefix
 
@@ -119,7 +120,8 @@ class DirectPath:
                        started: float) -> PullResult:
         buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(4)]  # arriving, queued, importing
         importer = _ChunkImporter(self.mover.engine, result)
-        stream = importer.stream = LinkStream(sock, buffers, self.mover.geometry, sink=importer)
+        stream = importer.stream = LinkStream(sock, buffers, self.mover.geometry, sink=importer,
+                                              state_geometry=self.mover.state_geometry)
         try:
             stream.start(wanted, chunk_size(len(wanted) * self.mover.geometry.bytes_per_block, self.config.chunk_bytes))
             try:
@@ -201,12 +203,12 @@ class _ChunkImporter:
         self.stream: LinkStream | None = None
         self.error: Exception | None = None
 
-    def __call__(self, buffer: bytearray, size: int, blocks: list) -> None:  # receive thread
+    def __call__(self, buffer: bytearray, size: int, payload: KVPayload) -> None:  # receive thread
         self.result.bytes += size
-        self.engine.call_from_thread(lambda e: self._import(e, blocks), lambda n, exc: self._settle(buffer, n, exc))
+        self.engine.call_from_thread(lambda e: self._import(e, payload), lambda n, exc: self._settle(buffer, n, exc))
 
-    def _import(self, engine, blocks) -> int:
-        return 0 if self.error is not None else engine.kv.import_decoded(blocks)
+    def _import(self, engine, payload: KVPayload) -> int:
+        return 0 if self.error is not None else engine.kv.import_decoded(payload.blocks, payload.state)
 
     def _settle(self, buffer: bytearray, imported: int | None, exc: Exception | None) -> None:  # engine thread
         if exc is not None and self.error is None:

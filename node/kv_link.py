@@ -8,6 +8,8 @@ pull. On the wire (after `node.link_auth`'s handshake):
     request   u32 length, msgpack {"hashes": [bytes, ...], "chunk_bytes": int}
               or {"probe": nbytes}: a well-formed payload of blocks no model uses (`node.migration.probe_payload`)
     reply     per chunk: u64 length, then one `kvcache.wire` payload (checksummed); u64 0 ends it
+              (a hybrid model's run is one chunk: its blocks are worth importing only with the
+              recurrent state after the last of them, which travels in the same payload)
 
 Each chunk is a whole payload, so the target verifies and imports chunk i on its engine
 thread while chunk i+1 arrives, and the source checksums chunk i+1 while chunk i is sent:
@@ -42,7 +44,8 @@ import msgpack
 
 from kvcache.errors import KVCacheError
 from kvcache.hashing import BlockHash
-from kvcache.wire_stream import decode_views, encode_pieces
+from kvcache.wire import KVPayload, StateSnapshotData
+from kvcache.wire_stream import decode_payload_views, encode_pieces
 from node import link_auth as auth
 from node.migration import probe_payload
 
@@ -79,11 +82,12 @@ class LinkCounters:
     sent_bytes: int = 0
 
 
-#: Takes a verified chunk (buffer, size, blocks) on the receive thread; gives the buffer back with `done`.
-ChunkSink = Callable[[bytearray, int, list], None]
+#: Takes a verified chunk (buffer, size, `kvcache.wire.KVPayload`) on the receive thread; gives the
+#: buffer back with `done`.
+ChunkSink = Callable[[bytearray, int, KVPayload], None]
 #: The source's side of a pull, blocking the link's thread while its engine thread runs it:
-#: pin and describe the run, release it.
-Exporter = Callable[[list[BlockHash]], tuple[object, list]]
+#: pin and describe the run (its blocks and, for a hybrid model, the state after them), release it.
+Exporter = Callable[[list[BlockHash]], tuple[object, list, StateSnapshotData | None]]
 Releaser = Callable[[object], None]
 
 
@@ -163,13 +167,13 @@ class KVLinkServer:
             return
         hashes = [BlockHash(bytes(h)) for h in request["hashes"]]
         per_chunk = max(1, int(request.get("chunk_bytes", self.config.chunk_bytes)) // self.geometry.bytes_per_block)
-        handle, blocks = self._export(hashes)
+        handle, blocks, state = self._export(hashes)
         try:
-            runs = [blocks[i : i + per_chunk] for i in range(0, len(blocks), per_chunk)]
-            upcoming = self._encoder.submit(encode_pieces, self.geometry, runs[0]) if runs else None
+            runs = reply_runs(blocks, state, per_chunk)
+            upcoming = self._encoder.submit(encode_pieces, self.geometry, *runs[0]) if runs else None
             for i in range(len(runs)):
                 pieces = upcoming.result()
-                upcoming = self._encoder.submit(encode_pieces, self.geometry, runs[i + 1]) if i + 1 < len(runs) else None
+                upcoming = self._encoder.submit(encode_pieces, self.geometry, *runs[i + 1]) if i + 1 < len(runs) else None
                 size = sum(len(p) for p in pieces)
                 _send_pieces(conn, [_U64.pack(size), *pieces])
                 self.counters.sent_bytes += size
@@ -188,14 +192,25 @@ class KVLinkServer:
         return self._probes[nbytes]
 
 
+def reply_runs(blocks: list, state: StateSnapshotData | None, per_chunk: int) -> list[tuple[list, StateSnapshotData | None]]:
+    """The reply's chunks as (blocks, state): `per_chunk` blocks each, or for a hybrid model the
+    whole run with its state, since a chunk without the state after it could not be imported."""
+    if state is not None:
+        return [(blocks, state)]
+    return [(blocks[i : i + per_chunk], None) for i in range(0, len(blocks), per_chunk)]
+
+
 # ---- the client -----------------------------------------------------------------------
 
 
 class LinkStream:
     """One pull's connection: chunks arrive on a thread into reused buffers, the caller awaits them."""
 
-    def __init__(self, sock: socket.socket, buffers: list[bytearray], geometry, sink: ChunkSink | None = None):
+    def __init__(self, sock: socket.socket, buffers: list[bytearray], geometry, sink: ChunkSink | None = None,
+                 state_geometry=None):
+        """`state_geometry`: a hybrid model's state pool geometry, which each chunk's state must have."""
         self.sock, self.geometry, self._sink = sock, geometry, sink
+        self.state_geometry = state_geometry
         self._free: queue.SimpleQueue = queue.SimpleQueue()  # the receive thread blocks on it
         self._ready: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
@@ -214,8 +229,8 @@ class LinkStream:
         self._thread.start()
 
     async def chunks(self):
-        """Yields (buffer, size, blocks) until the reply ends, `blocks` verified and decoded as views
-        into `buffer`; give the buffer back with `done` once they are imported. With a sink,
+        """Yields (buffer, size, payload) until the reply ends, the payload verified and decoded as
+        views into `buffer`; give the buffer back with `done` once it is imported. With a sink,
         the receive thread hands each chunk to it instead, and this only ends or raises."""
         while True:
             item = await self._ready.get()
@@ -257,7 +272,7 @@ class LinkStream:
                     self.buffers[self.buffers.index(buffer)] = buffer = bytearray(size)
                 if not _recv_into(self.sock, memoryview(buffer)[:size]):
                     _eof()
-                chunk = (buffer, size, decode_views(memoryview(buffer)[:size], self.geometry))
+                chunk = (buffer, size, decode_payload_views(memoryview(buffer)[:size], self.geometry, self.state_geometry))
                 self._sink(*chunk) if self._sink is not None else self._put(chunk)
             self.ended = True
             self._put(None)

@@ -7,7 +7,9 @@ chunks of at most `chunk_bytes`: encoding slows down sharply above ~16 MiB, and 
 let the next one travel while the previous one is imported.
 
 The transport is whatever the caller supplies as "fetch a chunk": an awaitable of payload
-bytes (a Ray ObjectRef in the actor, a coroutine in tests). Any failure while fetching or
+bytes (a Ray ObjectRef in the actor, a coroutine in tests). A hybrid model's run travels as
+one payload: its blocks are worth importing only with the recurrent state after the last of
+them, which that payload carries. Any failure while fetching or
 importing stops the pull; blocks already imported are whole and verified, so the target
 stays consistent and the request recomputes what is missing.
 """
@@ -24,7 +26,7 @@ import numpy as np
 
 from kvcache import KVCache
 from kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
-from kvcache.geometry import KVGeometry
+from kvcache.geometry import KVGeometry, StateGeometry
 from kvcache.hashing import BlockHash, hash_block, root_hash
 from kvcache.wire import KVBlockData, decode_blocks, encode_blocks
 
@@ -119,6 +121,11 @@ class BlockMover:
     def geometry(self) -> KVGeometry:
         return self.engine.engine.kv.geometry
 
+    @property
+    def state_geometry(self) -> StateGeometry | None:
+        """A hybrid model's state pool geometry; None for a model without recurrent state."""
+        return self.engine.engine.kv.state_geometry
+
     async def export(self, hashes: Sequence[BlockHash]) -> bytes:
         hashes = [BlockHash(bytes(h)) for h in hashes]
         return await self.engine.run_on_engine(lambda engine: engine.export_blocks(hashes))
@@ -131,7 +138,8 @@ class BlockMover:
         result = PullResult(source, requested=len(hashes), local=local)
         if not wanted:
             return result
-        chunks = chunked(wanted, self.geometry.bytes_per_block, self.config.chunk_bytes)
+        chunks = [wanted] if self.state_geometry is not None else chunked(wanted, self.geometry.bytes_per_block,
+                                                                          self.config.chunk_bytes)
         started = time.perf_counter()
         try:
             pending = [asyncio.ensure_future(fetch(chunk)) for chunk in chunks]

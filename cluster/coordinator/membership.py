@@ -36,7 +36,7 @@ class NodeInfo:
     model: str
     block_size: int = 16
     bytes_per_block: int = 0  # K+V bytes of one block over all layers; 0 = unknown
-    kv_migrates: bool = True  # False: its blocks are useless without state that does not travel (hybrid models)
+    state_bytes: int = 0  # a hybrid model's recurrent state of one sequence, which travels with each migrated run
     fingerprint: str = ""  # the model fingerprint block hashes are rooted in
     cache_salt: str | None = None
     max_model_len: int = 0

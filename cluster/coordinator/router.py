@@ -241,12 +241,13 @@ class Router:
         prompt_blocks = request.num_tokens // request.block_size
         source, source_blocks = _best_other_holder(request.held, node.node_id)
         extra = min(source_blocks, prompt_blocks) - own
-        if source is None or extra <= 0 or node.info.bytes_per_block <= 0 or not node.info.kv_migrates:
+        if source is None or extra <= 0 or node.info.bytes_per_block <= 0:
             return None
         bytes_per_s = link_rate(source, node.node_id)
         if not bytes_per_s:
             return None
-        transfer_s = link_latency(source, node.node_id) + extra * node.info.bytes_per_block / bytes_per_s
+        run_bytes = extra * node.info.bytes_per_block + node.info.state_bytes
+        transfer_s = link_latency(source, node.node_id) + run_bytes / bytes_per_s
         recompute_s = extra * request.block_size * rates.prefill
         if transfer_s >= recompute_s:
             return None

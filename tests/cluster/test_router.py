@@ -20,10 +20,10 @@ class Clock:
         return self.now
 
 
-def cluster(*node_ids, model="m", prefill_tps=1000.0, decode_tps=100.0, bytes_per_block=0, kv_migrates=True):
+def cluster(*node_ids, model="m", prefill_tps=1000.0, decode_tps=100.0, bytes_per_block=0, state_bytes=0):
     members = Membership(clock=Clock())
     for node_id in node_ids:
-        members.register(node_id, NodeInfo(model=model, block_size=BS, bytes_per_block=bytes_per_block, kv_migrates=kv_migrates))
+        members.register(node_id, NodeInfo(model=model, block_size=BS, bytes_per_block=bytes_per_block, state_bytes=state_bytes))
         members.heartbeat(node_id, NodeLoad(prefill_tokens_per_s=prefill_tps, decode_tokens_per_s=decode_tps))
     return members
 
@@ -175,13 +175,17 @@ def test_fast_link_makes_busy_holder_a_migration_source():
     assert decision.migration.est_transfer_s < decision.migration.est_recompute_s
 
 
-def test_blocks_that_cannot_travel_are_never_migrated():
-    """A hybrid model's blocks are useless without their recurrent states, which do not travel."""
-    members = cluster("a", "b", bytes_per_block=1_000_000, kv_migrates=False)
+def test_a_hybrid_models_state_counts_once_in_the_transfer_estimate():
+    """A hybrid model's run travels with one recurrent state (0.3 s on this link): it tips a
+    16-block pull (0.256 s of prefill) to recomputing, not a 64-block one (1.024 s)."""
+    members = cluster("a", "b", bytes_per_block=1_000_000, state_bytes=300_000_000)
     members.heartbeat("a", NodeLoad(queued_prefill_tokens=50_000, prefill_tokens_per_s=1000.0, decode_tokens_per_s=100.0))
-    members.record_link_rate("a", "b", 1e9)  # the link that makes the same request migrate above
-    decision = Router().route(request({"a": 16}), members.candidates("m"), members.link_rate)
-    assert decision.node_id == "b" and decision.migration is None
+    members.record_link_rate("a", "b", 1e9)  # the link that makes the same 16-block request migrate above
+    short = Router().route(request({"a": 16}), members.candidates("m"), members.link_rate)
+    long = Router().route(request({"a": 64}, num_tokens=1024), members.candidates("m"), members.link_rate)
+    assert short.node_id == "b" and short.migration is None
+    assert long.node_id == "b" and long.migration.num_blocks == 64
+    assert long.migration.est_transfer_s == pytest.approx(0.064 + 0.3)
 
 
 def test_slow_link_means_recompute_instead_of_migrate():

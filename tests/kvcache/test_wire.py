@@ -9,7 +9,7 @@ import pytest
 from kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
 from kvcache.geometry import KVGeometry
 from kvcache.hashing import block_hashes, root_hash
-from kvcache.wire import FORMAT_VERSION, KVBlockData, decode_blocks, encode_blocks
+from kvcache.wire import KNOWN_VERSIONS, KVBlockData, decode_blocks, encode_blocks
 
 DTYPES = ["float32", "float16", "bfloat16"]
 
@@ -90,8 +90,8 @@ def test_payload_for_another_geometry_is_refused_naming_the_field(change, field)
 def test_another_format_version_is_refused_as_incompatible():
     geometry = tiny_geometry()
     envelope = msgpack.unpackb(encode_blocks(geometry, make_blocks(geometry, 1)))
-    envelope["version"] = FORMAT_VERSION + 1
-    with pytest.raises(IncompatibleKVPayload, match=f"format version: expected {FORMAT_VERSION}, got {FORMAT_VERSION + 1}"):
+    envelope["version"] = max(KNOWN_VERSIONS) + 1
+    with pytest.raises(IncompatibleKVPayload, match=r"format version: expected one of \(1, 2\), got 3"):
         decode_blocks(msgpack.packb(envelope), geometry)
 
 

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from kvcache import StateNotMigratable
 from node.engine import EngineConfig, LLMEngine
 from node.types import SamplingParams
 from tests.node.test_families import assert_matches_mlx_lm, prompts, reference, run
@@ -130,8 +129,6 @@ def test_snapshots_go_with_their_blocks_and_no_block_leaves(hybrid):
     run(engine, prompts(vocab, [30], offset=40), prefix="b")  # needs the cached blocks back
     assert engine.kv.manager.stats().evictions > 0 and len(engine.kv.snapshots) <= 2
     assert all(engine.kv.manager.cached_block(h) is not None for h in engine.kv.snapshots.hashes())  # none outlives its block
-    with pytest.raises(StateNotMigratable):
-        engine.export_blocks(engine.kv.block_hashes(prompts(vocab, [13], offset=2)[0]))
 
 
 def test_state_pool_slots_hold_the_state_mlx_lm_computes(hybrid):

@@ -185,8 +185,8 @@ def test_damaged_replies_are_refused_counted_and_the_request_recomputes(nodes, m
     if damage == "flipped":
         real = kv_link.encode_pieces
 
-        def flipped(geometry, blocks):
-            pieces = real(geometry, blocks)
+        def flipped(geometry, blocks, state=None):
+            pieces = real(geometry, blocks, state)
             kv = bytearray(pieces[1])  # the first block's first layer of K, after the checksum was taken
             kv[7] ^= 0x40
             pieces[1] = bytes(kv)
