@@ -20,6 +20,7 @@ import xxhash
 
 from kvcache.block_manager import BlockManager, chain_order
 from kvcache.budget import GIB, MemoryBudget, num_blocks_for
+from kvcache.cold_states import ColdStates, cold_states_path
 from kvcache.cold_tier import ColdTier
 from kvcache.config import CacheConfig, InvalidCacheConfig
 from kvcache.errors import ColdTierError, IncompatibleKVPayload, OutOfBlocks, OutOfStateSlots
@@ -36,6 +37,9 @@ from kvcache.wire_stream import BlockPieces
 log = logging.getLogger(__name__)
 
 _COLD_FAILURES = (ColdTierError, OSError, ValueError)
+#: The share of the cold tier's bytes a hybrid model gives its state snapshots (kvcache.cold_states):
+#: a snapshot is worth a run of up to `engine.STATE_SNAPSHOT_BLOCKS` blocks, and weighs about as much.
+COLD_STATE_SHARE = 0.5
 
 
 class KVCache:
@@ -53,8 +57,10 @@ class KVCache:
         """`states`: a hybrid model's recurrent-state slots, held and freed with each sequence's
         blocks. Its KV alone cannot resume a sequence: a prefix is reused only up to a block
         whose state was snapshotted (`capture_state`, `publish_state`; kvcache.state_snapshots),
-        such a cache swaps nothing to disk, and its blocks travel only with the snapshot of the
-        last of them (`export_blocks`, `import_decoded`)."""
+        a block that spills to disk takes its snapshot along (kvcache.cold_states, which gets
+        `COLD_STATE_SHARE` of the cold tier's bytes), such a cache swaps nothing to disk (a
+        preempted sequence is recomputed from its last snapshot), and its blocks travel only
+        with the snapshot of the last of them (`export_blocks`, `import_decoded`)."""
         if config.dtype is not None and config.dtype != geometry.dtype:
             raise InvalidCacheConfig("dtype", f"{config.dtype!r} disagrees with the geometry's {geometry.dtype!r}")
         self.geometry = geometry
@@ -70,12 +76,17 @@ class KVCache:
         self.states = states
         self.snapshots = StateSnapshots(capacity=states.num_slots) if states is not None else None
         self._pending_states: dict[Hashable, tuple[int, list]] = {}
-        if states is not None and config.cold_tier_dir is not None:
-            raise InvalidCacheConfig("cold_tier_dir", "a hybrid model's blocks cannot spill to disk without their states")
         self.events = EventLog()
         self.cold: ColdTier | None = None
+        self.cold_states: ColdStates | None = None
         if config.cold_tier_dir is not None:
-            self.cold = ColdTier(config.cold_tier_dir, geometry, int(config.cold_tier_gb * GIB))
+            cold_bytes = int(config.cold_tier_gb * GIB)
+            if states is not None:
+                state_bytes = int(cold_bytes * COLD_STATE_SHARE)
+                slots = max(1, state_bytes // max(states.geometry.nbytes, 1))
+                self.cold_states = ColdStates(cold_states_path(config.cold_tier_dir, geometry), states.geometry, slots)
+                cold_bytes -= state_bytes
+            self.cold = ColdTier(config.cold_tier_dir, geometry, cold_bytes)
         self.manager = BlockManager(
             num_blocks,
             geometry.block_size,
@@ -83,7 +94,7 @@ class KVCache:
             watermark=config.watermark,
             events=self.events,
             on_evict=self._spill if self.cold is not None else (self._drop_snapshot if states is not None else None),
-            reuse_limit=self.snapshots.usable_blocks if self.snapshots is not None else None,
+            reuse_limit=self._usable_blocks if self.snapshots is not None else None,
             prefix_caching=config.enable_prefix_caching,
         )
         self._disk_blocks: dict[BlockHash, tuple[BlockHash | None, tuple[int, ...]]] = {}
@@ -109,13 +120,7 @@ class KVCache:
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
         """Reserve slots for the prompt; return how many leading tokens already have KV."""
         if self.states is not None:
-            if self.states.num_free == 0:
-                raise OutOfStateSlots(f"sequence {seq_id!r}: every state slot is held")
-            computed = self.manager.allocate(seq_id, token_ids)
-            self.states.allocate(seq_id)
-            if computed:
-                self.states.restore(seq_id, self.snapshots.take(self.block_hashes(token_ids[:computed])[-1]))
-            return computed
+            return self._allocate_with_state(seq_id, token_ids)
         if self.cold is None:
             return self.manager.allocate(seq_id, token_ids)
         if not self.manager.can_allocate(token_ids, keep_watermark=False):
@@ -125,6 +130,42 @@ class KVCache:
             return self.manager.allocate(seq_id, token_ids)
         finally:
             self.manager.unpin(held)
+
+    def _allocate_with_state(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
+        """A hybrid model's allocation: the prefix reused up to its last block with a snapshot (in
+        memory, or on disk with its blocks), that snapshot restored into a fresh state slot."""
+        if self.states.num_free == 0:
+            raise OutOfStateSlots(f"sequence {seq_id!r}: every state slot is held")
+        held = self._hold_prefix(token_ids) if self.cold is not None else []
+        try:
+            self._load_cold_snapshot(self.block_hashes(token_ids))
+            computed = self.manager.allocate(seq_id, token_ids)
+        finally:
+            self.manager.unpin(held)
+        self.states.allocate(seq_id)
+        if computed:
+            self.states.restore(seq_id, self.snapshots.take(self.block_hashes(token_ids[:computed])[-1]))
+        return computed
+
+    def _usable_blocks(self, hashes: Sequence[BlockHash]) -> int:
+        """How many of these leading cached blocks a hybrid resume can use: up to the last with a
+        snapshot in memory or on disk."""
+        for count in range(len(hashes), 0, -1):
+            if hashes[count - 1] in self.snapshots or (self.cold_states is not None and hashes[count - 1] in self.cold_states):
+                return count
+        return 0
+
+    def _load_cold_snapshot(self, hashes: Sequence[BlockHash]) -> None:
+        """Bring the snapshot a resume along `hashes` would use into memory when it is only on disk
+        (one that fails its checksum is dropped there, and the resume stops at an earlier one)."""
+        while self.cold_states is not None and (usable := self._usable_blocks(hashes)):
+            last = hashes[usable - 1]
+            if last in self.snapshots:
+                return
+            arrays = self.cold_states.get(last)
+            if arrays is not None:
+                self.snapshots.put(last, self.states.device_copy(arrays))
+                return
 
     def holds_slots(self, seq_id: Hashable, num_tokens: int) -> bool:
         return self.manager.holds_slots(seq_id, num_tokens)
@@ -168,6 +209,15 @@ class KVCache:
 
     def _drop_snapshot(self, block_id: int, block_hash: BlockHash, parent, token_ids) -> None:
         self.snapshots.drop(block_hash)
+
+    def _spill_snapshot(self, block_hash: BlockHash) -> None:
+        """A block leaving memory for disk takes its snapshot along (if it has one in memory)."""
+        if block_hash not in self.snapshots:
+            return
+        snapshot = self.snapshots.get(block_hash)
+        self.snapshots.drop(block_hash)
+        if block_hash in self.cold:  # the snapshot is useless without its block on disk
+            self.cold_states.put(block_hash, self.states.host_copy(snapshot))
 
     def state_slots(self, seq_ids: Sequence[Hashable]) -> list[int] | None:
         """The sequences' state slots, in order; None for a model without state layers."""
@@ -322,6 +372,9 @@ class KVCache:
             self.cold.close()
             self.cold = None
             self.manager.on_evict = None
+        if self.cold_states is not None:
+            self.cold_states.close()
+            self.cold_states = None
         if self._reservation is not None:
             budget, model_name, nbytes = self._reservation
             budget.release(model_name, nbytes)
@@ -395,13 +448,17 @@ class KVCache:
 
     def _spill(self, block_id: int, block_hash: BlockHash, parent_hash, token_ids) -> None:
         """Eviction hook: copy a cached block to disk before its memory is reused."""
-        if block_hash in self.cold:
-            return
         try:
-            keys, values = self.pool.read_blocks([block_id])
-            self._put_block(block_hash, keys[:, 0], values[:, 0], token_ids, parent_hash)
+            if block_hash not in self.cold:
+                keys, values = self.pool.read_blocks([block_id])
+                self._put_block(block_hash, keys[:, 0], values[:, 0], token_ids, parent_hash)
         except _COLD_FAILURES as err:
             log.warning("could not spill block %s to the cold tier: %s", block_hash.hex(), err)
+        if self.cold_states is not None:
+            try:
+                self._spill_snapshot(block_hash)
+            except _COLD_FAILURES as err:
+                log.warning("could not spill the state snapshot of block %s: %s", block_hash.hex(), err)
 
     def _put_block(self, block_hash: BlockHash, keys, values, token_ids, parent_hash) -> None:
         dropped = self.cold.put(block_hash, keys, values, tuple(token_ids), parent_hash)
@@ -417,6 +474,8 @@ class KVCache:
             else:
                 self._disk_blocks.pop(key, None)
                 self.events.removed(key, DISK)
+                if self.cold_states is not None:
+                    self.cold_states.discard(key)
 
     def _swap_key(self, seq_id: Hashable) -> bytes:
         return xxhash.xxh3_128_digest(b"swap:" + self.root + repr(seq_id).encode())

@@ -39,6 +39,7 @@ import xxhash
 
 from kvcache.errors import ColdTierError
 from kvcache.geometry import KVGeometry
+from kvcache.private_files import open_locked, private_folder
 from kvcache.wire import KVBlockData, block_array_shape
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,7 @@ class ColdTier:
         self.geometry = geometry
         self.layout = SlotLayout.for_geometry(geometry, capacity_bytes)
         self.path = cold_file_path(directory, geometry)
-        _private_folder(self.path.parent)
+        private_folder(self.path.parent)
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recent first
         self._free: list[int] = []
         self._next_stamp = 1
@@ -319,19 +320,7 @@ class ColdTier:
         log.info("cold tier %s: resized from %d to %d slots", self.path, old.slot_count, new.slot_count)
 
     def _open_locked(self) -> int:
-        """Open (never through a symlink) and lock the file; only its owner may read it, since
-        its records hold prompts' token ids."""
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as err:
-            raise ColdTierError(f"cannot open cold tier file {self.path} (a symlink is refused): {err}") from err
-        os.fchmod(fd, 0o600)  # a file an older version left world-readable
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as err:
-            os.close(fd)
-            raise ColdTierError(f"cold tier file {self.path} is in use by another ColdTier") from err
-        return fd
+        return open_locked(self.path, "ColdTier")
 
     def _header_body(self) -> bytes:
         return msgpack.packb({"geometry": self.geometry.to_dict(), "layout": self.layout.to_dict()})
@@ -525,17 +514,6 @@ class ColdTier:
         hi = min(hi, _round_up(self.layout.file_size, page))
         if hi > lo:
             self._mm.madvise(advice, lo, hi - lo)
-
-
-def _private_folder(folder: Path) -> None:
-    """The tier's folder, made (or narrowed to) 0700 when this user owns it: other local
-    users must not list or read the blocks, whose records carry prompts' token ids."""
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    info = folder.stat()
-    if info.st_uid == os.getuid() and info.st_mode & 0o077:
-        os.chmod(folder, 0o700)
-    elif info.st_mode & 0o077:
-        log.warning("cold tier folder %s is open to other users and not ours to narrow", folder)
 
 
 def _kv_sum(keys: np.ndarray, values: np.ndarray) -> int:

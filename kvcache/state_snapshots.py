@@ -8,8 +8,9 @@ finished sequence passed); each is keyed by the chained hash of the block that e
 new prompt resumes at the longest run of cached blocks whose last hash has a snapshot
 (`usable_blocks`): KV from the pool up to there, the state from the snapshot.
 
-A snapshot is useless without its blocks: the block manager's eviction drops it (`drop`), and
-the store keeps at most `capacity` snapshots, least recently used first out.
+A snapshot is useless without its blocks: the block manager's eviction drops it (`drop`), or
+with a cold tier spills it to disk beside them (kvcache.cold_states); the store keeps at most
+`capacity` snapshots in memory, least recently used first out.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class StateSnapshots:
 
     def __len__(self) -> int:
         return len(self._by_hash)
+
+    def __contains__(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._by_hash
 
     def hashes(self) -> list[BlockHash]:
         """The blocks that have a snapshot, least recently used first."""

@@ -10,7 +10,7 @@ the node actor drive it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -126,8 +126,6 @@ class LLMEngine:
         geometry = self.model.geometry(self.config.block_size, self.config.dtype)
         states = hybrid_state_pool(self.model, self.config.max_num_seqs)
         cache_config = self.config.cache_config()
-        if states is not None:  # a state is not on disk: no spill, no swap
-            cache_config = replace(cache_config, cold_tier_dir=None)
         self.kv = KVCache(geometry, cache_config, states=states)
         self._snapshots_on = states is not None and cache_config.enable_prefix_caching
         self.runner = ModelRunner(self.model, self.kv.pool, compiled_decode=self.config.compiled_decode, states=states)
@@ -441,8 +439,8 @@ class LLMEngine:
 
     def _should_swap(self, seq: Sequence) -> bool:
         """Swap to the cold tier when restoring is expected to beat recomputing."""
-        if self.kv.cold is None or self.config.preemption == "recompute":  # a hybrid model has no cold tier
-            return False
+        if self.kv.cold is None or self.kv.states is not None or self.config.preemption == "recompute":
+            return False  # a hybrid sequence resumes from its last state snapshot instead
         if self.config.preemption == "swap":
             return True
         tokens = seq.num_computed

@@ -49,7 +49,7 @@ def test_preempted_sequences_recompute_their_state(hybrid):
     engine = LLMEngine(EngineConfig(model=str(folder), num_blocks=10, block_size=4, preemption="swap"))
     batch = prompts(engine.model.vocab_size, [9, 13, 6])
     results = run(engine, batch)
-    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.num_swaps == 0  # a state is not on disk
+    assert engine.scheduler.num_preemptions > 0 and engine.scheduler.num_swaps == 0  # recomputed from a snapshot
     assert_matches_mlx_lm(model, batch, results)
 
 
