@@ -24,7 +24,7 @@ from kvcache.cold_states import ColdStates, cold_states_path
 from kvcache.cold_tier import ColdTier
 from kvcache.config import CacheConfig, InvalidCacheConfig
 from kvcache.errors import ColdTierError, IncompatibleKVPayload, OutOfBlocks, OutOfStateSlots
-from kvcache.events import DISK, BlockStored, EventLog, KVEvent
+from kvcache.events import DISK, BlockStored, EventLog, KVEvent, StateStored
 from kvcache.geometry import KVGeometry, StateGeometry
 from kvcache.hashing import BlockHash, block_hashes, hash_block, root_hash
 from kvcache.pool import KVPool
@@ -76,6 +76,7 @@ class KVCache:
         self.states = states
         self.snapshots = StateSnapshots(capacity=states.num_slots) if states is not None else None
         self._pending_states: dict[Hashable, tuple[int, list]] = {}
+        self._announced_states: set[BlockHash] = set()  # snapshots the coordinator was told of
         self.events = EventLog()
         self.cold: ColdTier | None = None
         self.cold_states: ColdStates | None = None
@@ -164,8 +165,9 @@ class KVCache:
                 return
             arrays = self.cold_states.get(last)
             if arrays is not None:
-                self.snapshots.put(last, self.states.device_copy(arrays))
+                self._announce_states(self.snapshots.put(last, self.states.device_copy(arrays)))
                 return
+            self._announce_states([last])  # failed its checksum: dropped
 
     def holds_slots(self, seq_id: Hashable, num_tokens: int) -> bool:
         return self.manager.holds_slots(seq_id, num_tokens)
@@ -205,10 +207,27 @@ class KVCache:
         pending = self._pending_states.pop(seq_id, None)
         if pending is not None and pending[0] <= len(token_ids):
             boundary, snapshot = pending
-            self.snapshots.put(self.block_hashes(token_ids[:boundary])[-1], snapshot)
+            block_hash = self.block_hashes(token_ids[:boundary])[-1]
+            self._announce_states([block_hash, *self.snapshots.put(block_hash, snapshot)])
 
     def _drop_snapshot(self, block_id: int, block_hash: BlockHash, parent, token_ids) -> None:
         self.snapshots.drop(block_hash)
+        self._announce_states([block_hash])
+
+    def _state_held(self, block_hash: BlockHash) -> bool:
+        return block_hash in self.snapshots or (self.cold_states is not None and block_hash in self.cold_states)
+
+    def _announce_states(self, hashes: Sequence[BlockHash]) -> None:
+        """One event per change in which blocks a resume can use here (a snapshot held in memory
+        or on disk), so the coordinator counts a hybrid node's runs only as far as they resume."""
+        for block_hash in hashes:
+            held = self._state_held(block_hash)
+            if held and block_hash not in self._announced_states:
+                self._announced_states.add(block_hash)
+                self.events.state_stored(block_hash)
+            elif not held and block_hash in self._announced_states:
+                self._announced_states.discard(block_hash)
+                self.events.state_removed(block_hash)
 
     def _spill_snapshot(self, block_hash: BlockHash) -> None:
         """A block leaving memory for disk takes its snapshot along (if it has one in memory)."""
@@ -216,8 +235,12 @@ class KVCache:
             return
         snapshot = self.snapshots.get(block_hash)
         self.snapshots.drop(block_hash)
-        if block_hash in self.cold:  # the snapshot is useless without its block on disk
-            self.cold_states.put(block_hash, self.states.host_copy(snapshot))
+        dropped = []
+        try:
+            if block_hash in self.cold:  # the snapshot is useless without its block on disk
+                dropped = self.cold_states.put(block_hash, self.states.host_copy(snapshot))
+        finally:
+            self._announce_states([block_hash, *dropped])
 
     def state_slots(self, seq_ids: Sequence[Hashable]) -> list[int] | None:
         """The sequences' state slots, in order; None for a model without state layers."""
@@ -356,12 +379,13 @@ class KVCache:
     def drain_events(self) -> list[KVEvent]:
         return self.events.drain()
 
-    def snapshot(self) -> list[BlockStored]:
-        """All cached blocks, memory then disk, each tier parents first, at the next event seq."""
+    def snapshot(self) -> list[BlockStored | StateStored]:
+        """All cached blocks, memory then disk, each tier parents first, then the states a resume
+        can use (hybrid models), at the next event seq."""
         seq = self.events.next_seq
         disk = {h: parent for h, (parent, _) in self._disk_blocks.items()}
         on_disk = [BlockStored(seq, h, disk[h], self._disk_blocks[h][1], DISK) for h in chain_order(disk)]
-        return self.manager.snapshot() + on_disk
+        return self.manager.snapshot() + on_disk + [StateStored(seq, h) for h in self._announced_states]
 
     def stats(self) -> KVStats:
         return replace(self.manager.stats(), cold_tier_hits=self._cold_hits, cold_tier_spills=self._cold_spills)
@@ -389,7 +413,8 @@ class KVCache:
     # ----------------------------------------------------------------- internals
 
     def _adopt_recovered_cold_blocks(self) -> None:
-        """Announce the blocks a reopened cold-tier file still holds; drop stale swap blocks.
+        """Announce the blocks a reopened cold-tier file still holds (and the state snapshots after
+        them, for a hybrid model); drop stale swap blocks and snapshots whose block is gone.
 
         Only blocks whose key is the chained hash of their parent and full token list are
         prefix blocks; anything else is a partial block a previous process swapped out for
@@ -403,6 +428,11 @@ class KVCache:
                 self.events.stored(key, parent, tokens, DISK)
             else:
                 self.cold.discard(key)
+        if self.cold_states is not None:
+            for key in self.cold_states.keys():
+                if key not in self._disk_blocks:
+                    self.cold_states.discard(key)  # its block did not survive: nothing to resume after
+            self._announce_states(self.cold_states.keys())
 
     def _hold_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Pin the longest reusable prefix, restoring from disk what memory lacks."""
@@ -476,6 +506,7 @@ class KVCache:
                 self.events.removed(key, DISK)
                 if self.cold_states is not None:
                     self.cold_states.discard(key)
+                    self._announce_states([key])
 
     def _swap_key(self, seq_id: Hashable) -> bytes:
         return xxhash.xxh3_128_digest(b"swap:" + self.root + repr(seq_id).encode())
@@ -555,7 +586,8 @@ class KVCache:
         """Store an imported state under its block, if that block is held here now (the run may have
         stopped short of it: a full pool, a broken chain); the block's eviction drops it as any other."""
         if state is not None and self.manager.cached_block(state.block_hash) is not None:
-            self.snapshots.put(state.block_hash, self.states.device_copy(state.arrays))
+            dropped = self.snapshots.put(state.block_hash, self.states.device_copy(state.arrays))
+            self._announce_states([state.block_hash, *dropped])
 
     def _chains_here(self, parent: BlockHash | None) -> bool:
         """Whether a block with this parent is reachable from our root."""

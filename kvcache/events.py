@@ -12,6 +12,10 @@ from kvcache.hashing import BlockHash
 
 MEMORY = "memory"
 DISK = "disk"
+#: Not a place a block's KV lives but what a hybrid model needs beside it: the recurrent state
+#: after the block (kvcache.state_snapshots), in memory or on disk. Such a node resumes a
+#: prompt only up to a block that has one, so the coordinator counts its runs only that far.
+STATE = "state"
 
 
 @dataclass(frozen=True)
@@ -34,7 +38,25 @@ class BlockRemoved:
     tier: str = MEMORY
 
 
-KVEvent = BlockStored | BlockRemoved
+@dataclass(frozen=True)
+class StateStored:
+    """The recurrent state after this block became available (a hybrid model's snapshot)."""
+
+    seq: int
+    block_hash: BlockHash
+    tier: str = STATE
+
+
+@dataclass(frozen=True)
+class StateRemoved:
+    """The recurrent state after this block is no longer held."""
+
+    seq: int
+    block_hash: BlockHash
+    tier: str = STATE
+
+
+KVEvent = BlockStored | BlockRemoved | StateStored | StateRemoved
 
 
 @dataclass
@@ -50,6 +72,14 @@ class EventLog:
 
     def removed(self, block_hash: BlockHash, tier: str = MEMORY) -> None:
         self._pending.append(BlockRemoved(self.next_seq, block_hash, tier))
+        self.next_seq += 1
+
+    def state_stored(self, block_hash: BlockHash) -> None:
+        self._pending.append(StateStored(self.next_seq, block_hash))
+        self.next_seq += 1
+
+    def state_removed(self, block_hash: BlockHash) -> None:
+        self._pending.append(StateRemoved(self.next_seq, block_hash))
         self.next_seq += 1
 
     def drain(self) -> list[KVEvent]:

@@ -39,11 +39,14 @@ class StateSnapshots:
         """The blocks that have a snapshot, least recently used first."""
         return list(self._by_hash)
 
-    def put(self, block_hash: BlockHash, snapshot: list) -> None:
+    def put(self, block_hash: BlockHash, snapshot: list) -> list[BlockHash]:
+        """Store a snapshot; returns the hashes whose snapshots it pushed out (least recent first)."""
         self._by_hash[block_hash] = snapshot
         self._by_hash.move_to_end(block_hash)
+        dropped = []
         while len(self._by_hash) > self.capacity:
-            self._by_hash.popitem(last=False)
+            dropped.append(self._by_hash.popitem(last=False)[0])
+        return dropped
 
     def take(self, block_hash: BlockHash) -> list:
         """The snapshot to restore (it stays stored, now the most recently used)."""

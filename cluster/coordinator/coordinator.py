@@ -182,7 +182,8 @@ class Coordinator:
         `session` (the client's conversation key) stays on its last node while that has room."""
         self.reap()
         candidates = [n for n in self.membership.candidates(model) if n.node_id not in exclude]
-        held = self.pending.extend(self.index.match(block_hashes), block_hashes, self._index_holds)
+        held = self.pending.extend(self.index.match(block_hashes, _resume_at_states(candidates)), block_hashes,
+                                   self._index_holds)
         request = RouteRequest(model, num_tokens, block_size, held, request_id, prefix_name(block_hashes), session)
         decision = self.router.route(request, candidates, self.link_rate, policy, self.link_latency, self.index.node_block_count)
         self.pending.note(decision.node_id, block_hashes)
@@ -240,8 +241,9 @@ class Coordinator:
         return specs
 
     def match(self, block_hashes: Sequence[BlockHash]) -> dict[NodeId, int]:
-        """Leading blocks of a prompt each node holds, without routing anything."""
-        return self.index.match(block_hashes)
+        """Leading blocks of a prompt each node holds (a hybrid model's node: up to its last state),
+        without routing anything."""
+        return self.index.match(block_hashes, _resume_at_states(self.membership.nodes()))
 
     def indexed_blocks(self, node_id: NodeId) -> int:
         return self.index.node_block_count(node_id)
@@ -357,3 +359,8 @@ def _node_row(state, index: PrefixIndex) -> dict:
 
 
 CoordinatorActor = ray.remote(Coordinator)
+
+
+def _resume_at_states(nodes) -> list[NodeId]:
+    """The nodes serving a hybrid model: their KV resumes a prompt only where they hold a state."""
+    return [n.node_id for n in nodes if n.info.state_bytes]

@@ -13,15 +13,16 @@ so the node's entries can no longer be trusted until it sends a full snapshot.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from cluster.coordinator.membership import NodeId
-from kvcache.events import DISK, MEMORY, BlockRemoved, BlockStored, KVEvent
+from kvcache.events import DISK, MEMORY, STATE, BlockRemoved, BlockStored, KVEvent, StateRemoved, StateStored
 from kvcache.hashing import BlockHash
 
-#: One bit per tier so a block held in memory and on disk at once costs one int.
-TIER_BITS = {MEMORY: 1, DISK: 2}
+#: One bit per tier so a block held in memory and on disk at once costs one int; STATE marks a
+#: hybrid model's block that has the recurrent state after it (kvcache.events).
+TIER_BITS = {MEMORY: 1, DISK: 2, STATE: 4}
 
 
 def best_tier(bits: int) -> str:
@@ -89,9 +90,9 @@ class PrefixIndex:
 
     def _apply_one(self, node_id: NodeId, event: KVEvent) -> None:
         bit = _tier_bit(event.tier)
-        if isinstance(event, BlockStored):
+        if isinstance(event, (BlockStored, StateStored)):
             self._add(node_id, event.block_hash, bit)
-        elif isinstance(event, BlockRemoved):
+        elif isinstance(event, (BlockRemoved, StateRemoved)):
             self._discard(node_id, event.block_hash, bit)
         else:
             raise TypeError(f"not a KV event: {event!r}")
@@ -151,12 +152,31 @@ class PrefixIndex:
                 del self._holders[block_hash]
 
     # ---- asking --------------------------------------------------------------------
-    def match(self, hashes: Sequence[BlockHash]) -> dict[NodeId, int]:
+    def match(self, hashes: Sequence[BlockHash], resume_at_states: Collection[NodeId] = ()) -> dict[NodeId, int]:
         """Number of leading blocks of `hashes` each node holds (nodes holding none are absent).
 
         A node counts block i only if it held blocks 0..i-1 too; the walk ends at the first
-        block nobody holds, or once no node is still on an unbroken run.
+        block nobody holds, or once no node is still on an unbroken run. A node of
+        `resume_at_states` (one serving a hybrid model) counts its run only up to the last
+        block it holds a state for: past that its KV cannot resume a prompt.
         """
+        counts = self._runs(hashes)
+        for node_id in set(resume_at_states) & counts.keys():
+            usable = self._resumable(node_id, hashes, counts[node_id])
+            if usable:
+                counts[node_id] = usable
+            else:
+                del counts[node_id]
+        return counts
+
+    def _resumable(self, node_id: NodeId, hashes: Sequence[BlockHash], run: int) -> int:
+        state = TIER_BITS[STATE]
+        for count in range(run, 0, -1):
+            if self._holders[hashes[count - 1]].get(node_id, 0) & state:
+                return count
+        return 0
+
+    def _runs(self, hashes: Sequence[BlockHash]) -> dict[NodeId, int]:
         counts: dict[NodeId, int] = {}
         for i, block_hash in enumerate(hashes):
             holders = self._holders.get(block_hash)

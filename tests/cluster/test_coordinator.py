@@ -248,3 +248,23 @@ def test_node_rows_carry_the_chip_and_memory_a_node_registered_with():
     coord.register_node("m1", {"model": "demo", "block_size": BS, "chip": "Apple M4 Max", "memory_bytes": 128 << 30})
     (row,) = coord.cluster_info()["nodes"]
     assert (row["chip"], row["memory_bytes"]) == ("Apple M4 Max", 128 << 30)
+
+
+def test_a_hybrid_node_is_credited_only_up_to_its_last_state():
+    clock = Clock()
+    coord = Coordinator(CoordinatorConfig(RouterConfig(policy="prefix", seed=0), MembershipConfig()), clock=clock)
+    logs = {}
+    for node_id in ("a", "b"):
+        coord.register_node(node_id, {"model": "demo", "block_size": BS, "state_bytes": 4096})
+        coord.kv_snapshot(node_id, 0, [])
+        coord.heartbeat(node_id, LOAD)
+        logs[node_id] = EventLog()
+    serve(coord, logs, "a", HASHES)  # every block, a state after the second only
+    logs["a"].state_stored(HASHES[1])
+    coord.kv_events("a", logs["a"].drain())
+    serve(coord, logs, "b", HASHES[:6])  # fewer blocks, a state after the sixth
+    logs["b"].state_stored(HASHES[5])
+    coord.kv_events("b", logs["b"].drain())
+    assert coord.match(HASHES) == {"a": 2, "b": 6}
+    decision = route(coord)
+    assert (decision.node_id, decision.cached_blocks) == ("b", 6)

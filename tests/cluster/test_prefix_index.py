@@ -175,3 +175,22 @@ def test_salted_chains_do_not_match_each_other():
     index.apply("a", store_all(log, chain(tokens, salt="tenant-1")))
     assert index.match(chain(tokens, salt="tenant-2")) == {}
     assert index.match(chain(tokens, salt="tenant-1")) == {"a": 4}
+
+
+def test_a_hybrid_node_counts_its_run_only_to_its_last_state():
+    index = PrefixIndex()
+    a, b, c = EventLog(), EventLog(), EventLog()
+    index.apply("a", store_all(a, PROMPT))
+    a.state_stored(PROMPT[1])
+    index.apply("a", a.drain())
+    index.apply("b", store_all(b, PROMPT[:3]))
+    b.state_stored(PROMPT[2])
+    index.apply("b", b.drain())
+    index.apply("c", store_all(c, PROMPT))  # blocks, and no state a resume could start from
+    assert index.match(PROMPT) == {"a": 4, "b": 3, "c": 4}
+    assert index.match(PROMPT, resume_at_states=["a", "b", "c"]) == {"a": 2, "b": 3}
+    assert index.match(PROMPT, resume_at_states=["a"]) == {"a": 2, "b": 3, "c": 4}  # others count blocks
+    b.state_removed(PROMPT[2])
+    index.apply("b", b.drain())
+    assert index.match(PROMPT, resume_at_states=["a", "b"]) == {"a": 2, "c": 4}
+    assert index.holders(PROMPT[1]) == {"a": MEMORY, "b": MEMORY, "c": MEMORY}  # the state bit is no tier to read from
