@@ -18,6 +18,8 @@ from kernels import reference
 from kernels.dispatch import (
     ENV_VAR,
     available_backends,
+    backend_for_head_dims,
+    check_head_dims,
     checked_decode_metadata,
     decode_function,
     default_backend,
@@ -47,6 +49,7 @@ __all__ = [
     "VarlenPlan",
     "VarlenTuning",
     "available_backends",
+    "backend_for_head_dims",
     "check_varlen_metadata",
     "default_backend",
     "paged_attention",
@@ -74,14 +77,16 @@ def paged_attention(
 
     block_tables int32 [num_seqs, max_blocks] (padding entries point at the null block 0),
     context_lens int32 [num_seqs]. Returns [num_seqs, num_heads, head_dim] in the queries'
-    dtype; softmax runs in float32. `window` (keys seen, the query's own included), `sinks`
+    dtype (the value cache's head dim where it differs, on the reference backend only); softmax
+    runs in float32. `window` (keys seen, the query's own included), `sinks`
     ([num_heads] logits in the denominator only) and `softcap` as in kernels/variants.py.
     """
     tables, lengths = checked_decode_metadata(queries, key_cache, block_tables, context_lens)
     layer = layer_attention(window, softcap, sinks)
     layer.check_heads(queries.shape[1])
-    decode = decode_function(resolve_backend(backend))
-    return decode(queries, key_cache, value_cache, tables, lengths, scale, layer)
+    name = resolve_backend(backend)
+    check_head_dims(name, key_cache, value_cache)
+    return decode_function(name)(queries, key_cache, value_cache, tables, lengths, scale, layer)
 
 
 def paged_varlen_attention(
@@ -102,7 +107,8 @@ def paged_varlen_attention(
     (one layer); `plan` from `plan_varlen` for this step, built once and passed to every layer.
     Query j of sequence s sits at position context_lens[s] - q_len_s + j and sees positions up
     to its own (the last `window` of them when given). Returns [total_q, num_heads, head_dim] in
-    the queries' dtype; softmax in float32. The metadata was checked when the plan was built;
+    the queries' dtype (the value cache's head dim where it differs, on the reference backend
+    only); softmax in float32. The metadata was checked when the plan was built;
     here only shapes are compared. `window`, `sinks`, `softcap`: this layer's (kernels/variants.py).
     """
     if backend is not None and resolve_backend(backend) != plan.backend:
@@ -113,6 +119,9 @@ def paged_varlen_attention(
             f"the plan expects queries {expected} and caches [num_blocks, {plan.block_size}, {plan.num_kv_heads}, "
             f"{plan.head_dim}], got {queries.shape} and {key_cache.shape}"
         )
+    if value_cache.shape[:3] != key_cache.shape[:3]:
+        raise InvalidAttentionMetadata(f"caches differ in more than their head dim: {key_cache.shape} and {value_cache.shape}")
+    check_head_dims(plan.backend, key_cache, value_cache)
     layer = layer_attention(window, softcap, sinks)
     layer.check_heads(plan.num_heads)
     if plan.backend == "reference":

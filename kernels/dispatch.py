@@ -1,19 +1,25 @@
 """Which attention backend runs: Metal on a Mac, CUDA where MLX drives an NVIDIA GPU, else the reference.
 
 An argument beats the environment variable, which beats the device's default, so a test
-or a benchmark can pin a backend without touching the engine.
+or a benchmark can pin a backend without touching the engine. The compiled kernels keep
+one head dim for queries, keys, values and outputs; a model whose values are of another
+width than its keys (DeepSeek-V2) runs on the reference, chosen once for the model
+(`backend_for_head_dims`), and the compiled entries refuse such caches.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import mlx.core as mx
 import numpy as np
 
 from kernels import reference
-from kernels.errors import BackendUnavailable, UnknownBackend
+from kernels.errors import BackendUnavailable, UnknownBackend, UnsupportedAttentionShape
 from kernels.reference import DecodeFn
+
+log = logging.getLogger(__name__)
 
 ENV_VAR = "ORCHARD_ATTENTION_BACKEND"
 BACKENDS = ("reference", "metal", "cuda")
@@ -51,6 +57,32 @@ def _checked(name: str) -> str:
     if name not in available_backends():
         raise BackendUnavailable(f"attention backend {name!r} cannot run here; available: {available_backends()}")
     return name
+
+
+def head_dims_reason(backend: str, key_head_dim: int, value_head_dim: int) -> str | None:
+    """Why `backend` cannot attend over keys and values of these head dims, or None."""
+    if backend != "reference" and key_head_dim != value_head_dim:
+        return (f"the {backend} kernels keep one head dim for keys and values, and these are "
+                f"{key_head_dim} and {value_head_dim} wide")
+    return None
+
+
+def backend_for_head_dims(backend: str | None, key_head_dim: int, value_head_dim: int) -> str:
+    """The backend a model's layers attend on: `backend` resolved as `resolve_backend` does, or the
+    reference where the compiled kernels cannot take the layers' head dims. Ask once per model."""
+    name = resolve_backend(backend)
+    reason = head_dims_reason(name, key_head_dim, value_head_dim)
+    if reason is None:
+        return name
+    log.info("attention runs on the reference backend: %s", reason)
+    return "reference"
+
+
+def check_head_dims(backend: str, key_cache: mx.array, value_cache: mx.array) -> None:
+    """Refuse caches of two head dims on a compiled backend."""
+    reason = head_dims_reason(backend, key_cache.shape[-1], value_cache.shape[-1])
+    if reason is not None:
+        raise UnsupportedAttentionShape(f"{reason}; run such layers on the reference backend")
 
 
 def decode_function(name: str) -> DecodeFn:

@@ -65,10 +65,13 @@ def _scatter_rows(cache: mx.array, rows: mx.array, index: SlotIndex) -> mx.array
 
 
 def _check_shapes(key_cache: mx.array, value_cache: mx.array, keys: mx.array, values: mx.array) -> None:
-    if key_cache.shape != value_cache.shape or key_cache.ndim != 4:
-        raise InvalidAttentionMetadata(f"caches must share one 4-d shape, got {key_cache.shape} and {value_cache.shape}")
-    if keys.shape != values.shape or keys.ndim != 3 or keys.shape[1:] != key_cache.shape[2:]:
+    """The caches share all but their head dim (values may be of another width than keys); each
+    new row has its cache's heads and width."""
+    if key_cache.ndim != 4 or value_cache.ndim != 4 or key_cache.shape[:3] != value_cache.shape[:3]:
+        raise InvalidAttentionMetadata(f"caches must be 4-d and differ only in head dim, got {key_cache.shape} "
+                                       f"and {value_cache.shape}")
+    if keys.ndim != 3 or keys.shape[1:] != key_cache.shape[2:] or values.shape != (keys.shape[0], *value_cache.shape[2:]):
         raise InvalidAttentionMetadata(
-            f"keys/values must be [num_tokens, {key_cache.shape[2]}, {key_cache.shape[3]}], "
-            f"got {keys.shape} and {values.shape}"
+            f"keys must be [num_tokens, {key_cache.shape[2]}, {key_cache.shape[3]}] and values "
+            f"[num_tokens, {value_cache.shape[2]}, {value_cache.shape[3]}], got {keys.shape} and {values.shape}"
         )

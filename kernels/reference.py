@@ -1,7 +1,8 @@
 """Paged attention in plain MLX ops: gather the KV rows through the block table, then SDPA.
 
 It runs on every device MLX runs on, so it is the fallback and the yardstick for the
-compiled kernels. The gather is per token rather than per block: positions past a
+compiled kernels, and the one backend for values narrower or wider than keys (DeepSeek-V2):
+outputs take the values' head dim. The gather is per token rather than per block: positions past a
 sequence's length are pointed at that sequence's last real token, so padding never
 reads unused pool slots (which may hold anything, NaN included) and the boolean mask
 then gives those duplicates zero weight. A windowed layer gathers only the keys its
@@ -172,7 +173,7 @@ def paged_decode_reference(
     """
     num_seqs = queries.shape[0]
     if num_seqs == 0:
-        return mx.zeros(queries.shape, dtype=queries.dtype)
+        return mx.zeros((*queries.shape[:2], value_cache.shape[3]), dtype=queries.dtype)
     groups = length_groups(context_lens - window_starts(context_lens, layer.window))
     if len(groups) == 1:
         return _decode_group(queries, key_cache, value_cache, block_tables, context_lens, scale, layer)
@@ -307,7 +308,7 @@ def paged_varlen_reference(
     """Run a step's pieces for this layer's window (gather + SDPA each) and put their rows back in packed order."""
     layout = plan.layout(layer.window)
     if not layout.pieces:
-        return mx.zeros(queries.shape, dtype=queries.dtype)
+        return mx.zeros((*queries.shape[:2], value_cache.shape[3]), dtype=queries.dtype)
     outputs = [_run_piece(piece, queries, key_cache, value_cache, scale, layer) for piece in layout.pieces]
     out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
     return out if layout.inverse is None else mx.take(out, layout.inverse, axis=0)
@@ -334,7 +335,8 @@ def attention(q: mx.array, keys: mx.array, values: mx.array, scale: float, mask,
 
 
 def capped_attention(q, keys, values, scale: float, mask, softcap: float, sinks) -> mx.array:
-    """q [B, Hq, L, D] over keys [B, Hkv, T, D]: scores capped as c * tanh(s / c), softmax in float32."""
+    """q [B, Hq, L, D] over keys [B, Hkv, T, D] and values [B, Hkv, T, Dv]: scores capped as
+    c * tanh(s / c), softmax in float32; out [B, Hq, L, Dv]."""
     batch, num_heads, q_len, head_dim = q.shape
     num_kv_heads, keys_len = keys.shape[1], keys.shape[2]
     group = num_heads // num_kv_heads
@@ -351,7 +353,7 @@ def capped_attention(q, keys, values, scale: float, mask, softcap: float, sinks)
         scores = mx.concatenate([scores, column], axis=-1)
     weights = mx.softmax(scores, axis=-1)[..., :keys_len]
     out = weights @ values.astype(mx.float32)[:, :, None]
-    return out.reshape(batch, num_heads, q_len, head_dim).astype(q.dtype)
+    return out.reshape(batch, num_heads, q_len, values.shape[-1]).astype(q.dtype)
 
 
 def paged_decode_on_device(

@@ -7,7 +7,7 @@ and let `madvise` name exactly the pages one block lives in.
 File layout::
 
     [header region, HEADER_REGION bytes]  magic, version, msgpack {geometry, slot layout}, xxh3_64
-    [slot 0][slot 1]...                   each: metadata record, then K (all layers), then V
+    [slot 0][slot 1]...                   each: metadata record, then K (all layers), then V (all layers)
 
 A slot's metadata record carries the block's key, parent hash and token ids, a stamp for
 LRU order, and two checksums (record, KV bytes), so a restarted node rebuilds its index
@@ -40,7 +40,7 @@ import xxhash
 from kvcache.errors import ColdTierError
 from kvcache.geometry import KVGeometry
 from kvcache.private_files import open_locked, private_folder
-from kvcache.wire import KVBlockData, block_array_shape
+from kvcache.wire import KVBlockData, block_array_bytes, block_array_shape
 
 log = logging.getLogger(__name__)
 
@@ -107,19 +107,27 @@ class SlotLayout:
     """Where everything of one slot lives, derived from the geometry alone."""
 
     record_size: int
-    kv_half: int
+    key_bytes: int  # K of one block, all layers
+    value_bytes: int  # V of one block, all layers
     stride: int
     slot_count: int
 
     @classmethod
     def for_geometry(cls, geometry: KVGeometry, capacity_bytes: int) -> SlotLayout:
         record_size = _round_up(_RECORD.size + 4 * geometry.block_size, SLOT_ALIGN)
-        kv_half = geometry.num_layers * geometry.bytes_per_block_layer
-        stride = _round_up(record_size + 2 * kv_half, SLOT_ALIGN)
+        key_bytes, value_bytes = block_array_bytes(geometry, "keys"), block_array_bytes(geometry, "values")
+        stride = _round_up(record_size + key_bytes + value_bytes, SLOT_ALIGN)
         slot_count = capacity_bytes // stride
         if slot_count < 1:
             raise ValueError(f"cold tier capacity {capacity_bytes} bytes is below one slot of {stride} bytes")
-        return cls(record_size, kv_half, stride, slot_count)
+        return cls(record_size, key_bytes, value_bytes, stride, slot_count)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SlotLayout:
+        """As `to_dict` writes it: one `kv_half` where K and V are of one size."""
+        key_bytes = d["kv_half"] if "kv_half" in d else d["key_bytes"]
+        value_bytes = d["kv_half"] if "kv_half" in d else d["value_bytes"]
+        return cls(d["record_size"], key_bytes, value_bytes, d["stride"], d["slot_count"])
 
     @property
     def file_size(self) -> int:
@@ -129,8 +137,13 @@ class SlotLayout:
         return HEADER_REGION + slot * self.stride
 
     def to_dict(self) -> dict:
-        return {"record_size": self.record_size, "kv_half": self.kv_half, "stride": self.stride,
-                "slot_count": self.slot_count}
+        """The header's layout entry; K and V of one size keep the single `kv_half` of files
+        written before they could differ, so those files still match."""
+        if self.key_bytes == self.value_bytes:
+            sizes = {"kv_half": self.key_bytes}
+        else:
+            sizes = {"key_bytes": self.key_bytes, "value_bytes": self.value_bytes}
+        return {"record_size": self.record_size, **sizes, "stride": self.stride, "slot_count": self.slot_count}
 
 
 def cold_file_path(directory: str | os.PathLike, geometry: KVGeometry) -> Path:
@@ -282,7 +295,7 @@ class ColdTier:
             return None
         stored = self._stored_header()
         try:
-            old = SlotLayout(**stored["layout"])
+            old = SlotLayout.from_dict(stored["layout"])
         except (KeyError, TypeError):
             return None
         same_slots = dataclasses.replace(old, slot_count=self.layout.slot_count) == self.layout
@@ -409,8 +422,9 @@ class ColdTier:
     # ---- slots ------------------------------------------------------------------------
 
     def _check_block(self, key, keys_np, values_np, token_ids, parent_hash) -> None:
-        shape, dtype = block_array_shape(self.geometry), self.geometry.numpy_storage_dtype
+        dtype = self.geometry.numpy_storage_dtype
         for name, array in (("keys", keys_np), ("values", values_np)):
+            shape = block_array_shape(self.geometry, name)
             if array.shape != shape or array.dtype != dtype:
                 raise ValueError(f"{name} are {array.shape} {array.dtype}, expected {shape} {dtype}")
         if not 0 < len(token_ids) <= self.geometry.block_size:
@@ -445,9 +459,9 @@ class ColdTier:
         kv_sum = xxhash.xxh3_64()
         for array in (keys_np, values_np):
             raw = memoryview(np.ascontiguousarray(array)).cast("B")
-            self._mm[start : start + self.layout.kv_half] = raw
+            self._mm[start : start + len(raw)] = raw
             kv_sum.update(raw)
-            start += self.layout.kv_half
+            start += len(raw)
         self._write_record(slot, key, parent_hash, token_ids, kv_sum.intdigest())
 
     def _write_record(self, slot, key, parent_hash, token_ids, kv_sum: int) -> None:
@@ -475,7 +489,7 @@ class ColdTier:
         if record is None or record.key != key:
             return None
         start = self.layout.offset(slot) + self.layout.record_size
-        keys, values = self._copy_array(start), self._copy_array(start + self.layout.kv_half)
+        keys, values = self._copy_array(start, "keys"), self._copy_array(start + self.layout.key_bytes, "values")
         if _kv_sum(keys, values) != record.kv_sum:
             return None
         return KVBlockData(
@@ -486,11 +500,12 @@ class ColdTier:
             values=values,
         )
 
-    def _copy_array(self, start: int) -> np.ndarray:
+    def _copy_array(self, start: int, part: str) -> np.ndarray:
+        shape = block_array_shape(self.geometry, part)
         view = np.frombuffer(self._mm, dtype=self.geometry.numpy_storage_dtype,
-                             count=self.layout.kv_half // self.geometry.itemsize, offset=start)
+                             count=int(np.prod(shape)), offset=start)
         try:
-            return view.reshape(block_array_shape(self.geometry)).copy()
+            return view.reshape(shape).copy()
         finally:
             del view  # release the export so the mmap can close
 

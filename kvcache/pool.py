@@ -61,17 +61,18 @@ MX_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat
 
 
 class KVPool:
-    """Per-layer K and V arrays of shape `[num_blocks, block_size, num_kv_heads, head_dim]`."""
+    """Per-layer K arrays `[num_blocks, block_size, num_kv_heads, head_dim]` and V arrays of the
+    same shape but for their last dim, `value_head_dim`."""
 
     def __init__(self, geometry: KVGeometry, num_blocks: int):
         if num_blocks < 2:
             raise ValueError(f"a pool needs the null block and at least one more, got num_blocks={num_blocks}")
         self.geometry = geometry
         self.num_blocks = num_blocks
-        shape = (num_blocks, *geometry.block_shape)
+        key_shape, value_shape = (num_blocks, *geometry.key_block_shape), (num_blocks, *geometry.value_block_shape)
         dtype = MX_DTYPES[geometry.dtype]
-        self.keys: list[mx.array] = [mx.zeros(shape, dtype=dtype) for _ in range(geometry.num_layers)]
-        self.values: list[mx.array] = [mx.zeros(shape, dtype=dtype) for _ in range(geometry.num_layers)]
+        self.keys: list[mx.array] = [mx.zeros(key_shape, dtype=dtype) for _ in range(geometry.num_layers)]
+        self.values: list[mx.array] = [mx.zeros(value_shape, dtype=dtype) for _ in range(geometry.num_layers)]
         mx.eval(*self.keys, *self.values)
 
     @property
@@ -80,7 +81,7 @@ class KVPool:
         return self.num_blocks * self.geometry.bytes_per_block
 
     def read_blocks(self, block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        """K and V of `block_ids`, each `[num_layers, n, block_size, heads, head_dim]`, in storage dtype."""
+        """K and V of `block_ids`, each `[num_layers, n, block_size, heads, its head dim]`, in storage dtype."""
         index = self._index(block_ids)
         keys = mx.stack([layer[index] for layer in self.keys])
         values = mx.stack([layer[index] for layer in self.values])
@@ -89,8 +90,8 @@ class KVPool:
     def write_blocks(self, block_ids: Sequence[int], keys_np: np.ndarray, values_np: np.ndarray) -> None:
         """Store K and V (as `read_blocks` returns them) into `block_ids`, bit for bit."""
         index = self._index(self._checked_targets(block_ids))
-        self._check_payload("keys", keys_np, len(block_ids))
-        self._check_payload("values", values_np, len(block_ids))
+        self._check_payload("keys", keys_np, len(block_ids), self.geometry.key_block_shape)
+        self._check_payload("values", values_np, len(block_ids), self.geometry.value_block_shape)
         for layer in range(self.geometry.num_layers):
             self.keys[layer] = self._assign(self.keys[layer], index, self._to_mlx(keys_np[layer]))
             self.values[layer] = self._assign(self.values[layer], index, self._to_mlx(values_np[layer]))
@@ -112,7 +113,7 @@ class KVPool:
         return keys, values
 
     def write_block_arrays(self, block_ids: Sequence[int], keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
-        """Store each block's K and V (`[num_layers, block_size, heads, head_dim]`) into `block_ids`,
+        """Store each block's K and V (`[num_layers, block_size, heads, its head dim]`) into `block_ids`,
         copied once, straight into the pool's memory where `layer_views` allows."""
         ids = self._checked_targets(block_ids)
         self._index(ids)
@@ -120,9 +121,10 @@ class KVPool:
         if views is None:
             self.write_blocks(ids, np.stack(keys, axis=1), np.stack(values, axis=1))
             return
-        shape = (self.geometry.num_layers, *self.geometry.block_shape)
-        if any(k.shape != shape or v.shape != shape for k, v in zip(keys, values)):
-            raise ValueError(f"every block's K/V must have shape {shape}")
+        key_shape = (self.geometry.num_layers, *self.geometry.key_block_shape)
+        value_shape = (self.geometry.num_layers, *self.geometry.value_block_shape)
+        if any(k.shape != key_shape or v.shape != value_shape for k, v in zip(keys, values)):
+            raise ValueError(f"every block's K must have shape {key_shape} and its V {value_shape}")
         runs = _as_run(keys), _as_run(values)
         if runs[0] is not None and runs[1] is not None:  # equally spaced in one buffer: a copy per layer
             index = _as_slice(ids)
@@ -173,9 +175,9 @@ class KVPool:
             raise ValueError(f"a write names the same block twice: {ids}")
         return ids
 
-    def _check_payload(self, name: str, array: np.ndarray, n: int) -> None:
+    def _check_payload(self, name: str, array: np.ndarray, n: int, block_shape: tuple[int, ...]) -> None:
         g = self.geometry
-        expected = (g.num_layers, n, *g.block_shape)
+        expected = (g.num_layers, n, *block_shape)
         if array.shape != expected:
             raise ValueError(f"{name} has shape {array.shape}, expected {expected}")
         if array.dtype != g.numpy_storage_dtype:

@@ -37,7 +37,8 @@ CHECKSUM_SIZE = 16
 
 @dataclass
 class KVBlockData:
-    """One block's KV for every layer; `keys`/`values` are `[num_layers, block_size, heads, head_dim]`."""
+    """One block's KV for every layer; `keys`/`values` are `[num_layers, block_size, heads, head_dim]`
+    (values of the geometry's `value_head_dim`)."""
 
     block_hash: bytes
     parent_hash: bytes | None
@@ -64,9 +65,16 @@ class KVPayload:
     state: StateSnapshotData | None = None
 
 
-def block_array_shape(geometry: KVGeometry) -> tuple[int, ...]:
-    """Shape of one block's K (or V) across all layers."""
-    return (geometry.num_layers, *geometry.block_shape)
+def block_array_shape(geometry: KVGeometry, part: str = "keys") -> tuple[int, ...]:
+    """Shape of one block's K (`part` "keys") or V ("values") across all layers."""
+    block_shape = geometry.value_block_shape if part == "values" else geometry.key_block_shape
+    return (geometry.num_layers, *block_shape)
+
+
+def block_array_bytes(geometry: KVGeometry, part: str = "keys") -> int:
+    """Bytes of one block's K (`part` "keys") or V ("values") across all layers."""
+    layer_bytes = geometry.value_bytes_per_block_layer if part == "values" else geometry.key_bytes_per_block_layer
+    return geometry.num_layers * layer_bytes
 
 
 def wire_dtype(geometry: KVGeometry) -> np.dtype:
@@ -165,8 +173,8 @@ def _encode_block(geometry: KVGeometry, block: KVBlockData) -> dict:
 
 
 def _array_bytes(geometry: KVGeometry, name: str, array: np.ndarray) -> memoryview:
-    if array.shape != block_array_shape(geometry):
-        raise ValueError(f"block {name} have shape {array.shape}, expected {block_array_shape(geometry)}")
+    if array.shape != block_array_shape(geometry, name):
+        raise ValueError(f"block {name} have shape {array.shape}, expected {block_array_shape(geometry, name)}")
     if array.dtype != geometry.numpy_storage_dtype:
         raise ValueError(f"block {name} have dtype {array.dtype}, expected {geometry.numpy_storage_dtype}")
     contiguous = np.ascontiguousarray(array, dtype=wire_dtype(geometry))
@@ -246,16 +254,17 @@ def _decode_block(geometry: KVGeometry, raw: object, index: int) -> KVBlockData:
         block_hash=block_hash,
         parent_hash=parent,
         token_ids=tuple(tokens),
-        keys=_array_view(geometry, raw.get("k"), index, "K"),
-        values=_array_view(geometry, raw.get("v"), index, "V"),
+        keys=_array_view(geometry, raw.get("k"), index, "keys"),
+        values=_array_view(geometry, raw.get("v"), index, "values"),
     )
 
 
-def _array_view(geometry: KVGeometry, data: object, index: int, name: str) -> np.ndarray:
-    expected = geometry.num_layers * geometry.bytes_per_block_layer
+def _array_view(geometry: KVGeometry, data: object, index: int, part: str) -> np.ndarray:
+    expected = block_array_bytes(geometry, part)
     if not isinstance(data, bytes) or len(data) != expected:
+        name = "K" if part == "keys" else "V"
         raise CorruptKVPayload(f"block {index} {name} bytes: expected {expected}, got {_length(data)}")
-    view = np.frombuffer(data, dtype=wire_dtype(geometry)).reshape(block_array_shape(geometry))
+    view = np.frombuffer(data, dtype=wire_dtype(geometry)).reshape(block_array_shape(geometry, part))
     return view.view(geometry.numpy_storage_dtype)
 
 

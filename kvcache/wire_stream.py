@@ -39,6 +39,7 @@ from kvcache.wire import (
     StateSnapshotData,
     _check_geometry,
     _check_version,
+    block_array_bytes,
     block_array_shape,
     check_state_geometry,
     check_state_presence,
@@ -53,7 +54,8 @@ Piece = bytes | memoryview
 
 @dataclass
 class BlockPieces:
-    """One block to send; `keys[l]` / `values[l]` are layer l's bytes (`bytes_per_block_layer` each)."""
+    """One block to send; `keys[l]` / `values[l]` are layer l's bytes (`key_bytes_per_block_layer` /
+    `value_bytes_per_block_layer` each)."""
 
     block_hash: bytes
     parent_hash: bytes | None
@@ -66,8 +68,8 @@ def encode_pieces(geometry: KVGeometry, blocks: Sequence[BlockPieces],
                   state: StateSnapshotData | None = None) -> list[Piece]:
     """The payload `encode_blocks` would make, as pieces whose KV (and state) parts are the given buffers."""
     pack = msgpack.Packer(use_bin_type=True).pack
-    layer_bytes = geometry.bytes_per_block_layer
-    kv_header = _bin_header(geometry.num_layers * layer_bytes)
+    key_bytes, value_bytes = geometry.key_bytes_per_block_layer, geometry.value_bytes_per_block_layer
+    k_header, v_header = _bin_header(geometry.num_layers * key_bytes), _bin_header(geometry.num_layers * value_bytes)
     version = FORMAT_VERSION if state is None else STATE_FORMAT_VERSION
     head = bytearray(_map_header(5 if state is None else 6))
     head += pack("format") + pack(FORMAT_TAG) + pack("version") + pack(version)
@@ -78,11 +80,11 @@ def encode_pieces(geometry: KVGeometry, blocks: Sequence[BlockPieces],
             raise ValueError(f"a block holds 1..{geometry.block_size} tokens, got {len(block.token_ids)}")
         parent = b"\xc0" if block.parent_hash is None else _bin_header(len(block.parent_hash)) + bytes(block.parent_hash)
         head += b"\x85\xa4hash" + _bin_header(len(block.block_hash)) + bytes(block.block_hash) + b"\xa6parent" + parent
-        head += b"\xa6tokens" + _tokens(block.token_ids, pack) + b"\xa1k" + kv_header
+        head += b"\xa6tokens" + _tokens(block.token_ids, pack) + b"\xa1k" + k_header
         pieces.append(bytes(head))
-        pieces.extend(_checked_layers(block.keys, geometry, layer_bytes))
-        pieces.append(b"\xa1v" + kv_header)
-        pieces.extend(_checked_layers(block.values, geometry, layer_bytes))
+        pieces.extend(_checked_layers(block.keys, geometry, key_bytes))
+        pieces.append(b"\xa1v" + v_header)
+        pieces.extend(_checked_layers(block.values, geometry, value_bytes))
         head = bytearray()
     if state is not None:
         head = _state_pieces(state_map(state, blocks), head, pieces, pack)
@@ -229,21 +231,24 @@ class _BlockLayout:
     """What every block of one payload shares, worked out once per payload rather than per block."""
 
     block_size: int
-    nbytes: int  # K (or V) bytes of one block, all layers
+    key_bytes: int  # K bytes of one block, all layers
+    value_bytes: int  # V bytes of one block, all layers
     k_header: bytes
     v_header: bytes
     wire: np.dtype
     storage: np.dtype
-    shape: tuple[int, ...]
+    key_shape: tuple[int, ...]
+    value_shape: tuple[int, ...]
 
     @classmethod
     def of(cls, geometry: KVGeometry) -> _BlockLayout:
-        nbytes = geometry.num_layers * geometry.bytes_per_block_layer
-        return cls(geometry.block_size, nbytes, b"\xa1k" + _bin_header(nbytes), b"\xa1v" + _bin_header(nbytes),
-                   wire_dtype(geometry), geometry.numpy_storage_dtype, block_array_shape(geometry))
+        key_bytes, value_bytes = block_array_bytes(geometry, "keys"), block_array_bytes(geometry, "values")
+        return cls(geometry.block_size, key_bytes, value_bytes, b"\xa1k" + _bin_header(key_bytes),
+                   b"\xa1v" + _bin_header(value_bytes), wire_dtype(geometry), geometry.numpy_storage_dtype,
+                   block_array_shape(geometry, "keys"), block_array_shape(geometry, "values"))
 
-    def view(self, data: memoryview) -> np.ndarray:
-        view = np.frombuffer(data, dtype=self.wire).reshape(self.shape)
+    def view(self, data: memoryview, shape: tuple[int, ...]) -> np.ndarray:
+        view = np.frombuffer(data, dtype=self.wire).reshape(shape)
         return view if view.dtype == self.storage else view.view(self.storage)
 
 
@@ -260,9 +265,9 @@ def _read_block(reader: _Reader, layout: _BlockLayout, index: int) -> KVBlockDat
     if not all(type(t) is int and t >= 0 for t in tokens):
         raise CorruptKVPayload(f"block {index} token ids are not all non-negative integers")
     reader.expect(layout.k_header, index)
-    keys = layout.view(reader.take(layout.nbytes))
+    keys = layout.view(reader.take(layout.key_bytes), layout.key_shape)
     reader.expect(layout.v_header, index)
-    values = layout.view(reader.take(layout.nbytes))
+    values = layout.view(reader.take(layout.value_bytes), layout.value_shape)
     return KVBlockData(bytes(block_hash), None if parent is None else bytes(parent), tuple(tokens), keys, values)
 
 

@@ -10,9 +10,12 @@ correctly when everything that depends on context goes through those seams:
   apply to that layer: `layer_windows`), and no recurrent state but a Gated DeltaNet's, which
   the state pool holds (node.state_layers);
 - positions reach the layers only through a rope that accepts one position per token;
-- every layer stores its K/V through its cache and attends with that one call (its
-  attention sinks or score soft cap, if any, passed along; Gemma 2 once patched,
-  node.layer_patches), with one KV geometry shared by all layers;
+- every layer stores its K/V through its cache and attends over exactly what it stored with
+  that one call and no mask of its own (its attention sinks or score soft cap, if any, passed
+  along; Gemma 2 once patched, node.layer_patches), with one KV layout shared by all layers:
+  KV heads, key and value head dims as the layers store them (`KVLayout`; DeepSeek-V2's values
+  are narrower than its keys). A latent cache (DeepSeek-V3's multi-head latent attention stores
+  a compressed KV and attends over keys and values expanded from it) is refused;
 - the model's `__call__` is the text stack (`model.model`, EXAONE's `model.transformer`:
   node.layers) followed by a head that reads
   nothing but the stack's output and gives one row of logits per hidden row (the runner
@@ -21,7 +24,7 @@ correctly when everything that depends on context goes through those seams:
 `architecture_reason` looks at a model's structure (weights not needed, so a hub model is
 refused before its weights are fetched); `paging_reason` traces one lazy forward pass
 with probe caches that record what each layer stores and attends over, and checks each
-rope against per-token calls.
+rope against per-token calls; `stored_kv_layout` reads the pool's layout from the same trace.
 """
 
 from __future__ import annotations
@@ -133,13 +136,25 @@ def _logits_reason(model) -> str | None:
 # ---------------------------------------------------------------- behaviour
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """What an attention layer stores per token through its cache: its KV heads, and the head
+    dims of its keys and of its values (which differ in DeepSeek-V2)."""
+
+    num_kv_heads: int
+    key_head_dim: int
+    value_head_dim: int
+
+
 @dataclass
 class ProbeCache:
     """A layer's stand-in KV cache: it records what the layer stores and how it attends."""
 
     offset: PackedPositions
     stored: tuple | None = None
+    fetched: tuple = ()  # the K/V arrays it handed back, which the attention call must read
     attended: dict | None = None  # the keyword arguments of its attention call
+    attended_stored: bool = False  # whether that call read the fetched K/V themselves, with no mask of its own
     mask_windows: list = field(default_factory=list)  # window_size of each mask the model asked this cache for
 
     def make_mask(self, *args, window_size=None, **kwargs) -> None:
@@ -148,7 +163,14 @@ class ProbeCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.stored = (tuple(keys.shape), tuple(values.shape))
+        self.fetched = (keys, values)
         return keys, values
+
+    @property
+    def layout(self) -> KVLayout:
+        """What it stored, as the pool would hold it (`_layer_reason` checks K and V have one head count)."""
+        (_, kv_heads, _, key_dim), (_, _, _, value_dim) = self.stored
+        return KVLayout(kv_heads, key_dim, value_dim)
 
 
 def attention_modules(model) -> list:
@@ -175,6 +197,8 @@ def _recording_one(module):
         if not isinstance(cache, ProbeCache):
             return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **kwargs)
         cache.attended = kwargs
+        cache.attended_stored = mask is None and len(cache.fetched) == 2 and \
+            keys is cache.fetched[0] and values is cache.fetched[1]
         return mx.zeros((*queries.shape[:-1], values.shape[-1]), dtype=queries.dtype)
 
     module.scaled_dot_product_attention = record
@@ -207,40 +231,68 @@ def trace_layers(model) -> list[ProbeCache]:
     return caches
 
 
-def paging_reason(model, num_kv_heads: int, head_dim: int) -> str | None:
-    """Why the model would not page correctly with this KV geometry, or None.
+def paging_reason(model) -> str | None:
+    """Why the model would not page correctly, or None.
 
-    Wraps each rope as the runner does, checks the ropes, then traces the layers.
+    Wraps each rope as the runner does, checks the ropes, then traces the layers: what each
+    stores and attends over, one KV layout for all of them.
     """
     install_positional_rope(model)
-    if (reason := _rope_reason(model, head_dim)) is not None:
+    if (reason := _rope_reason(model)) is not None:
         return reason
     try:
         caches = trace_layers(model)
     except Exception as error:  # whatever breaks under per-token positions and probe caches
         return f"its layers do not run over paged caches ({type(error).__name__}: {error})"
-    return _layers_reason(caches, num_kv_heads, head_dim) or _mask_reason(caches, layer_windows(model))
+    return _layers_reason(caches) or _mask_reason(caches, layer_windows(model))
+
+
+def stored_kv_layout(model) -> KVLayout:
+    """The KV layout the model's attention layers store (the pool's), read from a traced forward
+    pass rather than from attributes, which families name differently (DeepSeek-V2 names no KV-head
+    count and stores its one rope key repeated over every head). `paging_reason` has checked that
+    every layer stores this one layout; raises ValueError where no layer stores K/V."""
+    stored = [cache for cache in trace_layers(model) if isinstance(cache, ProbeCache) and cache.stored is not None]
+    if not stored:
+        raise ValueError("no layer stores K/V through its cache")
+    return stored[0].layout
 
 
 #: keyword arguments of the attention call the paged kernels apply
 _ATTENTION_KWARGS = frozenset({"sinks", "softcap"})
 
 
-def _layers_reason(caches: list[ProbeCache], num_kv_heads: int, head_dim: int) -> str | None:
-    expected = (num_kv_heads, head_dim)
+def _layers_reason(caches: list[ProbeCache]) -> str | None:
+    """Every KV layer stores K/V, attends over them with the kernels' rules, all in one layout."""
+    layouts = {}
     for index, cache in enumerate(caches):
         if not isinstance(cache, ProbeCache):
             continue  # a recurrent-state layer: its state goes to the state pool whatever its shape
-        if cache.stored is None:
-            return f"layer {index} stores no K/V through its cache"
-        if cache.attended is None:
-            return f"layer {index} computes attention itself, not through scaled_dot_product_attention"
-        if unknown := sorted(set(cache.attended) - _ATTENTION_KWARGS):
-            return f"layer {index} passes {', '.join(unknown)} to its attention call, which the paged kernels do not apply"
-        (_, kv_heads, _, key_dim), (_, _, _, value_dim) = cache.stored
-        if (kv_heads, key_dim, value_dim) != (*expected, head_dim):
-            return (f"layer {index} stores {kv_heads} KV heads of key dim {key_dim} and value dim {value_dim}; "
-                    f"the pool holds {num_kv_heads} heads of dim {head_dim} for every layer")
+        if (reason := _layer_reason(index, cache)) is not None:
+            return reason
+        layouts[index] = cache.layout
+    first, layout = next(iter(layouts.items()), (None, None))
+    for index, other in layouts.items():
+        if other != layout:
+            return (f"layer {index} stores {other.num_kv_heads} KV heads of key dim {other.key_head_dim} and value dim "
+                    f"{other.value_head_dim}, layer {first} {layout.num_kv_heads} of {layout.key_head_dim} and "
+                    f"{layout.value_head_dim}; the pool holds one layout for every layer")
+    return None
+
+
+def _layer_reason(index: int, cache: ProbeCache) -> str | None:
+    if cache.stored is None:
+        return f"layer {index} stores no K/V through its cache"
+    if cache.attended is None:
+        return f"layer {index} computes attention itself, not through scaled_dot_product_attention"
+    if unknown := sorted(set(cache.attended) - _ATTENTION_KWARGS):
+        return f"layer {index} passes {', '.join(unknown)} to its attention call, which the paged kernels do not apply"
+    if not cache.attended_stored:
+        return (f"layer {index} attends over other keys or values than it stores, or with a mask of its own "
+                f"(a latent cache, as in multi-head latent attention, cannot be paged as K/V)")
+    (_, key_heads, _, _), (_, value_heads, _, _) = cache.stored
+    if key_heads != value_heads:
+        return f"layer {index} stores {key_heads} key heads and {value_heads} value heads"
     return None
 
 
@@ -253,11 +305,11 @@ def _mask_reason(caches: list[ProbeCache], windows: list[int | None]) -> str | N
     return None
 
 
-def _rope_reason(model, head_dim: int) -> str | None:
+def _rope_reason(model) -> str | None:
     """Each layer's rope must rotate a batch of one-token rows, each at its own position, exactly as it rotates each token alone."""
-    x = mx.random.normal((len(_ROPE_POSITIONS), 2, 1, head_dim), key=mx.random.key(0))
     for index, layer in attention_layers(model):
         rope: PositionalRoPE = attention_of(layer).rope
+        x = mx.random.normal((len(_ROPE_POSITIONS), 2, 1, _rope_width(rope.inner, model)), key=mx.random.key(0))
         try:
             packed = rope(x, offset=PackedPositions(mx.array(_ROPE_POSITIONS, dtype=mx.int32)))
             alone = mx.concatenate([rope.inner(x[t : t + 1], offset=p) for t, p in enumerate(_ROPE_POSITIONS)], axis=0)
@@ -267,3 +319,14 @@ def _rope_reason(model, head_dim: int) -> str | None:
         if not close:
             return f"layer {index}'s {type(rope.inner).__name__} rotates per-token positions differently"
     return None
+
+
+def _rope_width(rope, model) -> int:
+    """The width to probe a rope at: the head dim the model's args state, as its layers hand their
+    ropes whole heads; but a rope that names no `dims` and rotates whatever it is handed by the
+    frequencies it keeps (DeepSeek-V2's yarn, applied to the rope part of each head) at theirs."""
+    freqs = getattr(rope, "_freqs", None)
+    if isinstance(freqs, mx.array) and getattr(rope, "dims", None) is None and getattr(rope, "dim", None) is None:
+        return 2 * freqs.size
+    args = model.args
+    return int(getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)

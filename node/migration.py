@@ -90,14 +90,14 @@ def probe_payload(geometry: KVGeometry, nbytes: int) -> bytes:
     migration would see; importing it could never produce a prefix hit.
     """
     count = max(1, nbytes // geometry.bytes_per_block)
-    shape = (geometry.num_layers, *geometry.block_shape)
-    zeros = np.zeros(shape, dtype=geometry.numpy_storage_dtype)
+    zero_keys = np.zeros((geometry.num_layers, *geometry.key_block_shape), dtype=geometry.numpy_storage_dtype)
+    zero_values = np.zeros((geometry.num_layers, *geometry.value_block_shape), dtype=geometry.numpy_storage_dtype)
     parent = root_hash("orchard-link-probe")
     blocks = []
     for i in range(count):
         tokens = tuple([i] * geometry.block_size)
         block_hash = hash_block(parent, tokens)
-        blocks.append(KVBlockData(block_hash, parent, tokens, zeros, zeros))
+        blocks.append(KVBlockData(block_hash, parent, tokens, zero_keys, zero_values))
         parent = block_hash
     return encode_blocks(geometry, blocks)
 

@@ -221,7 +221,7 @@ class PagedLayerCache:
         return None  # causality per sequence is the attention kernel's job
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Scatter the step's K/V `[T, H_kv, 1, D]` into the pool; attention reads the pool."""
+        """Scatter the step's K `[T, H_kv, 1, D]` and V `[T, H_kv, 1, Dv]` into the pool; attention reads the pool."""
         pool, layer = self.context.pool, self.layer
         pool.keys[layer], pool.values[layer] = kernels.write_kv(
             pool.keys[layer], pool.values[layer], _packed(keys), _packed(values), self.context.slots,
@@ -230,7 +230,7 @@ class PagedLayerCache:
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None,
                softcap: float | None = None) -> mx.array:
-        """Queries `[T, H_q, 1, D]` over each sequence's paged context (this layer's window of it), same layout back."""
+        """Queries `[T, H_q, 1, D]` over each sequence's paged context (this layer's window of it), `[T, H_q, 1, Dv]` back."""
         ctx, layer = self.context, self.layer
         packed = _packed(queries)
         keys, values = ctx.pool.keys[layer], ctx.pool.values[layer]
@@ -305,7 +305,9 @@ class ModelRunner:
         self.loaded = loaded
         self.pool = pool
         self.states = states  # kvcache.StatePool of a hybrid model's recurrent-state layers
-        self.attention_backend = kernels.default_backend() if attention_backend is None else attention_backend
+        # once per model: values of another head dim than keys run on the reference kernels
+        self.attention_backend = kernels.backend_for_head_dims(attention_backend, pool.keys[0].shape[-1],
+                                                               pool.values[0].shape[-1])
         install_positional_rope(loaded.model)
         install_paged_attention(loaded.model)
         install_paged_state_layers(loaded.model)

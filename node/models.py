@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from kvcache.geometry import DTYPE_SIZES, KVGeometry
-from node.layers import attention_layers, attention_of, final_norm, text_config, text_model, text_stack
+from node.layers import attention_layers, final_norm, text_config, text_model, text_stack
 
 DEMO_MODEL_NAME = "orchard-demo"
 #: Used when a config states no maximum position.
@@ -59,18 +60,25 @@ class LoadedModel:
         """Layers that keep KV in the pool: a hybrid model's state layers keep theirs in the state pool."""
         return len(attention_layers(self.model))
 
+    @cached_property
+    def kv_layout(self):
+        """KV heads and key and value head dims, as the layers store them (`node.capability.KVLayout`)."""
+        from node.capability import stored_kv_layout
+
+        return stored_kv_layout(self.model)
+
     @property
     def num_kv_heads(self) -> int:
-        attention = attention_of(attention_layers(self.model)[0][1])
-        count = getattr(attention, "n_kv_heads", None) or getattr(attention, "num_key_value_heads", None)
-        if count is None:
-            raise AttributeError(f"{type(attention).__qualname__} has neither n_kv_heads nor num_key_value_heads")
-        return int(count)
+        return self.kv_layout.num_kv_heads
 
     @property
     def head_dim(self) -> int:
-        args = self.model.args
-        return int(getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
+        """The keys' head dim."""
+        return self.kv_layout.key_head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.kv_layout.value_head_dim
 
     @property
     def dtype(self) -> str:
@@ -90,6 +98,7 @@ class LoadedModel:
             head_dim=self.head_dim,
             block_size=block_size,
             dtype=dtype or self.dtype,
+            value_head_dim=self.value_head_dim,
         )
 
 
@@ -154,17 +163,20 @@ def check_supported(config: dict) -> None:
 
 
 def loaded_reason(loaded: LoadedModel) -> str | None:
-    """Why a loaded model cannot run over the pool: its KV layout and dtype, then its ropes and layers."""
+    """Why a loaded model cannot run over the pool: its dtype, then its ropes and layers (which
+    also decide its KV layout: `LoadedModel.kv_layout`)."""
     from node.capability import paging_reason
 
     try:
-        geometry = (loaded.num_kv_heads, loaded.head_dim, loaded.dtype)
-    except AttributeError as error:  # attention or norms named unlike the families the pool is laid out for
-        return f"its KV layout cannot be read ({error})"
-    num_kv_heads, head_dim, dtype = geometry
+        dtype = loaded.dtype
+    except AttributeError as error:  # norms named unlike the families the pool is laid out for
+        return f"its KV dtype cannot be read ({error})"
     if dtype not in DTYPE_SIZES:
         return f"activation dtype {dtype} has no KV pool layout"
-    return paging_reason(loaded.model, num_kv_heads, head_dim)
+    try:
+        return paging_reason(loaded.model)
+    except AttributeError as error:  # attention named unlike the families the pool is laid out for
+        return f"its KV layout cannot be read ({error})"
 
 
 # ---------------------------------------------------------------- loading

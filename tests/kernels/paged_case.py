@@ -23,7 +23,7 @@ class PagedCase:
     key_cache: mx.array
     value_cache: mx.array
     keys64: np.ndarray  # [num_blocks, block_size, num_kv_heads, head_dim], NaN where unowned
-    values64: np.ndarray
+    values64: np.ndarray  # as keys64, of the values' head dim
     block_tables: np.ndarray  # int32 [num_seqs, max_blocks], padded with block 0
     context_lens: np.ndarray  # int32 [num_seqs]
 
@@ -49,8 +49,10 @@ def make_paged_case(
     dtype: str,
     spare_blocks: int = 3,
     spare_columns: int = 2,
+    value_head_dim: int | None = None,
 ) -> PagedCase:
-    """Blocks handed out in shuffled order from 1..num_blocks-1, so tables are non-contiguous."""
+    """Blocks handed out in shuffled order from 1..num_blocks-1, so tables are non-contiguous;
+    values `value_head_dim` wide (DeepSeek-V2's are narrower than its keys), else as keys."""
     lengths = np.asarray(context_lens, dtype=np.int32)
     blocks_per_seq = -(-lengths // block_size)
     num_blocks = 1 + int(blocks_per_seq.sum()) + spare_blocks
@@ -64,9 +66,10 @@ def make_paged_case(
         for position in range(length):
             owned[tables[seq, position // block_size], position % block_size] = True
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    value_shape = (*shape[:3], value_head_dim or head_dim)
     poison = mx.array(np.where(owned, 0.0, np.nan).astype(np.float32))[:, :, None, None]
     key_cache = random_stored(rng, shape, dtype) + poison.astype(DTYPES[dtype])
-    value_cache = random_stored(rng, shape, dtype) + poison.astype(DTYPES[dtype])
+    value_cache = random_stored(rng, value_shape, dtype) + poison.astype(DTYPES[dtype])
     mx.eval(key_cache, value_cache)
     return PagedCase(key_cache, value_cache, to_float64(key_cache), to_float64(value_cache), tables, lengths)
 
@@ -101,12 +104,13 @@ PLAIN = Rules()
 
 def oracle_attention(queries64: np.ndarray, keys: np.ndarray, values: np.ndarray, positions, scale: float,
                      rules: Rules = PLAIN) -> np.ndarray:
-    """queries [n, Hq, D] at absolute `positions` see keys 0..position (the window's last ones); float64 softmax."""
+    """queries [n, Hq, D] at absolute `positions` see keys 0..position (the window's last ones); float64
+    softmax; out [n, Hq, Dv] of the values' width."""
     num_heads, num_kv_heads = queries64.shape[1], keys.shape[1]
     kv_head = np.arange(num_heads) // (num_heads // num_kv_heads)
     k = keys[:, kv_head, :]  # [T, Hq, D]
     v = values[:, kv_head, :]
-    out = np.empty_like(queries64)
+    out = np.empty((*queries64.shape[:2], values.shape[-1]))
     for row, position in enumerate(positions):
         first = 0 if rules.window is None else max(position + 1 - rules.window, 0)
         scores = np.einsum("hd,thd->ht", queries64[row], k[first: position + 1]) * scale
@@ -132,7 +136,7 @@ def oracle_decode(case: PagedCase, queries: mx.array, scale: float, rules: Rules
 def oracle_prefill(case: PagedCase, queries: mx.array, query_start_loc: np.ndarray, scale: float,
                    rules: Rules = PLAIN) -> np.ndarray:
     q64 = to_float64(queries)
-    out = np.empty_like(q64)
+    out = np.empty((*q64.shape[:2], case.values64.shape[-1]))
     for seq in range(len(case.context_lens)):
         start, stop = int(query_start_loc[seq]), int(query_start_loc[seq + 1])
         if start == stop:

@@ -20,6 +20,7 @@ from node.scheduler import ScheduledChunk
 from node.types import SamplingParams
 from tests.node.test_async_scheduling import MIXED_PARAMS, _run_all
 from tests.node.test_engine import _assert_no_leak, _prompts
+from tests.node.tiny_models import write_tiny_model
 
 
 def _engine(model_dirs, compiled: bool, **kw) -> LLMEngine:
@@ -55,6 +56,18 @@ def test_compiled_decode_gives_the_eager_engines_tokens_and_logprobs(model_dirs,
     assert compiled == eager
     if num_blocks == 20:
         assert eager_preempted > 0 and compiled_preempted > 0
+
+
+def test_compiled_decode_over_values_narrower_than_keys_gives_the_eager_engines_tokens(demo_model_dir, tmp_path):
+    """DeepSeek-V2 attends on the reference wherever it runs; a compiled graph holds its decode too."""
+    folder = write_tiny_model(tmp_path / "deepseek_v2", "deepseek_v2", demo_model_dir)
+    results = []
+    for compiled in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(folder), num_blocks=64, block_size=4, compiled_decode=compiled))
+        results.append(_run_all(engine, _prompts(engine.model.vocab_size, [9, 5, 13, 7, 11, 6]), MIXED_PARAMS))
+        if compiled:
+            assert engine.runner.compiled_decode.traces > 0
+    assert results[0] == results[1]
 
 
 def _decode_step(engine: LLMEngine, rows: int, prompt: int = 6):

@@ -23,12 +23,15 @@ FAMILIES = ["llama3", "qwen2", "qwen3_moe", "qwen2_moe", "gemma", "phi3", "olmo2
             # sliding windows per layer (gpt-oss with attention sinks too), windows shorter than the prompts
             "gemma3_text", "gemma3", "gpt_oss", "llama_swa", "olmo3",
             # Ministral 3 (windows too) scales queries by position; Gemma 2 soft-caps scores and logits
-            "ministral3", "mistral3_ministral3", "gemma2"]
+            "ministral3", "mistral3_ministral3", "gemma2",
+            # keys and values of different head dims
+            "deepseek_v2", "deepseek_v2_q_lora"]
 #: Quantized checkpoints as mlx-community publishes them, (family, bits, group size): qwen3 ties its
 #: head to a quantized embedding, mistral quantizes a separate lm_head, qwen3_moe its experts too.
 QUANTIZED = {"qwen3-4bit-g64": ("qwen3", 4, 64), "mistral-8bit-g32": ("mistral", 8, 32),
              "qwen3_moe-4bit-g32": ("qwen3_moe", 4, 32), "gemma3_text-4bit-g32": ("gemma3_text", 4, 32),
-             "gpt_oss-8bit-g32": ("gpt_oss", 8, 32), "gemma2-4bit-g32": ("gemma2", 4, 32)}
+             "gpt_oss-8bit-g32": ("gpt_oss", 8, 32), "gemma2-4bit-g32": ("gemma2", 4, 32),
+             "deepseek_v2-4bit-g32": ("deepseek_v2", 4, 32)}
 MAX_TOKENS = 8
 TOP = 5
 LOGPROB_ATOL = 1e-5

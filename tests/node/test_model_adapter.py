@@ -212,3 +212,15 @@ def test_half_precision_models_get_a_pool_of_their_dtype_and_matching_logits(dty
     assert paged.dtype == getattr(mx, dtype)
     np.testing.assert_allclose(np.array(paged.astype(mx.float32)), np.array(reference.astype(mx.float32)), atol=2e-2)
     assert int(mx.argmax(paged)) == int(mx.argmax(reference))
+
+
+def test_a_model_whose_values_are_narrower_than_its_keys_attends_on_the_reference(demo_path, tmp_path, monkeypatch):
+    """Chosen once for the model, wherever a compiled backend would be the default."""
+    import kernels.dispatch
+
+    monkeypatch.setattr(kernels.dispatch, "available_backends", lambda: ["cuda", "reference"])
+    split = load_model(str(write_tiny_model(tmp_path / "deepseek_v2", "deepseek_v2", demo_path)))
+    runner = ModelRunner(split, make_pool(split))
+    assert (runner.attention_backend, runner.compiled_decode) == ("reference", None)
+    one_width = load_model(str(write_tiny_model(tmp_path / "qwen3", "qwen3", demo_path))).geometry(BLOCK_SIZE)
+    assert kernels.backend_for_head_dims(None, one_width.head_dim, one_width.value_dim) == "cuda"

@@ -116,6 +116,7 @@ def test_unsupported_models_fail_at_load_naming_type_and_reason(config, named, t
 
 @pytest.mark.parametrize("name,named", [
     ("llama_dynamic_ntk", "DynamicNTKScalingRoPE"),  # takes its base from one offset for the whole row
+    ("deepseek_v3", "latent cache"),  # attends over keys and values other than those it stores
 ])
 def test_models_whose_layers_cannot_page_are_refused_after_loading(name, named, demo_path, tmp_path):
     folder = write_tiny_model(tmp_path / name, name, demo_path)
@@ -283,3 +284,10 @@ def test_arrays_a_model_computes_at_construction_are_evaluated_for_other_threads
     worker.start()
     worker.join()
     assert seen == {"values": ([0.0, 2.0, 4.0, 6.0], [1, 2, 3])}
+
+
+def test_deepseek_v2_loads_with_keys_and_values_of_their_own_head_dims(demo_path, tmp_path):
+    # 16 nope + 8 rope dims of keys, repeated over all 4 heads; values of 12
+    loaded = load_model(str(write_tiny_model(tmp_path / "deepseek_v2", "deepseek_v2", demo_path)))
+    geometry = loaded.geometry(4)
+    assert (geometry.num_layers, geometry.num_kv_heads, geometry.head_dim, geometry.value_dim) == (3, 4, 24, 12)

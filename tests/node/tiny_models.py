@@ -14,9 +14,19 @@ from node.bench_shapes import write_random_checkpoint
 
 #: parameters mlx-lm's classes build as zeros and checkpoints train: gpt-oss's attention sinks
 TRAINED_FROM_ZERO = ("self_attn.sinks",)
+#: the same for one model_type only (the suffix names a built-random parameter in others): DeepSeek-V2's
+#: expert router, whose zeros would tie every expert's score
+TRAINED_FROM_ZERO_BY_TYPE = {"deepseek_v2": ("mlp.gate.weight",)}
 
 _COMMON = dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
                max_position_embeddings=2048, torch_dtype="float32")
+
+_DEEPSEEK_V2 = dict(_COMMON, model_type="deepseek_v2", num_key_value_heads=4, max_position_embeddings=163840,
+                    kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4,
+                    n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32, routed_scaling_factor=1.0,
+                    topk_method="greedy", rms_norm_eps=1e-6, rope_theta=10_000.0, tie_word_embeddings=False,
+                    rope_scaling=dict(type="yarn", factor=40, original_max_position_embeddings=4096, beta_fast=32,
+                                      beta_slow=1, mscale=0.707, mscale_all_dim=0.707))
 
 TINY_CONFIGS = {
     "qwen3": dict(_COMMON, model_type="qwen3", num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
@@ -122,6 +132,13 @@ TINY_CONFIGS = {
     "minimax": dict(_COMMON, model_type="minimax", num_key_value_heads=2, head_dim=16, num_experts_per_tok=2,
                     num_local_experts=4, shared_intermediate_size=0, rms_norm_eps=1e-5, rope_theta=1_000_000.0,
                     rotary_dim=8),
+    # DeepSeek-V2 (-Lite's shape, shrunk): keys of 16 nope + 8 rope dims, values of 12, a dense first layer
+    # then routed experts with a shared one, and -Lite's yarn rope (its mscale scales the softmax too).
+    "deepseek_v2": dict(_DEEPSEEK_V2, num_hidden_layers=3, q_lora_rank=None, first_k_dense_replace=1,
+                        moe_layer_freq=1),
+    # DeepSeek-V2 (the full model's shape): queries through a low-rank projection, experts every second layer.
+    "deepseek_v2_q_lora": dict(_DEEPSEEK_V2, num_hidden_layers=4, q_lora_rank=24, first_k_dense_replace=1,
+                               moe_layer_freq=2),
 }
 
 #: Hybrid models: Gated DeltaNet layers (recurrent state, node.state_layers) between full-attention
@@ -151,6 +168,10 @@ HYBRID_CONFIGS = {
 REFUSED_CONFIGS = {
     "llama_dynamic_ntk": dict(_COMMON, model_type="llama", num_key_value_heads=2, rms_norm_eps=1e-5,
                               rope_theta=10_000.0, rope_scaling=dict(type="dynamic", factor=2.0)),
+    # DeepSeek-V3's multi-head latent attention caches a compressed KV and attends over keys and values
+    # expanded from it, with a mask of its own.
+    "deepseek_v3": dict(_DEEPSEEK_V2, model_type="deepseek_v3", num_hidden_layers=2, q_lora_rank=None,
+                        first_k_dense_replace=1, moe_layer_freq=1, n_group=1, topk_group=1, topk_method="noaux_tc"),
 }
 
 
@@ -161,7 +182,8 @@ def write_tiny_model(folder: Path, model_type: str, tokenizer_from: Path, seed: 
     if "text_config" in config:  # a multimodal wrapper: the text model states the vocabulary
         config["text_config"] = dict(config["text_config"], vocab_size=vocab)
     # zeros at construction would hide what trained-from-zero parameters do
-    return write_random_checkpoint(folder, config, tokenizer_from, seed, randomize=TRAINED_FROM_ZERO)
+    randomize = TRAINED_FROM_ZERO + TRAINED_FROM_ZERO_BY_TYPE.get(config["model_type"], ())
+    return write_random_checkpoint(folder, config, tokenizer_from, seed, randomize=randomize)
 
 
 def write_quantized_model(folder: Path, source: Path, bits: int, group_size: int, dtype: str | None = None) -> Path:
