@@ -59,11 +59,13 @@ class Sequence:
     last_in_flight: bool = False  # the in-flight token is its last (length limit): schedule nothing more
     matcher: Any = None  # a constrained continuation's grammar state, fed each settled token (node/structured.py)
 
-    @property
+    # A request's params and prompt never change; cached, they cost a dict lookup, not a call,
+    # on the per-sequence paths every step walks.
+    @functools.cached_property
     def params(self) -> SamplingParams:
         return self.request.params
 
-    @property
+    @functools.cached_property
     def num_prompt_tokens(self) -> int:
         return len(self.request.prompt_token_ids)
 
