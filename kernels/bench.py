@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 import kernels
-from kernels import dispatch, launch
+from kernels import backends, dispatch, launch
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
     decode, varlen = args.only in (None, "decode"), args.only in (None, "varlen")
     rows = (cpu_rows() if decode else []) + (bench_varlen.cpu_rows() if varlen else [])
-    if dispatch.cuda_available():
+    if backends.cuda_available():
         copy_tb = copy_ceiling_tb_per_s()
         rows += (cuda_rows(copy_tb) if decode else []) + (bench_varlen.cuda_rows(copy_tb) if varlen else [])
         if args.sweep:

@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels import mma_source, reference, source
-from kernels.dispatch import resolve_backend
+from kernels.backends import resolve_backend
 from kernels.errors import InvalidAttentionMetadata, UnsupportedAttentionShape
 from kernels.launch import DecodePlan, KernelTuning, decode_dims, plan_decode
 from kernels.variants import LayerAttention, LayerInputs, layer_inputs
