@@ -18,7 +18,7 @@ import numpy as np
 from experiments.decode_step_profile import decoding_engine
 from node import engine as engine_module
 from node import sampling
-from node.bench_shapes import random_llama
+from node.model.random_weights import random_llama
 
 
 def _timed(store: dict, name: str, fn):

@@ -208,12 +208,12 @@ SCENARIOS = {
 def load_bench_model(args):
     """(LoadedModel, label): a random model of a real shape, or a checkpoint on disk (the large demo model by default)."""
     if args.shape:
-        from node.bench_shapes import random_llama
+        from node.model.random_weights import random_llama
 
         dtype = getattr(mx, args.dtype)
         return random_llama(args.shape, dtype=dtype, num_layers=args.num_layers), f"random Llama {args.shape} shape, {args.dtype}"
-    from node.demo_model import default_demo_model_path
-    from node.models import load_model
+    from node.model.demo import default_demo_model_path
+    from node.model.loader import load_model
 
     path = args.model or str(default_demo_model_path("large"))
     return load_model(path), path

@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm", type=int, default=8, help="steps first run and not measured (prefill, first decodes)")
     ap.add_argument("--tokenizer", default=None, help="a tokenizer.json whose vocabulary the fill is also timed on")
     args = ap.parse_args(argv)
-    from node.demo_model import default_demo_model_path
+    from node.model.demo import default_demo_model_path
 
     path = args.model or str(default_demo_model_path("large"))
     engine = LLMEngine(EngineConfig(model=path, max_num_seqs=BATCH, max_num_batched_tokens=1024, kv_memory_gb=0.5))

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from node.bench_shapes import random_model
 from node.engine import EngineConfig, LLMEngine
+from node.model.random_weights import random_model
 from node.types import SamplingParams
 
 #: A small Qwen3-Next: 8 layers (6 Gated DeltaNet, 2 attention), hidden 512, dense MLPs.

@@ -19,14 +19,14 @@ from kvcache import CacheConfig, KVCache
 from kvcache.state_pool import StatePool
 from node.detokenizer import IncrementalDetokenizer, fast_decoder
 from node.errors import DuplicateRequest, InvalidPrompt, PromptTooLong
-from node.model_adapter import ModelRunner, SequenceChunk, StepInput, pack_step
-from node.models import LoadedModel, load_model
+from node.model.loader import LoadedModel, load_model
+from node.model.residency import wire_model_and_pool
+from node.model.runner import ModelRunner, SequenceChunk, StepInput, pack_step
+from node.model.state_layers import probe_state_shapes
 from node.rates import NodeRates
-from node.residency import wire_model_and_pool
 from node.sampling import DeviceSample, SampleRow, sample_on_device
 from node.scheduler import PreemptionNeeded, ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from node.sequence import PENDING_TOKEN, Request, Sequence, Status
-from node.state_layers import probe_state_shapes
 from node.structured import GrammarMasks
 from node.types import RequestOutput, SamplingParams
 

@@ -250,8 +250,8 @@ def _hybrid_checkpoint() -> str:
     from pathlib import Path
 
     from node.bench_sessions import HYBRID_SHAPE
-    from node.bench_shapes import write_random_checkpoint
-    from node.demo_model import default_demo_model_path
+    from node.model.demo import default_demo_model_path
+    from node.model.random_weights import write_random_checkpoint
 
     demo = Path(default_demo_model_path())
     vocab = json.loads((demo / "config.json").read_text())["vocab_size"]

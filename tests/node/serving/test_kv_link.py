@@ -12,13 +12,13 @@ from dataclasses import replace
 import pytest
 
 from kvcache.hashing import BlockHash
-from node import kv_link
-from node import link_auth as auth
 from node.async_engine import AsyncEngine
-from node.direct_path import DirectPath
 from node.engine import EngineConfig, LLMEngine
-from node.kv_link import KVLinkConfig, LinkRefused, connect
-from node.migration import BlockMover
+from node.serving import kv_link
+from node.serving import link_auth as auth
+from node.serving.direct_path import DirectPath
+from node.serving.kv_link import KVLinkConfig, LinkRefused, connect
+from node.serving.migration import BlockMover
 from node.types import SamplingParams
 
 BS = 16
@@ -228,7 +228,7 @@ def wait_until(predicate, timeout: float = 5.0) -> bool:
 
 
 def test_a_node_actors_link_listens_at_its_ray_node_address_by_default(monkeypatch):
-    from node import actor
+    from node.serving import actor
 
     assert actor.NodeActorConfig("n", "c", "ns").link.host == actor.RAY_NODE_HOST
     monkeypatch.setattr(actor.ray.util, "get_node_ip_address", lambda: "10.1.2.3")
@@ -247,7 +247,7 @@ def test_a_silent_peer_times_out_under_the_kernels_timeout_of_an_authenticated_c
 
 
 def test_a_small_pull_asks_for_smaller_chunks_so_its_stages_overlap():
-    from node.direct_path import MIN_CHUNK_BYTES, chunk_size
+    from node.serving.direct_path import MIN_CHUNK_BYTES, chunk_size
 
     mib = 1 << 20
     assert chunk_size(128 * mib, 4 * mib) == 4 * mib  # a large pull: the configured size

@@ -3,10 +3,10 @@
 Ray's object store moves a payload at a fifth of what the link carries, and needs the
 payload as one bytes object on both sides; this link sends a pull's blocks over one TCP
 connection, straight from the pool's arrays, into buffers the target keeps for the next
-pull. On the wire (after `node.link_auth`'s handshake):
+pull. On the wire (after `node.serving.link_auth`'s handshake):
 
     request   u32 length, msgpack {"hashes": [bytes, ...], "chunk_bytes": int}
-              or {"probe": nbytes}: a well-formed payload of blocks no model uses (`node.migration.probe_payload`)
+              or {"probe": nbytes}: a well-formed payload of blocks no model uses (`node.serving.migration.probe_payload`)
     reply     per chunk: u64 length, then one `kvcache.wire` payload (checksummed); u64 0 ends it
 
 Each chunk is a whole payload, so the target verifies and imports chunk i on its engine
@@ -43,8 +43,8 @@ import msgpack
 from kvcache.errors import KVCacheError
 from kvcache.hashing import BlockHash
 from kvcache.wire_stream import decode_views, encode_pieces
-from node import link_auth as auth
-from node.migration import probe_payload
+from node.serving import link_auth as auth
+from node.serving.migration import probe_payload
 
 log = logging.getLogger(__name__)
 

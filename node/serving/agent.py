@@ -37,7 +37,7 @@ LABEL_CHIP = "orchard/chip"
 LABEL_MEMORY = "orchard/memory-gib"
 LABEL_DEVICE = "orchard/mlx-device"
 #: Set by `orchard join --cold-tier` in its raylet's environment (Ray's workers inherit it):
-#: this machine's own cold tier, which `node.actor.local_engine_config` puts in place of the
+#: this machine's own cold tier, which `node.serving.actor.local_engine_config` puts in place of the
 #: cluster's engine setting for the node actors on this machine.
 COLD_TIER_DIR_ENV = "ORCHARD_COLD_TIER_DIR"
 COLD_TIER_GB_ENV = "ORCHARD_COLD_TIER_GB"

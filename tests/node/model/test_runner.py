@@ -10,8 +10,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from node.demo_model import write_demo_model
-from node.model_adapter import (
+from node.model.demo import write_demo_model
+from node.model.loader import load_model
+from node.model.positions import PositionalRoPE
+from node.model.runner import (
     InvalidStep,
     ModelRunner,
     SequenceChunk,
@@ -19,8 +21,6 @@ from node.model_adapter import (
     install_paged_attention,
     pack_step,
 )
-from node.models import load_model
-from node.positions import PositionalRoPE
 from tests.node.tiny_models import write_tiny_model
 
 BLOCK_SIZE = 4

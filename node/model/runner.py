@@ -3,7 +3,7 @@
 One engine step packs decode tokens (one per sequence) and prefill chunks of other
 sequences side by side, no padding, and runs them as a batch of one-token rows
 `[total_tokens, 1]`: each layer's projections, norms and MLP see the same rows either
-way, rope takes one position per batch row (node.positions), and every tensor the seams
+way, rope takes one position per batch row (node.model.positions), and every tensor the seams
 below hand over is a view of what the layer already holds, never a copy. mlx-lm's model
 code is left as it is; three seams make it paged:
 
@@ -11,19 +11,19 @@ code is left as it is; three seams make it paged:
   `update_and_fetch` scatters the step's K/V into the pool (`kernels.write_kv`), its
   `offset` carries per-token positions, its `make_mask` returns None (the kernel
   applies causality per sequence);
-- each attention module's rope is wrapped (`node.positions`) to honour those positions;
+- each attention module's rope is wrapped (`node.model.positions`) to honour those positions;
 - the model module's `scaled_dot_product_attention` is replaced by one that runs the
   paged kernels (`kernels.paged_attention` for decode-only steps, `kernels.paged_varlen_attention`
   with the step's one `VarlenPlan` otherwise) for a paged cache and defers to the original for
   any other cache, so `mlx_lm.generate` still works on the same model object. A layer's
-  sliding window (from the caches the model makes for itself, `node.capability.layer_windows`),
+  sliding window (from the caches the model makes for itself, `node.model.capability.layer_windows`),
   its attention sinks and its score soft cap (the call's own `sinks=`, `softcap=`) go to the
   kernels with each call.
 
-Gemma 2 and Ministral 3 reach past these seams; `node.layer_patches` patches them into them.
+Gemma 2 and Ministral 3 reach past these seams; `node.model.layer_patches` patches them into them.
 
 Metadata arrays are built once per step and shared by every layer through `StepContext`;
-decode-only steps on a compiled backend replay a traced graph instead (`node.compiled_decode`).
+decode-only steps on a compiled backend replay a traced graph instead (`node.model.compiled_decode`).
 """
 
 from __future__ import annotations
@@ -36,14 +36,14 @@ import mlx.core as mx
 import numpy as np
 
 import kernels
-from node.capability import attention_modules, layer_windows
-from node.compiled_decode import CompiledDecode
-from node.head import ModelHead
-from node.layer_patches import install_layer_patches
-from node.layers import attention_layers, attention_of, text_stack
-from node.models import LoadedModel
-from node.positions import PackedPositions, install_positional_rope
-from node.state_layers import PagedStateCache, StateStep, install_paged_state_layers, state_layer_indices
+from node.model.capability import attention_modules, layer_windows
+from node.model.compiled_decode import CompiledDecode
+from node.model.head import ModelHead
+from node.model.layer_patches import install_layer_patches
+from node.model.layers import attention_layers, attention_of, text_stack
+from node.model.loader import LoadedModel
+from node.model.positions import PackedPositions, install_positional_rope
+from node.model.state_layers import PagedStateCache, StateStep, install_paged_state_layers, state_layer_indices
 
 _PAGED_MARK = "_orchard_paged_attention"
 
@@ -135,7 +135,7 @@ class StepContext:
     Every eager step, decode-only or mixed, gets one `kernels.VarlenPlan`: checked and
     uploaded here once, then only launched by each layer (decode rows run the decode kernel
     from it). Without the model's head count the decode entry is used instead, planning per
-    layer; so is a decode step a compiled graph runs (`node.compiled_decode`), whose context
+    layer; so is a decode step a compiled graph runs (`node.model.compiled_decode`), whose context
     holds only device arrays and whose plan follows from their shapes.
     """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 
 from node.engine import EngineConfig, LLMEngine
-from node.stream_delta import Cumulative, only_new
+from node.serving.stream_delta import Cumulative, only_new
 from node.types import SamplingParams
 
 

@@ -13,9 +13,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from node.compiled_decode import BATCH_BUCKETS, batch_bucket, width_bucket
 from node.engine import EngineConfig, LLMEngine, build_step_input
-from node.model_adapter import ModelRunner
+from node.model.compiled_decode import BATCH_BUCKETS, batch_bucket, width_bucket
+from node.model.runner import ModelRunner
 from node.scheduler import ScheduledChunk
 from node.types import SamplingParams
 from tests.node.test_async_scheduling import MIXED_PARAMS, _run_all

@@ -1,7 +1,7 @@
 """Per-token rotary positions for packed batches, slipped under mlx-lm's own attention modules.
 
 A packed step holds decode tokens and prefill chunks of many sequences, each token at its
-own position, and runs as a batch of one-token rows `[total_tokens, 1]` (node.model_adapter):
+own position, and runs as a batch of one-token rows `[total_tokens, 1]` (node.model.runner):
 mlx-lm's attention calls `self.rope(x, offset=cache.offset)` with `x` as `[T, H, 1, D]`, and
 `mx.fast.rope` takes one offset per batch row, so per-token positions need no reshaping.
 The paged cache hands out a `PackedPositions` as its `offset`; any other offset (an int from
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from node.layers import attention_layers, attention_of
+from node.model.layers import attention_layers, attention_of
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Whether the paged engine can run a model, judged by what the model's layers do, not by its name.
 
-The engine drives mlx-lm's model classes through three seams (see `node.model_adapter`):
+The engine drives mlx-lm's model classes through three seams (see `node.model.runner`):
 the KV cache object each layer is handed, the rope of each layer's attention module, and
 the `scaled_dot_product_attention` name in the model's own module. A model pages
 correctly when everything that depends on context goes through those seams:
@@ -8,15 +8,15 @@ correctly when everything that depends on context goes through those seams:
 - every layer keeps a plain KV cache, over the whole context or over a sliding window
   (mlx-lm's `RotatingKVCache` without kept tokens, whose size is the window the kernels
   apply to that layer: `layer_windows`), and no recurrent state but a Gated DeltaNet's, which
-  the state pool holds (node.state_layers);
+  the state pool holds (node.model.state_layers);
 - positions reach the layers only through a rope that accepts one position per token;
 - every layer stores its K/V through its cache and attends with that one call (its
   attention sinks or score soft cap, if any, passed along; Gemma 2 once patched,
-  node.layer_patches), with one KV geometry shared by all layers;
+  node.model.layer_patches), with one KV geometry shared by all layers;
 - the model's `__call__` is the text stack (`model.model`, EXAONE's `model.transformer`:
-  node.layers) followed by a head that reads
+  node.model.layers) followed by a head that reads
   nothing but the stack's output and gives one row of logits per hidden row (the runner
-  runs that head on the rows it needs, `node.head`).
+  runs that head on the rows it needs, `node.model.head`).
 
 `architecture_reason` looks at a model's structure (weights not needed, so a hub model is
 refused before its weights are fetched); `paging_reason` traces one lazy forward pass
@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import numpy as np
 
-from node.head import trace_head
-from node.layer_patches import calls_attention, install_layer_patches
-from node.layers import ATTENTION_NAMES, attention_layers, attention_of
-from node.positions import PackedPositions, PositionalRoPE, install_positional_rope
-from node.state_layers import state_layer_indices
+from node.model.head import trace_head
+from node.model.layer_patches import calls_attention, install_layer_patches
+from node.model.layers import ATTENTION_NAMES, attention_layers, attention_of
+from node.model.positions import PackedPositions, PositionalRoPE, install_positional_rope
+from node.model.state_layers import state_layer_indices
 
 _PROBE_TOKENS = 3
 _ROPE_POSITIONS = (7, 0, 3)  # out of order, as in a packed step
@@ -61,7 +61,7 @@ def _stack_reason(model) -> str | None:
         if attention is None:
             where = " or ".join(f"layers[{index}].{name}" for name in ATTENTION_NAMES)
             return f"layer {index} has no attention module with a rope at {where}"
-        if not calls_attention(attention):  # and no patch of node.layer_patches gives it one
+        if not calls_attention(attention):  # and no patch of node.model.layer_patches gives it one
             return f"its layers compute attention themselves ({type(attention).__module__} has no scaled_dot_product_attention)"
     return None
 
@@ -89,7 +89,7 @@ def layer_windows(model) -> list[int | None]:
 
     Read from the caches the model makes for itself: mlx-lm gives a windowed layer a
     `RotatingKVCache` of the window's size, and masks that layer with the same window. A
-    recurrent-state layer (node.state_layers) has none.
+    recurrent-state layer (node.model.state_layers) has none.
     """
     state = set(state_layer_indices(model))
     caches = model.make_cache() if hasattr(model, "make_cache") else []
@@ -114,7 +114,7 @@ def _window_of(cache) -> int | None | bool:
 
 def _logits_reason(model) -> str | None:
     """The runner computes logits by running the model's `__call__` over a stand-in stack
-    (`node.head`); traced lazily, so no weights are read."""
+    (`node.model.head`); traced lazily, so no weights are read."""
     hidden_size = getattr(model.args, "hidden_size", None)
     if hidden_size is None:
         return "its args state no hidden_size, so its head cannot be traced"

@@ -3,7 +3,7 @@
 Hubs are out of reach on many machines (CI, air-gapped labs), yet every test and the default
 `orchard serve` need a real model that mlx-lm's own loader accepts. So we write one in Hugging
 Face layout: fixed-seed random weights and a byte-level BPE tokenizer trained on prose shipped
-in `node/data/`. Its text is gibberish; its bytes are identical on every machine, so token-exact
+in `node/model/data/`. Its text is gibberish; its bytes are identical on every machine, so token-exact
 tests and block hashes agree everywhere.
 
 Determinism rests on three choices: weights are drawn from numpy's PCG64 `random()` (pure
@@ -93,7 +93,7 @@ def demo_config(size: str) -> DemoModelConfig:
 
 def corpus_text() -> str:
     """The shipped training prose, read from the installed package."""
-    data = resources.files("node") / "data"
+    data = resources.files("node.model") / "data"
     return "\n".join((data / name).read_text(encoding="utf-8") for name in _CORPUS_FILES)
 
 

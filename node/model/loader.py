@@ -1,7 +1,7 @@
 """Load a model with mlx-lm's own loader, refuse what the paged engine cannot serve, fingerprint it.
 
 The engine runs mlx-lm's model classes unchanged and only replaces their KV cache and
-attention call (see `node.model_adapter`). That works for architectures whose every layer
+attention call (see `node.model.runner`). That works for architectures whose every layer
 is causal attention over the whole context or over a sliding window that mlx-lm's model
 applies (the kernels apply the same window per layer); linear attention or state-space
 layers would silently compute something else over a paged pool, so they are refused here,
@@ -9,7 +9,7 @@ at load, with the reason. A window the config states but mlx-lm's class ignores 
 Mistral 7B v0.1) caps the context at that window instead: up to it, windowed and full
 attention agree, so the engine, mlx-lm and the model as trained all compute the same. What a model is decides, not its name:
 the config and the model's structure are checked before any weights are read
-(`node.capability`), and a traced forward pass of the loaded model after.
+(`node.model.capability`), and a traced forward pass of the loaded model after.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcache.geometry import DTYPE_SIZES, KVGeometry
-from node.layers import attention_layers, attention_of, final_norm, text_config, text_model, text_stack
+from node.model.layers import attention_layers, attention_of, final_norm, text_config, text_model, text_stack
 
 DEMO_MODEL_NAME = "orchard-demo"
 #: Used when a config states no maximum position.
@@ -104,7 +104,7 @@ def unsupported_reason(config: dict) -> str | None:
     return _config_reason(text_config(config)) or _structure_reason(config)
 
 
-#: layer types a config may name: the kernels apply each layer's window (node.capability.layer_windows)
+#: layer types a config may name: the kernels apply each layer's window (node.model.capability.layer_windows)
 PAGED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "linear_attention"})
 
 
@@ -129,8 +129,8 @@ def _structure_reason(config: dict) -> str | None:
     """Build mlx-lm's model for `config` without weights (its arrays stay lazy) and inspect it."""
     from mlx_lm.utils import _get_classes
 
-    from node.capability import architecture_reason
-    from node.state_layers import state_layer_indices
+    from node.model.capability import architecture_reason
+    from node.model.state_layers import state_layer_indices
 
     try:
         model_class, args_class = _get_classes(config)
@@ -155,7 +155,7 @@ def check_supported(config: dict) -> None:
 
 def loaded_reason(loaded: LoadedModel) -> str | None:
     """Why a loaded model cannot run over the pool: its KV layout and dtype, then its ropes and layers."""
-    from node.capability import paging_reason
+    from node.model.capability import paging_reason
 
     try:
         geometry = (loaded.num_kv_heads, loaded.head_dim, loaded.dtype)
@@ -177,7 +177,7 @@ def resolve_model_path(model: str | None, *, config_only: bool = False) -> tuple
     files, so an unsupported model is refused before gigabytes of weights arrive.
     """
     if model is None:
-        from node.demo_model import default_demo_model_path
+        from node.model.demo import default_demo_model_path
 
         return DEMO_MODEL_NAME, default_demo_model_path()
     local = Path(model).expanduser()
@@ -202,7 +202,7 @@ def load_model(model: str | None = None) -> LoadedModel:
     """Load `model` (local path or hub id; None for the demo model) after checking it is servable."""
     from mlx_lm.utils import load
 
-    from node.fingerprint import model_fingerprint as checkpoint_fingerprint
+    from node.model.fingerprint import model_fingerprint as checkpoint_fingerprint
 
     _, config_path = resolve_model_path(model, config_only=True)
     check_supported(read_config(config_path))
@@ -229,7 +229,7 @@ def load_model(model: str | None = None) -> LoadedModel:
 def served_context_length(config: dict, model) -> int:
     """The config's maximum position (some ModelArgs classes, qwen2_moe, drop the field), or a
     shorter window the config states for a model none of whose layers mlx-lm windows."""
-    from node.capability import layer_windows
+    from node.model.capability import layer_windows
 
     stated = int(config.get("max_position_embeddings") or getattr(model.args, "max_position_embeddings", None)
                  or DEFAULT_MAX_CONTEXT)

@@ -31,7 +31,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels import SlotIndex
-from node.positions import PackedPositions
+from node.model.positions import PackedPositions
 
 #: batch sizes a graph is traced for; larger batches round up to a multiple of the last step
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
@@ -63,7 +63,7 @@ class CompiledDecode:
     """Runs decode-only steps of one model through compiled graphs.
 
     `make_context(pool, positions, slots, tables, lengths)` builds the per-step context the
-    model's layers read (node.model_adapter's `StepContext` for a decode step) and
+    model's layers read (node.model.runner's `StepContext` for a decode step) and
     `run(context, tokens)` runs the stack and the head over it; both are traced, never
     called eagerly from here.
     """

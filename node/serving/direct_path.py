@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 
 from kvcache.hashing import BlockHash
-from node.kv_link import KVLinkConfig, KVLinkServer, LinkRefused, LinkStream, connect
-from node.migration import BlockMover, PullResult, local_prefix
+from node.serving.kv_link import KVLinkConfig, KVLinkServer, LinkRefused, LinkStream, connect
+from node.serving.migration import BlockMover, PullResult, local_prefix
 
 log = logging.getLogger(__name__)
 

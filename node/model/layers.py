@@ -69,7 +69,7 @@ def attention_of(layer, depth: int = 2):
 
 def attention_layers(model) -> list:
     """`(index, layer)` of the layers that attend over KV: all but a hybrid model's recurrent-state
-    layers (node.state_layers), which keep no KV and have no rope."""
-    from node.state_layers import state_module_of
+    layers (node.model.state_layers), which keep no KV and have no rope."""
+    from node.model.state_layers import state_module_of
 
     return [(i, layer) for i, layer in enumerate(model.layers) if state_module_of(layer) is None]

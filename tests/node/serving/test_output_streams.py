@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from node.output_streams import StreamFailed, Subscribers
+from node.serving.output_streams import StreamFailed, Subscribers
 from node.types import CompletionOutput, RequestOutput
 
 

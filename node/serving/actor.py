@@ -10,7 +10,7 @@ actor's event loop only moves requests in and outputs out. Two duties beyond ser
   finished request as running), the node's load and measured rates go to the coordinator, whose
   reply may ask for a snapshot of the prefix cache or for the node to register again
   (after a coordinator restart), or hand over block moves (hot-prefix copies, drain);
-- KV migration (`node.migration`): a target pulls blocks from a source with
+- KV migration (`node.serving.migration`): a target pulls blocks from a source with
   `pull_blocks`; the payload goes from the source's object store straight to the target.
   On joining, a node probes the link to each peer so migration can be costed at all.
 
@@ -31,16 +31,16 @@ from pathlib import Path
 
 import ray
 
-from node.agent import COLD_TIER_DIR_ENV, COLD_TIER_GB_ENV
 from node.async_engine import AsyncEngine
-from node.direct_path import DirectPath
 from node.engine import EngineConfig
-from node.hardware import describe_machine
-from node.kv_link import KVLinkConfig
-from node.link_auth import link_key
-from node.migration import BlockMover, PullResult
-from node.output_streams import Subscribers
-from node.stream_delta import only_new
+from node.serving.agent import COLD_TIER_DIR_ENV, COLD_TIER_GB_ENV
+from node.serving.direct_path import DirectPath
+from node.serving.hardware import describe_machine
+from node.serving.kv_link import KVLinkConfig
+from node.serving.link_auth import link_key
+from node.serving.migration import BlockMover, PullResult
+from node.serving.output_streams import Subscribers
+from node.serving.stream_delta import only_new
 from node.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)

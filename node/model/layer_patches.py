@@ -1,7 +1,7 @@
 """Two families whose layers reach past the three seams, patched into the shape the seams expect.
 
 The engine pages a model through its layers' KV caches, their ropes and their module's
-`scaled_dot_product_attention` (node.model_adapter). Two mlx-lm families do one more thing:
+`scaled_dot_product_attention` (node.model.runner). Two mlx-lm families do one more thing:
 
 - Gemma 2's attention multiplies queries and keys itself, to soft-cap the scores, so there
   is no attention call to route. Its class's `__call__` is wrapped: over the engine's
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import sys
 
-from node.layers import attention_layers, attention_of
-from node.positions import PackedPositions
+from node.model.layers import attention_layers, attention_of
+from node.model.positions import PackedPositions
 
 _PATCHED_MARK = "_orchard_layer_patch"
 

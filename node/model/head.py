@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from node.layers import stack_name
+from node.model.layers import stack_name
 
 
 class _ComputedStack:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from node.models import LoadedModel
+from node.model.loader import LoadedModel
 
 _LLAMA3 = {
     "model_type": "llama",
@@ -91,7 +91,7 @@ def random_model(config: dict, name: str, *, dtype=mx.bfloat16, seed: int = 0) -
     """mlx-lm's model class for `config` with random weights and the demo tokenizer, evaluated on the default device."""
     from mlx_lm.utils import _get_classes, load_tokenizer
 
-    from node.demo_model import default_demo_model_path
+    from node.model.demo import default_demo_model_path
 
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)

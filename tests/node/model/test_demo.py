@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from node import demo_model
-from node.demo_model import DEMO_CONFIG, LARGE_DEMO_CONFIG, UnknownDemoSize, write_demo_model
+from node.model import demo
+from node.model.demo import DEMO_CONFIG, LARGE_DEMO_CONFIG, UnknownDemoSize, write_demo_model
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
          "special_tokens_map.json", "generation_config.json")
 
@@ -31,7 +31,7 @@ def demo_path(tmp_path_factory) -> Path:
 def test_two_writes_in_separate_processes_give_identical_bytes(demo_path, tmp_path):
     # A fresh interpreter has other hash seeds and thread timings: the bytes must not care.
     other = tmp_path / "again"
-    code = f"from node.demo_model import write_demo_model; write_demo_model({str(other)!r})"
+    code = f"from node.model.demo import write_demo_model; write_demo_model({str(other)!r})"
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=120)
     assert _digests(other) == _digests(demo_path)
 
@@ -76,9 +76,9 @@ def test_mlx_lm_generate_gives_varied_repeatable_greedy_text(demo_path):
 
 
 def test_large_config_is_selectable_by_size_and_unknown_sizes_fail():
-    assert demo_model.demo_config("large") is LARGE_DEMO_CONFIG
+    assert demo.demo_config("large") is LARGE_DEMO_CONFIG
     assert LARGE_DEMO_CONFIG.hidden_size == 1024 and LARGE_DEMO_CONFIG.num_hidden_layers >= 8
-    assert demo_model.demo_config("small") is DEMO_CONFIG
+    assert demo.demo_config("small") is DEMO_CONFIG
     with pytest.raises(UnknownDemoSize, match="huge"):
         write_demo_model("/nonexistent", size="huge")
 
@@ -87,26 +87,26 @@ def test_cache_dir_prefers_orchard_then_xdg_then_home(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.delenv("ORCHARD_CACHE_DIR", raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
-    assert demo_model.cache_dir() == tmp_path / "home" / ".cache" / "mlx-orchard"
+    assert demo.cache_dir() == tmp_path / "home" / ".cache" / "mlx-orchard"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert demo_model.cache_dir() == tmp_path / "xdg" / "mlx-orchard"
+    assert demo.cache_dir() == tmp_path / "xdg" / "mlx-orchard"
     monkeypatch.setenv("ORCHARD_CACHE_DIR", str(tmp_path / "orchard"))
-    assert demo_model.cache_dir() == tmp_path / "orchard"
+    assert demo.cache_dir() == tmp_path / "orchard"
 
 
 def test_default_path_is_written_once_even_when_raced(monkeypatch, tmp_path, demo_path):
     monkeypatch.setenv("ORCHARD_CACHE_DIR", str(tmp_path))
     results: list[Path] = []
-    threads = [threading.Thread(target=lambda: results.append(demo_model.default_demo_model_path()))
+    threads = [threading.Thread(target=lambda: results.append(demo.default_demo_model_path()))
                for _ in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    expected = tmp_path / f"demo-model-v{demo_model.DEMO_MODEL_VERSION}"
+    expected = tmp_path / f"demo-model-v{demo.DEMO_MODEL_VERSION}"
     assert results == [expected] * 3
     assert sorted(p.name for p in tmp_path.iterdir()) == [expected.name]  # no temporary leftovers
     assert _digests(expected) == _digests(demo_path)
     before = (expected / "model.safetensors").stat().st_mtime_ns
-    assert demo_model.default_demo_model_path() == expected
+    assert demo.default_demo_model_path() == expected
     assert (expected / "model.safetensors").stat().st_mtime_ns == before
