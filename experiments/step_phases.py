@@ -19,8 +19,8 @@ import numpy as np
 
 import kernels
 import node.engine as engine_module
+from cluster.bench.engine import SCENARIOS, run_engine, warm_up_workload
 from node import sampling
-from node.bench import SCENARIOS, run_engine, warm_up_workload
 from node.engine import EngineConfig, LLMEngine
 from node.model import runner as model_runner
 from node.model.random_weights import random_llama

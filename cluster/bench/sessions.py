@@ -1,7 +1,7 @@
 """Multi-turn agent sessions on a hybrid model: how much of each resent conversation the prefix
 cache serves, and what that does to time to first token, against prefix caching off.
 
-`python -m node.bench_sessions [--sessions 16 --turns 10] [--plot out.png]` builds a random-weight
+`python -m cluster.bench.sessions [--sessions 16 --turns 10] [--plot out.png]` builds a random-weight
 Qwen3-Next-style model (Gated DeltaNet layers, one full-attention layer in four; mlx-lm's own
 class, the demo tokenizer) and runs every session closed-loop on one engine: each turn resends
 the system prompt and the whole history plus a new user message and asks for a short answer;

@@ -1,4 +1,4 @@
-"""What structured output costs a decode step: `orchard bench grammar` (or `python -m node.bench_grammar`).
+"""What structured output costs a decode step: `orchard bench grammar` (or `python -m cluster.bench.grammar`).
 
 32 sequences decode together twice: free, then each held to a JSON schema long enough that
 none finishes during the measured steps. The table gives the step time of both runs, the

@@ -1,6 +1,6 @@
-"""`python -m kernels.bench`: paged attention against dense SDPA over the same tokens, one table.
+"""`python -m cluster.bench.kernels`: paged attention against dense SDPA over the same tokens, one table.
 
-`--only varlen` runs only the mixed-step rows (kernels/bench_varlen.py): the varlen
+`--only varlen` runs only the mixed-step rows (cluster/bench/kernels_varlen.py): the varlen
 kernel on a mixed step (8 chunks of 512 + 56 decodes at T=4096), a pure prefill
 (16 x 1,024) and a decode-only batch, each against dense SDPA and the gather + SDPA path.
 
@@ -17,14 +17,14 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 from dataclasses import asdict, dataclass
 
 import mlx.core as mx
 import numpy as np
 
 import kernels
+from cluster.bench import kernels_varlen
+from cluster.bench.kernel_timing import Row, copy_ceiling_tb_per_s, format_table, seconds_per_call
 from kernels import backends, dispatch, launch
 
 
@@ -45,22 +45,6 @@ class Problem:
 
     def label(self) -> str:
         return f"B={self.batch} Hq={self.num_heads} Hkv={self.num_kv_heads} D={self.head_dim} T={self.context} {self.dtype}"
-
-
-@dataclass
-class Row:
-    device: str
-    backend: str
-    problem: str
-    paged_ms: float
-    dense_ms: float
-    kv_tb_per_s: float
-    copy_tb_per_s: float | None
-    plan_ms: float | None = None  # host time of building the step's plan (varlen rows)
-
-    @property
-    def ratio(self) -> float:
-        return self.paged_ms / self.dense_ms
 
 
 @dataclass
@@ -99,29 +83,6 @@ def build_inputs(problem: Problem, seed: int = 0) -> Inputs:
     )
     mx.eval(*asdict(inputs).values())
     return inputs
-
-
-def seconds_per_call(fn, iters: int, repeats: int = 5) -> float:
-    """Median over repeats of evaluating `iters` queued calls, the clock running only over evaluation.
-
-    Building the lazy graph (Python, metadata checks) happens before the clock starts: an
-    engine overlaps it with the device through async_eval, so device time is what counts.
-    """
-    mx.eval(fn())
-    samples = []
-    for _ in range(repeats):
-        outputs = [fn() for _ in range(iters)]
-        start = time.perf_counter()
-        mx.eval(outputs)
-        samples.append((time.perf_counter() - start) / iters)
-    return statistics.median(samples)
-
-
-def copy_ceiling_tb_per_s() -> float:
-    """An elementwise pass over 1 GiB of float32: bytes read plus written over time."""
-    x = mx.zeros((256 * 1024 * 1024,), dtype=mx.float32)
-    mx.eval(x)
-    return 2 * x.nbytes / seconds_per_call(lambda: x + 1.0, iters=10) / 1e12
 
 
 def measure(problem: Problem, backend: str, device: str, iters: int, copy_tb: float | None, label: str | None = None) -> Row:
@@ -180,35 +141,20 @@ def sweep_rows(context: int, iters: int) -> list[Row]:
     return rows
 
 
-def format_table(rows: list[Row]) -> str:
-    header = (f"{'device':6} {'backend':22} {'problem':60} {'paged ms':>9} {'dense ms':>9} {'paged/dense':>11} "
-              f"{'KV TB/s':>8} {'of copy':>8} {'plan ms':>8}")
-    lines = [header, "-" * len(header)]
-    for row in rows:
-        of_copy = f"{row.kv_tb_per_s / row.copy_tb_per_s:7.0%}" if row.copy_tb_per_s else "      -"
-        plan = f"{row.plan_ms:8.3f}" if row.plan_ms is not None else "       -"
-        lines.append(
-            f"{row.device:6} {row.backend:22} {row.problem:60} {row.paged_ms:9.3f} {row.dense_ms:9.3f} "
-            f"{row.ratio:10.2f}x {row.kv_tb_per_s:8.3f} {of_copy:>8} {plan}"
-        )
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m cluster.bench.kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time the CUDA kernels' tuning knobs")
     parser.add_argument("--only", choices=["decode", "varlen"], help="only the decode rows or only the varlen (mixed-step) rows")
     parser.add_argument("--json", help="write the rows to this file as JSON")
     args = parser.parse_args(argv)
-    from kernels import bench_varlen
 
     decode, varlen = args.only in (None, "decode"), args.only in (None, "varlen")
-    rows = (cpu_rows() if decode else []) + (bench_varlen.cpu_rows() if varlen else [])
+    rows = (cpu_rows() if decode else []) + (kernels_varlen.cpu_rows() if varlen else [])
     if backends.cuda_available():
         copy_tb = copy_ceiling_tb_per_s()
-        rows += (cuda_rows(copy_tb) if decode else []) + (bench_varlen.cuda_rows(copy_tb) if varlen else [])
+        rows += (cuda_rows(copy_tb) if decode else []) + (kernels_varlen.cuda_rows(copy_tb) if varlen else [])
         if args.sweep:
-            rows += (sweep_rows(4096, 20) + sweep_rows(32768, 5) if decode else []) + (bench_varlen.sweep_rows(copy_tb) if varlen else [])
+            rows += (sweep_rows(4096, 20) + sweep_rows(32768, 5) if decode else []) + (kernels_varlen.sweep_rows(copy_tb) if varlen else [])
     copy = next((r.copy_tb_per_s for r in rows if r.copy_tb_per_s), None)
     print(f"# mlx {mx.__version__}, {platform.machine()} {platform.system()}, OpenBLAS preloaded: {openblas_in_use()}"
           + (f", copy ceiling {copy:.2f} TB/s (read+write)" if copy else ""))

@@ -1,4 +1,4 @@
-"""Varlen rows of `python -m kernels.bench`: one mixed or prefill step against dense SDPA over the same contexts.
+"""Varlen rows of `python -m cluster.bench.kernels`: one mixed or prefill step against dense SDPA over the same contexts.
 
 A step's plan is built once before the clock (an engine builds it once per step and every
 layer reuses it); its host time is reported on its own as "plan ms". The dense side is
@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 import kernels
-from kernels import bench
+from cluster.bench.kernel_timing import Row, format_table, seconds_per_call
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,7 @@ def dense_step(inputs: VarlenInputs, scale: float):
     return outputs
 
 
-def measure_varlen(problem: VarlenProblem, backend: str, device: str, iters: int, copy_tb, tuning=None, label=None) -> bench.Row:
+def measure_varlen(problem: VarlenProblem, backend: str, device: str, iters: int, copy_tb, tuning=None, label=None) -> Row:
     inputs = build_varlen_inputs(problem)
     scale = problem.head_dim ** -0.5
     step_plan = plan_for(problem, inputs, backend, tuning)
@@ -134,16 +134,16 @@ def measure_varlen(problem: VarlenProblem, backend: str, device: str, iters: int
     def paged():
         return kernels.paged_varlen_attention(inputs.queries, inputs.key_cache, inputs.value_cache, step_plan, scale=scale)
 
-    paged_s = bench.seconds_per_call(paged, iters)
-    dense_s = bench.seconds_per_call(lambda: dense_step(inputs, scale), iters)
-    row = bench.Row(device, label or f"varlen {backend}", problem.label(), paged_s * 1e3, dense_s * 1e3,
+    paged_s = seconds_per_call(paged, iters)
+    dense_s = seconds_per_call(lambda: dense_step(inputs, scale), iters)
+    row = Row(device, label or f"varlen {backend}", problem.label(), paged_s * 1e3, dense_s * 1e3,
                     problem.kv_bytes / paged_s / 1e12, copy_tb, plan_ms(problem, inputs, backend, tuning))
     inputs = step_plan = None  # frees the arrays; the closures above are not called again
-    print(bench.format_table([row]).splitlines()[-1], flush=True)
+    print(format_table([row]).splitlines()[-1], flush=True)
     return row
 
 
-def measure_decode_kernel(problem: VarlenProblem, iters: int, copy_tb) -> bench.Row:
+def measure_decode_kernel(problem: VarlenProblem, iters: int, copy_tb) -> Row:
     """The decode-only kernel (`paged_attention`) on a decode-only problem, for comparison with the varlen rows."""
     inputs = build_varlen_inputs(problem)
     scale = problem.head_dim ** -0.5
@@ -152,10 +152,10 @@ def measure_decode_kernel(problem: VarlenProblem, iters: int, copy_tb) -> bench.
     def paged():
         return kernels.paged_attention(inputs.queries, inputs.key_cache, inputs.value_cache, tables, lengths, scale=scale, backend="cuda")
 
-    paged_s = bench.seconds_per_call(paged, iters)
-    dense_s = bench.seconds_per_call(lambda: dense_step(inputs, scale), iters)
-    row = bench.Row("gpu", "decode kernel cuda", problem.label(), paged_s * 1e3, dense_s * 1e3, problem.kv_bytes / paged_s / 1e12, copy_tb)
-    print(bench.format_table([row]).splitlines()[-1], flush=True)
+    paged_s = seconds_per_call(paged, iters)
+    dense_s = seconds_per_call(lambda: dense_step(inputs, scale), iters)
+    row = Row("gpu", "decode kernel cuda", problem.label(), paged_s * 1e3, dense_s * 1e3, problem.kv_bytes / paged_s / 1e12, copy_tb)
+    print(format_table([row]).splitlines()[-1], flush=True)
     return row
 
 
@@ -164,14 +164,14 @@ PREFILL = VarlenProblem(chunks=16, chunk_len=1024, chunk_context=1024, decodes=0
 DECODE = VarlenProblem(chunks=0, chunk_len=1, chunk_context=1, decodes=64, decode_context=4096)
 
 
-def cpu_rows() -> list[bench.Row]:
+def cpu_rows() -> list[Row]:
     problem = VarlenProblem(chunks=2, chunk_len=128, chunk_context=512, decodes=6, decode_context=512,
                             num_heads=8, num_kv_heads=2, head_dim=64, dtype="float32")
     with mx.stream(mx.cpu):
         return [measure_varlen(problem, "reference", "cpu", iters=3, copy_tb=None)]
 
 
-def cuda_rows(copy_tb: float) -> list[bench.Row]:
+def cuda_rows(copy_tb: float) -> list[Row]:
     rows = []
     for head_dim in (128, 64):
         for problem, iters in ((MIXED, 10), (PREFILL, 10)):
@@ -184,7 +184,7 @@ def cuda_rows(copy_tb: float) -> list[bench.Row]:
     return rows
 
 
-def sweep_rows(copy_tb: float) -> list[bench.Row]:
+def sweep_rows(copy_tb: float) -> list[Row]:
     """The varlen kernel's knobs on the mixed and prefill steps (D=128)."""
     rows = []
     variants = [dict(kv_tile=k, max_rows=r) for k in (8, 16, 32) for r in (16, 32, 64)]
