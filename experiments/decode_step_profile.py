@@ -14,9 +14,9 @@ import mlx.core as mx
 import numpy as np
 
 import kernels
-from node import model_adapter
-from node.bench_shapes import random_llama
 from node.engine import EngineConfig, LLMEngine, build_step_input
+from node.model import runner as model_runner
+from node.model.random_weights import random_llama
 from node.types import SamplingParams
 
 
@@ -60,16 +60,16 @@ def forward_variants(engine: LLMEngine, steps: int) -> dict[str, float]:
     out["forward (graph + device)"] = _median_ms(lambda: mx.eval(runner.forward(step)), steps)
     out["graph build only"] = _median_ms(lambda: runner.forward(step), steps)
     real_write = kernels.write_kv
-    model_adapter.kernels.write_kv = lambda k, v, *_: (k, v)
+    model_runner.kernels.write_kv = lambda k, v, *_: (k, v)
     out["forward without KV write"] = _median_ms(lambda: mx.eval(runner.forward(step)), steps)
-    model_adapter.kernels.write_kv = real_write
-    real_attend = model_adapter.PagedLayerCache.attend
-    model_adapter.PagedLayerCache.attend = lambda self, q, scale, **_: q
+    model_runner.kernels.write_kv = real_write
+    real_attend = model_runner.PagedLayerCache.attend
+    model_runner.PagedLayerCache.attend = lambda self, q, scale, **_: q
     out["forward without attention"] = _median_ms(lambda: mx.eval(runner.forward(step)), steps)
-    model_adapter.kernels.write_kv = lambda k, v, *_: (k, v)
+    model_runner.kernels.write_kv = lambda k, v, *_: (k, v)
     out["forward without KV write and attention"] = _median_ms(lambda: mx.eval(runner.forward(step)), steps)
-    model_adapter.kernels.write_kv = real_write
-    model_adapter.PagedLayerCache.attend = real_attend
+    model_runner.kernels.write_kv = real_write
+    model_runner.PagedLayerCache.attend = real_attend
     runner.compiled_decode = compiled
     return out
 
@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="also print the host functions taking most time over N whole steps")
     args = ap.parse_args(argv)
     if args.model:
-        from node.models import load_model
+        from node.model.loader import load_model
 
         loaded = load_model(args.model)
     else:

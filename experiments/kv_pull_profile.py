@@ -1,7 +1,7 @@
 """Where a direct KV pull spends its time: two processes, no Ray, stage by stage.
 
 The source runs in a child process (its own GIL, as a node actor has), holding a prefix
-seeded by import; the target, in this process, pulls it over `node.kv_link` as a node
+seeded by import; the target, in this process, pulls it over `node.serving.kv_link` as a node
 actor's `pull_blocks` does. Each stage is timed by wrapping the function that does it, in
 both processes, and summed over a pull (stages on different threads overlap, so they add up
 to more than the pull's wall time; the one nearest the wall time bounds the pull):
@@ -62,8 +62,8 @@ class Stages:
 
 def _engine(size: str, num_blocks: int):
     from node.async_engine import AsyncEngine
-    from node.demo_model import default_demo_model_path
     from node.engine import EngineConfig, LLMEngine
+    from node.model.demo import default_demo_model_path
 
     config = EngineConfig(model=str(default_demo_model_path(size)), block_size=16, num_blocks=num_blocks,
                           max_num_seqs=4, max_num_batched_tokens=512)
@@ -71,10 +71,10 @@ def _engine(size: str, num_blocks: int):
 
 
 def _path(name: str, engine, chunk_mib: int = 4):
-    from node import link_auth
-    from node.direct_path import DirectPath
-    from node.kv_link import KVLinkConfig
-    from node.migration import BlockMover
+    from node.serving import link_auth
+    from node.serving.direct_path import DirectPath
+    from node.serving.kv_link import KVLinkConfig
+    from node.serving.migration import BlockMover
 
     config = KVLinkConfig(chunk_bytes=chunk_mib << 20)
     path = DirectPath(BlockMover(engine), name, link_auth.link_key(KEY_SECRET), config)
@@ -84,7 +84,7 @@ def _path(name: str, engine, chunk_mib: int = 4):
 
 def _instrument(stages: Stages, side: str) -> None:
     from kvcache import cache
-    from node import kv_link
+    from node.serving import kv_link
 
     if side == "source":
         stages.wrap(cache.KVCache, "pin_export", "pin")

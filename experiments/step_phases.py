@@ -19,10 +19,11 @@ import numpy as np
 
 import kernels
 import node.engine as engine_module
-from node import model_adapter, sampling
-from node.bench import SCENARIOS, run_engine, warm_up_workload
-from node.bench_shapes import random_llama
+from cluster.bench.engine import SCENARIOS, run_engine, warm_up_workload
+from node import sampling
 from node.engine import EngineConfig, LLMEngine
+from node.model import runner as model_runner
+from node.model.random_weights import random_llama
 
 
 class PhaseTimers:
@@ -61,7 +62,7 @@ def record_plans(plans: list) -> None:
         plan = plan_varlen(starts, lengths, tables, **kw)
         plans.append(_variants(plan, starts))
         return plan
-    model_adapter.kernels = _KernelsWith(recorded)
+    model_runner.kernels = _KernelsWith(recorded)
 
 
 class _KernelsWith:

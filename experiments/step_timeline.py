@@ -18,7 +18,7 @@ import numpy as np
 from experiments.decode_step_profile import decoding_engine
 from node import engine as engine_module
 from node import sampling
-from node.bench_shapes import random_llama, random_model, shape_config
+from node.model.random_weights import random_llama, random_model, shape_config
 
 #: the clock phases are timed by: wall time, or the engine thread's own CPU time (`--clock
 #: thread`), which other processes on a shared machine do not inflate

@@ -15,17 +15,8 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kernels import reference
-from kernels.dispatch import (
-    ENV_VAR,
-    available_backends,
-    backend_for_head_dims,
-    check_head_dims,
-    checked_decode_metadata,
-    decode_function,
-    default_backend,
-    resolve_backend,
-    varlen_function,
-)
+from kernels.backends import ENV_VAR, available_backends, default_backend, resolve_backend
+from kernels.dispatch import backend_for_head_dims, check_head_dims, checked_decode_metadata, decode_function, varlen_function
 from kernels.errors import (
     BackendUnavailable,
     InvalidAttentionMetadata,

@@ -1,62 +1,25 @@
-"""Which attention backend runs: Metal on a Mac, CUDA where MLX drives an NVIDIA GPU, else the reference.
+"""The implementation behind a resolved backend (kernels.backends names which one runs).
 
-An argument beats the environment variable, which beats the device's default, so a test
-or a benchmark can pin a backend without touching the engine. The compiled kernels keep
-one head dim for queries, keys, values and outputs; a model whose values are of another
-width than its keys (DeepSeek-V2) runs on the reference, chosen once for the model
-(`backend_for_head_dims`), and the compiled entries refuse such caches.
+The decode function of "reference", "metal" or "cuda", the varlen kernels of the compiled
+two, and the checks of decode metadata; kernel modules load only when asked for.
+The compiled kernels keep one head dim for queries, keys, values and outputs; a model whose
+values are of another width than its keys (DeepSeek-V2) runs on the reference, chosen once for
+the model (`backend_for_head_dims`), and the compiled entries refuse such caches.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 
 import mlx.core as mx
 import numpy as np
 
 from kernels import reference
-from kernels.errors import BackendUnavailable, UnknownBackend, UnsupportedAttentionShape
+from kernels.backends import resolve_backend
+from kernels.errors import UnsupportedAttentionShape
 from kernels.reference import DecodeFn
 
 log = logging.getLogger(__name__)
-
-ENV_VAR = "ORCHARD_ATTENTION_BACKEND"
-BACKENDS = ("reference", "metal", "cuda")
-
-
-def metal_available() -> bool:
-    return mx.metal.is_available()
-
-
-def cuda_available() -> bool:
-    return hasattr(mx, "cuda") and mx.cuda.is_available()
-
-
-def available_backends() -> list[str]:
-    """Backends that can run here, best first; "reference" is always last and always present."""
-    found = [name for name, ok in (("metal", metal_available()), ("cuda", cuda_available())) if ok]
-    return found + ["reference"]
-
-
-def default_backend() -> str:
-    """The environment's choice when it names one, else the best backend this machine has."""
-    requested = os.environ.get(ENV_VAR, "").strip().lower()
-    if requested:
-        return _checked(requested)
-    return available_backends()[0]
-
-
-def resolve_backend(name: str | None) -> str:
-    return default_backend() if name is None else _checked(name.strip().lower())
-
-
-def _checked(name: str) -> str:
-    if name not in BACKENDS:
-        raise UnknownBackend(f"unknown attention backend {name!r}; expected one of {BACKENDS}")
-    if name not in available_backends():
-        raise BackendUnavailable(f"attention backend {name!r} cannot run here; available: {available_backends()}")
-    return name
 
 
 def head_dims_reason(backend: str, key_head_dim: int, value_head_dim: int) -> str | None:

@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels import mma_source, reference, source
-from kernels.dispatch import resolve_backend
+from kernels.backends import resolve_backend
 from kernels.errors import InvalidAttentionMetadata, UnsupportedAttentionShape
 from kernels.launch import DecodePlan, KernelTuning, decode_dims, plan_decode
 from kernels.variants import LayerAttention, LayerInputs, layer_inputs
@@ -44,7 +44,7 @@ MAX_THREADS = 256
 
 @dataclass(frozen=True)
 class VarlenTuning:
-    """Knobs of the varlen kernel; to be measured on the H200 (`python -m kernels.bench --only varlen --sweep`)."""
+    """Knobs of the varlen kernel; to be measured on the H200 (`python -m cluster.bench.kernels --only varlen --sweep`)."""
 
     max_rows: int = 64  # query rows (tokens x heads of one KV group) per threadgroup
     max_query_tokens: int = 64  # query tokens of one sequence per threadgroup

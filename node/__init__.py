@@ -1,4 +1,22 @@
-"""One machine: the paged engine, its APIs and its Ray actor.
+"""One machine: the paged engine's loop and its APIs; the model it runs (model/) and its edge to the cluster (serving/).
+
+    engine.py        the engine: continuous batching over the paged KV pool (`add_request`, `step`, `abort`)
+    scheduler.py     iteration-level scheduling under a token budget
+    sequence.py      a sequence (one continuation) and the request that groups them
+    sampling.py      one step's logits to tokens, per row
+    structured.py    structured output at sampling: each constrained row's grammar state as a token mask
+    constraint.py    what a request's output must match, compiled once where the request enters
+    detokenizer.py   incremental, streaming-safe detokenization
+    async_engine.py  an asyncio face on the engine: one thread steps, coroutines stream
+    llm.py           offline batch generation: `LLM(model=...).generate(prompts, SamplingParams(...))`
+    types.py         what a caller hands the engine and gets back (no MLX)
+    errors.py        named request errors (no MLX)
+    rates.py         moving averages of what the node measures about itself
+    openblas.py      OpenBLAS for MLX's Linux CPU build (`python -m node.openblas`)
+    model/           the model: loader, paged runner, capability checks, layer seams, the demo model
+    serving/         the Ray actor, its output streams, the KV mover, the join agent
+
+`cluster -> node -> kvcache, kernels`; inside node, `serving -> loop -> model`.
 
 `LLM`, `LLMEngine`, `EngineConfig`, `AsyncEngine` and `SamplingParams` are exported
 lazily so that importing `node.types` (gateway, coordinator) never loads MLX.

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 import mlx.core as mx
 
 from node.engine import EngineConfig, LLMEngine
-from node.models import evaluate_held_arrays
+from node.model.loader import evaluate_held_arrays
 from node.types import RequestOutput, SamplingParams
 
 _IDLE_WAIT_S = 0.05

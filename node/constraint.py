@@ -19,7 +19,7 @@ from typing import Any, Literal
 from llguidance import LLMatcher
 from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
 
-from node.types import InvalidSamplingParams
+from node.errors import InvalidSamplingParams
 
 Kind = Literal["json", "regex", "choice", "grammar"]
 

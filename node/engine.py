@@ -19,14 +19,14 @@ from kvcache import CacheConfig, KVCache
 from kvcache.state_pool import StatePool
 from node.detokenizer import IncrementalDetokenizer, fast_decoder
 from node.errors import DuplicateRequest, InvalidPrompt, PromptTooLong
-from node.model_adapter import ModelRunner, SequenceChunk, StepInput, pack_step
-from node.models import LoadedModel, load_model
+from node.model.loader import LoadedModel, load_model
+from node.model.residency import wire_model_and_pool
+from node.model.runner import ModelRunner, SequenceChunk, StepInput, pack_step
+from node.model.state_layers import probe_state_shapes
 from node.rates import NodeRates
-from node.residency import wire_model_and_pool
 from node.sampling import DeviceSample, SampleRow, sample_on_device
 from node.scheduler import PreemptionNeeded, ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from node.sequence import PENDING_TOKEN, Request, Sequence, Status
-from node.state_layers import probe_state_shapes
 from node.structured import GrammarMasks
 from node.types import RequestOutput, SamplingParams
 
@@ -64,7 +64,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # False: no prompt reuses another's blocks (vLLM's flag)
     seed: int = 0
     async_scheduling: bool = True  # overlap host work for step N+1 with the device's step N
-    # Decode-only steps replayed from compiled graphs (node.compiled_decode); None: where the
+    # Decode-only steps replayed from compiled graphs (node.model.compiled_decode); None: where the
     # attention runs a compiled kernel (Metal, CUDA), not on the reference backend.
     compiled_decode: bool | None = None
 
@@ -499,6 +499,6 @@ def build_step_input(chunks: list[ScheduledChunk], kv: KVCache, block_size: int)
 
 def hybrid_state_pool(loaded: LoadedModel, max_num_seqs: int) -> StatePool | None:
     """A state slot per sequence the scheduler may run (forks included), for a model with
-    recurrent-state layers (node.state_layers); None for a model of attention layers only."""
+    recurrent-state layers (node.model.state_layers); None for a model of attention layers only."""
     shapes = probe_state_shapes(loaded.model, getattr(mx, loaded.dtype))
     return StatePool(shapes, 2 * max_num_seqs + 1) if shapes else None

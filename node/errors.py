@@ -1,6 +1,13 @@
-"""Named request errors raised by the engine at `add_request`; nothing is queued when they fire."""
+"""Named request errors: sampling parameters refused where they are built, and what the engine refuses at
+`add_request`; nothing is queued when they fire."""
 
-from node.types import InvalidSamplingParams  # noqa: F401  (re-exported: one place to import errors from)
+
+class InvalidSamplingParams(ValueError):
+    """A sampling parameter is out of range; `.param` names it."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(f"{param}: {message}")
+        self.param = param
 
 
 class EngineError(Exception):

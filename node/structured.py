@@ -42,7 +42,7 @@ class GrammarMasks:
         self.eos_token_ids = sorted(eos_token_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
-        self.fill_seconds = 0.0  # host time in mask fills, and how many rows they filled (node/bench_grammar.py)
+        self.fill_seconds = 0.0  # host time in mask fills, and how many rows they filled (cluster/bench/grammar.py)
         self.filled_rows = 0
 
     @property

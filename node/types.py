@@ -9,16 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from node.errors import InvalidSamplingParams
+
 if TYPE_CHECKING:
     from node.constraint import Constraint
-
-
-class InvalidSamplingParams(ValueError):
-    """A sampling parameter is out of range; `.param` names it."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(f"{param}: {message}")
-        self.param = param
 
 
 #: vLLM's threshold: a temperature this small is greedy decoding.

@@ -238,20 +238,20 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--router-nodes", type=int, default=8)
     p.add_argument("--nodes", type=int, default=3, help="raylets (one engine each) of the workload's cluster")
     p.add_argument("--hybrid", action="store_true",
-                   help="serve a random small Qwen3-Next (Gated DeltaNet + attention: node.bench_sessions) instead of the demo model")
+                   help="serve a random small Qwen3-Next (Gated DeltaNet + attention: cluster.bench.sessions) instead of the demo model")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     return p.parse_args(argv)
 
 
 def _hybrid_checkpoint() -> str:
-    """node.bench_sessions' hybrid shape with random weights, written where every raylet can load it."""
+    """cluster.bench.sessions' hybrid shape with random weights, written where every raylet can load it."""
     import json
     import tempfile
     from pathlib import Path
 
-    from node.bench_sessions import HYBRID_SHAPE
-    from node.bench_shapes import write_random_checkpoint
-    from node.demo_model import default_demo_model_path
+    from cluster.bench.sessions import HYBRID_SHAPE
+    from node.model.demo import default_demo_model_path
+    from node.model.random_weights import write_random_checkpoint
 
     demo = Path(default_demo_model_path())
     vocab = json.loads((demo / "config.json").read_text())["vocab_size"]

@@ -62,7 +62,7 @@ class ServerDidNotStart(RuntimeError):
 # ---- prompts ---------------------------------------------------------------------------
 def ttft_prompts(tokenizer, count: int, length: int, seed: int) -> list[list[int]]:
     """`count` prompts of exactly `length` tokens whose first blocks all differ (no prefix hits)."""
-    from node.demo_model import corpus_text
+    from node.model.demo import corpus_text
 
     words = corpus_text().split()
     rng = random.Random(seed)

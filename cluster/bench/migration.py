@@ -8,7 +8,7 @@ here), one node actor on each (node "a" on the head, node "b" on the worker):
    shared machine one reading swings 2x from minute to minute), percentages of their median;
 2. migration throughput of a prefix from a to b, per size: `pull_blocks` end to end (export
    on a, transfer, checks and import on b, blocks usable by b's engine) over the direct KV
-   path (`node.kv_link`, the best of `--repeats`) and through Ray's object store, and Ray's
+   path (`node.serving.kv_link`, the best of `--repeats`) and through Ray's object store, and Ray's
    object-store transfer alone. These prefixes are placed on a by importing KV made up here
    (the right hashes, arbitrary values), so sizes past the model's context and repeats cost
    no prefill: a pull moves bytes, whatever they mean;
@@ -103,8 +103,8 @@ class NodePair:
         import ray
 
         from cluster.runtime.ray_cluster import node_actor_config, start_node_actor
-        from node.demo_model import default_demo_model_path
         from node.engine import EngineConfig
+        from node.model.demo import default_demo_model_path
 
         self.ray = ray
         self.model = f"demo-{size}"
@@ -174,7 +174,7 @@ class NodePair:
 
         from kvcache.hashing import root_hash
         from kvcache.wire import KVBlockData, encode_blocks
-        from node.models import load_model
+        from node.model.loader import load_model
 
         if self.geometry is None:
             self.geometry = load_model(self.ray.get(self.a.info.remote())["model_path"]).geometry(self.block_size)
@@ -269,7 +269,7 @@ def run_case(pair: NodePair, tokens_len: int) -> Case:
 def throughput(pair: NodePair, config: BenchConfig) -> list[dict]:
     """Per pull size: the direct path's best and median of `repeats` pulls, one pull through Ray,
     and Ray's object-store transfer alone, each of a fresh prefix."""
-    from node.migration import MigrationConfig
+    from node.serving.migration import MigrationConfig
 
     pair.pull(pair.seed_on_a(4 * config.block_size))  # warm: connections, buffers, workers
     pair.pull(pair.seed_on_a(4 * config.block_size), via_ray=True)

@@ -1,8 +1,8 @@
 """`orchard bench`: benchmarks, one subcommand each.
 
 `serve` and `compare` live here (the load generator in `cluster/bench/loadgen`). The others
-are modules with `main(argv) -> int` (in `cluster/bench/`, or beside the engine and the
-kernels they measure), so this group only forwards their arguments.
+are modules of `cluster/bench/` with `main(argv) -> int`, so this group only forwards their
+arguments.
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import sys
 # subcommand -> (module with main(argv), what it measures)
 DELEGATED = {
     "kv": ("cluster.bench.kvcache", "KV block pool and prefix cache"),
-    "kernels": ("kernels.bench", "paged attention kernels"),
-    "engine": ("node.bench", "one node's engine, offline"),
-    "grammar": ("node.bench_grammar", "structured-output mask cost at batch 32"),
+    "kernels": ("cluster.bench.kernels", "paged attention kernels"),
+    "engine": ("cluster.bench.engine", "one node's engine, offline"),
+    "grammar": ("cluster.bench.grammar", "structured-output mask cost at batch 32"),
     "cluster": ("cluster.bench.cluster", "routing across nodes"),
     "migration": ("cluster.bench.migration", "KV block migration between nodes"),
     "gateway": ("cluster.bench.gateway", "HTTP front vs engine; orchard serve vs mlx_lm.server"),

@@ -11,7 +11,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    from node.demo_model import write_demo_model
+    from node.model.demo import write_demo_model
 
     write_demo_model(args.path, size=args.size)
     print(f"demo model ({args.size}) written to {args.path}")

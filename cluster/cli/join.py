@@ -54,7 +54,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from cluster.discovery import cluster_token as ct
     from cluster.runtime.ray_access import require_token_auth
-    from node.agent import JoinAgent
+    from node.serving.agent import JoinAgent
 
     _setup_logging()
     try:
@@ -79,7 +79,7 @@ def run(args) -> int:
 
 def agent_config(args):
     """The join agent's settings from the command line (ValueError names a bad one)."""
-    from node.agent import AgentConfig
+    from node.serving.agent import AgentConfig
 
     return AgentConfig(
         num_cpus=args.num_cpus,
@@ -130,7 +130,7 @@ def head_is_loopback(head: str | None) -> bool:
 def _watch_head(args, agent, key: bytes):
     """Report the head to the agent: once for --head, else on every valid advertisement."""
     from cluster.discovery.adverts import AdvertBrowser, AdvertVerifier, instance_name
-    from node.agent import HeadSighting
+    from node.serving.agent import HeadSighting
 
     if args.head:
         agent.head_seen(HeadSighting(static_head_address(args.head)))
@@ -160,7 +160,7 @@ def drain_this_node(agent, timeout_s: float) -> None:
     import ray
 
     from cluster.coordinator.coordinator import COORDINATOR_NAME, NAMESPACE
-    from node.agent import LABEL_AGENT
+    from node.serving.agent import LABEL_AGENT
 
     joined = agent.joined
     if joined is None or timeout_s <= 0:

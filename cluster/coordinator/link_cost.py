@@ -22,7 +22,7 @@ class LinkCostFit:
     different pipelines (several times apart in rate), so samples of one never fit the other.
     """
 
-    path: str = "ray"  # which path the samples went over: "ray" or "direct" (`node.kv_link`)
+    path: str = "ray"  # which path the samples went over: "ray" or "direct" (`node.serving.kv_link`)
     alpha: float = 0.3
     samples: int = 0
     mean_bytes: float = 0.0

@@ -16,7 +16,7 @@ import stat
 import sys
 from pathlib import Path
 
-from node.link_auth import derive_key as _derive_key
+from node.serving.link_auth import derive_key as _derive_key
 
 CONFIG_DIR_ENV = "ORCHARD_CONFIG_DIR"
 TOKEN_ENV = "ORCHARD_CLUSTER_TOKEN"

@@ -18,8 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.gateway.chat_template import ChatTemplateError
 from cluster.gateway.protocol import ErrorResponse
-from node.errors import InvalidPrompt, PromptTooLong
-from node.types import InvalidSamplingParams
+from node.errors import InvalidPrompt, InvalidSamplingParams, PromptTooLong
 
 log = logging.getLogger("orchard.gateway")
 

@@ -1,4 +1,4 @@
-"""The gateway's end of the nodes' coalesced output streams (node/output_streams.py).
+"""The gateway's end of the nodes' coalesced output streams (node/serving/output_streams.py).
 
 One `outputs` stream per node for this gateway process, read by one task that fans each
 message's outputs out to the queues of the requests waiting for them. A stream that

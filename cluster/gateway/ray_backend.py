@@ -37,8 +37,8 @@ from cluster.gateway.resume import Progress, resume_params, seeded
 from cluster.runtime.ray_cluster import node_actor_name
 from kvcache.hashing import block_hashes, root_hash
 from node.async_engine import EngineStepFailed
-from node.output_streams import StreamFailed
-from node.stream_delta import Cumulative
+from node.serving.output_streams import StreamFailed
+from node.serving.stream_delta import Cumulative
 from node.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)

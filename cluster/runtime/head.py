@@ -26,7 +26,7 @@ import httpx
 from cluster.discovery import cluster_token as ct
 from cluster.discovery.adverts import Advertisement, Advertiser, orchard_version
 from cluster.runtime.ray_access import require_token_auth
-from node.agent import ray_environment, ray_executable, stop_process_group
+from node.serving.agent import ray_environment, ray_executable, stop_process_group
 
 DEFAULT_CLUSTER = "orchard"
 DEFAULT_RAY_PORT = 6379

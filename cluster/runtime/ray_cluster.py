@@ -82,10 +82,10 @@ def serving_ray_nodes() -> list[dict]:
 def start_node_actor(ray_node_id: str, node_config, *, detached: bool = False):
     """Create the node actor for one machine and wait until it has registered.
 
-    `node_config` is a `node.actor.NodeActorConfig`; the actor is named after its node id.
+    `node_config` is a `node.serving.actor.NodeActorConfig`; the actor is named after its node id.
     Unless `detached`, it lives as long as this process (which keeps a handle to it).
     """
-    from node.actor import NodeActorRemote
+    from node.serving.actor import NodeActorRemote
 
     options = dict(
         name=node_actor_name(node_config.node_id),
@@ -108,7 +108,7 @@ def node_actor_config(node_id: str, engine_config, **options):
     from dataclasses import replace as with_changes
     from pathlib import Path
 
-    from node.actor import NodeActorConfig
+    from node.serving.actor import NodeActorConfig
 
     if engine_config.cold_tier_dir:
         engine_config = with_changes(engine_config, cold_tier_dir=str(Path(engine_config.cold_tier_dir) / node_id))

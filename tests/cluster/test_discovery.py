@@ -22,7 +22,7 @@ from cluster.discovery.adverts import (
     StaleAdvert,
     signed_txt,
 )
-from node.agent import (
+from node.serving.agent import (
     LABEL_CHIP,
     LABEL_DEVICE,
     LABEL_MEMORY,
@@ -422,7 +422,7 @@ def test_real_process_is_stopped_with_its_group(tmp_path):
 
 
 def test_stopping_refuses_a_group_that_is_not_a_child_session():
-    from node.agent import stop_process_group
+    from node.serving.agent import stop_process_group
 
     class NotOurs:
         pid = 0
@@ -432,7 +432,7 @@ def test_stopping_refuses_a_group_that_is_not_a_child_session():
 
 
 def test_stopping_waits_for_grandchildren_and_kills_those_that_ignore_sigterm(tmp_path):
-    from node.agent import _group_alive, stop_process_group
+    from node.serving.agent import _group_alive, stop_process_group
 
     child = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 30 & wait"], start_new_session=True)
     import time

@@ -8,9 +8,9 @@ import pytest
 
 from cluster.cli.join import agent_config
 from cluster.cli.main import build_parser
-from node.actor import local_engine_config
-from node.agent import COLD_TIER_DIR_ENV, COLD_TIER_GB_ENV, ray_environment
 from node.engine import EngineConfig
+from node.serving.actor import local_engine_config
+from node.serving.agent import COLD_TIER_DIR_ENV, COLD_TIER_GB_ENV, ray_environment
 
 HEAD_ENGINE = EngineConfig(max_model_len=256, num_blocks=64, max_num_seqs=4)
 

@@ -18,7 +18,7 @@ from cluster.gateway.block_pull import MigrationPolicy, migration_hashes, pull_f
 from kvcache.wire import decode_blocks, encode_blocks
 from node.async_engine import AsyncEngine
 from node.engine import EngineConfig, LLMEngine
-from node.migration import BlockMover, MigrationConfig, chunked, probe_payload
+from node.serving.migration import BlockMover, MigrationConfig, chunked, probe_payload
 from node.types import SamplingParams
 
 BS = 16

@@ -93,7 +93,7 @@ def test_second_request_with_a_prefix_goes_to_the_node_holding_it(cluster):
     hashes = block_hashes(shared, BLOCK, root_hash(spec["fingerprint"], spec["cache_salt"]))
     assert wait_for(lambda: ray.get(coordinator().match.remote(hashes)) == {holder: 4})
     # The holder reports itself idle soon after the first request ends (an early heartbeat:
-    # tests/node/test_actor_heartbeat.py pins how soon; here only that it comes).
+    # tests/node/serving/test_actor_heartbeat.py pins how soon; here only that it comes).
     assert wait_for(lambda: all(n["running"] == 0 for n in ray.get(coordinator().nodes.remote())), timeout=5.0)
     asyncio.run(collect(backend, "second", shared + [8, 9, 10], GREEDY))
     second = ray.get(coordinator().recent_decisions.remote(1))[0]

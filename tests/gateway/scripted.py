@@ -10,8 +10,8 @@ from __future__ import annotations
 from mlx_lm.utils import load_tokenizer
 
 from cluster.gateway.backend import ModelInfo
-from node.demo_model import default_demo_model_path
 from node.detokenizer import IncrementalDetokenizer
+from node.model.demo import default_demo_model_path
 from node.types import CompletionOutput, RequestOutput
 
 MODEL = "scripted"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.dispatch import cuda_available, metal_available
+from kernels.backends import cuda_available, metal_available
 
 REFERENCE = pytest.param("reference", id="reference")
 METAL = pytest.param(

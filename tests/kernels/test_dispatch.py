@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels import dispatch
+from kernels import backends
 
 
 def test_reference_is_always_available_and_last():
@@ -21,30 +21,30 @@ def test_default_is_the_first_available_backend_without_override(monkeypatch):
 
 def test_default_on_a_machine_without_gpu_is_reference(monkeypatch):
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-    monkeypatch.setattr(dispatch, "metal_available", lambda: False)
-    monkeypatch.setattr(dispatch, "cuda_available", lambda: False)
+    monkeypatch.setattr(backends, "metal_available", lambda: False)
+    monkeypatch.setattr(backends, "cuda_available", lambda: False)
     assert kernels.default_backend() == "reference"
 
 
 @pytest.mark.parametrize("metal,cuda,expected", [(True, False, "metal"), (False, True, "cuda")])
 def test_default_prefers_the_device_kernel(monkeypatch, metal, cuda, expected):
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
-    monkeypatch.setattr(dispatch, "metal_available", lambda: metal)
-    monkeypatch.setattr(dispatch, "cuda_available", lambda: cuda)
+    monkeypatch.setattr(backends, "metal_available", lambda: metal)
+    monkeypatch.setattr(backends, "cuda_available", lambda: cuda)
     assert kernels.default_backend() == expected
 
 
 def test_environment_variable_overrides_the_device_default(monkeypatch):
-    monkeypatch.setattr(dispatch, "cuda_available", lambda: True)
+    monkeypatch.setattr(backends, "cuda_available", lambda: True)
     monkeypatch.setenv(kernels.ENV_VAR, "Reference")
     assert kernels.default_backend() == "reference"
-    assert dispatch.resolve_backend(None) == "reference"
+    assert backends.resolve_backend(None) == "reference"
 
 
 def test_argument_overrides_the_environment(monkeypatch):
-    monkeypatch.setattr(dispatch, "cuda_available", lambda: True)
+    monkeypatch.setattr(backends, "cuda_available", lambda: True)
     monkeypatch.setenv(kernels.ENV_VAR, "reference")
-    assert dispatch.resolve_backend("cuda") == "cuda"
+    assert backends.resolve_backend("cuda") == "cuda"
 
 
 def test_unknown_backend_name_is_refused(monkeypatch):
@@ -52,13 +52,13 @@ def test_unknown_backend_name_is_refused(monkeypatch):
     with pytest.raises(kernels.UnknownBackend, match="tpu"):
         kernels.default_backend()
     with pytest.raises(kernels.UnknownBackend):
-        dispatch.resolve_backend("opencl")
+        backends.resolve_backend("opencl")
 
 
 def test_backend_missing_on_this_machine_is_refused(monkeypatch):
-    monkeypatch.setattr(dispatch, "metal_available", lambda: False)
+    monkeypatch.setattr(backends, "metal_available", lambda: False)
     with pytest.raises(kernels.BackendUnavailable, match="metal"):
-        dispatch.resolve_backend("metal")
+        backends.resolve_backend("metal")
 
 
 def _tiny_pool():

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels import dispatch
+from kernels import backends
 from tests.kernels import emulator
 from tests.kernels.backends import ALL_BACKENDS
 from tests.kernels.paged_case import Rules, assert_close, make_paged_case, oracle_decode, oracle_prefill, random_stored, to_float64
@@ -145,7 +145,7 @@ def test_windows_reach_the_compiled_kernels_at_run_time_not_as_variants(rng, mon
     lengths = q_lens + np.array([300, 2000, 500, 10], dtype=np.int32)
     case = make_paged_case(rng, lengths, 2, 64, 16, "float16")
     starts = starts_of(q_lens)
-    monkeypatch.setattr(dispatch, "cuda_available", lambda: True)  # plan for CUDA; the stand-in compiler runs nothing
+    monkeypatch.setattr(backends, "cuda_available", lambda: True)  # plan for CUDA; the stand-in compiler runs nothing
     plan = plan_for(case, starts, 8, "cuda", partition_size=256, min_partition_size=256)
     assert plan.kernel.split_rows is not None and plan.kernel.decode.plan.partitioned
     varlen = PagedVarlenKernels("cuda", compile_kernel)
@@ -196,7 +196,7 @@ EMULATED = [
 def test_varlen_text_with_layer_rules_on_cpu_emulator_matches_float64_oracle(emulator_dir, monkeypatch, rng, config, rules_name):
     num_kv_heads, group, head_dim, block_size, tuning = EMULATED[config]
     num_heads = num_kv_heads * group
-    monkeypatch.setattr(dispatch, "metal_available", lambda: True)  # plan for the Metal text; the emulator runs it
+    monkeypatch.setattr(backends, "metal_available", lambda: True)  # plan for the Metal text; the emulator runs it
     q_lens, lengths = mixed_step(rng, [2, 9, 23], num_decodes=4, max_decode_context=200)
     case = make_paged_case(rng, lengths, num_kv_heads, head_dim, block_size, "float32")
     starts = starts_of(q_lens)
@@ -234,7 +234,7 @@ def test_decode_text_with_layer_rules_on_cpu_emulator_matches_float64_oracle(emu
 def test_tensor_core_text_with_layer_rules_on_cpu_emulator_matches_float64_oracle(emulator_dir, monkeypatch, rng, rules_name):
     from tests.kernels import mma_emulator
 
-    monkeypatch.setattr(dispatch, "cuda_available", lambda: True)  # plan for CUDA; the emulator runs the body
+    monkeypatch.setattr(backends, "cuda_available", lambda: True)  # plan for CUDA; the emulator runs the body
     q_lens = np.array([3, 70, 17], dtype=np.int32)
     lengths = (q_lens + rng.integers(50, 90, size=q_lens.size)).astype(np.int32)
     case = make_paged_case(rng, lengths, 2, 64, 16, "bfloat16")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels import dispatch, mma_source, source
+from kernels import backends, mma_source, source
 from kernels import plan as varlen_plan
 from tests.kernels import emulator
 from tests.kernels.backends import ALL_BACKENDS, CUDA
@@ -313,7 +313,7 @@ def emulator_dir(tmp_path_factory):
 
 
 def _emulated(case, starts, num_heads, tuning, emulator_dir, monkeypatch, rng, scale=0.11):
-    monkeypatch.setattr(dispatch, "metal_available", lambda: True)  # plan for the Metal text; the emulator runs it
+    monkeypatch.setattr(backends, "metal_available", lambda: True)  # plan for the Metal text; the emulator runs it
     step_plan = plan_for(case, starts, num_heads, "metal", **tuning)
     library = emulator.compile_library(emulator.varlen_source(emulator.varlen_constants(step_plan)), emulator_dir)
     queries = random_stored(rng, (int(starts[-1]), num_heads, case.keys64.shape[3]), "float32")
@@ -378,7 +378,7 @@ class EmulatedCompiler:
 def test_launcher_runs_plan_and_merge_through_the_emulated_kernel(emulator_dir, monkeypatch, rng):
     from kernels.varlen import PagedVarlenKernels
 
-    monkeypatch.setattr(dispatch, "metal_available", lambda: True)
+    monkeypatch.setattr(backends, "metal_available", lambda: True)
     # Both chunks reach past one 64-token partition, so they split and the merge kernel runs.
     q_lens = np.array([7, 1, 17, 1, 1, 1], dtype=np.int32)
     lengths = q_lens + np.array([80, 150, 70, 30, 199, 12], dtype=np.int32)
@@ -432,7 +432,7 @@ def test_tensor_core_body_on_cpu_emulator_matches_float64_oracle(emulator_dir, m
     from tests.kernels import mma_emulator
 
     num_kv_heads, group, head_dim, block_size, chunks, tuning = MMA_EMULATED[config]
-    monkeypatch.setattr(dispatch, "cuda_available", lambda: True)  # plan for CUDA; the emulator runs the body
+    monkeypatch.setattr(backends, "cuda_available", lambda: True)  # plan for CUDA; the emulator runs the body
     q_lens = np.array(chunks, dtype=np.int32)
     # at least 50 earlier tokens, so a 17-token chunk's context passes a 64-token partition and splits
     lengths = (q_lens + rng.integers(50, 90, size=q_lens.size)).astype(np.int32)

@@ -23,10 +23,10 @@ from kvcache.geometry import StateArray, StateGeometry
 from kvcache.wire import StateSnapshotData, decode_payload, encode_blocks
 from node import link_auth as auth
 from node.async_engine import AsyncEngine
-from node.direct_path import DirectPath
+from node.serving.direct_path import DirectPath
 from node.engine import EngineConfig, LLMEngine
-from node.kv_link import KVLinkConfig
-from node.migration import BlockMover, MigrationConfig
+from node.serving.kv_link import KVLinkConfig
+from node.serving.migration import BlockMover, MigrationConfig
 from node.types import SamplingParams
 from tests.node.test_families import MAX_TOKENS, assert_matches_mlx_lm, prompts, reference, run
 from tests.node.tiny_models import HYBRID_CONFIGS, write_tiny_model

@@ -14,8 +14,9 @@ import pytest
 
 from node.constraint import Constraint, UnsupportedConstraint
 from node.engine import EngineConfig, LLMEngine
+from node.errors import InvalidSamplingParams
 from node.structured import apply_bitmask
-from node.types import InvalidSamplingParams, SamplingParams
+from node.types import SamplingParams
 from tests.node.test_engine import _assert_no_leak
 
 PERSON = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from node.bench_shapes import write_random_checkpoint
+from node.model.random_weights import write_random_checkpoint
 
 #: parameters mlx-lm's classes build as zeros and checkpoints train: gpt-oss's attention sinks
 TRAINED_FROM_ZERO = ("self_attn.sinks",)
@@ -111,7 +111,7 @@ TINY_CONFIGS = {
                   rope_theta=500_000.0, sliding_window=6),
     # Gemma 2: scores soft-capped (capped low, so the caps bite on random weights), logits soft-capped,
     # a query scale of its own. mlx-lm does not apply its configs' sliding_window, so the window caps
-    # the context (node.models): set past the tests' sequences, which stay where a window changes nothing.
+    # the context (node.model.loader): set past the tests' sequences, which stay where a window changes nothing.
     "gemma2": dict(_COMMON, model_type="gemma2", num_hidden_layers=3, num_key_value_heads=2, head_dim=32,
                    rms_norm_eps=1e-6, rope_theta=10_000.0, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
                    final_logit_softcapping=5.0, sliding_window=40),
@@ -141,7 +141,7 @@ TINY_CONFIGS = {
                                moe_layer_freq=2),
 }
 
-#: Hybrid models: Gated DeltaNet layers (recurrent state, node.state_layers) between full-attention
+#: Hybrid models: Gated DeltaNet layers (recurrent state, node.model.state_layers) between full-attention
 #: layers (every second one here); small heads, so the CPU's sequential DeltaNet stays quick.
 _GATED_DELTA = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
                     linear_conv_kernel_dim=4, full_attention_interval=2)

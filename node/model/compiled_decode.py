@@ -1,0 +1,135 @@
+"""Decode-only steps replayed from compiled graphs, one per batch and table-width bucket.
+
+A decode step's graph is the same from step to step but for its sizes, and on a GPU building
+it in Python and launching it primitive by primitive is what bounds decode (docs/benchmarks.md,
+"What bounds decode": the device is idle most of the step). `mx.compile` traces the model's
+decode once per shape and replays the traced graph afterwards, with its elementwise chains
+fused, as vLLM replays a captured CUDA graph per batch size.
+
+Shapes are bucketed so a handful of graphs serve every step: the batch is padded up to the
+next of `BATCH_BUCKETS`, the block tables to the next power of two. A padding row decodes
+token 0 at position 0: it writes its K/V to the first slot of the null block (block 0, never
+handed to a sequence, so no real row reads it) and attends to that slot alone; its logits
+are dropped. Everything the
+traced graph reads from a step is an input (ids, positions, slots, tables, lengths, the
+pool's arrays); everything else it holds depends on the input shapes alone, which is what
+the graph is keyed by (the attention kernels' launch plans), or on the model alone (its
+weights, each layer's scale, window and sinks), which a runner never changes.
+
+The pool's arrays go in and come back as outputs: the K/V writes are scatters whose output
+reuses the input buffer once the pool drops its old reference (kernels/kv_write.py), so a
+compiled step writes in place just as an eager one does.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from kernels import SlotIndex
+from node.model.positions import PackedPositions
+
+#: batch sizes a graph is traced for; larger batches round up to a multiple of the last step
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+_BUCKET_STEP = 16
+
+
+def batch_bucket(rows: int) -> int:
+    """The traced batch size that holds `rows` decode rows."""
+    i = bisect_left(BATCH_BUCKETS, rows)
+    if i < len(BATCH_BUCKETS):
+        return BATCH_BUCKETS[i]
+    return -(-rows // _BUCKET_STEP) * _BUCKET_STEP
+
+
+def width_bucket(blocks: int) -> int:
+    """The traced block-table width that holds `blocks` entries: the next power of two."""
+    return 1 << max(blocks - 1, 0).bit_length()
+
+
+@dataclass
+class _TracedPool:
+    """The pool as the layers of a traced step see it: one array per layer, replaced by each write."""
+
+    keys: list
+    values: list
+
+
+class CompiledDecode:
+    """Runs decode-only steps of one model through compiled graphs.
+
+    `make_context(pool, positions, slots, tables, lengths)` builds the per-step context the
+    model's layers read (node.model.runner's `StepContext` for a decode step) and
+    `run(context, tokens)` runs the stack and the head over it; both are traced, never
+    called eagerly from here.
+    """
+
+    def __init__(self, num_layers: int, make_context: Callable, run: Callable):
+        self._num_layers = num_layers
+        self._make_context = make_context
+        self._run = run
+        self._graphs: dict[tuple[int, int], Callable] = {}
+        self.traces = 0  # graphs traced so far: a new bucket traces once
+
+    def __call__(self, pool, step, tokens: mx.array | None) -> mx.array:
+        """Logits `[num_seqs, vocab]` of a decode-only `step` (one new token per sequence); the
+        pool's per-layer arrays are replaced by the step's outputs."""
+        rows = step.num_seqs
+        tables = np.asarray(step.block_tables, dtype=np.int32)
+        batch, width = batch_bucket(rows), width_bucket(tables.shape[1])
+        padded = np.zeros((batch, width), dtype=np.int32)
+        padded[:rows, : tables.shape[1]] = tables
+        inputs = [
+            _padded_ids(tokens, step.token_ids, batch),
+            _padded(step.positions, np.zeros(batch)),
+            *_padded_slots(step.slot_mapping, batch, pool.keys[0].shape[1]),
+            mx.array(padded),
+            _padded(step.context_lens, np.ones(batch)),
+        ]
+        graph = self._graphs.get((batch, width))
+        if graph is None:
+            graph = self._graphs[(batch, width)] = mx.compile(self._traced)
+            self.traces += 1
+        outputs = graph(*inputs, *pool.keys, *pool.values)
+        layers = self._num_layers
+        pool.keys[:] = outputs[1 : 1 + layers]
+        pool.values[:] = outputs[1 + layers :]
+        return outputs[0] if rows == batch else outputs[0][:rows]
+
+    def _traced(self, tokens, positions, blocks, offsets, tables, lengths, *kv):
+        layers = self._num_layers
+        pool = _TracedPool(list(kv[:layers]), list(kv[layers:]))
+        context = self._make_context(pool, PackedPositions(positions), SlotIndex(blocks, offsets), tables, lengths)
+        logits = self._run(context, tokens)
+        return (logits, *pool.keys, *pool.values)
+
+
+def _host_padded(values, padding: np.ndarray) -> np.ndarray:
+    """`values` in the first rows of `padding` (one entry per traced row), int32."""
+    host = np.asarray(values, dtype=np.int32)
+    out = padding.astype(np.int32)
+    out[: host.size] = host
+    return out
+
+
+def _padded(values, padding: np.ndarray) -> mx.array:
+    return mx.array(_host_padded(values, padding))
+
+
+def _padded_slots(slot_mapping, batch: int, block_size: int) -> tuple[mx.array, mx.array]:
+    """(blocks, offsets) of the step's slots; padding rows write the null block's first slot."""
+    index = SlotIndex.of(_host_padded(slot_mapping, np.zeros(batch)), block_size)
+    return index.blocks, index.offsets
+
+
+def _padded_ids(tokens: mx.array | None, token_ids, batch: int) -> mx.array:
+    """The step's input ids padded with token 0; ids still on the device stay there."""
+    if tokens is None:
+        return _padded(token_ids, np.zeros(batch))
+    if tokens.shape[0] == batch:
+        return tokens.astype(mx.int32)
+    return mx.concatenate([tokens.astype(mx.int32), mx.zeros((batch - tokens.shape[0],), dtype=mx.int32)])

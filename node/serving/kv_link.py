@@ -1,0 +1,394 @@
+"""The direct KV data path between two nodes: a listener on each, a client in each pull.
+
+Ray's object store moves a payload at a fifth of what the link carries, and needs the
+payload as one bytes object on both sides; this link sends a pull's blocks over one TCP
+connection, straight from the pool's arrays, into buffers the target keeps for the next
+pull. On the wire (after `node.serving.link_auth`'s handshake):
+
+    request   u32 length, msgpack {"hashes": [bytes, ...], "chunk_bytes": int}
+              or {"probe": nbytes}: a well-formed payload of blocks no model uses (`node.serving.migration.probe_payload`)
+    reply     per chunk: u64 length, then one `kvcache.wire` payload (checksummed); u64 0 ends it
+              (a hybrid model's run is one chunk: its blocks are worth importing only with the
+              recurrent state after the last of them, which travels in the same payload)
+
+Each chunk is a whole payload, so the target verifies and imports chunk i on its engine
+thread while chunk i+1 arrives, and the source checksums chunk i+1 while chunk i is sent:
+the slowest stage sets the rate. A source that holds fewer blocks than asked sends fewer.
+
+Threads with blocking sockets, not asyncio streams: Python 3.11's transports join the
+buffers of `writelines` into one (a copy of every byte), and a thread's `sendmsg` and
+`recv_into` release the GIL, so the actor's event loop stays free to serve while bytes move.
+Once authenticated, a connection is in blocking mode with the kernel's send and receive
+timeouts (`SO_SNDTIMEO`, `SO_RCVTIMEO`) rather than Python's: a chunk is then one
+`recv_into(MSG_WAITALL)` and one `sendmsg` per batch of pieces, where a Python timeout
+(a non-blocking socket polled) returns to Python, and asks for the GIL, every few KiB.
+The receive thread also verifies each chunk: the kernel's receive buffer keeps filling
+meanwhile, and a second thread would only add a GIL hand-off per chunk.
+Anything that fails before the reply starts (no address, refused, wrong node) means "no
+direct path": the caller falls back to Ray. Nothing listens unless a key is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import socket
+import struct
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import msgpack
+
+from kvcache.errors import KVCacheError
+from kvcache.hashing import BlockHash
+from kvcache.wire import KVPayload, StateSnapshotData
+from kvcache.wire_stream import decode_payload_views, encode_pieces
+from node.serving import link_auth as auth
+from node.serving.migration import probe_payload
+
+log = logging.getLogger(__name__)
+
+_U32, _U64 = struct.Struct(">I"), struct.Struct(">Q")
+_MAX_REQUEST = 64 << 20
+_MAX_PIECES = 512  # per sendmsg; IOV_MAX is 1024 on Linux and macOS
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+
+
+class LinkRefused(ConnectionError):
+    """The peer is not an orchard KV link holding our key, or not the node we meant."""
+
+
+@dataclass(frozen=True)
+class KVLinkConfig:
+    host: str = "127.0.0.1"  # the address to listen on; beyond loopback only when the cluster binds there
+    port: int = 0
+    chunk_bytes: int = 4 << 20  # small enough that a pull has several chunks to overlap
+    handshake_timeout_s: float = 5.0
+    io_timeout_s: float = 30.0
+    connect_timeout_s: float = 2.0
+    # The sender's socket buffer (the kernel caps it: net.core.wmem_max on Linux, kern.ipc.maxsockbuf
+    # on macOS): two chunks queued in the kernel keep the link busy while the next is encoded. The
+    # receive side is left to the kernel's autotuning, which setting SO_RCVBUF would switch off.
+    send_buffer_bytes: int | None = 8 << 20
+
+
+@dataclass
+class LinkCounters:
+    accepted: int = 0  # connections that proved the key
+    refused: int = 0  # connections that did not
+    sent_bytes: int = 0
+
+
+#: Takes a verified chunk (buffer, size, `kvcache.wire.KVPayload`) on the receive thread; gives the
+#: buffer back with `done`.
+ChunkSink = Callable[[bytearray, int, KVPayload], None]
+#: The source's side of a pull, blocking the link's thread while its engine thread runs it:
+#: pin and describe the run (its blocks and, for a hybrid model, the state after them), release it.
+Exporter = Callable[[list[BlockHash]], tuple[object, list, StateSnapshotData | None]]
+Releaser = Callable[[object], None]
+
+
+class KVLinkServer:
+    """Accepts authenticated connections and streams the blocks they ask for."""
+
+    def __init__(self, key: bytes, node_id: str, geometry, export: Exporter, release: Releaser,
+                 config: KVLinkConfig | None = None):
+        self.key, self.node_id, self.geometry = key, node_id, geometry
+        self._export, self._release = export, release
+        self.config = config or KVLinkConfig()
+        self.counters = LinkCounters()
+        self._sock: socket.socket | None = None
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-link-encode")
+        self._probes: dict[int, bytes] = {}
+
+    @property
+    def address(self) -> str | None:
+        if self._sock is None:
+            return None
+        host, port = self._sock.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def start(self) -> str:
+        self._sock = socket.create_server((self.config.host, self.config.port))
+        threading.Thread(target=self._accept_loop, name="kv-link-accept", daemon=True).start()
+        return self.address
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+        self._encoder.shutdown(wait=False)
+
+    def _accept_loop(self) -> None:
+        sock = self._sock
+        while self._sock is sock:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._serve, args=(conn,), name="kv-link-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                if not self._handshake(conn):
+                    self.counters.refused += 1
+                    return
+                self.counters.accepted += 1
+                _data_mode(conn, self.config.io_timeout_s)
+                _grow_send_buffer(conn, self.config.send_buffer_bytes)
+                while (request := _read_request(conn)) is not None:
+                    self._reply(conn, request)
+            except (OSError, ValueError) as exc:
+                log.info("KV link %s: connection ended: %s", self.node_id, exc)
+
+    def _handshake(self, conn: socket.socket) -> bool:
+        conn.settimeout(self.config.handshake_timeout_s)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        nonce = auth.new_nonce()
+        conn.sendall(auth.MAGIC + nonce)
+        answer = _recv_exact(conn, auth.NONCE_SIZE + auth.PROOF_SIZE)
+        if answer is None:
+            return False
+        theirs, proof = answer[: auth.NONCE_SIZE], answer[auth.NONCE_SIZE :]
+        if not auth.proofs_equal(proof, auth.client_proof(self.key, nonce, theirs)):
+            return False
+        name = self.node_id.encode()
+        conn.sendall(auth.server_proof(self.key, theirs, nonce, self.node_id) + bytes([len(name)]) + name)
+        return True
+
+    def _reply(self, conn: socket.socket, request: dict) -> None:
+        if "probe" in request:
+            payload = self._probe(min(int(request["probe"]), 64 << 20))
+            conn.sendall(_U64.pack(len(payload)) + payload + _U64.pack(0))
+            return
+        hashes = [BlockHash(bytes(h)) for h in request["hashes"]]
+        per_chunk = max(1, int(request.get("chunk_bytes", self.config.chunk_bytes)) // self.geometry.bytes_per_block)
+        handle, blocks, state = self._export(hashes)
+        try:
+            runs = reply_runs(blocks, state, per_chunk)
+            upcoming = self._encoder.submit(encode_pieces, self.geometry, *runs[0]) if runs else None
+            for i in range(len(runs)):
+                pieces = upcoming.result()
+                upcoming = self._encoder.submit(encode_pieces, self.geometry, *runs[i + 1]) if i + 1 < len(runs) else None
+                size = sum(len(p) for p in pieces)
+                _send_pieces(conn, [_U64.pack(size), *pieces])
+                self.counters.sent_bytes += size
+            conn.sendall(_U64.pack(0))
+        finally:
+            self._release(handle)
+
+    def prepare_probes(self, sizes) -> None:
+        """Encode probe payloads ahead (in the background), so a probe times the link, not the encoder."""
+        for nbytes in sizes:
+            self._encoder.submit(self._probe, nbytes)
+
+    def _probe(self, nbytes: int) -> bytes:
+        if nbytes not in self._probes:
+            self._probes[nbytes] = probe_payload(self.geometry, nbytes)
+        return self._probes[nbytes]
+
+
+def reply_runs(blocks: list, state: StateSnapshotData | None, per_chunk: int) -> list[tuple[list, StateSnapshotData | None]]:
+    """The reply's chunks as (blocks, state): `per_chunk` blocks each, or for a hybrid model the
+    whole run with its state, since a chunk without the state after it could not be imported."""
+    if state is not None:
+        return [(blocks, state)]
+    return [(blocks[i : i + per_chunk], None) for i in range(0, len(blocks), per_chunk)]
+
+
+# ---- the client -----------------------------------------------------------------------
+
+
+class LinkStream:
+    """One pull's connection: chunks arrive on a thread into reused buffers, the caller awaits them."""
+
+    def __init__(self, sock: socket.socket, buffers: list[bytearray], geometry, sink: ChunkSink | None = None,
+                 state_geometry=None):
+        """`state_geometry`: a hybrid model's state pool geometry, which each chunk's state must have."""
+        self.sock, self.geometry, self._sink = sock, geometry, sink
+        self.state_geometry = state_geometry
+        self._free: queue.SimpleQueue = queue.SimpleQueue()  # the receive thread blocks on it
+        self._ready: asyncio.Queue = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        for buffer in buffers:
+            self._free.put(buffer)
+        self.buffers = buffers
+        self.ended = False  # the reply's end marker arrived: the connection can serve another pull
+        self._thread: threading.Thread | None = None
+
+    def start(self, hashes: Sequence[bytes], chunk_bytes: int, probe_bytes: int = 0) -> None:
+        """Ask for the blocks of `hashes` (or, with `probe_bytes`, a probe payload of about that size)."""
+        ask = {"probe": probe_bytes} if probe_bytes else {"hashes": [bytes(h) for h in hashes], "chunk_bytes": chunk_bytes}
+        request = msgpack.packb(ask, use_bin_type=True)
+        self.sock.sendall(_U32.pack(len(request)) + request)
+        self._thread = threading.Thread(target=self._receive, name="kv-link-recv", daemon=True)
+        self._thread.start()
+
+    async def chunks(self):
+        """Yields (buffer, size, payload) until the reply ends, the payload verified and decoded as
+        views into `buffer`; give the buffer back with `done` once it is imported. With a sink,
+        the receive thread hands each chunk to it instead, and this only ends or raises."""
+        while True:
+            item = await self._ready.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def done(self, buffer: bytearray) -> None:
+        self._free.put(buffer)
+
+    def close(self) -> None:
+        """End the pull and the connection; wakes a receiver waiting for a buffer."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self._free.put(None)
+
+    def release(self) -> socket.socket | None:
+        """The connection, for the next pull, once the reply ended whole; else close it and None."""
+        if not self.ended:
+            self.close()
+            return None
+        if self._thread is not None:
+            self._thread.join(1.0)  # past the end marker: the thread is returning
+        return self.sock
+
+    def _receive(self) -> None:
+        """Socket to buffers, each chunk verified and decoded here before it is handed over."""
+        try:
+            while (size := _U64.unpack(_recv_exact(self.sock, 8) or _eof())[0]) != 0:
+                buffer = self._free.get()
+                if buffer is None:
+                    return
+                if len(buffer) < size:  # a new one (views of the old may live on), kept across pulls
+                    self.buffers[self.buffers.index(buffer)] = buffer = bytearray(size)
+                if not _recv_into(self.sock, memoryview(buffer)[:size]):
+                    _eof()
+                chunk = (buffer, size, decode_payload_views(memoryview(buffer)[:size], self.geometry, self.state_geometry))
+                self._sink(*chunk) if self._sink is not None else self._put(chunk)
+            self.ended = True
+            self._put(None)
+        except KVCacheError as exc:  # a refused payload is raised to the caller as is
+            self._put(exc)
+        except Exception as exc:  # noqa: BLE001 - whatever stops the thread must reach the caller
+            self._put(exc if isinstance(exc, OSError) else ConnectionError(f"{type(exc).__name__}: {exc}"))
+
+    def _put(self, item) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._ready.put_nowait, item)
+        except RuntimeError:  # the loop is gone
+            pass
+
+
+def connect(address: str, key: bytes, expected_node: str, config: KVLinkConfig) -> socket.socket:
+    """An authenticated connection to `expected_node`'s listener (blocking: run it in a thread)."""
+    host, _, port = address.rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=config.connect_timeout_s)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(config.handshake_timeout_s)
+        hello = _recv_exact(sock, len(auth.MAGIC) + auth.NONCE_SIZE)
+        if hello is None or hello[: len(auth.MAGIC)] != auth.MAGIC:
+            raise LinkRefused(f"{address} is not a KV link")
+        server_nonce, nonce = hello[len(auth.MAGIC) :], auth.new_nonce()
+        sock.sendall(nonce + auth.client_proof(key, server_nonce, nonce))
+        reply = _recv_exact(sock, auth.PROOF_SIZE + 1)
+        name = _recv_exact(sock, reply[-1]) if reply is not None else None
+        if name is None or name.decode(errors="replace") != expected_node:
+            raise LinkRefused(f"{address} refused our key, or is not node {expected_node!r}")
+        if not auth.proofs_equal(reply[: auth.PROOF_SIZE], auth.server_proof(key, nonce, server_nonce, expected_node)):
+            raise LinkRefused(f"{address} does not hold the cluster's key")
+        _data_mode(sock, config.io_timeout_s)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+# ---- socket helpers -------------------------------------------------------------------
+
+
+def _read_request(conn: socket.socket) -> dict | None:
+    header = _recv_exact(conn, 4)
+    if header is None:
+        return None
+    size = _U32.unpack(header)[0]
+    if size > _MAX_REQUEST:
+        raise ValueError(f"request of {size} bytes")
+    body = _recv_exact(conn, size)
+    request = msgpack.unpackb(body or b"", raw=False) if body is not None else None
+    if not isinstance(request, dict) or not (isinstance(request.get("hashes"), list) or isinstance(request.get("probe"), int)):
+        raise ValueError("malformed request")
+    return request
+
+
+def _data_mode(sock: socket.socket, timeout_s: float) -> None:
+    """Blocking, with the kernel's timeouts: a whole chunk is one system call (module docstring)."""
+    sock.settimeout(None)
+    seconds = max(1, int(timeout_s))
+    timeval = struct.pack("ll", seconds, 0)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+def _grow_send_buffer(sock: socket.socket, nbytes: int | None) -> None:
+    """Ask for a send buffer of `nbytes`, halving where the kernel refuses (macOS refuses sizes
+    past its limit where Linux caps them); never below what the kernel already gave."""
+    while nbytes and nbytes > sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
+            return
+        except OSError:
+            nbytes //= 2
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buffer = bytearray(n)
+    return bytes(buffer) if _recv_into(sock, memoryview(buffer)) else None
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> bool:
+    """Fill `view` from `sock`; False when the peer closed first."""
+    got = 0
+    flags = _WAITALL if sock.gettimeout() is None else 0
+    while got < len(view):
+        try:
+            n = sock.recv_into(view[got:], 0, flags)
+        except BlockingIOError as exc:  # the kernel's receive timeout (`_data_mode`)
+            raise TimeoutError("the KV link's peer sent nothing within its timeout") from exc
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+def _send_pieces(sock: socket.socket, pieces: list) -> None:
+    """Send every piece in order with scatter-gather writes: no byte is copied in user space."""
+    views = [memoryview(p).cast("B") for p in pieces]
+    i = 0
+    while i < len(views):
+        batch = views[i : i + _MAX_PIECES]
+        try:
+            sent = sock.sendmsg(batch)
+        except BlockingIOError as exc:  # the kernel's send timeout (`_data_mode`)
+            raise TimeoutError("the KV link's peer took nothing within its timeout") from exc
+        for view in batch:  # drop what went out; keep the rest of a partly sent piece
+            if sent >= len(view):
+                sent -= len(view)
+                i += 1
+            else:
+                views[i] = view[sent:]
+                break
+
+
+def _eof():
+    raise ConnectionError("the KV link closed mid-reply")
+

@@ -1,0 +1,279 @@
+"""The direct KV path without Ray: two in-process engines, each with its listener. Pins the
+handshake (wrong key, no key, replay, wrong node all refused and counted), pulls that give
+the greedy tokens of recomputing, and damaged, cut-off and foreign replies refused with the
+failure counted and the request recomputed exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from dataclasses import replace
+
+import pytest
+
+from kvcache.hashing import BlockHash
+from node.async_engine import AsyncEngine
+from node.engine import EngineConfig, LLMEngine
+from node.serving import kv_link
+from node.serving import link_auth as auth
+from node.serving.direct_path import DirectPath
+from node.serving.kv_link import KVLinkConfig, LinkRefused, connect
+from node.serving.migration import BlockMover
+from node.types import SamplingParams
+
+BS = 16
+KEY = auth.link_key("a-cluster-token-of-at-least-32-characters")
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+CONFIG = KVLinkConfig(chunk_bytes=2 * 65536, handshake_timeout_s=2.0)  # two demo blocks a chunk: several chunks
+
+
+def prompt(seed: int, length: int = 90) -> list[int]:
+    return [(seed * 29 + j * 5) % 2000 + 10 for j in range(length)]
+
+
+@pytest.fixture(scope="module")
+def nodes():
+    """Source "a" and target "b", each an engine with its listener, on one event loop."""
+    loop = asyncio.new_event_loop()
+    engines = [AsyncEngine(LLMEngine(EngineConfig(block_size=BS, num_blocks=64, max_num_batched_tokens=128)))
+               for _ in range(3)]
+    paths = {name: DirectPath(BlockMover(e), name, KEY, CONFIG) for name, e in zip("abc", engines)}
+    for path in paths.values():
+        path.start()
+    yield loop, paths
+    for path in paths.values():
+        path.close()
+    for e in engines:
+        e.shutdown()
+    loop.close()
+
+
+async def generate(path: DirectPath, request_id: str, tokens: list[int]):
+    last = None
+    async for out in path.mover.engine.generate(request_id, tokens, GREEDY):
+        last = out
+    return last.outputs[0].token_ids, last.num_cached_tokens
+
+
+def hashes_of(path: DirectPath, tokens: list[int]) -> list[BlockHash]:
+    return path.mover.engine.engine.kv.block_hashes(tokens)
+
+
+def pull(loop, paths, tokens, source="a", target="b", address=None):
+    """Cache `tokens` on the source, pull them to the target; (result, migrated run, reference run)."""
+    async def run():
+        reference = await generate(paths[source], f"cache-{tokens[0]}-{len(tokens)}", tokens)
+
+        async def resolve(_peer):
+            return address or paths[source].address
+
+        result = await paths[target].pull(source, hashes_of(paths[source], tokens), resolve)
+        return result, await generate(paths[target], f"after-{tokens[0]}", tokens), reference
+
+    return loop.run_until_complete(run())
+
+
+# ---- the handshake ------------------------------------------------------------------------
+
+
+def test_a_wrong_key_is_refused_and_counted(nodes):
+    _, paths = nodes
+    server = paths["a"].server
+    refused = server.counters.refused
+    with pytest.raises(LinkRefused):
+        connect(server.address, auth.link_key("another-cluster-token-of-32-characters!"), "a", CONFIG)
+    assert wait_until(lambda: server.counters.refused == refused + 1)
+    assert paths["a"].refused == server.counters.refused
+
+
+def test_a_client_without_the_handshake_is_refused_before_anything_is_read(nodes):
+    _, paths = nodes
+    server = paths["a"].server
+    refused, accepted = server.counters.refused, server.counters.accepted
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        hello = sock.recv(64)
+        assert hello.startswith(auth.MAGIC)
+        sock.sendall(b"\0" * 4 + b"GET / HTTP/1.1\r\n\r\n" + bytes(64))  # a request with no proof
+        assert closed_without_reply(sock)
+    assert wait_until(lambda: server.counters.refused == refused + 1)
+    assert server.counters.accepted == accepted
+
+
+def test_a_replayed_handshake_is_refused(nodes):
+    _, paths = nodes
+    server = paths["a"].server
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as sock:  # a genuine exchange, recorded
+        server_nonce = sock.recv(len(auth.MAGIC) + auth.NONCE_SIZE)[len(auth.MAGIC):]
+        nonce = auth.new_nonce()
+        recorded = nonce + auth.client_proof(KEY, server_nonce, nonce)
+        sock.sendall(recorded)
+        assert len(sock.recv(auth.PROOF_SIZE + 2)) == auth.PROOF_SIZE + 2
+    refused = server.counters.refused
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.recv(len(auth.MAGIC) + auth.NONCE_SIZE)  # a fresh nonce the recording does not answer
+        sock.sendall(recorded)
+        assert closed_without_reply(sock)
+    assert wait_until(lambda: server.counters.refused == refused + 1)
+
+
+def test_a_listener_of_another_node_is_not_taken_for_the_source(nodes):
+    _, paths = nodes
+    with pytest.raises(LinkRefused, match="not node 'a'"):
+        connect(paths["c"].address, KEY, "a", CONFIG)
+
+
+# ---- pulls ----------------------------------------------------------------------------
+
+
+def test_direct_pull_gives_the_greedy_tokens_of_recomputing_and_is_a_prefix_hit(nodes):
+    loop, paths = nodes
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(1))
+    assert (result.ok, result.via, result.requested, result.local, result.imported) == (True, "direct", 5, 0, 5)
+    assert result.bytes > 5 * paths["a"].mover.geometry.bytes_per_block
+    assert (migrated, hit) == (reference, 5 * BS)
+    assert paths["b"].mover.counters.migrated_blocks >= 5
+
+
+def test_a_second_pull_from_the_same_source_reuses_the_authenticated_connection(nodes):
+    loop, paths = nodes
+    pull(loop, paths, prompt(3))
+    accepted = paths["a"].server.counters.accepted
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(4))
+    assert (result.ok, result.imported) == (True, 5) and (migrated, hit) == (reference, 5 * BS)
+    assert paths["a"].server.counters.accepted == accepted
+
+
+def test_a_kept_connection_the_source_closed_is_replaced_by_a_fresh_one(nodes):
+    loop, paths = nodes
+    pull(loop, paths, prompt(5))
+    kept, _ = paths["b"]._idle["a"]
+    kept.shutdown(socket.SHUT_WR)  # the listener reads the end and closes its side
+    assert wait_until(lambda: kept.recv(1, socket.MSG_PEEK) == b"")
+    accepted = paths["a"].server.counters.accepted
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(6))
+    assert (result.ok, result.imported) == (True, 5) and (migrated, hit) == (reference, 5 * BS)
+    assert paths["a"].server.counters.accepted == accepted + 1
+
+
+def test_pull_from_an_address_where_nothing_listens_is_no_direct_path(nodes):
+    loop, paths = nodes
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{probe.getsockname()[1]}"
+    failures = paths["b"].mover.counters.migration_failures
+    result, _, _ = pull(loop, paths, prompt(2), source="c", address=closed)  # an address b has not used yet
+    assert result is None  # the actor falls back to Ray; nothing counted as a failed migration
+    assert paths["b"].mover.counters.migration_failures == failures
+
+
+def test_a_probe_over_the_direct_path_times_a_verified_payload_of_the_size_asked(nodes):
+    loop, paths = nodes
+
+    async def resolve(_peer):
+        return paths["a"].address
+
+    nbytes, seconds = loop.run_until_complete(paths["b"].probe("a", 1 << 20, resolve))
+    assert (1 << 20) <= nbytes < (1 << 20) + 2 * paths["a"].mover.geometry.bytes_per_block and seconds > 0
+
+
+@pytest.mark.parametrize("damage", ["flipped", "cut-off", "foreign"])
+def test_damaged_replies_are_refused_counted_and_the_request_recomputes(nodes, monkeypatch, damage):
+    loop, paths = nodes
+    server = paths["a"].server
+    if damage == "flipped":
+        real = kv_link.encode_pieces
+
+        def flipped(geometry, blocks, state=None):
+            pieces = real(geometry, blocks, state)
+            kv = bytearray(pieces[1])  # the first block's first layer of K, after the checksum was taken
+            kv[7] ^= 0x40
+            pieces[1] = bytes(kv)
+            return pieces
+
+        monkeypatch.setattr(kv_link, "encode_pieces", flipped)
+    elif damage == "cut-off":
+        def cut_off(sock, pieces):
+            sock.sendall(pieces[0] + bytes(pieces[1])[:100])  # the length promises more
+            sock.shutdown(socket.SHUT_RDWR)
+
+        monkeypatch.setattr(kv_link, "_send_pieces", cut_off)
+    else:
+        monkeypatch.setattr(server, "geometry", replace(server.geometry, model_fingerprint="another-model"))
+    failures = paths["b"].mover.counters.migration_failures
+    result, (after, hit), (reference, _) = pull(loop, paths, prompt({"flipped": 11, "cut-off": 12, "foreign": 13}[damage]))
+    expected = {"flipped": "CorruptKVPayload", "cut-off": "ConnectionError", "foreign": "IncompatibleKVPayload"}
+    assert (result.ok, result.imported) == (False, 0) and expected[damage] in result.error
+    assert paths["b"].mover.counters.migration_failures == failures + 1
+    assert (after, hit) == (reference, 0)
+
+
+def closed_without_reply(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:  # closed with our bytes unread
+        return True
+
+
+def wait_until(predicate, timeout: float = 5.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_a_node_actors_link_listens_at_its_ray_node_address_by_default(monkeypatch):
+    from node.serving import actor
+
+    assert actor.NodeActorConfig("n", "c", "ns").link.host == actor.RAY_NODE_HOST
+    monkeypatch.setattr(actor.ray.util, "get_node_ip_address", lambda: "10.1.2.3")
+    assert actor.listen_config(actor.NodeActorConfig("n", "c", "ns").link).host == "10.1.2.3"
+    named = actor.KVLinkConfig(host="127.0.0.1")
+    assert actor.listen_config(named) == named  # an address given is kept
+
+
+def test_a_silent_peer_times_out_under_the_kernels_timeout_of_an_authenticated_connection():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        with socket.create_connection(server.getsockname()) as client, server.accept()[0]:
+            kv_link._data_mode(client, 1.0)
+            assert client.gettimeout() is None  # blocking: a chunk is one system call
+            with pytest.raises(TimeoutError):
+                kv_link._recv_into(client, memoryview(bytearray(64)))
+
+
+def test_a_small_pull_asks_for_smaller_chunks_so_its_stages_overlap():
+    from node.serving.direct_path import MIN_CHUNK_BYTES, chunk_size
+
+    mib = 1 << 20
+    assert chunk_size(128 * mib, 4 * mib) == 4 * mib  # a large pull: the configured size
+    assert chunk_size(16 * mib, 4 * mib) == 2 * mib  # eight chunks
+    assert chunk_size(2 * mib, 4 * mib) == MIN_CHUNK_BYTES  # never below the floor...
+    assert chunk_size(2 * mib, 128 * 1024) == 128 * 1024  # ...nor above what is configured
+
+
+def test_the_senders_buffer_grows_as_far_as_the_kernel_allows_and_a_refusal_is_not_an_error(monkeypatch):
+    with socket.socket() as sock:
+        before = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        kv_link._grow_send_buffer(sock, 4 * before)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) > before
+
+    class Refusing:  # macOS: ENOBUFS past kern.ipc.maxsockbuf
+        def __init__(self):
+            self.asked = []
+
+        def getsockopt(self, *_):
+            return 1 << 16
+
+        def setsockopt(self, _level, _name, nbytes):
+            self.asked.append(nbytes)
+            if nbytes > 1 << 20:
+                raise OSError(55, "No buffer space available")
+
+    refusing = Refusing()
+    kv_link._grow_send_buffer(refusing, 8 << 20)
+    assert refusing.asked == [8 << 20, 4 << 20, 2 << 20, 1 << 20]
