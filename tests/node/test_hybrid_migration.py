@@ -23,8 +23,8 @@ from kvcache.geometry import StateArray, StateGeometry
 from kvcache.wire import StateSnapshotData, decode_payload, encode_blocks
 from node import link_auth as auth
 from node.async_engine import AsyncEngine
-from node.serving.direct_path import DirectPath
 from node.engine import EngineConfig, LLMEngine
+from node.serving.direct_path import DirectPath
 from node.serving.kv_link import KVLinkConfig
 from node.serving.migration import BlockMover, MigrationConfig
 from node.types import SamplingParams
