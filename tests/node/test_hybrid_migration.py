@@ -21,9 +21,9 @@ from kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
 from kvcache.events import BlockStored
 from kvcache.geometry import StateArray, StateGeometry
 from kvcache.wire import StateSnapshotData, decode_payload, encode_blocks
-from node import link_auth as auth
 from node.async_engine import AsyncEngine
 from node.engine import EngineConfig, LLMEngine
+from node.serving import link_auth as auth
 from node.serving.direct_path import DirectPath
 from node.serving.kv_link import KVLinkConfig
 from node.serving.migration import BlockMover, MigrationConfig
