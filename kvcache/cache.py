@@ -37,8 +37,9 @@ from kvcache.wire_stream import BlockPieces
 log = logging.getLogger(__name__)
 
 _COLD_FAILURES = (ColdTierError, OSError, ValueError)
-#: The share of the cold tier's bytes a hybrid model gives its state snapshots (kvcache.cold_states):
-#: a snapshot is worth a run of up to `engine.STATE_SNAPSHOT_BLOCKS` blocks, and weighs about as much.
+#: The share of the cold tier's bytes a hybrid model gives its state snapshots (kvcache.cold_states),
+#: the rest going to its blocks: a block on disk is worth keeping only up to a snapshot, and a
+#: snapshot only with its blocks, so neither kind may crowd the other out.
 COLD_STATE_SHARE = 0.5
 
 

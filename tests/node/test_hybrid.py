@@ -27,6 +27,20 @@ def hybrid(request, tmp_path_factory, demo_model_dir):
     return folder, reference_model
 
 
+def state_after_prefill(engine: LLMEngine, name: str, prompt: list[int]) -> list[list[np.ndarray]]:
+    """The sequence's state slot once its prompt is computed (the request then runs to its end)."""
+    engine.add_request(name, prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    seq = engine.requests[name].sequences[0]
+    while seq.num_computed < len(prompt):
+        engine.step()
+    mx.eval(engine.kv.states.arrays)
+    slot = engine.kv.states.slot(seq.seq_id)
+    state = [[np.array(pool[slot]) for pool in layer] for layer in engine.kv.states.arrays]
+    while engine.has_unfinished:
+        engine.step()
+    return state
+
+
 def test_whole_prompts_in_one_batch_match_mlx_lm(hybrid):
     folder, model = hybrid
     engine = LLMEngine(EngineConfig(model=str(folder), num_blocks=64, block_size=4))
@@ -97,23 +111,10 @@ def test_a_restored_state_equals_the_prefilled_one_bit_for_bit(hybrid):
     engine = LLMEngine(EngineConfig(model=str(folder), num_blocks=64, block_size=4))
     prompt = prompts(engine.model.vocab_size, [13], offset=1)[0]
     run(engine, [prompt], prefix="warm")
-
-    def prefilled_state(engine, name):
-        engine.add_request(name, prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-        seq = engine.requests[name].sequences[0]
-        while seq.num_computed < len(prompt):
-            engine.step()
-        mx.eval(engine.kv.states.arrays)
-        slot = engine.kv.states.slot(seq.seq_id)
-        state = [[np.array(pool[slot]) for pool in layer] for layer in engine.kv.states.arrays]
-        while engine.has_unfinished:
-            engine.step()
-        return state
-
-    resumed = prefilled_state(engine, "resumed")
+    resumed = state_after_prefill(engine, "resumed", prompt)
     assert engine.kv.snapshots.restored == 1
     cold = LLMEngine(EngineConfig(model=str(folder), num_blocks=64, block_size=4, enable_prefix_caching=False))
-    fresh = prefilled_state(cold, "fresh")
+    fresh = state_after_prefill(cold, "fresh", prompt)
     assert cold.kv.snapshots.restored == 0
     for mine, theirs in zip(resumed, fresh):
         for a, b in zip(mine, theirs):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm import load
@@ -29,6 +28,7 @@ from node.serving.kv_link import KVLinkConfig
 from node.serving.migration import BlockMover, MigrationConfig
 from node.types import SamplingParams
 from tests.node.test_families import MAX_TOKENS, assert_matches_mlx_lm, prompts, reference, run
+from tests.node.test_hybrid import state_after_prefill
 from tests.node.tiny_models import HYBRID_CONFIGS, write_tiny_model
 
 BS = 4
@@ -58,20 +58,6 @@ def exported(qwen3_next):
     prompt = prompts(source.model.vocab_size, [PROMPT_LENGTH], offset=5)[0]
     run(source, [prompt], prefix="source")
     return source, source.export_blocks(source.kv.block_hashes(prompt))
-
-
-def state_after_prefill(engine: LLMEngine, name: str, prompt: list[int]) -> list[list[np.ndarray]]:
-    """The sequence's state slot once its prompt is computed (the request then runs to its end)."""
-    engine.add_request(name, prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-    seq = engine.requests[name].sequences[0]
-    while seq.num_computed < len(prompt):
-        engine.step()
-    mx.eval(engine.kv.states.arrays)
-    slot = engine.kv.states.slot(seq.seq_id)
-    state = [[np.array(pool[slot]) for pool in layer] for layer in engine.kv.states.arrays]
-    while engine.has_unfinished:
-        engine.step()
-    return state
 
 
 def assert_nothing_imported(engine: LLMEngine) -> None:
