@@ -82,43 +82,31 @@ def window_starts(context_lens: np.ndarray, window: int | None) -> np.ndarray:
     return np.maximum(context_lens - window, 0).astype(np.int32)
 
 
-_SIDE_STREAMS: dict = {}
-
-
-def side_stream() -> mx.Stream | None:
-    """A second CPU stream, so the K and V gathers run on two cores; GPUs overlap work by themselves."""
-    device = mx.default_device()
-    if device.type != mx.cpu:
-        return None
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = mx.new_stream(device)
-    return _SIDE_STREAMS[device]
-
-
 def head_major_rows(slots: np.ndarray, num_kv_heads: int) -> np.ndarray:
     """Row of the flattened pool `[num_slots * num_kv_heads, head_dim]` for each (sequence, head, position)."""
     return slots[:, None, :] * num_kv_heads + np.arange(num_kv_heads, dtype=np.int32)[None, :, None]
 
 
-def gather_rows(cache: mx.array, rows: mx.array, stream: mx.Stream | None = None) -> mx.array:
+def gather_rows(cache: mx.array, rows: mx.array) -> mx.array:
     """Rows of one layer's pool at `rows` [B, num_kv_heads, T], as a contiguous [B, num_kv_heads, T, head_dim].
 
     The head is folded into the row index so the gather writes SDPA's layout directly;
     gathering token rows and transposing afterwards made CPU SDPA ~10x slower (strided K/V).
-    Every op of the gather goes on `stream`, so it never queues behind the other gather.
+    Both gathers run on the default stream: on MLX 0.32's CPU backend, a V gather on a second
+    stream left one thread behind per layer and step (a serving process grew by thousands of
+    threads a minute), and on two busy cores it gained nothing measurable.
     """
     head_dim = cache.shape[3]
-    with mx.stream(stream or mx.default_stream(mx.default_device())):
-        flat = cache.reshape(-1, head_dim)
-        if (head_dim * cache.itemsize) % 8 == 0:
-            # A gather only moves bytes: as 64-bit words it copies 2-4x fewer elements (CPU gathers per element).
-            return mx.take(flat.view(mx.uint64), rows, axis=0).view(cache.dtype)
-        return mx.take(flat, rows, axis=0)
+    flat = cache.reshape(-1, head_dim)
+    if (head_dim * cache.itemsize) % 8 == 0:
+        # A gather only moves bytes: as 64-bit words it copies 2-4x fewer elements (CPU gathers per element).
+        return mx.take(flat.view(mx.uint64), rows, axis=0).view(cache.dtype)
+    return mx.take(flat, rows, axis=0)
 
 
-def gather_heads_major(cache: mx.array, slots: np.ndarray, stream: mx.Stream | None = None) -> mx.array:
+def gather_heads_major(cache: mx.array, slots: np.ndarray) -> mx.array:
     """Rows of one layer's pool at `slots` [B, T], as a contiguous [B, num_kv_heads, T, head_dim]."""
-    return gather_rows(cache, mx.array(head_major_rows(slots, cache.shape[2])), stream)
+    return gather_rows(cache, mx.array(head_major_rows(slots, cache.shape[2])))
 
 
 def length_groups(context_lens: np.ndarray, max_padding: float = 0.25) -> list[np.ndarray]:
@@ -148,7 +136,7 @@ def _decode_group(queries, key_cache, value_cache, block_tables, context_lens, s
     width = int(seen.max())
     slots = token_slots(block_tables, context_lens, key_cache.shape[1], width, first)
     keys = gather_heads_major(key_cache, slots)
-    values = gather_heads_major(value_cache, slots, side_stream())
+    values = gather_heads_major(value_cache, slots)
     mask = None
     if int(seen.min()) != width:
         mask = mx.array(np.arange(width)[None, :] < seen[:, None])[:, None, None, :]
@@ -316,7 +304,7 @@ def paged_varlen_reference(
 
 def _run_piece(piece, queries: mx.array, key_cache: mx.array, value_cache: mx.array, scale: float, layer: LayerAttention) -> mx.array:
     keys = gather_rows(key_cache, piece.kv_rows)
-    values = gather_rows(value_cache, piece.kv_rows, side_stream())
+    values = gather_rows(value_cache, piece.kv_rows)
     if isinstance(piece, DecodeGroupPiece):
         q = queries[piece.query_rows].astype(key_cache.dtype)[:, :, None, :]
         out = attention(q, keys, values, scale, piece.mask, layer)

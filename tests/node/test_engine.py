@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import mlx.core as mx
 import pytest
 from mlx_lm import load
@@ -182,3 +184,17 @@ def test_abort_frees_blocks_at_once(model_dirs):
     assert engine.kv.stats().blocks_used == 0
     outs = engine.step()
     assert outs[0].finished and outs[0].outputs[0].finish_reason == "abort"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads through /proc")
+def test_steps_leave_no_threads_behind(model_dirs):
+    """A serving process steps its engine for days: no step may leave a native thread behind
+    (a second MLX stream in the reference attention once left one per layer and step)."""
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["demo"]), num_blocks=64, block_size=8))
+    engine.add_request("a", list(range(3, 60)), SamplingParams(temperature=0.8, seed=1, max_tokens=30, n=2))
+    for _ in range(3):
+        engine.step()
+    before = len(os.listdir("/proc/self/task"))
+    while engine.has_unfinished:
+        engine.step()
+    assert len(os.listdir("/proc/self/task")) <= before
