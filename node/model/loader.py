@@ -120,6 +120,9 @@ PAGED_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "linear_at
 def _config_reason(config: dict) -> str | None:
     if config.get("model_file"):
         return "custom model code (model_file) is not supported"
+    if config.get("attention_chunk_size"):
+        return ("chunked local attention (attention_chunk_size, Llama 4): its layers attend within fixed chunks "
+                "of the context, which the paged kernels do not cut")
     layer_types = set(config.get("layer_types") or ["full_attention"])
     if not layer_types <= PAGED_LAYER_TYPES:
         return f"layer types {sorted(layer_types)} (only full, sliding-window and Gated DeltaNet linear attention are served)"

@@ -94,6 +94,10 @@ def full_config(tiny: str, **overrides) -> dict:
     return {**TINY_CONFIGS[tiny], "vocab_size": 256, **overrides}
 
 
+#: Llama 4's text model attends within chunks of `attention_chunk_size` on most layers.
+LLAMA4 = dict(model_type="llama4", text_config=dict(model_type="llama4_text", attention_chunk_size=8192, vocab_size=256,
+                                                    hidden_size=64, num_hidden_layers=2))
+
 MAMBA = dict(model_type="mamba", vocab_size=256, hidden_size=64, intermediate_size=128, state_size=16,
              num_hidden_layers=2, conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=4)
 
@@ -103,6 +107,7 @@ MAMBA = dict(model_type="mamba", vocab_size=256, hidden_size=64, intermediate_si
     # A config naming linear-attention layers for a class that builds none (Qwen3-Next's are served).
     (full_config("qwen3", layer_types=["linear_attention", "full_attention"]), "linear_attention"),
     ({"model_type": "no_such_architecture"}, "no model class"),
+    (LLAMA4, "chunked local attention"),
 ])
 def test_unsupported_models_fail_at_load_naming_type_and_reason(config, named, tmp_path):
     # The folder holds no weights: refusal must come from the config, before any loading.
