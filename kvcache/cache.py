@@ -139,14 +139,15 @@ class KVCache:
         if self.states.num_free == 0:
             raise OutOfStateSlots(f"sequence {seq_id!r}: every state slot is held")
         held = self._hold_prefix(token_ids) if self.cold is not None else []
+        hashes = self.block_hashes(token_ids)
         try:
-            self._load_cold_snapshot(self.block_hashes(token_ids))
+            self._load_cold_snapshot(hashes)
             computed = self.manager.allocate(seq_id, token_ids)
         finally:
             self.manager.unpin(held)
         self.states.allocate(seq_id)
-        if computed:
-            self.states.restore(seq_id, self.snapshots.take(self.block_hashes(token_ids[:computed])[-1]))
+        if computed:  # reuse stops at a block boundary with a snapshot (`_usable_blocks`)
+            self.states.restore(seq_id, self.snapshots.take(hashes[computed // self.block_size - 1]))
         return computed
 
     def _usable_blocks(self, hashes: Sequence[BlockHash]) -> int:
