@@ -45,7 +45,7 @@ def _chain_us(make, step, chain: int, repeats: int = 15) -> float:
 
 
 def _copy_kernel():
-    source = "unsigned int i = thread_position_in_grid.x; if (i < x_shape[0] * x_shape[1]) out[i] = x[i];"
+    source = "unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < x_shape[0] * x_shape[1]) out[i] = x[i];"
     maker = mx.fast.cuda_kernel if mx.default_device().type == mx.DeviceType.gpu and hasattr(mx.fast, "cuda_kernel") else None
     if maker is None:
         return None

@@ -38,6 +38,7 @@ import numpy as np
 import kernels
 from node.model.capability import attention_modules, layer_windows
 from node.model.compiled_decode import CompiledDecode
+from node.model.fused_layers import fuse_stack
 from node.model.head import ModelHead
 from node.model.layer_patches import install_layer_patches
 from node.model.layers import attention_layers, attention_of, text_stack
@@ -222,31 +223,38 @@ class PagedLayerCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Scatter the step's K `[T, H_kv, 1, D]` and V `[T, H_kv, 1, Dv]` into the pool; attention reads the pool."""
+        self.write(_packed(keys), _packed(values))
+        return keys, values
+
+    def write(self, keys: mx.array, values: mx.array) -> None:
+        """Scatter packed K `[T, H_kv, D]` and V `[T, H_kv, Dv]` into this layer's pool arrays."""
         pool, layer = self.context.pool, self.layer
         pool.keys[layer], pool.values[layer] = kernels.write_kv(
-            pool.keys[layer], pool.values[layer], _packed(keys), _packed(values), self.context.slots,
+            pool.keys[layer], pool.values[layer], keys, values, self.context.slots,
         )
-        return keys, values
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None = None,
                softcap: float | None = None) -> mx.array:
         """Queries `[T, H_q, 1, D]` over each sequence's paged context (this layer's window of it), `[T, H_q, 1, Dv]` back."""
+        out = self.attend_packed(_packed(queries), scale, sinks, softcap)
+        return out.reshape(queries.shape[0], queries.shape[1], 1, out.shape[-1])
+
+    def attend_packed(self, queries: mx.array, scale: float, sinks: mx.array | None = None,
+                      softcap: float | None = None) -> mx.array:
+        """Packed queries `[T, H_q, D]` over each sequence's paged context, `[T, H_q, Dv]` back."""
         ctx, layer = self.context, self.layer
-        packed = _packed(queries)
         keys, values = ctx.pool.keys[layer], ctx.pool.values[layer]
         rules = dict(scale=scale, window=self.window, sinks=sinks, softcap=softcap)
         if ctx.varlen_plan is not None:
-            out = kernels.paged_varlen_attention(packed, keys, values, ctx.varlen_plan, **rules)
-        elif ctx.decode_only:
-            out = kernels.paged_attention(
-                packed, keys, values, ctx.decode_tables, ctx.decode_lens, backend=ctx.backend, **rules
+            return kernels.paged_varlen_attention(queries, keys, values, ctx.varlen_plan, **rules)
+        if ctx.decode_only:
+            return kernels.paged_attention(
+                queries, keys, values, ctx.decode_tables, ctx.decode_lens, backend=ctx.backend, **rules
             )
-        else:
-            out = kernels.paged_prefill_attention(
-                packed, keys, values, ctx.block_tables, ctx.query_start_loc, ctx.context_lens,
-                backend=ctx.backend, **rules,
-            )
-        return out.reshape(queries.shape[0], queries.shape[1], 1, out.shape[-1])
+        return kernels.paged_prefill_attention(
+            queries, keys, values, ctx.block_tables, ctx.query_start_loc, ctx.context_lens,
+            backend=ctx.backend, **rules,
+        )
 
 
 def _packed(rows: mx.array) -> mx.array:
@@ -301,7 +309,7 @@ class ModelRunner:
     """
 
     def __init__(self, loaded: LoadedModel, pool: Any, *, attention_backend: str | None = None,
-                 compiled_decode: bool | None = None, states: Any = None):
+                 compiled_decode: bool | None = None, states: Any = None, fused_layers: bool = True):
         self.loaded = loaded
         self.pool = pool
         self.states = states  # kvcache.StatePool of a hybrid model's recurrent-state layers
@@ -313,6 +321,8 @@ class ModelRunner:
         install_paged_state_layers(loaded.model)
         self._head = ModelHead(loaded.model)  # the model's own head and logit transforms
         self._stack = text_stack(loaded.model)  # the decoder stack each step runs
+        # the same stack with fused projections, for the families that have them; else None
+        self._fused = None if fused_layers is False else fuse_stack(self._stack)
         self._num_layers = len(attention_layers(loaded.model))  # the KV pool's layers
         self._num_heads = _query_heads(loaded.model)
         self._windows = layer_windows(loaded.model)
@@ -346,8 +356,11 @@ class ModelRunner:
     def _run(self, context: StepContext, tokens: mx.array) -> mx.array:
         """The model's stack over a step's packed tokens, then its head: logits of every row
         of a decode step, and of each chunk's last row otherwise."""
-        hidden = self._stack(tokens[:, None], cache=self.layer_caches(context))
-        hidden = hidden.reshape(hidden.shape[0], hidden.shape[2])
+        if self._fused is not None:
+            hidden = self._fused(tokens, self.layer_caches(context))
+        else:
+            hidden = self._stack(tokens[:, None], cache=self.layer_caches(context))
+            hidden = hidden.reshape(hidden.shape[0], hidden.shape[2])
         if not context.decode_only:  # a decode step's rows are each its sequence's last token
             hidden = hidden[mx.array(context.query_start_loc[1:] - 1)]
         return self._head(hidden)
