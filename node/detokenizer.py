@@ -40,19 +40,26 @@ def fast_decoder(tokenizer):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], decode=None):
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], decode=None, stream: bool = True):
+        """`decode`: the window's decoder (one shared per tokenizer saves a look-up); `stream`:
+        use the Rust stream where it gives the same text."""
         tail = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.text = ""
-        self._backend = rust_backend(tokenizer) if decode is None else None
-        if self._backend is not None and self._backend.decode(tail, skip_special_tokens=True).endswith(_INCOMPLETE):
-            self._backend = None  # a prompt ending inside a character: the stream would replay the prompt's text
+        self._backend = rust_backend(tokenizer) if stream else None
         if self._backend is not None:  # one Rust call a token
-            self._stream = DecodeStream(ids=tail, skip_special_tokens=True)
+            self._stream = DecodeStream(ids=self._whole_characters(tail), skip_special_tokens=True)
             return
         self._decode = decode or fast_decoder(tokenizer)
         self._ids = tail
         self._prefix_offset = 0
         self._read_offset = len(tail)
+
+    def _whole_characters(self, tail: list[int]) -> list[int]:
+        """The context without trailing tokens that end inside a character: primed with those,
+        the stream would replay the context's text once the character completes."""
+        while tail and self._backend.decode(tail, skip_special_tokens=True).endswith(_INCOMPLETE):
+            tail = tail[:-1]
+        return tail
 
     def add(self, token_id: int) -> str:
         """Append one token; return the text it completes (possibly empty)."""

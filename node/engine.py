@@ -21,7 +21,7 @@ from node.detokenizer import IncrementalDetokenizer, fast_decoder
 from node.errors import DuplicateRequest, InvalidPrompt, PromptTooLong
 from node.model.loader import LoadedModel, load_model
 from node.model.residency import wire_model_and_pool
-from node.model.runner import ModelRunner, SequenceChunk, StepInput, pack_step
+from node.model.runner import ModelRunner, SequenceChunk, StepInput, pack_decode, pack_step
 from node.model.state_layers import probe_state_shapes
 from node.rates import NodeRates
 from node.sampling import DeviceSample, SampleRow, sample_on_device
@@ -300,12 +300,16 @@ class LLMEngine:
         pending = ids == PENDING_TOKEN
         if not pending.any():
             return None
+        previous = self._in_flight.sample.tokens
+        if pending.all() and ids.size == len(chunks) == previous.shape[0] and all(
+            c.seq.device_row == i for i, c in enumerate(chunks)
+        ):
+            return previous  # a steady decode batch: last step's samples, in order, are this step's input
         rows = np.zeros_like(ids)
         ends = np.asarray(step.query_start_loc[1:]) - 1
         for end, chunk in zip(ends, chunks):
             if pending[end]:
                 rows[end] = chunk.seq.device_row
-        previous = self._in_flight.sample.tokens
         return mx.where(mx.array(pending), mx.take(previous, mx.array(rows)), mx.array(ids))
 
     def _settle_in_flight(self) -> list[RequestOutput]:
@@ -483,6 +487,12 @@ class LLMEngine:
 
 def build_step_input(chunks: list[ScheduledChunk], kv: KVCache, block_size: int) -> StepInput:
     """The scheduled chunks as the packed batch the model runner takes."""
+    if all(c.num_tokens == 1 for c in chunks):
+        seqs = [c.seq for c in chunks]
+        positions = [s.num_computed for s in seqs]
+        return pack_decode([s.token_ids[p] for s, p in zip(seqs, positions)], positions,
+                           [kv.block_table(s.seq_id) for s in seqs], block_size,
+                           kv.state_slots([s.seq_id for s in seqs]))
     return pack_step(
         [
             SequenceChunk(

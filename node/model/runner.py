@@ -128,6 +128,27 @@ def pack_step(chunks: Sequence[SequenceChunk], block_size: int, state_slots: Seq
     )
 
 
+def pack_decode(token_ids: list[int], positions: list[int], tables: Sequence[Sequence[int]], block_size: int,
+                state_slots: Sequence[int] | None = None) -> StepInput:
+    """`pack_step` for a step of one new token per sequence (token i of sequence i at
+    `positions[i]`), the decode batch's every step: plain lists, no per-chunk objects."""
+    slots = []
+    for position, table in zip(positions, tables):
+        index = position // block_size
+        if index >= len(table):
+            raise InvalidStep(f"position {position} lies beyond the {len(table)} blocks of the sequence")
+        slots.append(table[index] * block_size + position % block_size)
+    return StepInput(
+        token_ids=token_ids,
+        positions=positions,
+        slot_mapping=slots,
+        block_tables=pad_block_tables(tables),
+        query_start_loc=list(range(len(positions) + 1)),
+        context_lens=[p + 1 for p in positions],
+        state_slots=state_slots,
+    )
+
+
 @dataclass
 class StepContext:
     """A step's metadata, built once and read by every layer: device arrays for the

@@ -46,6 +46,11 @@ def test_a_fused_layer_has_20_fewer_primitives_than_mlx_lms_wiring(demo_model_di
     assert unfused - fused >= 20 * layers, (unfused, fused)
 
 
+#: float32 logits of the two wirings: equal to rounding on the CPU; on a GPU the stacked matmul
+#: reduces in another order than three narrower ones (1.8e-4 apart on the H200)
+LOGIT_ATOL = 1e-5 if mx.default_device().type == mx.DeviceType.cpu else 1e-3
+
+
 def test_fused_and_mlx_lm_wiring_give_the_same_logits(demo_model_dir):
     loaded = load_model(demo_model_dir)
     tables = scattered_tables(["a", "b"])
@@ -58,7 +63,7 @@ def test_fused_and_mlx_lm_wiring_give_the_same_logits(demo_model_dir):
         decode = pack_step([SequenceChunk([9], 11, tables["a"]), SequenceChunk([4], 7, tables["b"])], BLOCK_SIZE)
         logits[fused] = (np.array(first), np.array(runner.forward(decode)))
     for plain, fused in zip(logits[False], logits[True]):
-        np.testing.assert_allclose(fused, plain, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(fused, plain, atol=LOGIT_ATOL, rtol=0)
 
 
 def test_fusing_keeps_one_copy_of_the_weights_and_mlx_lm_generation_unchanged(demo_model_dir):

@@ -224,3 +224,18 @@ def test_a_model_whose_values_are_narrower_than_its_keys_attends_on_the_referenc
     assert (runner.attention_backend, runner.compiled_decode) == ("reference", None)
     one_width = load_model(str(write_tiny_model(tmp_path / "qwen3", "qwen3", demo_path))).geometry(BLOCK_SIZE)
     assert kernels.backend_for_head_dims(None, one_width.head_dim, one_width.value_dim) == "cuda"
+
+
+def test_a_decode_step_packs_as_the_general_packer_packs_it():
+    from node.model.runner import pack_decode
+
+    tables = [[3, 9, 4], [7], [12, 5]]
+    positions = [40, 3, 17]
+    tokens = [11, 22, 33]
+    general = pack_step([SequenceChunk([t], p, table) for t, p, table in zip(tokens, positions, tables)], 16)
+    fast = pack_decode(tokens, positions, tables, 16)
+    for name in ("token_ids", "positions", "slot_mapping", "query_start_loc", "context_lens"):
+        assert list(getattr(fast, name)) == list(getattr(general, name)), name
+    np.testing.assert_array_equal(fast.block_tables, general.block_tables)
+    with pytest.raises(InvalidStep, match="beyond the 1 blocks"):
+        pack_decode([1], [16], [[7]], 16)
