@@ -132,10 +132,19 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            self._warm_up()
             self._loop()
         finally:
             mx.synchronize()  # MLX asks each thread to release its streams before it ends
             mx.clear_streams()
+
+    def _warm_up(self) -> None:
+        """Trace the decode graphs in this thread, which replays them; a failure leaves them to
+        be traced at first use."""
+        try:
+            self.engine.warm_up()
+        except Exception:
+            log.exception("decode graph warm-up failed; graphs will be traced as steps need them")
 
     def _loop(self) -> None:
         while not self._stopped.is_set():

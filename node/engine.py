@@ -67,6 +67,9 @@ class EngineConfig:
     # Decode-only steps replayed from compiled graphs (node.model.compiled_decode); None: where the
     # attention runs a compiled kernel (Metal, CUDA), not on the reference backend.
     compiled_decode: bool | None = None
+    # Trace the compiled decode graphs of every batch size and context up to this many tokens
+    # before serving (`LLMEngine.warm_up`), so no live step stalls on a trace; 0: trace lazily.
+    warm_up_context: int = 4096
 
     def __post_init__(self):
         if self.max_num_batched_tokens is None:
@@ -147,6 +150,16 @@ class LLMEngine:
         self._rng = np.random.default_rng(self.config.seed)
         self.counters = _StepCounters()
         self.grammars = GrammarMasks(self.tokenizer, self.model.vocab_size, self.eos_token_ids)
+
+    def warm_up(self) -> int:
+        """Trace the compiled decode graphs the node will meet (batches up to `max_num_seqs`,
+        contexts up to `warm_up_context`) before serving; call it in the thread that steps the
+        engine (MLX's streams are per thread). Returns how many graphs were new."""
+        compiled = self.runner.compiled_decode
+        context = min(self.config.warm_up_context, self.max_model_len)
+        if compiled is None or context <= 0:
+            return 0
+        return compiled.warm_up(self.kv.pool, self.config.max_num_seqs, -(-context // self.config.block_size))
 
     # -- requests -------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from node.types import RequestOutput, SamplingParams
 class LLM:
     def __init__(self, model: str | None = None, **engine_options):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_options))
+        self.engine.warm_up()  # steps run in this thread
         self.tokenizer = self.engine.tokenizer
 
     def generate(

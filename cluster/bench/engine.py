@@ -253,8 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         budget = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
         overlap = not args.no_async_scheduling
         compiled = {"on": True, "off": False}.get(args.compiled_decode)
-        return LLMEngine(EngineConfig(max_num_seqs=args.num_requests, async_scheduling=overlap, compiled_decode=compiled,
-                                      **budget, **kw), loaded=loaded)
+        eng = LLMEngine(EngineConfig(max_num_seqs=args.num_requests, async_scheduling=overlap, compiled_decode=compiled,
+                                     **budget, **kw), loaded=loaded)
+        eng.warm_up()  # as a serving node does before its first request
+        return eng
 
     table = Table(title=f"orchard bench engine: {label}, {mx.default_device()}")
     for col in ("scenario", "orchard", "mlx-lm", "ratio", "TTFT p50 s orchard / mlx-lm", "TTFT p99 s orchard / mlx-lm"):

@@ -7,7 +7,11 @@ decode once per shape and replays the traced graph afterwards, with its elementw
 fused, as vLLM replays a captured CUDA graph per batch size.
 
 Shapes are bucketed so a handful of graphs serve every step: the batch is padded up to the
-next of `BATCH_BUCKETS`, the block tables to the next power of two. A padding row decodes
+next of `BATCH_BUCKETS`, the block tables to the next of `WIDTH_BUCKETS` (16 blocks, then x4).
+Tracing a new bucket stalls every sequence of the step (the graph is traced and its fused
+kernels compiled), so the buckets are coarse: a padding row costs a host-bound step next to
+nothing, a wider table a few bytes (the kernels read each row's blocks up to its own length),
+and `warm_up` traces the buckets a node will meet before it serves. A padding row decodes
 token 0 at position 0: it writes its K/V to the first slot of the null block (block 0, never
 handed to a sequence, so no real row reads it) and attends to that slot alone; its logits
 are dropped. Everything the
@@ -23,6 +27,7 @@ compiled step writes in place just as an eager one does.
 
 from __future__ import annotations
 
+import weakref
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,8 +39,11 @@ from kernels import SlotIndex
 from node.model.positions import PackedPositions
 
 #: batch sizes a graph is traced for; larger batches round up to a multiple of the last step
-BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 48, 64)
 _BUCKET_STEP = 16
+#: the narrowest traced block table, and the factor between one width and the next
+_MIN_WIDTH = 16
+_WIDTH_STEP = 4
 
 
 def batch_bucket(rows: int) -> int:
@@ -47,8 +55,21 @@ def batch_bucket(rows: int) -> int:
 
 
 def width_bucket(blocks: int) -> int:
-    """The traced block-table width that holds `blocks` entries: the next power of two."""
-    return 1 << max(blocks - 1, 0).bit_length()
+    """The traced block-table width that holds `blocks` entries: 16, 64, 256, ..."""
+    width = _MIN_WIDTH
+    while width < blocks:
+        width *= _WIDTH_STEP
+    return width
+
+
+def buckets_up_to(rows: int, blocks: int) -> list[tuple[int, int]]:
+    """Every (batch, width) bucket a step of at most `rows` rows and `blocks` blocks a row may take."""
+    batches = [b for b in BATCH_BUCKETS if b < batch_bucket(rows)] + [batch_bucket(rows)]
+    batches = sorted(set(batches) | set(range(BATCH_BUCKETS[-1] + _BUCKET_STEP, batch_bucket(rows) + 1, _BUCKET_STEP)))
+    widths = [_MIN_WIDTH]
+    while widths[-1] < blocks:
+        widths.append(widths[-1] * _WIDTH_STEP)
+    return [(b, w) for b in batches for w in widths]
 
 
 @dataclass
@@ -70,10 +91,15 @@ class CompiledDecode:
 
     def __init__(self, num_layers: int, make_context: Callable, run: Callable):
         self._num_layers = num_layers
-        self._make_context = make_context
-        self._run = run
         self._graphs: dict[tuple[int, int], Callable] = {}
         self.traces = 0  # graphs traced so far: a new bucket traces once
+        self.bind(make_context, run)
+
+    def bind(self, make_context: Callable, run: Callable) -> None:
+        """Trace future buckets with these (a runner's bound methods, held weakly: graphs shared
+        by the runners of one model must not keep a finished engine's KV pool alive)."""
+        self._make_context = weakref.WeakMethod(make_context)
+        self._run = weakref.WeakMethod(run)
 
     def __call__(self, pool, step, tokens: mx.array | None) -> mx.array:
         """Logits `[num_seqs, vocab]` of a decode-only `step` (one new token per sequence); the
@@ -90,6 +116,24 @@ class CompiledDecode:
             mx.array(padded),
             _padded(step.context_lens, np.ones(batch)),
         ]
+        outputs = self._replay(batch, width, inputs, pool)
+        return outputs[0] if rows == batch else outputs[0][:rows]
+
+    def warm_up(self, pool, rows: int, blocks: int) -> int:
+        """Trace (and run once, on padding rows alone) every bucket up to `rows` rows of up to
+        `blocks` blocks, as vLLM captures its CUDA graphs at start; returns how many were new."""
+        new = 0
+        for batch, width in buckets_up_to(rows, blocks):
+            if (batch, width) in self._graphs:
+                continue
+            zeros = mx.zeros((batch,), dtype=mx.int32)
+            inputs = [zeros, zeros, zeros, zeros, mx.zeros((batch, width), dtype=mx.int32), mx.ones((batch,), dtype=mx.int32)]
+            mx.eval(self._replay(batch, width, inputs, pool))
+            new += 1
+        return new
+
+    def _replay(self, batch: int, width: int, inputs: list, pool) -> tuple:
+        """Run the bucket's graph (traced at its first use); the pool takes the written arrays."""
         graph = self._graphs.get((batch, width))
         if graph is None:
             graph = self._graphs[(batch, width)] = mx.compile(self._traced)
@@ -98,14 +142,40 @@ class CompiledDecode:
         layers = self._num_layers
         pool.keys[:] = outputs[1 : 1 + layers]
         pool.values[:] = outputs[1 + layers :]
-        return outputs[0] if rows == batch else outputs[0][:rows]
+        return outputs
 
     def _traced(self, tokens, positions, blocks, offsets, tables, lengths, *kv):
         layers = self._num_layers
         pool = _TracedPool(list(kv[:layers]), list(kv[layers:]))
-        context = self._make_context(pool, PackedPositions(positions), SlotIndex(blocks, offsets), tables, lengths)
-        logits = self._run(context, tokens)
+        context = self._make_context()(pool, PackedPositions(positions), SlotIndex(blocks, offsets), tables, lengths)
+        logits = self._run()(context, tokens)
         return (logits, *pool.keys, *pool.values)
+
+
+class _SharedGraphs:
+    """A model's compiled decode graphs, by attention backend: every runner over the model
+    replays the same graphs (their constants are the model's weights; the pool is an input)."""
+
+    def __init__(self):
+        self.by_backend: dict[str, CompiledDecode] = {}
+
+
+_SHARED_MARK = "_orchard_compiled_decode"
+
+
+def shared_compiled_decode(stack, backend: str, num_layers: int, make_context: Callable, run: Callable) -> CompiledDecode:
+    """The compiled decode of `stack`'s model on `backend`, made once and bound to the newest
+    runner, so a second engine over a loaded model starts with the first one's graphs traced."""
+    shared = getattr(stack, _SHARED_MARK, None)
+    if shared is None:
+        shared = _SharedGraphs()
+        setattr(stack, _SHARED_MARK, shared)
+    compiled = shared.by_backend.get(backend)
+    if compiled is None:
+        compiled = shared.by_backend[backend] = CompiledDecode(num_layers, make_context, run)
+    else:
+        compiled.bind(make_context, run)
+    return compiled
 
 
 def _host_padded(values, padding: np.ndarray) -> np.ndarray:

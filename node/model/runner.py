@@ -37,7 +37,7 @@ import numpy as np
 
 import kernels
 from node.model.capability import attention_modules, layer_windows
-from node.model.compiled_decode import CompiledDecode
+from node.model.compiled_decode import shared_compiled_decode
 from node.model.fused_layers import fuse_stack
 from node.model.head import ModelHead
 from node.model.layer_patches import install_layer_patches
@@ -352,7 +352,8 @@ class ModelRunner:
             raise ValueError("a model with recurrent-state layers needs a state pool")
         if compiled_decode is None:  # a compiled graph carries no state pool yet
             compiled_decode = self.attention_backend != "reference" and states is None
-        self.compiled_decode = CompiledDecode(self._num_layers, self._decode_context, self._run) if compiled_decode else None
+        self.compiled_decode = shared_compiled_decode(self._stack, self.attention_backend, self._num_layers,
+                                                      self._decode_context, self._run) if compiled_decode else None
 
     def layer_caches(self, context: StepContext) -> list:
         """One cache per layer for a step: a paged KV cache with its layer's sliding window, or a

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from node.engine import EngineConfig, LLMEngine, build_step_input
-from node.model.compiled_decode import BATCH_BUCKETS, batch_bucket, width_bucket
+from node.model.compiled_decode import BATCH_BUCKETS, batch_bucket, buckets_up_to, width_bucket
 from node.model.runner import ModelRunner
 from node.scheduler import ScheduledChunk
 from node.types import SamplingParams
@@ -29,9 +29,11 @@ def _engine(model_dirs, compiled: bool, **kw) -> LLMEngine:
 
 
 def test_buckets_hold_their_rows_and_grow_slowly():
-    assert [batch_bucket(n) for n in (1, 2, 3, 5, 9, 17, 33, 64, 65, 80, 81)] == [1, 2, 4, 8, 16, 24, 40, 64, 80, 80, 96]
+    assert [batch_bucket(n) for n in (1, 2, 3, 5, 9, 17, 33, 64, 65, 80, 81)] == [1, 2, 4, 8, 16, 32, 48, 64, 80, 80, 96]
     assert all(batch_bucket(n) >= n for n in range(1, 300))
-    assert [width_bucket(n) for n in (1, 2, 3, 5, 64, 65)] == [1, 2, 4, 8, 64, 128]
+    assert [width_bucket(n) for n in (1, 2, 3, 16, 17, 64, 65, 1025)] == [16, 16, 16, 16, 64, 64, 256, 4096]
+    assert buckets_up_to(5, 17) == [(b, w) for b in (1, 2, 4, 8) for w in (16, 64)]
+    assert buckets_up_to(70, 3) == [(b, 16) for b in (*BATCH_BUCKETS, 80)]
     assert BATCH_BUCKETS == tuple(sorted(BATCH_BUCKETS))
 
 
@@ -157,3 +159,33 @@ def test_compiled_decode_keeps_each_layers_window_and_sinks(family, model_dirs, 
         params = [SamplingParams(temperature=0.0, max_tokens=18, logprobs=2, ignore_eos=True)] * 3
         finals.append(_run_all(engine, prompts, params)["finals"])
     assert finals[1] == finals[0]
+
+
+def test_warm_up_traces_every_bucket_so_serving_traces_none(model_dirs):
+    engine = _engine(model_dirs, True, max_num_seqs=6, warm_up_context=40)
+    assert engine.warm_up() == 4 * 1  # batches 1, 2, 4, 8; contexts up to 40 tokens fit the 16-block width
+    assert engine.warm_up() == 0
+    prompts = _prompts(engine.model.vocab_size, [9, 21, 6, 13, 17, 5])
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (14, 12, 10, 8, 6, 4)]
+    warm = _run_all(engine, prompts, params)
+    assert engine.runner.compiled_decode.traces == 4
+    cold = _run_all(_engine(model_dirs, True, max_num_seqs=6), prompts, params)
+    assert warm == cold  # the padding rows the warm-up ran wrote nowhere a sequence reads
+
+
+def test_engines_over_one_model_share_the_graphs_and_not_each_others_pools(model_dirs):
+    import gc
+    import weakref
+
+    first = _engine(model_dirs, True, max_num_seqs=2, warm_up_context=8)
+    traced = first.warm_up()
+    second = LLMEngine(EngineConfig(num_blocks=256, block_size=4, compiled_decode=True, max_num_seqs=2,
+                                    warm_up_context=8), loaded=first.model)
+    assert second.runner.compiled_decode is first.runner.compiled_decode and second.warm_up() == 0 < traced
+    pool = weakref.ref(first.kv.pool)
+    del first
+    gc.collect()
+    assert pool() is None
+    prompts = _prompts(second.model.vocab_size, [7, 5])
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)] * 2
+    assert len(_run_all(second, prompts, params)) == 2
