@@ -5,8 +5,9 @@ tier (blocks evicted to disk, and preempted sequences) and the event log togethe
 the engine never coordinates them itself. Prefix hits come from memory first, then the
 chain continues from the cold tier by copying blocks back into the pool.
 
-One owner thread: the engine loop. Exports and imports for migration must be called
-from that thread too (or serialized with it).
+Migration (exporting a held prefix run, importing one) is kvcache.block_transfer's, which
+KVCache owns and delegates to. One owner thread: the engine loop. Exports and imports for
+migration must be called from that thread too (or serialized with it).
 """
 
 from __future__ import annotations
@@ -19,20 +20,21 @@ import numpy as np
 import xxhash
 
 from kvcache.block_manager import BlockManager, chain_order
+from kvcache.block_transfer import BlockTransfer
 from kvcache.budget import GIB, MemoryBudget, num_blocks_for
 from kvcache.cold_states import ColdStates, cold_states_path
 from kvcache.cold_tier import ColdTier
 from kvcache.config import CacheConfig, InvalidCacheConfig
-from kvcache.errors import ColdTierError, IncompatibleKVPayload, OutOfBlocks
+from kvcache.errors import ColdTierError, OutOfBlocks
 from kvcache.events import DISK, BlockStored, EventLog, KVEvent, StateStored
 from kvcache.geometry import KVGeometry, StateGeometry
 from kvcache.hashing import BlockHash, block_hashes, hash_block, root_hash
-from kvcache.hybrid_states import HybridStates, check_state_fits
+from kvcache.hybrid_states import HybridStates
 from kvcache.pool import KVPool
 from kvcache.state_pool import StatePool
 from kvcache.state_snapshots import StateSnapshots
 from kvcache.stats import KVStats
-from kvcache.wire import KVBlockData, StateSnapshotData, decode_payload, encode_blocks
+from kvcache.wire import KVBlockData, StateSnapshotData
 from kvcache.wire_stream import BlockPieces
 
 log = logging.getLogger(__name__)
@@ -88,6 +90,8 @@ class KVCache:
             reuse_limit=self.hybrid.usable_blocks if self.hybrid is not None else None,
             prefix_caching=config.enable_prefix_caching,
         )
+        self.transfer = BlockTransfer(geometry, self.manager, self.pool, self.root, self.hybrid,
+                                      read_cold=self._cold_get, on_disk=self._on_disk)
         self._disk_blocks: dict[BlockHash, tuple[BlockHash | None, tuple[int, ...]]] = {}
         self._swap_keys: set[bytes] = set()
         self._adopt_recovered_cold_blocks()
@@ -238,79 +242,28 @@ class KVCache:
     # ----------------------------------------------------------------- migration
 
     def export_blocks(self, hashes: Sequence[BlockHash]) -> bytes:
-        """Encode the leading blocks of `hashes` held in memory or on disk (a prefix run); for a
-        hybrid model, up to the last of them with a state snapshot, and that snapshot."""
-        hashes = self._exportable(hashes)
-        pinned = self.manager.pin(hashes)
-        try:
-            blocks = self._memory_blocks(pinned)
-            for block_hash in hashes[len(pinned) :]:
-                data = self._cold_get(block_hash)
-                if data is None:
-                    break
-                blocks.append(data)
-            return encode_blocks(self.geometry, blocks, self._state_after(blocks))
-        finally:
-            self.manager.unpin(pinned)
+        """The leading run of `hashes` held here, encoded (kvcache.block_transfer)."""
+        return self.transfer.export_blocks(hashes)
 
     def import_blocks(self, payload: bytes) -> int:
         """Cache the blocks of `payload` not held yet, in chain order; return how many."""
-        decoded = decode_payload(payload, self.geometry, self.state_geometry)
-        return self.import_decoded(decoded.blocks, decoded.state)
+        return self.transfer.import_blocks(payload)
 
     @property
     def state_geometry(self) -> StateGeometry | None:
         """The state pool's geometry, which a payload's state must have; None for a model without state."""
-        return self.hybrid.geometry if self.hybrid is not None else None
+        return self.transfer.state_geometry
 
     def import_decoded(self, blocks: Sequence[KVBlockData], state: StateSnapshotData | None = None) -> int:
-        """Cache decoded blocks (`decode_payload`, `decode_payload_views`) not held yet, in chain
-        order; a hybrid model's `state` (the snapshot after the last block) is stored with them."""
-        check_state_fits(self.state_geometry, blocks, state)
-        for block in blocks:
-            if not _hash_checks_out(block):
-                raise IncompatibleKVPayload(f"block {block.block_hash.hex()}: hash does not match its parent and tokens")
-        pinned: list[int] = []
-        written: list[KVBlockData] = []
-        try:
-            for block in blocks:
-                if self.manager.cached_block(block.block_hash) is not None:
-                    continue
-                if not self._chains_here(block.parent_hash) or len(block.token_ids) != self.block_size:
-                    break
-                block_id = self.manager.import_cached(block.block_hash, block.parent_hash, block.token_ids)
-                if block_id is None:
-                    break
-                pinned.extend(self.manager.pin([block.block_hash]))
-                written.append(block)
-            if written:
-                self.pool.write_block_arrays(pinned, [b.keys for b in written], [b.values for b in written])
-            if state is not None and self.manager.cached_block(state.block_hash) is not None:
-                self.hybrid.keep(state)  # the run may have stopped short of its block (a full pool, a broken chain)
-            return len(written)
-        finally:
-            self.manager.unpin(list(reversed(pinned)))  # the chain's head ends most recent
+        """Cache decoded blocks not held yet, in chain order, with a hybrid model's `state` after the last."""
+        return self.transfer.import_decoded(blocks, state)
 
     def pin_export(self, hashes: Sequence[BlockHash]) -> tuple[list[int], list[BlockPieces], StateSnapshotData | None]:
-        """Pin the leading run of `hashes` held here (memory, then disk; for a hybrid model up to
-        the last block with a state snapshot) and describe it as wire pieces that point into the
-        pool's arrays where it can, with that snapshot; `unpin_export` when sent."""
-        hashes = self._exportable(hashes)
-        pinned = self.manager.pin(hashes)
-        views = self.pool.layer_views()
-        if views is None:
-            blocks = [_pieces(b) for b in self._memory_blocks(pinned)]
-        else:
-            blocks = [self._view_pieces(block_id, views) for block_id in pinned]
-        for block_hash in hashes[len(pinned) :]:
-            data = self._cold_get(block_hash)
-            if data is None:
-                break
-            blocks.append(_pieces(data))
-        return pinned, blocks, self._state_after(blocks)
+        """Pin the leading run of `hashes` held here as wire pieces, with a hybrid model's snapshot; `unpin_export` when sent."""
+        return self.transfer.pin_export(hashes)
 
     def unpin_export(self, pinned: Sequence[int]) -> None:
-        self.manager.unpin(pinned)
+        self.transfer.unpin_export(pinned)
 
     def prefetch(self, hashes: Sequence[BlockHash]) -> None:
         """Start reading, from disk, the blocks of `hashes` that memory does not hold."""
@@ -407,8 +360,11 @@ class KVCache:
         restored.append((pinned[0], data))
         return pinned
 
+    def _on_disk(self, key: bytes) -> bool:
+        return self.cold is not None and key in self.cold
+
     def _cold_get(self, key: bytes) -> KVBlockData | None:
-        if self.cold is None or key not in self.cold:
+        if not self._on_disk(key):
             return None
         data = self.cold.get(key)
         if data is None:  # failed its checksum; the tier dropped it
@@ -483,51 +439,6 @@ class KVCache:
         parent = self.manager.sequence_hashes(seq_id)[full - 1] if full else self.root
         tokens = tuple(token_ids[reused : reused + len(partial.token_ids)])
         return partial.parent_hash == parent and tuple(partial.token_ids) == tokens
-
-    def _exportable(self, hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
-        """The leading hashes worth sending: all of them, or for a hybrid model the held run up to
-        its last block with a state snapshot (KV past it cannot be resumed from without a state)."""
-        if self.hybrid is None:
-            return hashes
-        held = 0
-        while held < len(hashes) and self.manager.cached_block(hashes[held]) is not None:
-            held += 1
-        return hashes[: self.hybrid.sendable_blocks(hashes[:held])]
-
-    def _state_after(self, blocks) -> StateSnapshotData | None:
-        """The state snapshot after the last of the exported `blocks`, for a hybrid model."""
-        return self.hybrid.state_after(blocks) if self.hybrid is not None else None
-
-    def _chains_here(self, parent: BlockHash | None) -> bool:
-        """Whether a block with this parent is reachable from our root."""
-        if parent == self.root:
-            return True
-        return self.manager.cached_block(parent) is not None or (self.cold is not None and parent in self.cold)
-
-    def _view_pieces(self, block_id: int, views) -> BlockPieces:
-        block = self.manager.block(block_id)
-        keys, values = views
-        return BlockPieces(block.block_hash, block.parent_hash, block.token_ids,
-                           [layer[block_id] for layer in keys], [layer[block_id] for layer in values])
-
-    def _memory_blocks(self, block_ids: list[int]) -> list[KVBlockData]:
-        if not block_ids:
-            return []
-        keys, values = self.pool.read_blocks(block_ids)
-        out = []
-        for j, block_id in enumerate(block_ids):
-            block = self.manager.block(block_id)
-            out.append(KVBlockData(block.block_hash, block.parent_hash, block.token_ids, keys[:, j], values[:, j]))
-        return out
-
-
-def _pieces(block: KVBlockData) -> BlockPieces:
-    return BlockPieces(block.block_hash, block.parent_hash, block.token_ids, list(block.keys), list(block.values))
-
-
-def _hash_checks_out(block: KVBlockData) -> bool:
-    """A payload's hashes must follow from its tokens, or a wrong block could become a hit."""
-    return block.parent_hash is not None and hash_block(block.parent_hash, block.token_ids) == block.block_hash
 
 
 def _stacked(blocks: Sequence[KVBlockData]) -> tuple[np.ndarray, np.ndarray]:

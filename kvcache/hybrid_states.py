@@ -9,8 +9,9 @@ their block spills there (kvcache.cold_states, which gets `COLD_STATE_SHARE` of 
 tier's bytes), brings them back for a resume, and tells the coordinator which blocks a resume
 can use here (`StateStored`, `StateRemoved`), so it counts a hybrid node's runs only that far.
 
-KVCache owns one of these per hybrid model and calls it from its own block operations;
-nothing here touches blocks. One owner thread: the engine loop.
+KVCache owns one of these per hybrid model and calls it from its own block operations (its
+migration, kvcache.block_transfer, too); nothing here touches blocks. One owner thread: the
+engine loop.
 """
 
 from __future__ import annotations
