@@ -5,8 +5,9 @@ tier (blocks evicted to disk, and preempted sequences) and the event log togethe
 the engine never coordinates them itself. Prefix hits come from memory first, then the
 chain continues from the cold tier by copying blocks back into the pool.
 
-One owner thread: the engine loop. Exports and imports for migration must be called
-from that thread too (or serialized with it).
+Migration (exporting a held prefix run, importing one) is kvcache.block_transfer's, which
+KVCache owns and delegates to. One owner thread: the engine loop. Exports and imports for
+migration must be called from that thread too (or serialized with it).
 """
 
 from __future__ import annotations
@@ -19,28 +20,26 @@ import numpy as np
 import xxhash
 
 from kvcache.block_manager import BlockManager, chain_order
+from kvcache.block_transfer import BlockTransfer
 from kvcache.budget import GIB, MemoryBudget, num_blocks_for
 from kvcache.cold_states import ColdStates, cold_states_path
 from kvcache.cold_tier import ColdTier
 from kvcache.config import CacheConfig, InvalidCacheConfig
-from kvcache.errors import ColdTierError, IncompatibleKVPayload, OutOfBlocks, OutOfStateSlots
+from kvcache.errors import ColdTierError, OutOfBlocks
 from kvcache.events import DISK, BlockStored, EventLog, KVEvent, StateStored
 from kvcache.geometry import KVGeometry, StateGeometry
 from kvcache.hashing import BlockHash, block_hashes, hash_block, root_hash
+from kvcache.hybrid_states import HybridStates
 from kvcache.pool import KVPool
 from kvcache.state_pool import StatePool
 from kvcache.state_snapshots import StateSnapshots
 from kvcache.stats import KVStats
-from kvcache.wire import KVBlockData, StateSnapshotData, decode_payload, encode_blocks
+from kvcache.wire import KVBlockData, StateSnapshotData
 from kvcache.wire_stream import BlockPieces
 
 log = logging.getLogger(__name__)
 
 _COLD_FAILURES = (ColdTierError, OSError, ValueError)
-#: The share of the cold tier's bytes a hybrid model gives its state snapshots (kvcache.cold_states),
-#: the rest going to its blocks: a block on disk is worth keeping only up to a snapshot, and a
-#: snapshot only with its blocks, so neither kind may crowd the other out.
-COLD_STATE_SHARE = 0.5
 
 
 class KVCache:
@@ -57,11 +56,10 @@ class KVCache:
     ):
         """`states`: a hybrid model's recurrent-state slots, held and freed with each sequence's
         blocks. Its KV alone cannot resume a sequence: a prefix is reused only up to a block
-        whose state was snapshotted (`capture_state`, `publish_state`; kvcache.state_snapshots),
-        a block that spills to disk takes its snapshot along (kvcache.cold_states, which gets
-        `COLD_STATE_SHARE` of the cold tier's bytes), such a cache swaps nothing to disk (a
-        preempted sequence is recomputed from its last snapshot), and its blocks travel only
-        with the snapshot of the last of them (`export_blocks`, `import_decoded`)."""
+        whose state was snapshotted (`capture_state`, `publish_state`), a block that spills to
+        disk takes its snapshot along (kvcache.hybrid_states keeps them), such a cache swaps
+        nothing to disk (a preempted sequence is recomputed from its last snapshot), and its
+        blocks travel only with the snapshot of the last of them (`export_blocks`, `import_decoded`)."""
         if config.dtype is not None and config.dtype != geometry.dtype:
             raise InvalidCacheConfig("dtype", f"{config.dtype!r} disagrees with the geometry's {geometry.dtype!r}")
         self.geometry = geometry
@@ -74,20 +72,13 @@ class KVCache:
             budget.reserve(model_name, num_blocks * geometry.bytes_per_block)
             self._reservation = (budget, model_name, num_blocks * geometry.bytes_per_block)
         self.pool = KVPool(geometry, num_blocks)
-        self.states = states
-        self.snapshots = StateSnapshots(capacity=states.num_slots) if states is not None else None
-        self._pending_states: dict[Hashable, tuple[int, list]] = {}
-        self._announced_states: set[BlockHash] = set()  # snapshots the coordinator was told of
         self.events = EventLog()
+        self.hybrid = HybridStates(states, self.events, self.block_size, self.root) if states is not None else None
         self.cold: ColdTier | None = None
-        self.cold_states: ColdStates | None = None
         if config.cold_tier_dir is not None:
             cold_bytes = int(config.cold_tier_gb * GIB)
-            if states is not None:
-                state_bytes = int(cold_bytes * COLD_STATE_SHARE)
-                slots = max(1, state_bytes // max(states.geometry.nbytes, 1))
-                self.cold_states = ColdStates(cold_states_path(config.cold_tier_dir, geometry), states.geometry, slots)
-                cold_bytes -= state_bytes
+            if self.hybrid is not None:
+                cold_bytes -= self.hybrid.open_cold(cold_states_path(config.cold_tier_dir, geometry), cold_bytes)
             self.cold = ColdTier(config.cold_tier_dir, geometry, cold_bytes)
         self.manager = BlockManager(
             num_blocks,
@@ -95,10 +86,12 @@ class KVCache:
             self.root,
             watermark=config.watermark,
             events=self.events,
-            on_evict=self._spill if self.cold is not None else (self._drop_snapshot if states is not None else None),
-            reuse_limit=self._usable_blocks if self.snapshots is not None else None,
+            on_evict=self._spill if self.cold is not None else (self.hybrid.evicted if self.hybrid is not None else None),
+            reuse_limit=self.hybrid.usable_blocks if self.hybrid is not None else None,
             prefix_caching=config.enable_prefix_caching,
         )
+        self.transfer = BlockTransfer(geometry, self.manager, self.pool, self.root, self.hybrid,
+                                      read_cold=self._cold_get, on_disk=self._on_disk)
         self._disk_blocks: dict[BlockHash, tuple[BlockHash | None, tuple[int, ...]]] = {}
         self._swap_keys: set[bytes] = set()
         self._adopt_recovered_cold_blocks()
@@ -111,6 +104,21 @@ class KVCache:
     def num_blocks(self) -> int:
         return self.pool.num_blocks
 
+    @property
+    def states(self) -> StatePool | None:
+        """A hybrid model's recurrent-state slots; None for a model without state layers."""
+        return self.hybrid.states if self.hybrid is not None else None
+
+    @property
+    def snapshots(self) -> StateSnapshots | None:
+        """A hybrid model's state snapshots in memory, by the block they follow."""
+        return self.hybrid.snapshots if self.hybrid is not None else None
+
+    @property
+    def cold_states(self) -> ColdStates | None:
+        """A hybrid model's state snapshots on disk, beside the cold tier's blocks."""
+        return self.hybrid.cold if self.hybrid is not None else None
+
     def block_hashes(self, token_ids: Sequence[int]) -> list[BlockHash]:
         """Chained hashes of the full blocks of `token_ids` for this model and salt."""
         return block_hashes(token_ids, self.block_size, self.root)
@@ -121,7 +129,7 @@ class KVCache:
 
     def allocate(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
         """Reserve slots for the prompt; return how many leading tokens already have KV."""
-        if self.states is not None:
+        if self.hybrid is not None:
             return self._allocate_with_state(seq_id, token_ids)
         if self.cold is None:
             return self.manager.allocate(seq_id, token_ids)
@@ -136,40 +144,16 @@ class KVCache:
     def _allocate_with_state(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
         """A hybrid model's allocation: the prefix reused up to its last block with a snapshot (in
         memory, or on disk with its blocks), that snapshot restored into a fresh state slot."""
-        if self.states.num_free == 0:
-            raise OutOfStateSlots(f"sequence {seq_id!r}: every state slot is held")
+        self.hybrid.check_slot_free(seq_id)
         held = self._hold_prefix(token_ids) if self.cold is not None else []
         hashes = self.block_hashes(token_ids)
         try:
-            self._load_cold_snapshot(hashes)
+            self.hybrid.load_cold_snapshot(hashes)
             computed = self.manager.allocate(seq_id, token_ids)
         finally:
             self.manager.unpin(held)
-        self.states.allocate(seq_id)
-        if computed:  # reuse stops at a block boundary with a snapshot (`_usable_blocks`)
-            self.states.restore(seq_id, self.snapshots.take(hashes[computed // self.block_size - 1]))
+        self.hybrid.resume(seq_id, hashes[: computed // self.block_size])
         return computed
-
-    def _usable_blocks(self, hashes: Sequence[BlockHash]) -> int:
-        """How many of these leading cached blocks a hybrid resume can use: up to the last with a
-        snapshot in memory or on disk."""
-        for count in range(len(hashes), 0, -1):
-            if hashes[count - 1] in self.snapshots or (self.cold_states is not None and hashes[count - 1] in self.cold_states):
-                return count
-        return 0
-
-    def _load_cold_snapshot(self, hashes: Sequence[BlockHash]) -> None:
-        """Bring the snapshot a resume along `hashes` would use into memory when it is only on disk
-        (one that fails its checksum is dropped there, and the resume stops at an earlier one)."""
-        while self.cold_states is not None and (usable := self._usable_blocks(hashes)):
-            last = hashes[usable - 1]
-            if last in self.snapshots:
-                return
-            arrays = self.cold_states.get(last)
-            if arrays is not None:
-                self._announce_states(self.snapshots.put(last, self.states.device_copy(arrays)))
-                return
-            self._announce_states([last])  # failed its checksum: dropped
 
     def holds_slots(self, seq_id: Hashable, num_tokens: int) -> bool:
         return self.manager.holds_slots(seq_id, num_tokens)
@@ -188,67 +172,27 @@ class KVCache:
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         self.manager.fork(parent_id, child_id)
-        if self.states is not None:
-            self.states.fork(parent_id, child_id)
+        if self.hybrid is not None:
+            self.hybrid.fork(parent_id, child_id)
 
     def free(self, seq_id: Hashable) -> None:
         self.manager.free(seq_id)
-        if self.states is not None:
-            self.states.free(seq_id)
-            self._pending_states.pop(seq_id, None)
+        if self.hybrid is not None:
+            self.hybrid.free(seq_id)
 
     def capture_state(self, seq_id: Hashable, num_computed: int) -> None:
         """Copy the sequence's state as the step just built leaves it, at block boundary `num_computed`;
         it is stored by `publish_state` once the tokens up to there are known."""
-        if num_computed % self.block_size:
-            raise ValueError(f"a state snapshot sits at a block boundary, not at token {num_computed}")
-        self._pending_states[seq_id] = (num_computed, self.states.snapshot(seq_id))
+        self.hybrid.capture(seq_id, num_computed)
 
     def publish_state(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
         """Store the sequence's captured state under the hash of the block it ends, if those tokens are known."""
-        pending = self._pending_states.pop(seq_id, None)
-        if pending is not None and pending[0] <= len(token_ids):
-            boundary, snapshot = pending
-            block_hash = self.block_hashes(token_ids[:boundary])[-1]
-            self._announce_states([block_hash, *self.snapshots.put(block_hash, snapshot)])
-
-    def _drop_snapshot(self, block_id: int, block_hash: BlockHash, parent, token_ids) -> None:
-        self.snapshots.drop(block_hash)
-        self._announce_states([block_hash])
-
-    def _state_held(self, block_hash: BlockHash) -> bool:
-        return block_hash in self.snapshots or (self.cold_states is not None and block_hash in self.cold_states)
-
-    def _announce_states(self, hashes: Sequence[BlockHash]) -> None:
-        """One event per change in which blocks a resume can use here (a snapshot held in memory
-        or on disk), so the coordinator counts a hybrid node's runs only as far as they resume."""
-        for block_hash in hashes:
-            held = self._state_held(block_hash)
-            if held and block_hash not in self._announced_states:
-                self._announced_states.add(block_hash)
-                self.events.state_stored(block_hash)
-            elif not held and block_hash in self._announced_states:
-                self._announced_states.discard(block_hash)
-                self.events.state_removed(block_hash)
-
-    def _spill_snapshot(self, block_hash: BlockHash) -> None:
-        """A block leaving memory for disk takes its snapshot along (if it has one in memory)."""
-        if block_hash not in self.snapshots:
-            return
-        snapshot = self.snapshots.get(block_hash)
-        self.snapshots.drop(block_hash)
-        dropped = []
-        try:
-            if block_hash in self.cold:  # the snapshot is useless without its block on disk
-                dropped = self.cold_states.put(block_hash, self.states.host_copy(snapshot))
-        finally:
-            self._announce_states([block_hash, *dropped])
+        if self.hybrid is not None:
+            self.hybrid.publish(seq_id, token_ids)
 
     def state_slots(self, seq_ids: Sequence[Hashable]) -> list[int] | None:
         """The sequences' state slots, in order; None for a model without state layers."""
-        if self.states is None:
-            return None
-        return [self.states.slot(s) for s in seq_ids]
+        return self.hybrid.slots(seq_ids) if self.hybrid is not None else None
 
     def block_table(self, seq_id: Hashable) -> list[int]:
         return self.manager.block_table(seq_id)
@@ -298,78 +242,28 @@ class KVCache:
     # ----------------------------------------------------------------- migration
 
     def export_blocks(self, hashes: Sequence[BlockHash]) -> bytes:
-        """Encode the leading blocks of `hashes` held in memory or on disk (a prefix run); for a
-        hybrid model, up to the last of them with a state snapshot, and that snapshot."""
-        hashes = self._exportable(hashes)
-        pinned = self.manager.pin(hashes)
-        try:
-            blocks = self._memory_blocks(pinned)
-            for block_hash in hashes[len(pinned) :]:
-                data = self._cold_get(block_hash)
-                if data is None:
-                    break
-                blocks.append(data)
-            return encode_blocks(self.geometry, blocks, self._state_after(blocks))
-        finally:
-            self.manager.unpin(pinned)
+        """The leading run of `hashes` held here, encoded (kvcache.block_transfer)."""
+        return self.transfer.export_blocks(hashes)
 
     def import_blocks(self, payload: bytes) -> int:
         """Cache the blocks of `payload` not held yet, in chain order; return how many."""
-        decoded = decode_payload(payload, self.geometry, self.state_geometry)
-        return self.import_decoded(decoded.blocks, decoded.state)
+        return self.transfer.import_blocks(payload)
 
     @property
     def state_geometry(self) -> StateGeometry | None:
         """The state pool's geometry, which a payload's state must have; None for a model without state."""
-        return self.states.geometry if self.states is not None else None
+        return self.transfer.state_geometry
 
     def import_decoded(self, blocks: Sequence[KVBlockData], state: StateSnapshotData | None = None) -> int:
-        """Cache decoded blocks (`decode_payload`, `decode_payload_views`) not held yet, in chain
-        order; a hybrid model's `state` (the snapshot after the last block) is stored with them."""
-        self._check_state_fits(blocks, state)
-        for block in blocks:
-            if not _hash_checks_out(block):
-                raise IncompatibleKVPayload(f"block {block.block_hash.hex()}: hash does not match its parent and tokens")
-        pinned: list[int] = []
-        written: list[KVBlockData] = []
-        try:
-            for block in blocks:
-                if self.manager.cached_block(block.block_hash) is not None:
-                    continue
-                if not self._chains_here(block.parent_hash) or len(block.token_ids) != self.block_size:
-                    break
-                block_id = self.manager.import_cached(block.block_hash, block.parent_hash, block.token_ids)
-                if block_id is None:
-                    break
-                pinned.extend(self.manager.pin([block.block_hash]))
-                written.append(block)
-            if written:
-                self.pool.write_block_arrays(pinned, [b.keys for b in written], [b.values for b in written])
-            self._keep_state(state)
-            return len(written)
-        finally:
-            self.manager.unpin(list(reversed(pinned)))  # the chain's head ends most recent
+        """Cache decoded blocks not held yet, in chain order, with a hybrid model's `state` after the last."""
+        return self.transfer.import_decoded(blocks, state)
 
     def pin_export(self, hashes: Sequence[BlockHash]) -> tuple[list[int], list[BlockPieces], StateSnapshotData | None]:
-        """Pin the leading run of `hashes` held here (memory, then disk; for a hybrid model up to
-        the last block with a state snapshot) and describe it as wire pieces that point into the
-        pool's arrays where it can, with that snapshot; `unpin_export` when sent."""
-        hashes = self._exportable(hashes)
-        pinned = self.manager.pin(hashes)
-        views = self.pool.layer_views()
-        if views is None:
-            blocks = [_pieces(b) for b in self._memory_blocks(pinned)]
-        else:
-            blocks = [self._view_pieces(block_id, views) for block_id in pinned]
-        for block_hash in hashes[len(pinned) :]:
-            data = self._cold_get(block_hash)
-            if data is None:
-                break
-            blocks.append(_pieces(data))
-        return pinned, blocks, self._state_after(blocks)
+        """Pin the leading run of `hashes` held here as wire pieces, with a hybrid model's snapshot; `unpin_export` when sent."""
+        return self.transfer.pin_export(hashes)
 
     def unpin_export(self, pinned: Sequence[int]) -> None:
-        self.manager.unpin(pinned)
+        self.transfer.unpin_export(pinned)
 
     def prefetch(self, hashes: Sequence[BlockHash]) -> None:
         """Start reading, from disk, the blocks of `hashes` that memory does not hold."""
@@ -387,7 +281,7 @@ class KVCache:
         seq = self.events.next_seq
         disk = {h: parent for h, (parent, _) in self._disk_blocks.items()}
         on_disk = [BlockStored(seq, h, disk[h], self._disk_blocks[h][1], DISK) for h in chain_order(disk)]
-        return self.manager.snapshot() + on_disk + [StateStored(seq, h) for h in self._announced_states]
+        return self.manager.snapshot() + on_disk + (self.hybrid.held_events(seq) if self.hybrid is not None else [])
 
     def stats(self) -> KVStats:
         return replace(self.manager.stats(), cold_tier_hits=self._cold_hits, cold_tier_spills=self._cold_spills)
@@ -398,9 +292,8 @@ class KVCache:
             self.cold.close()
             self.cold = None
             self.manager.on_evict = None
-        if self.cold_states is not None:
-            self.cold_states.close()
-            self.cold_states = None
+        if self.hybrid is not None:
+            self.hybrid.close()
         if self._reservation is not None:
             budget, model_name, nbytes = self._reservation
             budget.release(model_name, nbytes)
@@ -430,11 +323,8 @@ class KVCache:
                 self.events.stored(key, parent, tokens, DISK)
             else:
                 self.cold.discard(key)
-        if self.cold_states is not None:
-            for key in self.cold_states.keys():
-                if key not in self._disk_blocks:
-                    self.cold_states.discard(key)  # its block did not survive: nothing to resume after
-            self._announce_states(self.cold_states.keys())
+        if self.hybrid is not None:
+            self.hybrid.adopt_recovered(self._disk_blocks)
 
     def _hold_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Pin the longest reusable prefix, restoring from disk what memory lacks."""
@@ -470,8 +360,11 @@ class KVCache:
         restored.append((pinned[0], data))
         return pinned
 
+    def _on_disk(self, key: bytes) -> bool:
+        return self.cold is not None and key in self.cold
+
     def _cold_get(self, key: bytes) -> KVBlockData | None:
-        if self.cold is None or key not in self.cold:
+        if not self._on_disk(key):
             return None
         data = self.cold.get(key)
         if data is None:  # failed its checksum; the tier dropped it
@@ -486,9 +379,9 @@ class KVCache:
                 self._put_block(block_hash, keys[:, 0], values[:, 0], token_ids, parent_hash)
         except _COLD_FAILURES as err:
             log.warning("could not spill block %s to the cold tier: %s", block_hash.hex(), err)
-        if self.cold_states is not None:
+        if self.hybrid is not None:
             try:
-                self._spill_snapshot(block_hash)
+                self.hybrid.spill(block_hash, block_hash in self.cold)
             except _COLD_FAILURES as err:
                 log.warning("could not spill the state snapshot of block %s: %s", block_hash.hex(), err)
 
@@ -506,9 +399,8 @@ class KVCache:
             else:
                 self._disk_blocks.pop(key, None)
                 self.events.removed(key, DISK)
-                if self.cold_states is not None:
-                    self.cold_states.discard(key)
-                    self._announce_states([key])
+                if self.hybrid is not None:
+                    self.hybrid.left_disk(key)
 
     def _swap_key(self, seq_id: Hashable) -> bytes:
         return xxhash.xxh3_128_digest(b"swap:" + self.root + repr(seq_id).encode())
@@ -547,80 +439,6 @@ class KVCache:
         parent = self.manager.sequence_hashes(seq_id)[full - 1] if full else self.root
         tokens = tuple(token_ids[reused : reused + len(partial.token_ids)])
         return partial.parent_hash == parent and tuple(partial.token_ids) == tokens
-
-    def _exportable(self, hashes: Sequence[BlockHash]) -> Sequence[BlockHash]:
-        """The leading hashes worth sending: all of them, or for a hybrid model the held run up to
-        its last block with a state snapshot (KV past it cannot be resumed from without a state)."""
-        if self.states is None:
-            return hashes
-        held = 0
-        while held < len(hashes) and self.manager.cached_block(hashes[held]) is not None:
-            held += 1
-        return hashes[: self.snapshots.usable_blocks(hashes[:held])]
-
-    def _state_after(self, blocks) -> StateSnapshotData | None:
-        """The state snapshot after the last of the exported `blocks`, for a hybrid model."""
-        if self.states is None or not blocks:
-            return None
-        last = blocks[-1].block_hash
-        return StateSnapshotData(last, self.states.geometry, self.states.host_copy(self.snapshots.get(last)))
-
-    def _check_state_fits(self, blocks: Sequence[KVBlockData], state: StateSnapshotData | None) -> None:
-        """A hybrid model imports blocks only with the state after the last of them; others take no state."""
-        if self.states is None:
-            if state is not None:
-                raise IncompatibleKVPayload("KV payload carries a recurrent state, and this model keeps none")
-            return
-        if not blocks:
-            if state is not None:
-                raise IncompatibleKVPayload("KV payload carries a recurrent state without the block it follows")
-            return
-        if state is None:
-            raise IncompatibleKVPayload("KV payload has no recurrent state: a hybrid model cannot resume from its blocks alone")
-        if state.block_hash != blocks[-1].block_hash:
-            raise IncompatibleKVPayload(f"KV payload's state belongs to block {state.block_hash.hex()}, "
-                                        f"not to its last block {blocks[-1].block_hash.hex()}")
-        mismatch = self.states.geometry.mismatch(state.geometry)
-        if mismatch is not None:
-            raise IncompatibleKVPayload(f"KV payload's recurrent state is for another state pool: {mismatch}")
-
-    def _keep_state(self, state: StateSnapshotData | None) -> None:
-        """Store an imported state under its block, if that block is held here now (the run may have
-        stopped short of it: a full pool, a broken chain); the block's eviction drops it as any other."""
-        if state is not None and self.manager.cached_block(state.block_hash) is not None:
-            dropped = self.snapshots.put(state.block_hash, self.states.device_copy(state.arrays))
-            self._announce_states([state.block_hash, *dropped])
-
-    def _chains_here(self, parent: BlockHash | None) -> bool:
-        """Whether a block with this parent is reachable from our root."""
-        if parent == self.root:
-            return True
-        return self.manager.cached_block(parent) is not None or (self.cold is not None and parent in self.cold)
-
-    def _view_pieces(self, block_id: int, views) -> BlockPieces:
-        block = self.manager.block(block_id)
-        keys, values = views
-        return BlockPieces(block.block_hash, block.parent_hash, block.token_ids,
-                           [layer[block_id] for layer in keys], [layer[block_id] for layer in values])
-
-    def _memory_blocks(self, block_ids: list[int]) -> list[KVBlockData]:
-        if not block_ids:
-            return []
-        keys, values = self.pool.read_blocks(block_ids)
-        out = []
-        for j, block_id in enumerate(block_ids):
-            block = self.manager.block(block_id)
-            out.append(KVBlockData(block.block_hash, block.parent_hash, block.token_ids, keys[:, j], values[:, j]))
-        return out
-
-
-def _pieces(block: KVBlockData) -> BlockPieces:
-    return BlockPieces(block.block_hash, block.parent_hash, block.token_ids, list(block.keys), list(block.values))
-
-
-def _hash_checks_out(block: KVBlockData) -> bool:
-    """A payload's hashes must follow from its tokens, or a wrong block could become a hit."""
-    return block.parent_hash is not None and hash_block(block.parent_hash, block.token_ids) == block.block_hash
 
 
 def _stacked(blocks: Sequence[KVBlockData]) -> tuple[np.ndarray, np.ndarray]:
