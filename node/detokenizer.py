@@ -40,12 +40,12 @@ def fast_decoder(tokenizer):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], decode=None, stream: bool = True):
-        """`decode`: the window's decoder (one shared per tokenizer saves a look-up); `stream`:
-        use the Rust stream where it gives the same text."""
+    def __init__(self, tokenizer, prompt_token_ids: Sequence[int], decode=None):
+        """`decode(ids) -> str`: a decoding of the caller's own (special tokens kept, say), run
+        in the two-decode window; None: the tokenizer's text, by the Rust stream where it has one."""
         tail = list(prompt_token_ids[-_CONTEXT_TOKENS:])
         self.text = ""
-        self._backend = rust_backend(tokenizer) if stream else None
+        self._backend = rust_backend(tokenizer) if decode is None else None
         if self._backend is not None:  # one Rust call a token
             self._stream = DecodeStream(ids=self._whole_characters(tail), skip_special_tokens=True)
             return

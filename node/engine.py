@@ -17,7 +17,7 @@ import numpy as np
 
 from kvcache import CacheConfig, KVCache
 from kvcache.state_pool import StatePool
-from node.detokenizer import IncrementalDetokenizer, fast_decoder
+from node.detokenizer import IncrementalDetokenizer
 from node.errors import DuplicateRequest, InvalidPrompt, PromptTooLong
 from node.model.loader import LoadedModel, load_model
 from node.model.residency import wire_model_and_pool
@@ -125,7 +125,6 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.model = loaded or load_model(self.config.model)
         self.tokenizer = self.model.tokenizer
-        self._decode = fast_decoder(self.tokenizer)
         geometry = self.model.geometry(self.config.block_size, self.config.dtype)
         states = hybrid_state_pool(self.model, self.config.max_num_seqs)
         cache_config = self.config.cache_config()
@@ -191,7 +190,7 @@ class LLMEngine:
             request=request,
             index=index,
             token_ids=list(token_ids if token_ids is not None else request.prompt_token_ids),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, self._decode),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids),
             matcher=request.grammar.deep_copy() if request.grammar is not None else None,
         )
 

@@ -48,6 +48,6 @@ def test_the_rust_stream_and_the_two_decode_window_agree_on_whole_characters():
         if tokenizer.decode(ids[:cut]).endswith("\ufffd"):
             continue  # a character cut in half by the prompt: the window drops it (see the test above)
         stream = IncrementalDetokenizer(tokenizer, ids[:cut])
-        window = IncrementalDetokenizer(tokenizer, ids[:cut], decode=fast_decoder(tokenizer), stream=False)
+        window = IncrementalDetokenizer(tokenizer, ids[:cut], decode=fast_decoder(tokenizer))
         assert stream._backend is not None and window._backend is None
         assert "".join(stream.add(t) for t in ids[cut:]) == "".join(window.add(t) for t in ids[cut:])
