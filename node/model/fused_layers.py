@@ -2,10 +2,10 @@
 
 On a GPU a decode step of a small model is bound by the host: MLX spends host time on every
 primitive of the step's graph, to replay it and to encode it (about 1-2 us a view, 5-13 us a
-kernel; docs/benchmarks.md, "MLX's host cost per primitive"). mlx-lm's Llama layer is 48
+kernel; docs/benchmarks.md, "The encode cost per primitive"). mlx-lm's Llama layer is 48
 primitives for a batch of one-token rows: seven projections, each a flatten, a transpose of
 its weight, a matmul and an unflatten, and queries, keys and values each reshaped and
-transposed. A layer of the families below runs here in 28: the query, key and value weights
+transposed. A layer of the families below runs here in 27: the query, key and value weights
 are one matrix and so are the gate and up weights (one matmul each, the parts sliced off as
 views), every unquantized weight is handed to its matmul as an already evaluated transposed
 view (no transpose primitive), and the activations stay `[T, hidden]` from layer to layer.
