@@ -104,11 +104,6 @@ def gather_rows(cache: mx.array, rows: mx.array) -> mx.array:
     return mx.take(flat, rows, axis=0)
 
 
-def gather_heads_major(cache: mx.array, slots: np.ndarray) -> mx.array:
-    """Rows of one layer's pool at `slots` [B, T], as a contiguous [B, num_kv_heads, T, head_dim]."""
-    return gather_rows(cache, mx.array(head_major_rows(slots, cache.shape[2])))
-
-
 def length_groups(context_lens: np.ndarray, max_padding: float = 0.25) -> list[np.ndarray]:
     """Split sequences into groups whose padded width wastes at most `max_padding` of their reads.
 
@@ -135,8 +130,8 @@ def _decode_group(queries, key_cache, value_cache, block_tables, context_lens, s
     seen = context_lens - first
     width = int(seen.max())
     slots = token_slots(block_tables, context_lens, key_cache.shape[1], width, first)
-    keys = gather_heads_major(key_cache, slots)
-    values = gather_heads_major(value_cache, slots)
+    rows = mx.array(head_major_rows(slots, key_cache.shape[2]))  # one index for both gathers
+    keys, values = gather_rows(key_cache, rows), gather_rows(value_cache, rows)
     mask = None
     if int(seen.min()) != width:
         mask = mx.array(np.arange(width)[None, :] < seen[:, None])[:, None, None, :]

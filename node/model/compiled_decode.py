@@ -7,15 +7,14 @@ decode once per shape and replays the traced graph afterwards, with its elementw
 fused, as vLLM replays a captured CUDA graph per batch size.
 
 Shapes are bucketed so a handful of graphs serve every step: the batch is padded up to the
-next of `BATCH_BUCKETS`, the block tables to the next of `WIDTH_BUCKETS` (16 blocks, then x4).
+next of `BATCH_BUCKETS`, the block tables to the next width of 16 blocks times a power of 4.
 Tracing a new bucket stalls every sequence of the step (the graph is traced and its fused
 kernels compiled), so the buckets are coarse: a padding row costs a host-bound step next to
 nothing, a wider table a few bytes (the kernels read each row's blocks up to its own length),
 and `warm_up` traces the buckets a node will meet before it serves. A padding row decodes
 token 0 at position 0: it writes its K/V to the first slot of the null block (block 0, never
 handed to a sequence, so no real row reads it) and attends to that slot alone; its logits
-are dropped. Everything the
-traced graph reads from a step is an input (ids, positions, slots, tables, lengths, the
+are dropped. Everything the traced graph reads from a step is an input (ids, positions, slots, tables, lengths, the
 pool's arrays); everything else it holds depends on the input shapes alone, which is what
 the graph is keyed by (the attention kernels' launch plans), or on the model alone (its
 weights, each layer's scale, window and sinks), which a runner never changes.
@@ -31,6 +30,7 @@ import weakref
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -64,11 +64,8 @@ def width_bucket(blocks: int) -> int:
 
 def buckets_up_to(rows: int, blocks: int) -> list[tuple[int, int]]:
     """Every (batch, width) bucket a step of at most `rows` rows and `blocks` blocks a row may take."""
-    batches = [b for b in BATCH_BUCKETS if b < batch_bucket(rows)] + [batch_bucket(rows)]
-    batches = sorted(set(batches) | set(range(BATCH_BUCKETS[-1] + _BUCKET_STEP, batch_bucket(rows) + 1, _BUCKET_STEP)))
-    widths = [_MIN_WIDTH]
-    while widths[-1] < blocks:
-        widths.append(widths[-1] * _WIDTH_STEP)
+    batches = sorted({batch_bucket(n) for n in range(1, rows + 1)})
+    widths = sorted({width_bucket(n) for n in range(1, blocks + 1)})
     return [(b, w) for b in batches for w in widths]
 
 
@@ -105,32 +102,19 @@ class CompiledDecode:
         """Logits `[num_seqs, vocab]` of a decode-only `step` (one new token per sequence); the
         pool's per-layer arrays are replaced by the step's outputs."""
         rows = step.num_seqs
-        tables = np.asarray(step.block_tables, dtype=np.int32)
-        batch, width = batch_bucket(rows), width_bucket(tables.shape[1])
-        padded = np.zeros((batch, width), dtype=np.int32)
-        padded[:rows, : tables.shape[1]] = tables
-        inputs = [
-            _padded_ids(tokens, step.token_ids, batch),
-            _padded(step.positions, np.zeros(batch)),
-            *_padded_slots(step.slot_mapping, batch, pool.keys[0].shape[1]),
-            mx.array(padded),
-            _padded(step.context_lens, np.ones(batch)),
-        ]
-        outputs = self._replay(batch, width, inputs, pool)
+        batch, width = batch_bucket(rows), width_bucket(np.shape(step.block_tables)[1])
+        outputs = self._replay(batch, width, _inputs(step, tokens, batch, width, pool.keys[0].shape[1]), pool)
         return outputs[0] if rows == batch else outputs[0][:rows]
 
     def warm_up(self, pool, rows: int, blocks: int) -> int:
         """Trace (and run once, on padding rows alone) every bucket up to `rows` rows of up to
         `blocks` blocks, as vLLM captures its CUDA graphs at start; returns how many were new."""
-        new = 0
-        for batch, width in buckets_up_to(rows, blocks):
-            if (batch, width) in self._graphs:
-                continue
-            zeros = mx.zeros((batch,), dtype=mx.int32)
-            inputs = [zeros, zeros, zeros, zeros, mx.zeros((batch, width), dtype=mx.int32), mx.ones((batch,), dtype=mx.int32)]
-            mx.eval(self._replay(batch, width, inputs, pool))
-            new += 1
-        return new
+        new = [bucket for bucket in buckets_up_to(rows, blocks) if bucket not in self._graphs]
+        for batch, width in new:
+            empty = SimpleNamespace(token_ids=[], positions=[], slot_mapping=[], context_lens=[],
+                                    block_tables=np.zeros((0, width), dtype=np.int32))  # a step of no rows
+            mx.eval(self._replay(batch, width, _inputs(empty, None, batch, width, pool.keys[0].shape[1]), pool))
+        return len(new)
 
     def _replay(self, batch: int, width: int, inputs: list, pool) -> tuple:
         """Run the bucket's graph (traced at its first use); the pool takes the written arrays."""
@@ -176,6 +160,21 @@ def shared_compiled_decode(stack, backend: str, num_layers: int, make_context: C
     else:
         compiled.bind(make_context, run)
     return compiled
+
+
+def _inputs(step, tokens: mx.array | None, batch: int, width: int, block_size: int) -> list[mx.array]:
+    """A graph's step inputs, `step`'s rows followed by padding rows up to `batch` and its block
+    tables widened to `width`."""
+    tables = np.asarray(step.block_tables, dtype=np.int32)
+    padded = np.zeros((batch, width), dtype=np.int32)
+    padded[: tables.shape[0], : tables.shape[1]] = tables
+    return [
+        _padded_ids(tokens, step.token_ids, batch),
+        _padded(step.positions, np.zeros(batch)),
+        *_padded_slots(step.slot_mapping, batch, block_size),
+        mx.array(padded),
+        _padded(step.context_lens, np.ones(batch)),
+    ]
 
 
 def _host_padded(values, padding: np.ndarray) -> np.ndarray:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.activations import swiglu  # mlx-lm's own compiled activation
 
 from node.model.layers import attention_of
 
@@ -135,20 +136,12 @@ class FusedLayer:
         out = cache.attend_packed(queries, self.scale)
         h = x + self.o(out.reshape(rows, -1))
         gate_up = self.gate_up(self.post_norm(h))
-        return h + self.down(_swiglu(gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]))
+        return h + self.down(swiglu(gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]))
 
 
-def _swiglu(gate: mx.array, up: mx.array) -> mx.array:
-    from mlx_lm.models.activations import swiglu  # mlx-lm's own compiled activation
-
-    return swiglu(gate, up)
-
-
-def fuse_layer(layer) -> FusedLayer | None:
-    """The fused form of `layer`, or None when its family or projections do not fuse. Called
-    once per layer: fusing turns the modules' weights into views of the stacked ones."""
-    if not _eligible(layer):
-        return None
+def _fuse_layer(layer) -> FusedLayer:
+    """The fused form of an `_eligible` layer. Called once per layer: fusing turns the modules'
+    weights into views of the stacked ones."""
     attention, mlp = attention_of(layer), layer.mlp
     return FusedLayer(
         input_norm=layer.input_layernorm,
@@ -195,13 +188,14 @@ def fuse_stack(stack) -> FusedStack | None:
         return None
     if getattr(stack, "pipeline_size", 1) != 1 or not all(_eligible(layer) for layer in stack.layers):
         return None
-    fused = FusedStack(stack, [fuse_layer(layer) for layer in stack.layers])
+    fused = FusedStack(stack, [_fuse_layer(layer) for layer in stack.layers])
     setattr(stack, _FUSED_MARK, fused)
     return fused
 
 
 def _eligible(layer) -> bool:
-    """Whether `fuse_layer` would fuse `layer`, without changing it."""
+    """Whether `layer` is of a fused family and its projections fuse (checked for every layer
+    before any is changed)."""
     attention, mlp = attention_of(layer), getattr(layer, "mlp", None)
     if FUSED_FAMILIES.get(type(layer).__module__) is None or type(layer).__name__ != "TransformerBlock":
         return False

@@ -343,7 +343,7 @@ class ModelRunner:
         self._head = ModelHead(loaded.model)  # the model's own head and logit transforms
         self._stack = text_stack(loaded.model)  # the decoder stack each step runs
         # the same stack with fused projections, for the families that have them; else None
-        self._fused = None if fused_layers is False else fuse_stack(self._stack)
+        self._fused = fuse_stack(self._stack) if fused_layers else None
         self._num_layers = len(attention_layers(loaded.model))  # the KV pool's layers
         self._num_heads = _query_heads(loaded.model)
         self._windows = layer_windows(loaded.model)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import io
 import re
 
@@ -73,8 +74,6 @@ def test_fusing_keeps_one_copy_of_the_weights_and_mlx_lm_generation_unchanged(de
     mx.clear_cache()
     held = mx.get_active_memory()
     assert fuse_stack(text_stack(model)) is not None
-    import gc
-
     gc.collect()
     weights = sum(v.nbytes for _, v in nn.utils.tree_flatten(model.parameters()) if v.ndim == 2)
     assert mx.get_active_memory() - held < 0.05 * weights  # the stacked matrices replaced the modules' own
