@@ -146,13 +146,13 @@ class KVCache:
         memory, or on disk with its blocks), that snapshot restored into a fresh state slot."""
         self.hybrid.check_slot_free(seq_id)
         held = self._hold_prefix(token_ids) if self.cold is not None else []
-        hashes = self.block_hashes(token_ids)
         try:
-            self.hybrid.load_cold_snapshot(hashes)
+            # the snapshot of the very run the manager will reuse, which stops short of the last token
+            self.hybrid.load_cold_snapshot(self.manager.reusable_run(token_ids))
             computed = self.manager.allocate(seq_id, token_ids)
         finally:
             self.manager.unpin(held)
-        self.hybrid.resume(seq_id, hashes[: computed // self.block_size])
+        self.hybrid.resume(seq_id, self.manager.sequence_hashes(seq_id)[: computed // self.block_size])
         return computed
 
     def holds_slots(self, seq_id: Hashable, num_tokens: int) -> bool:
@@ -373,15 +373,17 @@ class KVCache:
 
     def _spill(self, block_id: int, block_hash: BlockHash, parent_hash, token_ids) -> None:
         """Eviction hook: copy a cached block to disk before its memory is reused."""
+        on_disk = block_hash in self.cold
         try:
-            if block_hash not in self.cold:
+            if not on_disk:
                 keys, values = self.pool.read_blocks([block_id])
                 self._put_block(block_hash, keys[:, 0], values[:, 0], token_ids, parent_hash)
+                on_disk = block_hash in self.cold
         except _COLD_FAILURES as err:
             log.warning("could not spill block %s to the cold tier: %s", block_hash.hex(), err)
         if self.hybrid is not None:
             try:
-                self.hybrid.spill(block_hash, block_hash in self.cold)
+                self.hybrid.spill(block_hash, on_disk)
             except _COLD_FAILURES as err:
                 log.warning("could not spill the state snapshot of block %s: %s", block_hash.hex(), err)
 

@@ -159,7 +159,7 @@ class HybridStates:
         self.snapshots.drop(block_hash)
         dropped = []
         try:
-            if block_on_disk:
+            if block_on_disk and block_hash not in self.cold:  # one read back from disk is there still
                 dropped = self.cold.put(block_hash, self.states.host_copy(snapshot))
         finally:
             self._announce([block_hash, *dropped])

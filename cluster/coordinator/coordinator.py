@@ -182,8 +182,11 @@ class Coordinator:
         `session` (the client's conversation key) stays on its last node while that has room."""
         self.reap()
         candidates = [n for n in self.membership.candidates(model) if n.node_id not in exclude]
-        held = self.pending.extend(self.index.match(block_hashes, _resume_at_states(candidates)), block_hashes,
-                                   self._index_holds)
+        hybrid = set(_resume_at_states(candidates))
+        # a hybrid node's run grows past its last state only through blocks routed to it (pending),
+        # whose prompt ends on a state; what the index holds beyond that state it cannot resume from
+        held = self.pending.extend(self.index.match(block_hashes, hybrid), block_hashes,
+                                   lambda node, h: node not in hybrid and self._index_holds(node, h))
         request = RouteRequest(model, num_tokens, block_size, held, request_id, prefix_name(block_hashes), session)
         decision = self.router.route(request, candidates, self.link_rate, policy, self.link_latency, self.index.node_block_count)
         self.pending.note(decision.node_id, block_hashes)
@@ -207,7 +210,7 @@ class Coordinator:
         """Stop routing to the node and hand its most-used prefixes to the others."""
         state = self.membership.drain(node_id)
         targets = self._load_views(self.membership.candidates(state.model))
-        for move in self.replication.evacuate(node_id, self.index.match, targets):
+        for move in self.replication.evacuate(node_id, self.match, targets):
             self._queue_move(move)
         return self._row(state)
 

@@ -268,3 +268,7 @@ def test_a_hybrid_node_is_credited_only_up_to_its_last_state():
     assert coord.match(HASHES) == {"a": 2, "b": 6}
     decision = route(coord)
     assert (decision.node_id, decision.cached_blocks) == ("b", 6)
+    other = block_hashes(list(range(900, 900 + 4 * BS)), BS, ROOT)
+    coord.route("demo", other, 4 * BS, BS, exclude=["b"])  # a has a route pending now: its run is walked
+    decision = route(coord, exclude=["b"])
+    assert (decision.node_id, decision.cached_blocks) == ("a", 2)

@@ -82,6 +82,7 @@ def test_the_states_a_resume_can_use_are_announced_while_held(hybrid, tmp_path):
     run(engine, [first], prefix="a")
     assert boundary in {e.block_hash for e in engine.kv.drain_events() if isinstance(e, StateStored)}
     run(engine, prompts(vocab, [36], offset=40), prefix="b")  # spills `first` with its snapshot
+    assert boundary in engine.kv.cold_states and boundary not in engine.kv.snapshots
     assert boundary not in {e.block_hash for e in engine.kv.drain_events() if isinstance(e, StateRemoved)}
     assert StateStored(engine.kv.events.next_seq, boundary) in engine.kv.snapshot()
     engine.kv.close()
@@ -93,3 +94,20 @@ def test_the_states_a_resume_can_use_are_announced_while_held(hybrid, tmp_path):
     removed = [e for e in forgetful.kv.drain_events() if isinstance(e, StateRemoved)]
     assert boundary in {e.block_hash for e in removed}
     assert not any(isinstance(e, StateStored) and e.block_hash == boundary for e in forgetful.kv.snapshot())
+
+
+def test_a_block_aligned_prompt_resumes_from_an_earlier_snapshot_on_disk(hybrid, tmp_path):
+    """Snapshots on disk at blocks 3 and 5 of one run; a 20-token prompt along it may reuse 4 blocks
+    (its last token is always computed), so it resumes from block 3's, which must be the one read."""
+    folder, model = hybrid
+    engine = cold_engine(folder, tmp_path / "cold")
+    vocab = engine.model.vocab_size
+    first = prompts(vocab, [13], offset=5)[0]
+    answered = first + run(engine, [first], prefix="a")[0][0].outputs[0].token_ids  # 21 tokens: snapshots at 12 and 20
+    run(engine, prompts(vocab, [36], offset=40), prefix="b")
+    hashes = engine.kv.block_hashes(answered)
+    assert hashes[2] in engine.kv.cold_states and hashes[4] in engine.kv.cold_states
+    assert hashes[2] not in engine.kv.snapshots and hashes[4] not in engine.kv.snapshots
+    again = run(engine, [answered[:20]], prefix="c")
+    assert again[0][0].num_cached_tokens == 12
+    assert_matches_mlx_lm(model, [answered[:20]], again)
