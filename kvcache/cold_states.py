@@ -29,6 +29,7 @@ import xxhash
 from kvcache.cold_tier import HEADER_REGION, cold_file_path
 from kvcache.geometry import KVGeometry, StateGeometry
 from kvcache.private_files import open_locked, private_folder
+from kvcache.wire import state_array_bytes, state_array_view
 
 FILE_MAGIC = b"ORCHSTCT"
 FILE_VERSION = 1
@@ -133,22 +134,19 @@ class ColdStates:
         return HEADER_REGION + slot * self.slot_bytes
 
     def _data_bytes(self, arrays: list[list[np.ndarray]]) -> bytes:
-        specs = [spec for layer in self.geometry.layers for spec in layer]
-        flat = [array for layer in arrays for array in layer]
-        if len(flat) != len(specs) or len(arrays) != len(self.geometry.layers):
+        layers = self.geometry.layers
+        if len(arrays) != len(layers) or any(len(a) != len(specs) for a, specs in zip(arrays, layers)):
             raise ValueError("snapshot arrays do not match the state geometry's layers")
-        for spec, array in zip(specs, flat):
-            if tuple(array.shape) != spec.shape or array.dtype != spec.numpy_storage_dtype:
-                raise ValueError(f"snapshot array {array.shape} {array.dtype} is not {spec.shape} {spec.dtype}")
-        return b"".join(np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")).tobytes() for a in flat)
+        return b"".join(state_array_bytes(spec, array, index, kind)
+                        for index, (specs, layer) in enumerate(zip(layers, arrays))
+                        for kind, (spec, array) in enumerate(zip(specs, layer)))
 
     def _arrays(self, data: bytes) -> list[list[np.ndarray]]:
-        out, at = [], 0
-        for layer in self.geometry.layers:
+        out, at, view = [], 0, memoryview(data)
+        for index, specs in enumerate(self.geometry.layers):
             arrays = []
-            for spec in layer:
-                dtype = spec.numpy_storage_dtype.newbyteorder("<")
-                arrays.append(np.frombuffer(data, dtype=dtype, count=int(np.prod(spec.shape)), offset=at).reshape(spec.shape))
+            for kind, spec in enumerate(specs):
+                arrays.append(state_array_view(spec, view[at : at + spec.nbytes], index, kind))
                 at += spec.nbytes
             out.append(arrays)
         return out

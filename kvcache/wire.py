@@ -132,7 +132,7 @@ def state_map(state: StateSnapshotData, blocks) -> dict:
     return {
         "geometry": state.geometry.to_list(),
         "hash": bytes(state.block_hash),
-        "arrays": [[_state_bytes(spec, array, index, kind) for kind, (spec, array) in enumerate(zip(specs, arrays, strict=True))]
+        "arrays": [[state_array_bytes(spec, array, index, kind) for kind, (spec, array) in enumerate(zip(specs, arrays, strict=True))]
                    for index, (specs, arrays) in enumerate(zip(state.geometry.layers, state.arrays, strict=True))],
     }
 
@@ -181,10 +181,12 @@ def _array_bytes(geometry: KVGeometry, name: str, array: np.ndarray) -> memoryvi
     return memoryview(contiguous).cast("B")
 
 
-def _state_bytes(spec, array: np.ndarray, layer: int, kind: int) -> memoryview:
+def state_array_bytes(spec, array: np.ndarray, layer: int, kind: int) -> memoryview:
+    """A state array's bytes as the wire and the cold tier store them (little-endian, contiguous),
+    after checking it is the array `spec` describes."""
     if array.shape != spec.shape or array.dtype != spec.numpy_storage_dtype:
-        raise ValueError(f"state layer {layer} array {kind} is {array.shape} {array.dtype}, "
-                         f"expected {spec.shape} {spec.numpy_storage_dtype}")
+        raise ValueError(f"state layer {layer} array {kind} is not {spec.shape} {spec.numpy_storage_dtype} "
+                         f"as expected but {array.shape} {array.dtype}")
     contiguous = np.ascontiguousarray(array, dtype=spec.numpy_storage_dtype.newbyteorder("<"))
     return memoryview(contiguous).cast("B")
 
