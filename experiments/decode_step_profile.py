@@ -31,9 +31,10 @@ def _median_ms(fn, steps: int) -> float:
 
 
 def decoding_engine(loaded, batch: int, prompt: int, kv_gb: float, budget: int | None = None,
-                    compiled_decode: bool | None = None) -> LLMEngine:
+                    compiled_decode: bool | None = None, settle_in_thread: bool | None = None) -> LLMEngine:
     budget = budget or max(2048, batch * prompt)
-    config = EngineConfig(max_num_seqs=batch + 1, max_num_batched_tokens=budget, kv_memory_gb=kv_gb, compiled_decode=compiled_decode)
+    config = EngineConfig(max_num_seqs=batch + 1, max_num_batched_tokens=budget, kv_memory_gb=kv_gb, compiled_decode=compiled_decode,
+                          settle_in_thread=settle_in_thread)
     engine = LLMEngine(config, loaded=loaded)
     for i in range(batch):
         engine.add_request(f"p{i}", [3 + (i * 7 + j) % 1000 for j in range(prompt)], SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True))

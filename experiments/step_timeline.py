@@ -41,7 +41,7 @@ def instrument(engine, store: dict) -> None:
     engine._device_tokens = _timed(store, "device tokens", engine._device_tokens)
     engine.runner.forward = _timed(store, "forward graph", engine.runner.forward)
     engine._sample_on_device = _timed(store, "sample graph", engine._sample_on_device)
-    engine._settle_in_flight = _timed(store, "settle (all)", engine._settle_in_flight)
+    engine._settle = _timed(store, "settle (all; beside the encode with a settle thread)", engine._settle)
     engine_module.build_step_input = _timed(store, "pack", engine_module.build_step_input)
     sampling.DeviceSample.resolve = _timed(store, "settle: wait for tokens", sampling.DeviceSample.resolve)
     engine_module.mx = _Patched(mx, async_eval=_timed(store, "launch (encode)", mx.async_eval))
@@ -77,12 +77,14 @@ def main() -> None:
                         help="a model so small its forward is negligible: the step's time is the engine's host work")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
     parser.add_argument("--compiled-decode", choices=("auto", "on", "off"), default="auto")
+    parser.add_argument("--settle-thread", choices=("auto", "on", "off"), default="auto")
     args = parser.parse_args()
     global _clock
     _clock = CLOCKS[args.clock]
     loaded = host_only_model() if args.host_only else random_llama(args.shape, num_layers=args.layers)
     compiled = {"on": True, "off": False}.get(args.compiled_decode)
-    engine = decoding_engine(loaded, args.batch, args.prompt, args.kv_gb, compiled_decode=compiled)
+    engine = decoding_engine(loaded, args.batch, args.prompt, args.kv_gb, compiled_decode=compiled,
+                             settle_in_thread={"on": True, "off": False}.get(args.settle_thread))
     engine.config.async_scheduling = True
     for _ in range(5):
         engine.step()

@@ -39,6 +39,7 @@ class KernelTuning:
     target_threadgroups: int = 512  # below this many, partitions shrink (B=64, T=512 measured faster unsplit)
     reduce_threads: int = 128
     max_per_lane: int = 8  # elements of a row per lane: more means fewer shuffles, more registers
+    heads_inner: bool = False  # grid order: the head tiles of a partition adjacent (HEADS_INNER), else partitions
 
 
 @dataclass(frozen=True)
@@ -159,9 +160,13 @@ class PagedDecodeKernels:
             ("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),
             ("NUM_KV_HEADS", num_kv_heads), ("GROUP", num_heads // num_kv_heads),
             ("HEADS_PER_TILE", plan.heads_per_tile), ("LANES", plan.lanes), ("NUM_THREADS", tuning.threads),
-            ("UNROLL", tuning.unroll), *layer.template,
+            ("UNROLL", tuning.unroll), ("HEADS_INNER", int(tuning.heads_inner)), *layer.template,
         ]
-        grid = (plan.num_partitions * tuning.threads, num_kv_heads * (num_heads // num_kv_heads // plan.heads_per_tile), num_seqs)
+        head_tiles = num_kv_heads * (num_heads // num_kv_heads // plan.heads_per_tile)
+        if tuning.heads_inner:
+            grid = (head_tiles * tuning.threads, plan.num_partitions, num_seqs)
+        else:
+            grid = (plan.num_partitions * tuning.threads, head_tiles, num_seqs)
         kernel = self._decode_kernel(plan.partitioned)
         if not plan.partitioned:
             (out,) = kernel(

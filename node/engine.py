@@ -10,6 +10,7 @@ the node actor drive it.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -67,6 +68,10 @@ class EngineConfig:
     # Decode-only steps replayed from compiled graphs (node.model.compiled_decode); None: where the
     # attention runs a compiled kernel (Metal, CUDA), not on the reference backend.
     compiled_decode: bool | None = None
+    # Settle step N (tokens into sequences, stop rules, detokenizing, outputs) on a second thread
+    # while this one encodes step N+1's kernels, which MLX does with the GIL released; None: where
+    # decode graphs are compiled (a GPU), whose steps are bound by that host work.
+    settle_in_thread: bool | None = None
     # Trace the compiled decode graphs of every batch size and context up to this many tokens
     # before serving (`LLMEngine.warm_up`), so no live step stalls on a trace; 0: trace lazily.
     warm_up_context: int = 4096
@@ -101,6 +106,13 @@ class _InFlightStep:
     launched_at: float
     prefill_tokens: int
     decode_tokens: int
+
+    started: bool = False
+
+    def start(self) -> None:
+        """Queue the step's graph on the device (MLX encodes its kernels here, the GIL released)."""
+        self.started = True
+        mx.async_eval(self.sample.tokens, *([] if self.sample.raw_logprobs is None else [self.sample.raw_logprobs]))
 
 
 @dataclass
@@ -149,6 +161,11 @@ class LLMEngine:
         self._rng = np.random.default_rng(self.config.seed)
         self.counters = _StepCounters()
         self.grammars = GrammarMasks(self.tokenizer, self.model.vocab_size, self.eos_token_ids)
+        threaded = self.config.settle_in_thread
+        if threaded is None:
+            threaded = self.runner.compiled_decode is not None
+        # A hybrid model's settle stores state snapshots (MLX work), so it stays on the engine's thread.
+        self._settler = ThreadPoolExecutor(1, "orchard-settle") if threaded and not self._snapshots_on else None
 
     def warm_up(self) -> int:
         """Trace the compiled decode graphs the node will meet (batches up to `max_num_seqs`,
@@ -243,7 +260,8 @@ class LLMEngine:
         sched = self._schedule(outputs)
         self.counters.schedule_seconds += time.perf_counter() - t0
         launched = self._launch(sched) if sched.chunks else None
-        outputs += self._settle_in_flight()
+        previous, self._in_flight = self._in_flight, None
+        outputs += self._start_and_settle(launched, previous)
         self._in_flight = launched
         if launched is not None and not self.config.async_scheduling:
             outputs += self._settle_in_flight()
@@ -264,8 +282,30 @@ class LLMEngine:
             outputs += self._settle_in_flight()  # a preempted sequence must not hold placeholders
             return self.scheduler.schedule()
 
+    def _start_and_settle(self, launched: _InFlightStep | None, previous: _InFlightStep | None) -> list[RequestOutput]:
+        """Start the new step on the device, then settle the one before it.
+
+        With a settle thread the previous step is settled there while this thread encodes the
+        new step's kernels: on a GPU that encoding is most of a step's host time, and the
+        settling, Python, would otherwise wait for it. The new step's bookkeeping is done before
+        either starts, and no other engine state is touched until both are done, so the tokens
+        and outputs are those of settling after the start. A step whose rows want log-probs
+        settles here, since turning them into values is more MLX work.
+        """
+        if launched is None or launched.started or previous is None or previous.sample.raw_logprobs is not None:
+            if launched is not None and not launched.started:
+                launched.start()
+            return self._settle(previous)
+        pending = self._settler.submit(self._settle, previous)
+        try:
+            launched.start()
+        finally:
+            outputs = pending.result()
+        return outputs
+
     def _launch(self, sched: SchedulerOutput) -> _InFlightStep:
-        """Build the step's graph and start it on the device; nothing here waits for the device."""
+        """Build the step's graph, do its bookkeeping, and queue it on the device unless a settle
+        thread will (`_start_and_settle`); nothing here waits for the device."""
         t_pack = time.perf_counter()
         step = build_step_input(sched.chunks, self.kv, self.config.block_size)
         tokens = self._device_tokens(sched.chunks, step)
@@ -284,7 +324,9 @@ class LLMEngine:
             else:  # later steps run after this one on the device, so they may reuse these blocks now
                 self.kv.commit(seq.seq_id, seq.token_ids, seq.num_computed)
         owners, sample = self._sample_on_device([sched.chunks[i].seq for i in completing], logits)
-        mx.async_eval(sample.tokens, *([] if sample.raw_logprobs is None else [sample.raw_logprobs]))
+        flight = _InFlightStep(commits, owners, sample, t0, sched.num_tokens - decode, decode)
+        if self._settler is None:  # else started beside the settling of the step before it
+            flight.start()
         if self._snapshots_on:
             self._snapshot_states(sched.chunks)
         for row, seq in enumerate(owners):
@@ -294,7 +336,7 @@ class LLMEngine:
             seq.last_in_flight = seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len
         self.counters.pack_seconds += t0 - t_pack
         self.counters.graph_seconds += time.perf_counter() - t0
-        return _InFlightStep(commits, owners, sample, t0, sched.num_tokens - decode, decode)
+        return flight
 
     def _snapshot_states(self, chunks: list[ScheduledChunk]) -> None:
         """A hybrid model's state at each block boundary a chunk just reached: stored now when
@@ -325,8 +367,11 @@ class LLMEngine:
         return mx.where(mx.array(pending), mx.take(previous, mx.array(rows)), mx.array(ids))
 
     def _settle_in_flight(self) -> list[RequestOutput]:
-        """Wait for the in-flight step's tokens, commit its KV, and turn its tokens into outputs."""
         flight, self._in_flight = self._in_flight, None
+        return self._settle(flight)
+
+    def _settle(self, flight: _InFlightStep | None) -> list[RequestOutput]:
+        """Wait for a launched step's tokens, commit its KV, and turn its tokens into outputs."""
         if flight is None:
             return []
         t0 = time.perf_counter()

@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -51,6 +52,7 @@ class GatewayBenchConfig:
     kv_memory_gb: float = 0.25
     max_num_seqs: int = 64
     peer: bool = True  # also measure mlx_lm.server
+    ray: bool = True  # also measure `orchard serve` over Ray (False: only `--no-ray`, for a host without Ray)
     start_timeout_s: float = 600.0
     seed: int = 0
 
@@ -227,15 +229,18 @@ def run(cfg: GatewayBenchConfig, say=print) -> dict:
     engine = start_engine(cfg)
     model, model_path = engine.model_name, str(engine.engine.model.path)
     prompts = ttft_prompts(engine.tokenizer, cfg.ttft_warmup + cfg.ttft_samples, cfg.ttft_prompt_tokens, cfg.seed)
+    http, ours = [], None
     try:
-        with orchard_server(cfg) as orchard, orchard_server(cfg, ray=False) as gateway_only:
-            say("1/4 TTFT: engine called directly, through orchard serve --no-ray (HTTP only) and through "
-                "orchard serve (HTTP, coordinator, Ray node actor), alternating")
-            direct, http_only, http = interleaved_ttft(
-                engine, [gateway_only.url, orchard.url], model, prompts, cfg.ttft_warmup)
+        with orchard_server(cfg, ray=False) as gateway_only, (orchard_server(cfg) if cfg.ray else nullcontext()) as orchard:
+            say("1/4 TTFT: engine called directly, through orchard serve --no-ray (HTTP only)"
+                + (" and through orchard serve (HTTP, coordinator, Ray node actor)" if cfg.ray else "") + ", alternating")
+            urls = [gateway_only.url] + ([orchard.url] if cfg.ray else [])
+            direct, http_only, *http = interleaved_ttft(engine, urls, model, prompts, cfg.ttft_warmup)
+            http = http[0] if http else []
             engine.shutdown()
-            say(f"2/4 {cfg.clients} streaming clients through orchard serve")
-            ours = throughput(orchard.url, model, model_path, cfg)
+            if cfg.ray:
+                say(f"2/4 {cfg.clients} streaming clients through orchard serve")
+                ours = throughput(orchard.url, model, model_path, cfg)
             say(f"3/4 {cfg.clients} streaming clients through orchard serve --no-ray")
             ours_no_ray = throughput(gateway_only.url, model, model_path, cfg)
     finally:
@@ -255,7 +260,7 @@ def run(cfg: GatewayBenchConfig, say=print) -> dict:
         "ttft_http_ms": ms(http),
         "ttft_direct_p50_ms": p50_ms(direct),
         "ttft_http_no_ray_p50_ms": p50_ms(http_only),
-        "ttft_http_p50_ms": p50_ms(http),
+        "ttft_http_p50_ms": p50_ms(http) if http else None,
         "orchard": ours,
         "orchard_no_ray": ours_no_ray,
         "mlx_lm_server": peer,
@@ -271,17 +276,30 @@ def machine() -> dict:
 
 def table(result: dict) -> str:
     cfg = result["config"]
-    added = result["ttft_http_p50_ms"] - result["ttft_direct_p50_ms"]
-    rows = [
-        ("TTFT p50, one request at a time", f"{result['ttft_http_p50_ms']:.1f} ms (HTTP)",
-         f"{result['ttft_direct_p50_ms']:.1f} ms (engine direct)",
-         f"{added:+.1f} ms", f"< {TTFT_TARGET_MS:.0f} ms: {'met' if added < TTFT_TARGET_MS else 'missed'}"),
-        ("  the same, HTTP gateway alone (--no-ray)", f"{result['ttft_http_no_ray_p50_ms']:.1f} ms (HTTP)",
-         f"{result['ttft_direct_p50_ms']:.1f} ms (engine direct)",
-         f"{result['ttft_http_no_ray_p50_ms'] - result['ttft_direct_p50_ms']:+.1f} ms", ""),
-    ]
+    rows = []
+    if result["ttft_http_p50_ms"] is not None:
+        added = result["ttft_http_p50_ms"] - result["ttft_direct_p50_ms"]
+        rows.append(("TTFT p50, one request at a time", f"{result['ttft_http_p50_ms']:.1f} ms (HTTP)",
+                     f"{result['ttft_direct_p50_ms']:.1f} ms (engine direct)",
+                     f"{added:+.1f} ms", f"< {TTFT_TARGET_MS:.0f} ms: {'met' if added < TTFT_TARGET_MS else 'missed'}"))
+    rows.append(("  the same, HTTP gateway alone (--no-ray)", f"{result['ttft_http_no_ray_p50_ms']:.1f} ms (HTTP)",
+                 f"{result['ttft_direct_p50_ms']:.1f} ms (engine direct)",
+                 f"{result['ttft_http_no_ray_p50_ms'] - result['ttft_direct_p50_ms']:+.1f} ms", ""))
     ours, peer = result["orchard"], result["mlx_lm_server"]
-    if peer:
+    if ours is None:  # no Ray on this host: the --no-ray server is the one compared
+        no_ray = result["orchard_no_ray"]
+        ratio = no_ray["output_throughput"] / peer["output_throughput"] if peer and peer["output_throughput"] else None
+        rows.append((f"output tok/s, {cfg['clients']} streaming clients, orchard serve --no-ray",
+                     f"{no_ray['output_throughput']:.1f} (orchard --no-ray)",
+                     f"{peer['output_throughput']:.1f} (mlx_lm.server)" if peer else "not measured",
+                     f"{ratio:.2f}x" if ratio else "",
+                     f">= {THROUGHPUT_TARGET}x: {'met' if ratio >= THROUGHPUT_TARGET else 'missed'}" if ratio else ""))
+        if peer:
+            rows.append(("TTFT p50 under that load", f"{no_ray['ttft_ms']['p50']:.0f} ms", f"{peer['ttft_ms']['p50']:.0f} ms", "", ""))
+            rows.append(("TPOT p50 under that load", f"{no_ray['tpot_ms']['p50']:.1f} ms", f"{peer['tpot_ms']['p50']:.1f} ms", "", ""))
+            rows.append(("completed / failed", f"{no_ray['completed']} / {no_ray['failed']}",
+                         f"{peer['completed']} / {peer['failed']}", "", ""))
+    elif peer:
         ratio = ours["output_throughput"] / peer["output_throughput"] if peer["output_throughput"] else float("inf")
         rows.append((f"output tok/s, {cfg['clients']} streaming clients", f"{ours['output_throughput']:.1f} (orchard)",
                      f"{peer['output_throughput']:.1f} (mlx_lm.server)", f"{ratio:.2f}x",
@@ -319,13 +337,14 @@ def parse_args(argv: list[str] | None) -> tuple[GatewayBenchConfig, str | None]:
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--kv-memory", type=float, default=d.kv_memory_gb, metavar="GB")
     p.add_argument("--no-peer", action="store_true", help="skip mlx_lm.server")
+    p.add_argument("--no-ray", action="store_true", help="only `orchard serve --no-ray` (a host without Ray)")
     p.add_argument("--json", metavar="PATH", help="also write the full result here")
     a = p.parse_args(argv)
     cfg = GatewayBenchConfig(
         model=a.model, ttft_samples=a.ttft_samples, ttft_prompt_tokens=a.ttft_prompt_tokens, clients=a.clients,
         requests=a.requests, input_tokens=a.input_tokens, output_tokens=a.output_tokens,
         max_model_len=a.max_model_len, kv_memory_gb=a.kv_memory, max_num_seqs=max(d.max_num_seqs, a.clients),
-        peer=not a.no_peer,
+        peer=not a.no_peer, ray=not a.no_ray,
     )
     return cfg, a.json
 

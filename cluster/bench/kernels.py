@@ -100,6 +100,9 @@ def measure(problem: Problem, backend: str, device: str, iters: int, copy_tb: fl
 
     paged_s = seconds_per_call(paged, iters)
     dense_s = seconds_per_call(dense, iters)
+    if label is not None:  # a tuning of the sweep: it must still compute the same attention
+        error = mx.abs(paged().astype(mx.float32) - dense()[:, :, 0, :].astype(mx.float32)).max().item()
+        print(f"  {label}: largest difference from dense SDPA {error:.2e}", flush=True)
     inputs = None  # frees the arrays; the closures above are not called again
     row = Row(device, label or backend, problem.label(), paged_s * 1e3, dense_s * 1e3, problem.kv_bytes / paged_s / 1e12, copy_tb)
     print(format_table([row]).splitlines()[-1], flush=True)
@@ -132,10 +135,12 @@ def sweep_rows(context: int, iters: int) -> list[Row]:
     problem = Problem(batch=64, num_heads=32, num_kv_heads=8, head_dim=128, context=context, dtype="float16")
     variants = [dict(threads=t, unroll=u) for t in (64, 128) for u in (4, 6, 8)]
     variants += [dict(partition_size=p, min_partition_size=p) for p in (512, 2048)]
-    variants += [dict(max_per_lane=16, unroll=2), dict(target_threadgroups=4096)]
+    variants += [dict(max_per_lane=16, unroll=2), dict(max_per_lane=16, unroll=4), dict(target_threadgroups=4096)]
+    variants += [dict(heads_inner=True), dict(heads_inner=True, unroll=8), dict(heads_inner=True, threads=256),
+                 dict(heads_inner=True, max_per_lane=16, unroll=4), dict(heads_inner=True, partition_size=2048)]
     for variant in variants:
         default.tuning = launch.KernelTuning(**variant)
-        label = "cuda " + " ".join(f"{k.split('_')[0][:4]}={v}" for k, v in variant.items())
+        label = "cuda " + " ".join(f"{k.split('_')[0][:5]}={v}" for k, v in variant.items())
         rows.append(measure(problem, "cuda", "gpu", iters, None, label=label))
     default.tuning = launch.KernelTuning()
     return rows

@@ -47,3 +47,19 @@ def test_libraries_import_nothing_from_the_cluster(package):
         if module == "cluster" or module.startswith("cluster.")
     )
     assert not offenders
+
+
+def test_the_serve_comparison_without_ray_compares_the_no_ray_server():
+    """A host without Ray (the accelerator) measures `orchard serve --no-ray` against mlx_lm.server."""
+    from cluster.bench import gateway
+
+    cfg = gateway.parse_args(["--no-ray"])[0]
+    assert not cfg.ray and cfg.peer
+    load = lambda tok_s: {"output_throughput": tok_s, "ttft_ms": {"p50": 50.0}, "tpot_ms": {"p50": 9.0},  # noqa: E731
+                          "completed": 96, "failed": 0}
+    result = {"config": vars(cfg), "ttft_http_p50_ms": None, "ttft_http_no_ray_p50_ms": 12.0, "ttft_direct_p50_ms": 10.0,
+              "orchard": None, "orchard_no_ray": load(300.0), "mlx_lm_server": load(200.0)}
+    text = gateway.table(result)
+    assert "| output tok/s, 32 streaming clients, orchard serve --no-ray | 300.0 (orchard --no-ray) | 200.0 (mlx_lm.server) | 1.50x | >= 1.5x: met |" in text
+    assert "| 12.0 ms (HTTP) | 10.0 ms (engine direct) | +2.0 ms |" in text.splitlines()[2]
+    assert "one request at a time" not in text  # the Ray path's TTFT row: not measured

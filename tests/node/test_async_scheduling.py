@@ -44,19 +44,38 @@ def _joined(deltas: list[list[list[int]]]) -> list[list[int]]:
 
 @pytest.mark.parametrize("num_blocks", [256, 20], ids=["roomy-pool", "preempting-pool"])
 def test_overlapped_steps_equal_step_by_step(model_dirs, num_blocks):
+    """Step by step, overlapped, and overlapped with each step settled on the settle thread."""
     results = []
-    for overlap in (False, True):
+    for overlap, threaded in ((False, False), (True, False), (True, True)):
         engine = LLMEngine(EngineConfig(
             model=str(model_dirs["demo"]), num_blocks=num_blocks, block_size=4,
-            max_num_batched_tokens=24, async_scheduling=overlap,
+            max_num_batched_tokens=24, async_scheduling=overlap, settle_in_thread=threaded,
         ))
+        assert (engine._settler is not None) == threaded
         prompts = _prompts(engine.model.vocab_size, [9, 21, 6, 13, 17, 5])
         results.append((_run_all(engine, prompts, MIXED_PARAMS), engine.scheduler.num_preemptions))
         _assert_no_leak(engine)
-    (sync, sync_preempted), (overlapped, overlap_preempted) = results
-    assert overlapped == sync
-    if num_blocks == 20:
-        assert sync_preempted > 0 and overlap_preempted > 0
+    (sync, sync_preempted), *overlapped = results
+    for run, preempted in overlapped:
+        assert run == sync
+        if num_blocks == 20:
+            assert sync_preempted > 0 and preempted > 0
+
+
+def test_a_settle_thread_settles_while_the_next_step_is_queued(model_dirs, monkeypatch):
+    """The previous step's settling runs on the settle thread, its tokens read there."""
+    import threading
+
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["demo"]), num_blocks=64, settle_in_thread=True))
+    readers: list[str] = []
+    real_resolve = DeviceSample.resolve
+    monkeypatch.setattr(DeviceSample, "resolve", lambda self: readers.append(threading.current_thread().name) or real_resolve(self))
+    engine.add_request("a", list(range(3, 20)), SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    engine_thread = threading.current_thread().name
+    # every step but the last is settled beside the start of the next; the last has no next
+    assert readers[-1] == engine_thread and readers[:-1] and all(r.startswith("orchard-settle") for r in readers[:-1])
 
 
 def test_next_step_is_launched_before_the_previous_tokens_are_read(model_dirs, monkeypatch):
