@@ -40,6 +40,7 @@ class KernelTuning:
     reduce_threads: int = 128
     max_per_lane: int = 8  # elements of a row per lane: more means fewer shuffles, more registers
     heads_inner: bool = False  # grid order: the head tiles of a partition adjacent (HEADS_INNER), else partitions
+    max_heads_per_tile: int = MAX_HEADS_PER_TILE  # fewer: fewer registers a thread, K/V read once per tile of the group
 
 
 @dataclass(frozen=True)
@@ -64,10 +65,10 @@ def lanes_for(head_dim: int, max_per_lane: int = 8) -> int:
     raise UnsupportedAttentionShape(f"head_dim {head_dim} cannot be split over a power-of-two number of lanes")
 
 
-def heads_per_tile_for(group: int, head_dim: int, threads: int) -> int:
-    """Largest divisor of the GQA group whose per-warp partial outputs fit the shared-memory budget."""
+def heads_per_tile_for(group: int, head_dim: int, threads: int, most: int = MAX_HEADS_PER_TILE) -> int:
+    """Largest divisor of the GQA group, up to `most`, whose per-warp partial outputs fit the shared-memory budget."""
     budget = SHARED_WORDS // ((threads // WARP) * head_dim)
-    best = max((h for h in range(1, group + 1) if group % h == 0 and h <= min(budget, MAX_HEADS_PER_TILE)), default=0)
+    best = max((h for h in range(1, group + 1) if group % h == 0 and h <= min(budget, most)), default=0)
     if best == 0:
         raise UnsupportedAttentionShape(f"head_dim {head_dim} leaves no shared memory for {threads} threads")
     return best
@@ -77,7 +78,7 @@ def plan_decode(
     num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_context: int, tuning: KernelTuning
 ) -> DecodePlan:
     """Split long contexts into partitions; halve the partition while the grid is too small to fill the GPU."""
-    heads_per_tile = heads_per_tile_for(num_heads // num_kv_heads, head_dim, tuning.threads)
+    heads_per_tile = heads_per_tile_for(num_heads // num_kv_heads, head_dim, tuning.threads, tuning.max_heads_per_tile)
     groups = num_seqs * num_heads // heads_per_tile
     size = tuning.partition_size
     while size > tuning.min_partition_size and groups * -(-max_context // size) < tuning.target_threadgroups:

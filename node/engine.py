@@ -25,7 +25,7 @@ from node.model.residency import wire_model_and_pool
 from node.model.runner import ModelRunner, SequenceChunk, StepInput, pack_decode, pack_step
 from node.model.state_layers import probe_state_shapes
 from node.rates import NodeRates
-from node.sampling import DeviceSample, SampleRow, sample_on_device
+from node.sampling import DeviceSample, SampleRow, argmax_on_device, sample_on_device
 from node.scheduler import PreemptionNeeded, ScheduledChunk, Scheduler, SchedulerConfig, SchedulerOutput
 from node.sequence import PENDING_TOKEN, Request, Sequence, Status
 from node.structured import GrammarMasks
@@ -401,6 +401,8 @@ class LLMEngine:
 
     def _sample_on_device(self, seqs: list[Sequence], logits: mx.array) -> tuple[list[Sequence], DeviceSample]:
         """One sample row per continuation: a request's first sample forks its n - 1 siblings."""
+        if all(s.request.plain_greedy for s in seqs):
+            return seqs, argmax_on_device(logits)
         rows: list[SampleRow] = []
         owners: list[Sequence] = []
         row_logits: list[int] = []

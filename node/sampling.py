@@ -122,6 +122,12 @@ def sample_on_device(logits: mx.array, rows: list[SampleRow]) -> DeviceSample:
     return DeviceSample(tokens.astype(mx.int32), raw_logprobs, rows)
 
 
+def argmax_on_device(logits: mx.array) -> DeviceSample:
+    """`sample_on_device` for rows that are all greedy without penalties or log-probs: the argmax,
+    without building a row each."""
+    return DeviceSample(mx.argmax(logits.astype(mx.float32), axis=-1).astype(mx.int32), None, [])
+
+
 def sample(logits: mx.array, rows: list[SampleRow]) -> tuple[list[int], list[TokenLogprob | None]]:
     """Sample one token per row of `logits` `[rows, vocab]`; logprobs for rows that ask."""
     return sample_on_device(logits, rows).resolve()
@@ -129,7 +135,7 @@ def sample(logits: mx.array, rows: list[SampleRow]) -> tuple[list[int], list[Tok
 
 def _logprobs(raw: mx.array | None, rows: list[SampleRow], tokens: list[int]) -> list[TokenLogprob | None]:
     if raw is None:
-        return [None] * len(rows)
+        return [None] * len(tokens)
     wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     host = np.asarray(raw[mx.array(wanted)])
     out: list[TokenLogprob | None] = [None] * len(rows)

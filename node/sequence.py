@@ -140,6 +140,12 @@ class Request:
         """Characters of new text held back while a stop string could still complete across them."""
         return max((len(s) for s in self.params.stop), default=1) - 1
 
+    @functools.cached_property
+    def plain_greedy(self) -> bool:
+        """One greedy continuation without penalties, grammar or log-probs: its token is the logits' argmax."""
+        p = self.params
+        return p.n == 1 and p.greedy and not p.has_penalty and p.logprobs is None and p.constraint is None
+
     @property
     def sort_key(self) -> tuple[int, int]:
         """Lower runs first: priority, then first come, first served."""

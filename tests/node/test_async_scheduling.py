@@ -56,8 +56,8 @@ def test_overlapped_steps_equal_step_by_step(model_dirs, num_blocks):
         results.append((_run_all(engine, prompts, MIXED_PARAMS), engine.scheduler.num_preemptions))
         _assert_no_leak(engine)
     (sync, sync_preempted), *overlapped = results
-    for run, preempted in overlapped:
-        assert run == sync
+    for name, (run, preempted) in zip(("overlapped", "overlapped, settle thread"), overlapped):
+        assert run == sync, f"{name} differs from step by step"
         if num_blocks == 20:
             assert sync_preempted > 0 and preempted > 0
 
