@@ -109,10 +109,11 @@ class _InFlightStep:
 
     started: bool = False
 
-    def start(self) -> None:
-        """Queue the step's graph on the device (MLX encodes its kernels here, the GIL released)."""
+    def start(self, settled_elsewhere: bool = False) -> None:
+        """Queue the step's graph on the device (MLX encodes its kernels here, the GIL released);
+        `settled_elsewhere`: a settle thread will read the tokens while this thread encodes the next step."""
         self.started = True
-        mx.async_eval(self.sample.tokens, *([] if self.sample.raw_logprobs is None else [self.sample.raw_logprobs]))
+        mx.async_eval(*self.sample.outputs(host_copy=settled_elsewhere))
 
 
 @dataclass
@@ -166,6 +167,7 @@ class LLMEngine:
             threaded = self.runner.compiled_decode is not None
         # A hybrid model's settle stores state snapshots (MLX work), so it stays on the engine's thread.
         self._settler = ThreadPoolExecutor(1, "orchard-settle") if threaded and not self._snapshots_on else None
+        self._settled_elsewhere: _InFlightStep | None = None
 
     def warm_up(self) -> int:
         """Trace the compiled decode graphs the node will meet (batches up to `max_num_seqs`,
@@ -294,13 +296,16 @@ class LLMEngine:
         """
         if launched is None or launched.started or previous is None or previous.sample.raw_logprobs is not None:
             if launched is not None and not launched.started:
-                launched.start()
+                launched.start(settled_elsewhere=True)
             return self._settle(previous)
         pending = self._settler.submit(self._settle, previous)
         try:
-            launched.start()
+            launched.start(settled_elsewhere=True)
         finally:
             outputs = pending.result()
+        # Kept one step more, so its MLX arrays are freed on this thread, never by the settle
+        # thread (whose last reference may drop after it answered) while this one encodes.
+        self._settled_elsewhere = previous
         return outputs
 
     def _launch(self, sched: SchedulerOutput) -> _InFlightStep:

@@ -97,9 +97,20 @@ class DeviceSample:
     tokens: mx.array  # int32 [rows]
     raw_logprobs: mx.array | None
     rows: list[SampleRow]
+    # The tokens as a node of their own (no copy), read by the host while the next step, whose
+    # graph takes `tokens` as its input, is encoded on another thread: reading an MLX array
+    # waits on its event and detaches it, which must not race with that encode reading it.
+    host_tokens: mx.array | None = None
+
+    def outputs(self, host_copy: bool) -> list[mx.array]:
+        """What to evaluate for this sample; `host_copy`: also the host's own handle on the tokens."""
+        if host_copy:
+            self.host_tokens = mx.stop_gradient(self.tokens)
+        extra = [self.host_tokens] if host_copy else []
+        return [self.tokens, *extra, *([] if self.raw_logprobs is None else [self.raw_logprobs])]
 
     def resolve(self) -> tuple[list[int], list[TokenLogprob | None]]:
-        token_list = self.tokens.tolist()
+        token_list = (self.tokens if self.host_tokens is None else self.host_tokens).tolist()
         return token_list, _logprobs(self.raw_logprobs, self.rows, token_list)
 
 

@@ -129,13 +129,20 @@ def run_mlx_lm(model, w: Workload, batch: int) -> dict:
     return _summary(w, end - start, first, all_first_at, end)
 
 
-def step_overhead(engine: LLMEngine, batch: int, scale: float, steps: int = 24) -> float:
+def step_overhead(engine: LLMEngine, batch: int, scale: float, steps: int = 24, rounds: int = 5) -> float:
     """Share of a decode step's wall time (at `batch` sequences) beyond the bare forward pass of the same batch.
 
     The bare forward is the runner alone on the same sequences (graph built and evaluated, no
     scheduling, sampling or bookkeeping); with overlapped steps the engine hides part of its
-    host work behind the device, so the share can reach zero.
+    host work behind the device, so the share can reach zero. Engine steps and bare forwards
+    alternate for `rounds` rounds and the median round counts: a host that slows down for a
+    moment slows one round of each, not the whole of one side.
     """
+    shares = [_overhead_round(engine, batch, scale, steps) for _ in range(rounds)]
+    return float(np.median(shares))
+
+
+def _overhead_round(engine: LLMEngine, batch: int, scale: float, steps: int) -> float:
     vocab = engine.model.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
     for i in range(batch):
