@@ -160,10 +160,15 @@ class NodePair:
         return hashes
 
     def pull(self, hashes: list[bytes], via_ray: bool = False) -> dict:
-        """b pulls from a; `via_ray` names a by an id the coordinator has no listener for, so the
-        pull goes through Ray's object store."""
+        """b pulls from a as the gateway has it pull (`timed_pull`: the coordinator also learns what
+        the step cost beyond the pull); `via_ray` names a by an id the coordinator has no listener
+        for, so the pull goes through Ray's object store."""
+        import asyncio
+
+        from cluster.gateway.block_pull import timed_pull
+
         source_id = f"{self.a_id}-via-ray" if via_ray else self.a_id
-        report = self.ray.get(self.b.pull_blocks.remote(self.a, source_id, hashes))
+        report = asyncio.run(timed_pull(self.coordinator, self.b, self.b_id, self.a, source_id, hashes))
         if not report["ok"] or report["imported"] != len(hashes) or report["via"] != ("ray" if via_ray else "direct"):
             raise RuntimeError(f"pull fell short: {report}")
         return report
@@ -218,7 +223,7 @@ class NodePair:
             self.model, hashes, len(tokens), self.block_size, request_id, None, [self.a_id]))
         self.coordinator.prefill_done.remote(decision.node_id, request_id)
         plan = decision.migration
-        latency = self.ray.get(self.coordinator.link_latency.remote(self.a_id, self.b_id))
+        latency = self.ray.get(self.coordinator.link_latency.remote(self.a_id, self.b_id))  # the pull's and the step's
         rate = self.ray.get(self.coordinator.link_rate.remote(self.a_id, self.b_id))
         info = self.ray.get(self.b.info.remote())
         estimate = latency + len(hashes) * info["bytes_per_block"] / rate if rate else None
@@ -345,7 +350,7 @@ def print_report(config: BenchConfig, tcp: list[float], rows, cases: list[Case],
         print(f"{'demo-' + row['size']:<12}{row['tokens']:>7}{row['bytes'] / 2**20:>7.1f}"
               + "".join(f"{v / gb:>{w}.2f}{100 * v / tcp_Bps:>6.0f}%" for v, w in zip(cells, widths)))
     print()
-    print(f"{'model':<12}{'prefix':>7}{'TTFT migr s':>12}{'TTFT recomp s':>14}{'est pull s':>11}{'faster':>10}"
+    print(f"{'model':<12}{'prefix':>7}{'TTFT migr s':>12}{'TTFT recomp s':>14}{'est migr s':>11}{'faster':>10}"
           f"{'router':>10}{'right':>7}")
     for c in cases:
         faster = "migrate" if c.migrate_ttft_s < c.recompute_ttft_s else "recompute"

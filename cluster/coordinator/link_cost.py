@@ -62,3 +62,21 @@ class LinkCostFit:
     def estimate_s(self, nbytes: float) -> float | None:
         """Seconds a move of `nbytes` is expected to take over this link; None before any sample."""
         return self.latency_s + nbytes * self._slope if self.samples else None
+
+
+@dataclass
+class MigrationOverhead:
+    """Seconds a migration costs its request beyond the pull itself, as the caller waited them:
+    the call to the target and its reply (Ray hops, the target's hand-offs before and after the
+    pull), which no pull and no probe sees. A short prefix recomputes in a few milliseconds, so
+    this fixed cost decides its case. An exponentially weighted mean of what callers reported.
+    """
+
+    alpha: float = 0.3
+    samples: int = 0
+    mean_s: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        seconds = max(0.0, seconds)
+        self.mean_s += (1.0 if self.samples == 0 else self.alpha) * (seconds - self.mean_s)
+        self.samples += 1

@@ -52,7 +52,8 @@ RATE_HALF_LIFE_S = 60.0
 LinkRate = Callable[[NodeId, NodeId], "float | None"]
 #: Blocks of KV the coordinator knows a node holds (its prefix index).
 HeldBlocks = Callable[[NodeId], int]
-#: Fixed seconds one pull costs on a link besides its bytes (round trips, hand-offs).
+#: Fixed seconds a migration over a link costs its request besides its bytes: the pull's own
+#: (round trips, hand-offs) and the caller's call to the target around it.
 LinkLatency = Callable[[NodeId, NodeId], float]
 
 

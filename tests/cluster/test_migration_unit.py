@@ -351,6 +351,40 @@ def test_a_pull_whose_fixed_cost_exceeds_the_prefill_is_not_planned():
     assert coord.route("m", many, 64 * BS + 1, BS).migration.num_blocks == 64
 
 
+def test_the_overhead_callers_measure_makes_a_short_prefix_recompute_while_a_long_one_migrates():
+    coord, _ = coordinator_with("a", "b", prefill_tps=1000.0, bytes_per_block=65536)  # 1 ms a token
+    short, long = [bytes([i]) * 16 for i in range(2)], [bytes([i]) * 16 for i in range(64)]
+    coord.index.load_snapshot("a", 0, [(h, "memory") for h in long])
+    coord.membership.get("a").load = NodeLoad(queued_prefill_tokens=100_000)
+    for nbytes in (65536, 8 << 20, 65536, 8 << 20):  # pulls themselves: 1 ms fixed, then 1 GB/s
+        coord.record_transfer("a", "b", nbytes, 0.001 + nbytes / 1e9, "direct")
+    assert coord.route("m", short, 2 * BS + 1, BS).migration is not None  # ~1.1 ms against 32 ms
+    coord.migration_overhead("a", "b", 0.040)  # what the gateway waited beyond each pull
+    assert coord.link_latency("a", "b") == pytest.approx(0.041, rel=1e-3)
+    assert coord.route("m", short, 2 * BS + 1, BS).migration is None  # 41 ms against 32 ms
+    assert coord.route("m", long, 64 * BS + 1, BS).migration.num_blocks == 64  # 45 ms against 1 s
+
+
+def test_a_pair_without_its_own_overhead_borrows_the_measured_mean():
+    coord, _ = coordinator_with("a", "b", "c")
+    coord.migration_overhead("a", "b", 0.010)
+    coord.migration_overhead("c", "b", 0.030)
+    assert coord.link_latency("a", "c") == pytest.approx(0.020)
+    assert coord.link_latency("a", "b") == pytest.approx(0.010)
+
+
+def test_a_pull_tells_the_coordinator_what_the_step_waited_beyond_the_pull():
+    async def pull(*_):
+        await asyncio.sleep(0.05)
+        return {"ok": True, "requested": 1, "imported": 1, "local": 0, "seconds": 0.01}
+
+    coordinator = _Actor(migration_overhead=lambda *args: None, migration_failed=lambda *args: None)
+    outcome = asyncio.run(pull_for_request(coordinator, _Actor(pull_blocks=pull), "b", object(), "a", [b"h"], 1.0))
+    assert outcome.ok
+    [(source, target, seconds)] = coordinator.migration_overhead.calls
+    assert (source, target) == ("a", "b") and 0.04 <= seconds < 0.5
+
+
 def test_a_joining_node_is_told_its_peers_to_probe():
     coord, _ = coordinator_with("a", "b", "c")
     assert coord.link_peers("b") == [{"node_id": "a", "actor_name": "actor-a"}, {"node_id": "c", "actor_name": "actor-c"}]
