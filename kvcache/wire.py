@@ -49,10 +49,10 @@ class KVBlockData:
 
 
 class BlockRun(Sequence[KVBlockData]):
-    """Full blocks of one payload held as columns: per-block Python (a KVBlockData each, a hash
-    check each, a pool write each) costs ~40 us a block, as much as moving a 64 KiB block, so a
-    link reads, checks and imports a chunk's blocks as arrays. Indexing still yields a
-    KVBlockData, so a run reads wherever a list of blocks does.
+    """Full blocks of one payload held as columns. Per-block Python on a pull's receiving side (a
+    KVBlockData, a hash check and a pool write each) took longer than moving the small demo
+    model's 64 KiB blocks over loopback, so a link reads, checks and imports a chunk's blocks as
+    arrays. Indexing still yields a KVBlockData, so a run reads wherever a list of blocks does.
 
     `hashes`, `parents`: `[n, 16]` uint8; `tokens`: `[n, block_size]` uint32; `keys`/`values`:
     `[n, num_layers, block_size, heads, its head dim]` (views into the payload where read from one).

@@ -5,8 +5,8 @@ width (`kvcache.wire_stream`), so every block's record (its msgpack map: field n
 parent, tokens, K, V) has one length and one layout, and a payload's blocks are a 2-D byte
 array with one row per block. Writing fills the varying columns of a template header for
 every block at once; reading compares every fixed byte of every row with the template at
-once and takes the columns as arrays (`kvcache.wire.BlockRun`). Per-block Python cost a
-pull as much as moving a 64 KiB block does; this costs a few numpy calls per chunk.
+once and takes the columns as arrays (`kvcache.wire.BlockRun`). Reading is a few numpy calls
+a chunk; writing, those and one header view a block (a piece of the scatter-gather send).
 
 The bytes are the ones the per-block writer emits and the per-block reader accepts (tests
 pin both); a payload laid out any other way (a partial block, a nil parent, token ids in
