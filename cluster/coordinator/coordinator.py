@@ -160,10 +160,10 @@ class Coordinator:
             return fit.bytes_per_s
         return self.membership.link_rate(source, target)
 
-    def migration_overhead(self, source: NodeId, target: NodeId, seconds: float) -> None:
-        """A caller's migration step took `seconds` beyond the pull its target reported
+    def migration_overhead(self, source: NodeId, target: NodeId, nbytes: float, seconds: float) -> None:
+        """A caller's migration step of `nbytes` took `seconds` beyond the pull its target reported
         (`cluster.gateway.block_pull`): the fixed cost that the link's fit never sees."""
-        self._overheads.setdefault((source, target), MigrationOverhead()).add(seconds)
+        self._overheads.setdefault((source, target), MigrationOverhead()).add(nbytes, seconds)
 
     def link_latency(self, source: NodeId, target: NodeId) -> float:
         """Fixed seconds a migration over the link costs its request: the fit's per-pull latency
@@ -176,8 +176,8 @@ class Coordinator:
     def _overhead_s(self, source: NodeId, target: NodeId) -> float:
         own = self._overheads.get((source, target))
         if own is not None:
-            return own.mean_s
-        measured = [o.mean_s for o in self._overheads.values()]
+            return own.fixed_s
+        measured = [o.fixed_s for o in self._overheads.values()]
         return sum(measured) / len(measured) if measured else 0.0
 
     def kv_link(self, node_id: NodeId) -> str | None:
@@ -375,6 +375,7 @@ def _node_row(state, index: PrefixIndex) -> dict:
         "requests_total": load.requests_total,
         "prefill_tokens_per_s": 1.0 / state.prefill_s_per_token.value if state.prefill_s_per_token.value else None,
         "decode_tokens_per_s": 1.0 / state.decode_s_per_token.value if state.decode_s_per_token.value else None,
+        "prefill_marginal_tokens_per_s": load.prefill_marginal_tokens_per_s,
         "death_reason": state.death_reason,
     }
 

@@ -94,13 +94,13 @@ async def timed_pull(coordinator: Any, target: Any, target_id: str, source: Any,
     report = await target.pull_blocks.remote(source, source_id, [bytes(h) for h in hashes])
     waited = time.perf_counter() - started
     if report.get("ok") and report.get("seconds"):
-        _report_overhead(coordinator, source_id, target_id, waited - float(report["seconds"]))
+        _report_overhead(coordinator, source_id, target_id, float(report.get("bytes", 0)), waited - float(report["seconds"]))
     return report
 
 
-def _report_overhead(coordinator: Any, source_id: str, target_id: str, seconds: float) -> None:
+def _report_overhead(coordinator: Any, source_id: str, target_id: str, nbytes: float, seconds: float) -> None:
     try:
-        coordinator.migration_overhead.remote(source_id, target_id, seconds)
+        coordinator.migration_overhead.remote(source_id, target_id, nbytes, seconds)
     except rex.RayError as exc:
         log.warning("could not report a migration's overhead to the coordinator: %s", exc)
 

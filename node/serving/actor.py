@@ -354,6 +354,7 @@ class NodeActor:
             "kv_blocks_used": kv.get("blocks_used", 0),
             "kv_blocks_total": kv.get("blocks_total", 0),
             "prefill_tokens_per_s": _per_second(stats.get("prefill_s_per_token")),
+            "prefill_marginal_tokens_per_s": _per_second(stats.get("prefill_marginal_s_per_token")),
             "decode_tokens_per_s": _per_second(stats.get("decode_s_per_token")),
             "prefix_hit_tokens": kv.get("prefix_hit_tokens", 0),
             "prefix_query_tokens": kv.get("prefix_query_tokens", 0),
