@@ -39,16 +39,6 @@ def _as_run(blocks: Sequence[np.ndarray]) -> np.ndarray | None:
     return np.lib.stride_tricks.as_strided(first, (len(blocks), *first.shape), (step, *first.strides), writeable=False)
 
 
-def _copy_blocks_in(layer: np.ndarray, index, blocks: np.ndarray) -> None:
-    """`layer[index] = blocks`, as raw bytes where the dtypes agree: a payload's blocks lie at any
-    byte offset, and numpy copies unaligned floats several times slower than bytes."""
-    if blocks.dtype != layer.dtype or not blocks.flags.c_contiguous and blocks.strides[-1] != blocks.itemsize:
-        layer[index] = blocks
-        return
-    rows = blocks.view(np.uint8).reshape(len(blocks), -1)
-    layer.view(np.uint8).reshape(len(layer), -1)[index] = rows
-
-
 def _as_slice(ids: list[int]) -> slice | np.ndarray:
     """Consecutive ascending ids (a fresh pool hands them out so) as a slice: numpy copies a slice
     faster than it scatters through an index array."""
@@ -141,8 +131,8 @@ class KVPool:
         if runs[0] is not None and runs[1] is not None:  # equally spaced in one buffer: a copy per layer
             index = _as_slice(ids)
             for layer in range(self.geometry.num_layers):
-                _copy_blocks_in(views[0][layer], index, runs[0][:, layer])
-                _copy_blocks_in(views[1][layer], index, runs[1][:, layer])
+                views[0][layer][index] = runs[0][:, layer]
+                views[1][layer][index] = runs[1][:, layer]
             return
         for block_id, k, v in zip(ids, keys, values):
             for layer in range(self.geometry.num_layers):
