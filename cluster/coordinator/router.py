@@ -9,7 +9,7 @@ where `fill` covers blocks another node holds beyond this node's own prefix: the
 of recomputing them here, priced at what their tokens add to the request's prefill step (the
 node's marginal cost per token: the step and its fixed cost come either way), and pulling them
 over the measured link (a migration: the link's fixed cost, the measured overhead around a
-pull and the bytes). Rates are
+pull and the bytes), which must win by more than the tie band below. Rates are
 moving averages fed by heartbeats after new work, shrunk toward the cluster's mean by how
 little evidence they rest on and how long ago it was gathered: a node that never got work
 after one slow sample is not frozen as slow, and is tried again. A node not measured at all
@@ -254,8 +254,8 @@ class Router:
         run_bytes = extra * node.info.bytes_per_block + node.info.state_bytes
         transfer_s = link_latency(source, node.node_id) + run_bytes / bytes_per_s
         recompute_s = extra * request.block_size * rates.prefill_marginal  # the request's step runs either way
-        if transfer_s >= recompute_s:
-            return None
+        if recompute_s - transfer_s <= max(TIE_FLOOR_S, TIE_TOLERANCE * recompute_s):
+            return None  # a gain within the estimates' noise: recompute, with no pull that could fail or stall
         return MigrationPlan(source, extra, transfer_s, recompute_s)
 
     # ---- baseline policies ---------------------------------------------------------

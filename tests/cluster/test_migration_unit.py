@@ -398,17 +398,17 @@ def test_only_the_fixed_part_of_an_overhead_that_grows_with_the_pull_is_priced()
 
 
 def test_a_node_whose_steps_cost_mostly_a_fixed_part_recomputes_a_short_prefix():
-    # 10 ms a step plus 0.1 ms a token: the average over a 40-token step is 0.35 ms a token,
-    # which prices 32 tokens at 11 ms against a 6 ms migration; their real cost is 3.2 ms.
-    coord, _ = coordinator_with("a", "b", prefill_tps=1 / 0.00035, bytes_per_block=65536)
+    # 10 ms a step plus 0.1 ms a token: the average over a 33-token step is 0.4 ms a token,
+    # which prices 32 tokens at 12.8 ms against a 6 ms migration; what they add is 3.2 ms.
+    coord, _ = coordinator_with("a", "b", prefill_tps=1 / 0.0004, bytes_per_block=65536)
     short, long = [bytes([i]) * 16 for i in range(2)], [bytes([i]) * 16 for i in range(16)]
     coord.index.load_snapshot("a", 0, [(h, "memory") for h in long])
     coord.membership.get("a").load = NodeLoad(queued_prefill_tokens=100_000)
     for nbytes in (65536, 8 << 20):
         coord.record_transfer("a", "b", nbytes, 0.003 + nbytes / 1e9, "direct")
     coord.migration_overhead("a", "b", 65536, 0.003)
-    assert coord.route("m", short, 2 * BS + 1, BS).migration is not None  # the average rate: 11 ms
-    coord.heartbeat("b", {"prefill_tokens_per_s": 1 / 0.00035, "prefill_marginal_tokens_per_s": 1e4})
+    assert coord.route("m", short, 2 * BS + 1, BS).migration is not None  # the average rate: 12.8 ms
+    coord.heartbeat("b", {"prefill_tokens_per_s": 1 / 0.0004, "prefill_marginal_tokens_per_s": 1e4})
     assert coord.route("m", short, 2 * BS + 1, BS).migration is None  # 3.2 ms against 6 ms
     assert coord.route("m", long, 16 * BS + 1, BS).migration.num_blocks == 16  # 26 ms against 7 ms
 
