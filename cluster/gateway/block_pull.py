@@ -85,8 +85,7 @@ async def pull_for_request(
     return outcome_from_report(report)
 
 
-async def timed_pull(coordinator: Any, target: Any, target_id: str, source: Any, source_id: str,
-                     hashes: Sequence[BlockHash]) -> dict:
+async def timed_pull(coordinator: Any, target: Any, target_id: str, source: Any, source_id: str, hashes: Sequence[BlockHash]) -> dict:
     """The target's report of pulling `hashes` from `source`. A pull that went through also tells
     the coordinator how long the request waited beyond the pull the target timed: the call and
     its reply, a fixed cost that decides whether a short prefix is worth moving at all."""
