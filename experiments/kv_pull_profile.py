@@ -64,10 +64,13 @@ def _engine(size: str, num_blocks: int):
     from node.async_engine import AsyncEngine
     from node.engine import EngineConfig, LLMEngine
     from node.model.demo import default_demo_model_path
+    from node.serving.actor import freeze_loaded_objects
 
     config = EngineConfig(model=str(default_demo_model_path(size)), block_size=16, num_blocks=num_blocks,
                           max_num_seqs=4, max_num_batched_tokens=512)
-    return AsyncEngine(LLMEngine(config))
+    engine = AsyncEngine(LLMEngine(config))
+    freeze_loaded_objects()  # as a node actor does when it starts
+    return engine
 
 
 def _path(name: str, engine, chunk_mib: int = 4):

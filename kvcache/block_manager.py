@@ -294,6 +294,30 @@ class BlockManager:
         self._park(block)
         return block.block_id
 
+    def import_run(
+        self, hashes: Sequence[BlockHash], parents: Sequence[BlockHash], token_ids: Sequence[tuple[int, ...]]
+    ) -> tuple[list[int], list[int]]:
+        """`import_cached` and `pin` for each block of a run in one call: take a block for each hash
+        not cached yet, in order, until none is free; list it as cached, held (ref 1) so that the
+        caller can write its KV. Returns the run's indexes taken and their block ids; `unpin` them
+        once written. One call a chunk instead of two a block: a pull imports thousands."""
+        taken: list[int] = []
+        block_ids: list[int] = []
+        for i, block_hash in enumerate(hashes):
+            if block_hash in self._cached:
+                continue
+            if not self._free:
+                break
+            if len(token_ids[i]) != self.block_size:
+                raise ValueError(f"a cached block holds {self.block_size} tokens, got {len(token_ids[i])}")
+            block = self._take_free()
+            block.filled, block.ref_count = self.block_size, 1
+            self._used_kv_slots += self.block_size
+            self._register(block, block_hash, parents[i], token_ids[i])
+            taken.append(i)
+            block_ids.append(block.block_id)
+        return taken, block_ids
+
     def snapshot(self) -> list[BlockStored]:
         """Every cached block, parents before children, numbered with the next event seq.
 

@@ -24,7 +24,9 @@ NULL_BLOCK = 0
 
 def _as_run(blocks: Sequence[np.ndarray]) -> np.ndarray | None:
     """`blocks` as one `[n, ...]` strided view when they lie equally spaced in one buffer (as
-    `kvcache.wire_stream.decode_views` hands them out), else None."""
+    `kvcache.wire_stream.decode_views` hands them out), else None; an array of blocks is one already."""
+    if isinstance(blocks, np.ndarray):
+        return blocks
     if len(blocks) < 2 or _owner(blocks[0]) is None or any(_owner(b) is not _owner(blocks[0]) for b in blocks):
         return None
     if any(not b.flags.c_contiguous or b.dtype != blocks[0].dtype for b in blocks):
@@ -114,17 +116,17 @@ class KVPool:
 
     def write_block_arrays(self, block_ids: Sequence[int], keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
         """Store each block's K and V (`[num_layers, block_size, heads, its head dim]`) into `block_ids`,
-        copied once, straight into the pool's memory where `layer_views` allows."""
+        copied once, straight into the pool's memory where `layer_views` allows. `keys` and `values`
+        may be arrays with the blocks on their first axis (a `kvcache.wire.BlockRun`'s)."""
         ids = self._checked_targets(block_ids)
         self._index(ids)
+        if len(keys) != len(ids) or len(values) != len(ids):
+            raise ValueError(f"{len(ids)} blocks to write, {len(keys)} K and {len(values)} V given")
         views = self.layer_views()
         if views is None:
             self.write_blocks(ids, np.stack(keys, axis=1), np.stack(values, axis=1))
             return
-        key_shape = (self.geometry.num_layers, *self.geometry.key_block_shape)
-        value_shape = (self.geometry.num_layers, *self.geometry.value_block_shape)
-        if any(k.shape != key_shape or v.shape != value_shape for k, v in zip(keys, values)):
-            raise ValueError(f"every block's K must have shape {key_shape} and its V {value_shape}")
+        self._check_block_arrays(keys, values)
         runs = _as_run(keys), _as_run(values)
         if runs[0] is not None and runs[1] is not None:  # equally spaced in one buffer: a copy per layer
             index = _as_slice(ids)
@@ -136,6 +138,16 @@ class KVPool:
             for layer in range(self.geometry.num_layers):
                 views[0][layer][block_id] = k[layer]
                 views[1][layer][block_id] = v[layer]
+
+    def _check_block_arrays(self, keys: Sequence[np.ndarray], values: Sequence[np.ndarray]) -> None:
+        key_shape = (self.geometry.num_layers, *self.geometry.key_block_shape)
+        value_shape = (self.geometry.num_layers, *self.geometry.value_block_shape)
+        if isinstance(keys, np.ndarray) and isinstance(values, np.ndarray):
+            wrong = keys.shape[1:] != key_shape or values.shape[1:] != value_shape
+        else:
+            wrong = any(k.shape != key_shape or v.shape != value_shape for k, v in zip(keys, values))
+        if wrong:
+            raise ValueError(f"every block's K must have shape {key_shape} and its V {value_shape}")
 
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy each `(src, dst)` block in every layer; all sources are read before any write."""

@@ -19,6 +19,7 @@ without a state pool refuses a state.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -47,6 +48,47 @@ class KVBlockData:
     values: np.ndarray
 
 
+class BlockRun(Sequence[KVBlockData]):
+    """Full blocks of one payload held as columns. Per-block Python on a pull's receiving side (a
+    KVBlockData, a hash check and a pool write each) took longer than moving the small demo
+    model's 64 KiB blocks over loopback, so a link reads, checks and imports a chunk's blocks as
+    arrays. Indexing still yields a KVBlockData, so a run reads wherever a list of blocks does.
+
+    `hashes`, `parents`: `[n, 16]` uint8; `tokens`: `[n, block_size]` uint32; `keys`/`values`:
+    `[n, num_layers, block_size, heads, its head dim]` (views into the payload where read from one).
+    """
+
+    def __init__(self, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray, keys: np.ndarray, values: np.ndarray):
+        if not len(hashes) == len(parents) == len(tokens) == len(keys) == len(values):
+            raise ValueError("a block run's columns must have one row per block")
+        self.hashes, self.parents, self.tokens, self.keys, self.values = hashes, parents, tokens, keys, values
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        return KVBlockData(self.hashes[index].tobytes(), self.parents[index].tobytes(),
+                           tuple(self.tokens[index].tolist()), self.keys[index], self.values[index])
+
+    def hash_list(self) -> list[bytes]:
+        """The blocks' hashes as bytes, in order."""
+        return _rows(self.hashes)
+
+    def parent_list(self) -> list[bytes]:
+        return _rows(self.parents)
+
+    def is_chained(self) -> bool:
+        """Whether each block's parent is the block before it (a prefix run, as a pull sends)."""
+        return bool(np.array_equal(self.parents[1:], self.hashes[:-1]))
+
+
+def _rows(array: np.ndarray) -> list[bytes]:
+    flat, width = array.tobytes(), array.shape[1]
+    return [flat[i : i + width] for i in range(0, len(flat), width)]
+
+
 @dataclass
 class StateSnapshotData:
     """A hybrid model's recurrent state after the block `block_hash`: `arrays[l][k]` is state layer
@@ -61,7 +103,7 @@ class StateSnapshotData:
 class KVPayload:
     """A decoded payload: its blocks in chain order and, for a hybrid model, the state after the last."""
 
-    blocks: list[KVBlockData]
+    blocks: Sequence[KVBlockData]  # a BlockRun where every block was read at once
     state: StateSnapshotData | None = None
 
 

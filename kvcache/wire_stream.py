@@ -9,7 +9,8 @@ payload in place and hands back numpy views into it (a hybrid model's recurrent 
 after the last block too: `encode_pieces(..., state)`, `decode_payload_views`). Both are the format `kvcache.wire`
 defines, field for field (tests pin that each reads the other's payloads); the one
 liberty taken is msgpack's: token ids are written at one width, so equal blocks are
-equally spaced.
+equally spaced, and a payload of full blocks is written and read all at once, as rows of one
+byte array (`kvcache.wire_batch`; the reader hands back a `kvcache.wire.BlockRun`).
 
 The reader knows only the msgpack forms the writer emits (fixmap/map16, str8, ints,
 nil, bin, arrays); anything else is refused as corrupt. The checksum is verified on the
@@ -47,6 +48,7 @@ from kvcache.wire import (
     state_map,
     wire_dtype,
 )
+from kvcache.wire_batch import array_header, bin_header, read_run, record_layout, write_headers
 
 #: A piece of an encoded payload: anything the buffer protocol can send.
 Piece = bytes | memoryview
@@ -66,29 +68,28 @@ class BlockPieces:
 
 def encode_pieces(geometry: KVGeometry, blocks: Sequence[BlockPieces],
                   state: StateSnapshotData | None = None) -> list[Piece]:
-    """The payload `encode_blocks` would make, as pieces whose KV (and state) parts are the given buffers."""
+    """The payload `encode_blocks` would make, as pieces whose KV (and state) parts are the given
+    buffers; every piece is `bytes` or a memoryview of bytes, so its `len` is its size."""
     pack = msgpack.Packer(use_bin_type=True).pack
     key_bytes, value_bytes = geometry.key_bytes_per_block_layer, geometry.value_bytes_per_block_layer
-    k_header, v_header = _bin_header(geometry.num_layers * key_bytes), _bin_header(geometry.num_layers * value_bytes)
     version = FORMAT_VERSION if state is None else STATE_FORMAT_VERSION
     head = bytearray(_map_header(5 if state is None else 6))
     head += pack("format") + pack(FORMAT_TAG) + pack("version") + pack(version)
-    head += pack("geometry") + pack(geometry.to_dict()) + pack("blocks") + _array_header(len(blocks))
-    pieces: list[Piece] = []
-    for block in blocks:
-        if not 0 < len(block.token_ids) <= geometry.block_size:
-            raise ValueError(f"a block holds 1..{geometry.block_size} tokens, got {len(block.token_ids)}")
-        parent = b"\xc0" if block.parent_hash is None else _bin_header(len(block.parent_hash)) + bytes(block.parent_hash)
-        head += b"\x85\xa4hash" + _bin_header(len(block.block_hash)) + bytes(block.block_hash) + b"\xa6parent" + parent
-        head += b"\xa6tokens" + _tokens(block.token_ids, pack) + b"\xa1k" + k_header
-        pieces.append(bytes(head))
-        pieces.extend(_checked_layers(block.keys, geometry, key_bytes))
-        pieces.append(b"\xa1v" + v_header)
-        pieces.extend(_checked_layers(block.values, geometry, value_bytes))
-        head = bytearray()
+    head += pack("geometry") + pack(geometry.to_dict()) + pack("blocks") + array_header(len(blocks))
+    pieces: list[Piece] = [bytes(head)]
+    keys = _layer_pieces([block.keys for block in blocks], geometry, key_bytes)
+    values = _layer_pieces([block.values for block in blocks], geometry, value_bytes)
+    value_header = b"\xa1v" + bin_header(geometry.num_layers * value_bytes)
+    layers = geometry.num_layers
+    for i, header in enumerate(_block_headers(geometry, blocks, pack)):
+        pieces.append(header)
+        pieces += keys[i * layers : (i + 1) * layers]
+        pieces.append(value_header)
+        pieces += values[i * layers : (i + 1) * layers]
+    head = bytearray()
     if state is not None:
         head = _state_pieces(state_map(state, blocks), head, pieces, pack)
-    head += pack("checksum") + _bin_header(CHECKSUM_SIZE)
+    head += pack("checksum") + bin_header(CHECKSUM_SIZE)
     pieces.append(bytes(head))
     digest = xxhash.xxh3_128()
     for piece in pieces:
@@ -97,7 +98,7 @@ def encode_pieces(geometry: KVGeometry, blocks: Sequence[BlockPieces],
     return pieces
 
 
-def decode_views(payload, expected: KVGeometry) -> list[KVBlockData]:
+def decode_views(payload, expected: KVGeometry) -> Sequence[KVBlockData]:
     """Blocks of `payload` (any buffer) if made for `expected`; K/V are views into `payload`.
 
     The views are valid as long as `payload` is and change if it does: import them
@@ -127,13 +128,32 @@ def decode_payload_views(payload, expected: KVGeometry, expected_state: StateGeo
 # ---- writing ------------------------------------------------------------------------
 
 
-def _checked_layers(layers: Sequence[Piece], geometry: KVGeometry, layer_bytes: int) -> list[Piece]:
-    if len(layers) != geometry.num_layers:
-        raise ValueError(f"a block needs {geometry.num_layers} layers, got {len(layers)}")
-    out = [memoryview(layer).cast("B") for layer in layers]
-    if {len(layer) for layer in out} != {layer_bytes}:
-        raise ValueError(f"each layer of a block holds {layer_bytes} bytes, got {[len(x) for x in out]}")
+def _layer_pieces(per_block: Sequence[Sequence[Piece]], geometry: KVGeometry, layer_bytes: int) -> list[Piece]:
+    """Every block's layers, in order, as byte views, each checked to hold `layer_bytes`."""
+    if any(len(layers) != geometry.num_layers for layers in per_block):
+        got = next(len(layers) for layers in per_block if len(layers) != geometry.num_layers)
+        raise ValueError(f"a block needs {geometry.num_layers} layers, got {got}")
+    out = [memoryview(layer).cast("B") for layers in per_block for layer in layers]
+    if out and set(map(len, out)) != {layer_bytes}:
+        raise ValueError(f"each layer of a block holds {layer_bytes} bytes, got {sorted(set(map(len, out)))}")
     return out
+
+
+def _block_headers(geometry: KVGeometry, blocks: Sequence[BlockPieces], pack) -> list[Piece]:
+    """Each block's record up to its K bytes: all at once where every block is full
+    (`kvcache.wire_batch`), else block by block."""
+    at_once = write_headers(geometry, [b.block_hash for b in blocks], [b.parent_hash for b in blocks],
+                            [b.token_ids for b in blocks])
+    return at_once if at_once is not None else [_block_header(geometry, block, pack) for block in blocks]
+
+
+def _block_header(geometry: KVGeometry, block: BlockPieces, pack) -> bytes:
+    if not 0 < len(block.token_ids) <= geometry.block_size:
+        raise ValueError(f"a block holds 1..{geometry.block_size} tokens, got {len(block.token_ids)}")
+    parent = b"\xc0" if block.parent_hash is None else bin_header(len(block.parent_hash)) + bytes(block.parent_hash)
+    head = b"\x85\xa4hash" + bin_header(len(block.block_hash)) + bytes(block.block_hash) + b"\xa6parent" + parent
+    k_header = bin_header(geometry.num_layers * geometry.key_bytes_per_block_layer)
+    return head + b"\xa6tokens" + _tokens(block.token_ids, pack) + b"\xa1k" + k_header
 
 
 @functools.lru_cache(maxsize=64)
@@ -150,17 +170,17 @@ def _tokens(token_ids: Sequence[int], pack) -> bytes:
         return pack(ids)
     tagged = [0xCE] * (2 * len(ids))
     tagged[1::2] = ids
-    return _array_header(len(ids)) + _token_struct(len(ids)).pack(*tagged)
+    return array_header(len(ids)) + _token_struct(len(ids)).pack(*tagged)
 
 
 def _state_pieces(entry: dict, head: bytearray, pieces: list[Piece], pack) -> bytearray:
     """The `state` entry laid out as msgpack packs it, its arrays as pieces; returns the open header."""
     head += pack("state") + _map_header(3) + pack("geometry") + pack(entry["geometry"])
-    head += pack("hash") + pack(entry["hash"]) + pack("arrays") + _array_header(len(entry["arrays"]))
+    head += pack("hash") + pack(entry["hash"]) + pack("arrays") + array_header(len(entry["arrays"]))
     for layer in entry["arrays"]:
-        head += _array_header(len(layer))
+        head += array_header(len(layer))
         for array in layer:
-            pieces.append(bytes(head + _bin_header(len(array))))
+            pieces.append(bytes(head + bin_header(len(array))))
             pieces.append(array)
             head = bytearray()
     return head
@@ -168,18 +188,6 @@ def _state_pieces(entry: dict, head: bytearray, pieces: list[Piece], pack) -> by
 
 def _map_header(n: int) -> bytes:
     return bytes([0x80 | n]) if n < 16 else b"\xde" + struct.pack(">H", n)
-
-
-def _array_header(n: int) -> bytes:
-    if n < 16:
-        return bytes([0x90 | n])
-    return b"\xdc" + struct.pack(">H", n) if n < 1 << 16 else b"\xdd" + struct.pack(">I", n)
-
-
-def _bin_header(n: int) -> bytes:
-    if n < 1 << 8:
-        return b"\xc4" + bytes([n])
-    return b"\xc5" + struct.pack(">H", n) if n < 1 << 16 else b"\xc6" + struct.pack(">I", n)
 
 
 # ---- reading ------------------------------------------------------------------------
@@ -199,7 +207,7 @@ def _read_envelope(reader: _Reader, expected: KVGeometry, expected_state: StateG
     layout = _BlockLayout.of(expected)
     num_blocks = reader.array_header()
     check_state_presence(version, num_blocks, expected_state)
-    blocks = [_read_block(reader, layout, i) for i in range(num_blocks)]
+    blocks = _read_blocks(reader, expected, layout, num_blocks)
     state = None if version == FORMAT_VERSION else _read_state(reader, expected_state)
     reader.key("checksum")
     reader.bin(CHECKSUM_SIZE)
@@ -243,13 +251,23 @@ class _BlockLayout:
     @classmethod
     def of(cls, geometry: KVGeometry) -> _BlockLayout:
         key_bytes, value_bytes = block_array_bytes(geometry, "keys"), block_array_bytes(geometry, "values")
-        return cls(geometry.block_size, key_bytes, value_bytes, b"\xa1k" + _bin_header(key_bytes),
-                   b"\xa1v" + _bin_header(value_bytes), wire_dtype(geometry), geometry.numpy_storage_dtype,
+        return cls(geometry.block_size, key_bytes, value_bytes, b"\xa1k" + bin_header(key_bytes),
+                   b"\xa1v" + bin_header(value_bytes), wire_dtype(geometry), geometry.numpy_storage_dtype,
                    block_array_shape(geometry, "keys"), block_array_shape(geometry, "values"))
 
     def view(self, data: memoryview, shape: tuple[int, ...]) -> np.ndarray:
         view = np.frombuffer(data, dtype=self.wire).reshape(shape)
         return view if view.dtype == self.storage else view.view(self.storage)
+
+
+def _read_blocks(reader: _Reader, geometry: KVGeometry, layout: _BlockLayout, count: int) -> Sequence[KVBlockData]:
+    """All `count` blocks: at once where every one is full and laid out as the writer lays full
+    blocks out (`kvcache.wire_batch`), else block by block."""
+    run = read_run(geometry, reader.data, reader.pos, count)
+    if run is None:
+        return [_read_block(reader, layout, i) for i in range(count)]
+    reader.pos += count * record_layout(geometry).size
+    return run
 
 
 def _read_block(reader: _Reader, layout: _BlockLayout, index: int) -> KVBlockData:

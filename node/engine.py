@@ -539,6 +539,7 @@ class LLMEngine:
             "swaps": self.scheduler.num_swaps,
             "kv": kv.to_dict() if hasattr(kv, "to_dict") else dict(vars(kv)),
             "prefill_s_per_token": self.rates.prefill_s_per_token.value,
+            "prefill_marginal_s_per_token": self.rates.prefill_line.marginal_s_per_token,
             "decode_s_per_token": self.rates.decode_s_per_token.value,
             "steps": c.steps,
             "generated_tokens": c.generated_tokens,

@@ -28,15 +28,50 @@ WARMUP_STEPS = 1
 
 
 @dataclass
+class StepLine:
+    """`seconds = fixed + tokens x marginal` over a node's prefill steps, from exponentially
+    weighted moments. A step costs the same few milliseconds whatever it carries (Python, the
+    launch, the sampling), so the average cost per token of a short prefill is several times
+    what its tokens add to a step; whether recomputing 32 tokens beats pulling them is a question
+    of the added cost, which only steps of different sizes show."""
+
+    alpha: float = 0.2
+    samples: int = 0
+    mean_tokens: float = 0.0
+    mean_seconds: float = 0.0
+    mean_tokens_sq: float = 0.0
+    mean_tokens_seconds: float = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        w = 1.0 if self.samples == 0 else self.alpha
+        self.mean_tokens += w * (tokens - self.mean_tokens)
+        self.mean_seconds += w * (seconds - self.mean_seconds)
+        self.mean_tokens_sq += w * (tokens * tokens - self.mean_tokens_sq)
+        self.mean_tokens_seconds += w * (tokens * seconds - self.mean_tokens_seconds)
+        self.samples += 1
+
+    @property
+    def marginal_s_per_token(self) -> float | None:
+        """The line's slope, or None until steps of different sizes gave one with a fixed cost >= 0."""
+        spread = self.mean_tokens_sq - self.mean_tokens**2
+        covariance = self.mean_tokens_seconds - self.mean_tokens * self.mean_seconds
+        if spread <= (0.05 * self.mean_tokens) ** 2 or covariance <= 0:
+            return None
+        slope = covariance / spread
+        return slope if self.mean_seconds - slope * self.mean_tokens >= 0 else None
+
+
+@dataclass
 class NodeRates:
     prefill_s_per_token: Ewma
     decode_s_per_token: Ewma
     restore_s_per_byte: Ewma
+    prefill_line: StepLine
     warmup_steps_left: int = WARMUP_STEPS
 
     @classmethod
     def new(cls) -> NodeRates:
-        return cls(Ewma(), Ewma(), Ewma())
+        return cls(Ewma(), Ewma(), Ewma(), StepLine())
 
     def observe_step(self, seconds: float, prefill_tokens: int, decode_tokens: int) -> None:
         """Split one step's time between its prefill and decode tokens.
@@ -54,5 +89,6 @@ class NodeRates:
         per_token = seconds / total
         if prefill_tokens:
             self.prefill_s_per_token.update(per_token)
+            self.prefill_line.add(total, seconds)
         if decode_tokens:
             self.decode_s_per_token.update(per_token if prefill_tokens else seconds / decode_tokens)

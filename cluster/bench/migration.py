@@ -15,7 +15,10 @@ here), one node actor on each (node "a" on the head, node "b" on the worker):
 3. time to first token on b of a request whose prefix a holds: migrated first vs recomputed,
    per model (the demo model and the large demo model);
 4. per case (model x prefix length), the router's choice for b (coordinator `route` with a
-   excluded) against which of the two measured TTFTs was lower.
+   excluded) against which of the two measured TTFTs was lower; both nodes prefill a few
+   prompts first, so that the choice weighs measured prefill costs, not the configured prior.
+   The bench's pulls go the way the gateway's do (`cluster.gateway.block_pull.timed_pull`), so
+   the coordinator learns what a migration costs around its pull as it would in serving.
 
     python -m cluster.bench.migration [--prefix-tokens 2048] [--pull-tokens 2048,8192] [--sizes small,large]
 """
@@ -53,6 +56,7 @@ class Case:
     recompute_ttft_s: float
     router_migrates: bool
     est_transfer_s: float | None
+    est_recompute_s: float | None = None  # the prefix's tokens at b's marginal prefill cost (else its average)
 
     @property
     def router_was_right(self) -> bool:
@@ -149,6 +153,16 @@ class NodePair:
             first = first or time.perf_counter() - started
         return first
 
+    def warm_rates(self) -> None:
+        """Prefill prompts of two lengths on both nodes and wait for their heartbeats, so the
+        router's first case weighs measured prefill costs rather than the configured prior: a
+        node's first step is left out of its rates, and its marginal cost per token needs steps
+        of different sizes (`node.rates.StepLine`)."""
+        for actor in (self.a, self.b):
+            for length in (24, 40, 400, 40, 400):
+                self.first_token_s(actor, f"warm-{self._seed}", self.fresh_prompt(length))
+        time.sleep(3 * 0.5)  # three heartbeats (heartbeat_s)
+
     def cache_on_a(self, tokens: list[int]) -> list[bytes]:
         self.first_token_s(self.a, f"cache-{self._seed}", tokens)
         hashes = self.hashes(tokens)
@@ -160,10 +174,15 @@ class NodePair:
         return hashes
 
     def pull(self, hashes: list[bytes], via_ray: bool = False) -> dict:
-        """b pulls from a; `via_ray` names a by an id the coordinator has no listener for, so the
-        pull goes through Ray's object store."""
+        """b pulls from a as the gateway has it pull (`timed_pull`: the coordinator also learns what
+        the step cost beyond the pull); `via_ray` names a by an id the coordinator has no listener
+        for, so the pull goes through Ray's object store."""
+        import asyncio
+
+        from cluster.gateway.block_pull import timed_pull
+
         source_id = f"{self.a_id}-via-ray" if via_ray else self.a_id
-        report = self.ray.get(self.b.pull_blocks.remote(self.a, source_id, hashes))
+        report = asyncio.run(timed_pull(self.coordinator, self.b, self.b_id, self.a, source_id, hashes))
         if not report["ok"] or report["imported"] != len(hashes) or report["via"] != ("ray" if via_ray else "direct"):
             raise RuntimeError(f"pull fell short: {report}")
         return report
@@ -211,6 +230,13 @@ class NodePair:
             raise RuntimeError(f"migration fell short: {report}")
         return time.perf_counter() - started + self.first_token_s(self.b, f"migrated-{self._seed}", tokens)
 
+    def recompute_estimate(self, hashes: list[bytes]) -> float | None:
+        """The router's price of recomputing the prefix on b: its tokens at b's reported marginal
+        prefill cost, or at b's average cost per token until b has reported one."""
+        row = next(r for r in self.ray.get(self.coordinator.nodes.remote()) if r["node_id"] == self.b_id)
+        rate = row.get("prefill_marginal_tokens_per_s") or row.get("prefill_tokens_per_s")
+        return len(hashes) * self.block_size / rate if rate else None
+
     def router_choice(self, tokens: list[int], hashes: list[bytes]) -> tuple[bool, float | None]:
         """Whether the router, sending this prompt to b, would pull the prefix from a."""
         request_id = f"route-{self._seed}"
@@ -218,7 +244,7 @@ class NodePair:
             self.model, hashes, len(tokens), self.block_size, request_id, None, [self.a_id]))
         self.coordinator.prefill_done.remote(decision.node_id, request_id)
         plan = decision.migration
-        latency = self.ray.get(self.coordinator.link_latency.remote(self.a_id, self.b_id))
+        latency = self.ray.get(self.coordinator.link_latency.remote(self.a_id, self.b_id))  # the pull's and the step's
         rate = self.ray.get(self.coordinator.link_rate.remote(self.a_id, self.b_id))
         info = self.ray.get(self.b.info.remote())
         estimate = latency + len(hashes) * info["bytes_per_block"] / rate if rate else None
@@ -260,10 +286,11 @@ def run_case(pair: NodePair, tokens_len: int) -> Case:
     migrated_prompt = pair.fresh_prompt(tokens_len)
     hashes = pair.cache_on_a(migrated_prompt)
     migrates, estimate = pair.router_choice(migrated_prompt, hashes)
+    recompute_estimate = pair.recompute_estimate(hashes)
     migrate_s = pair.migrated_ttft(migrated_prompt, hashes)
     recompute_prompt = pair.fresh_prompt(tokens_len)
     recompute_s = pair.first_token_s(pair.b, f"recompute-{pair._seed}", recompute_prompt)
-    return Case(pair.model, tokens_len, migrate_s, recompute_s, migrates, estimate)
+    return Case(pair.model, tokens_len, migrate_s, recompute_s, migrates, estimate, recompute_estimate)
 
 
 def throughput(pair: NodePair, config: BenchConfig) -> list[dict]:
@@ -308,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 rows += throughput(pair, config)
                 tcp.append(tcp_throughput(config.tcp_mib << 20))
+                pair.warm_rates()
                 cases += [run_case(pair, n) for n in config.lengths.get(size, (config.prefix_tokens,))]
             finally:
                 pair.close()
@@ -345,14 +373,14 @@ def print_report(config: BenchConfig, tcp: list[float], rows, cases: list[Case],
         print(f"{'demo-' + row['size']:<12}{row['tokens']:>7}{row['bytes'] / 2**20:>7.1f}"
               + "".join(f"{v / gb:>{w}.2f}{100 * v / tcp_Bps:>6.0f}%" for v, w in zip(cells, widths)))
     print()
-    print(f"{'model':<12}{'prefix':>7}{'TTFT migr s':>12}{'TTFT recomp s':>14}{'est pull s':>11}{'faster':>10}"
-          f"{'router':>10}{'right':>7}")
+    print(f"{'model':<12}{'prefix':>7}{'TTFT migr s':>12}{'TTFT recomp s':>14}{'est migr s':>11}{'est recomp s':>13}"
+          f"{'faster':>10}{'router':>10}{'right':>7}")
     for c in cases:
         faster = "migrate" if c.migrate_ttft_s < c.recompute_ttft_s else "recompute"
         choice = "migrate" if c.router_migrates else "recompute"
-        estimate = f"{c.est_transfer_s:.3f}" if c.est_transfer_s is not None else "-"
-        print(f"{c.model:<12}{c.tokens:>7}{c.migrate_ttft_s:>12.3f}{c.recompute_ttft_s:>14.3f}{estimate:>11}"
-              f"{faster:>10}{choice:>10}{'yes' if c.router_was_right else 'no':>7}")
+        estimates = [f"{v:.3f}" if v is not None else "-" for v in (c.est_transfer_s, c.est_recompute_s)]
+        print(f"{c.model:<12}{c.tokens:>7}{c.migrate_ttft_s:>12.3f}{c.recompute_ttft_s:>14.3f}{estimates[0]:>11}"
+              f"{estimates[1]:>13}{faster:>10}{choice:>10}{'yes' if c.router_was_right else 'no':>7}")
     right = sum(c.router_was_right for c in cases)
     print(f"router's migrate-or-recompute choice was the faster one in {right} of {len(cases)} cases")
 

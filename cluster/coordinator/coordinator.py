@@ -10,7 +10,8 @@ registers again after a coordinator restart refills the index at once), then per
 step `kv_events` (False means "send a snapshot"), and `heartbeat` with its load (the reply
 says whether the coordinator still knows the node, wants a snapshot, or drains it, and
 carries block moves the node should hand to other nodes: hot-prefix copies and drain).
-Migrations report back with `migration_report` (counters, and the measured link rate);
+Migrations report back with `migration_report` (counters, and the measured link rate), and
+their callers with `migration_overhead` (what the step cost beyond the pull);
 a joining node asks `link_peers` whom to probe.
 """
 
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 import ray
 
-from cluster.coordinator.link_cost import LinkCostFit
+from cluster.coordinator.link_cost import LinkCostFit, MigrationOverhead
 from cluster.coordinator.membership import Membership, MembershipConfig, NodeId, NodeInfo, NodeLoad, NodeStatus, UnknownNode
 from cluster.coordinator.pending_prefixes import PendingPrefixes
 from cluster.coordinator.prefix_index import PrefixIndex
@@ -76,6 +77,7 @@ class Coordinator:
         self._moves: dict[NodeId, list[dict]] = {}  # source node -> moves for its next heartbeat
         self._migrated: dict[NodeId, _MigrationCounts] = {}
         self._links: dict[tuple[NodeId, NodeId], LinkCostFit] = {}  # (source, target) -> cost line
+        self._overheads: dict[tuple[NodeId, NodeId], MigrationOverhead] = {}  # (source, target) -> beyond the pull
 
     # ---- nodes talking to the coordinator ------------------------------------------
     def register_node(self, node_id: NodeId, info: NodeInfo | dict) -> dict:
@@ -158,9 +160,25 @@ class Coordinator:
             return fit.bytes_per_s
         return self.membership.link_rate(source, target)
 
+    def migration_overhead(self, source: NodeId, target: NodeId, nbytes: float, seconds: float) -> None:
+        """A caller's migration step of `nbytes` took `seconds` beyond the pull its target reported
+        (`cluster.gateway.block_pull`): the fixed cost that the link's fit never sees."""
+        self._overheads.setdefault((source, target), MigrationOverhead()).add(nbytes, seconds)
+
     def link_latency(self, source: NodeId, target: NodeId) -> float:
+        """Fixed seconds a migration over the link costs its request: the fit's per-pull latency
+        plus the measured overhead around the pull (a pair not measured yet borrows the mean of
+        the pairs that were: it is mostly the caller's hops, not the link)."""
         fit = self._links.get((source, target))
-        return fit.latency_s if fit is not None and self.membership.link_rate(source, target) is not None else 0.0
+        pull = fit.latency_s if fit is not None and self.membership.link_rate(source, target) is not None else 0.0
+        return pull + self._overhead_s(source, target)
+
+    def _overhead_s(self, source: NodeId, target: NodeId) -> float:
+        own = self._overheads.get((source, target))
+        if own is not None:
+            return own.fixed_s
+        measured = [o.fixed_s for o in self._overheads.values()]
+        return sum(measured) / len(measured) if measured else 0.0
 
     def kv_link(self, node_id: NodeId) -> str | None:
         """Where `node_id`'s direct KV listener is ("host:port"), None when it has none or is unknown."""
@@ -357,6 +375,7 @@ def _node_row(state, index: PrefixIndex) -> dict:
         "requests_total": load.requests_total,
         "prefill_tokens_per_s": 1.0 / state.prefill_s_per_token.value if state.prefill_s_per_token.value else None,
         "decode_tokens_per_s": 1.0 / state.decode_s_per_token.value if state.decode_s_per_token.value else None,
+        "prefill_marginal_tokens_per_s": load.prefill_marginal_tokens_per_s,
         "death_reason": state.death_reason,
     }
 

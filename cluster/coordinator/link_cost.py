@@ -6,7 +6,7 @@ nodes report each pull's bytes and seconds, and the coordinator keeps one fit pe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -40,16 +40,21 @@ class LinkCostFit:
         self.mean_bytes_seconds += w * (nbytes * seconds - self.mean_bytes_seconds)
         self.samples += 1
 
-    @property
-    def _slope(self) -> float:
-        """Seconds per byte."""
+    def line_slope(self) -> float | None:
+        """Seconds per byte of a line with a fixed cost >= 0, where moves of different sizes show one."""
         spread = self.mean_bytes_sq - self.mean_bytes**2
         covariance = self.mean_bytes_seconds - self.mean_bytes * self.mean_seconds
         if spread > (0.05 * self.mean_bytes) ** 2 and covariance > 0:
             slope = covariance / spread
             if self.mean_seconds - slope * self.mean_bytes >= 0:
                 return slope
-        return self.mean_seconds / self.mean_bytes
+        return None
+
+    @property
+    def _slope(self) -> float:
+        """Seconds per byte."""
+        slope = self.line_slope()
+        return slope if slope is not None else self.mean_seconds / self.mean_bytes
 
     @property
     def bytes_per_s(self) -> float | None:
@@ -62,3 +67,30 @@ class LinkCostFit:
     def estimate_s(self, nbytes: float) -> float | None:
         """Seconds a move of `nbytes` is expected to take over this link; None before any sample."""
         return self.latency_s + nbytes * self._slope if self.samples else None
+
+
+@dataclass
+class MigrationOverhead:
+    """Seconds a migration costs its request beyond the pull itself, as the caller waited them:
+    the call to the target and its reply (Ray hops, the target's hand-offs before and after the
+    pull), which no pull and no probe sees. A short prefix recomputes in a few milliseconds, so
+    this fixed cost decides its case.
+
+    Part of it grows with the pull (on the 2-core VM, ~3 ms around a 2-block pull of the small
+    demo model, 6-12 ms around a 512-block one), so it is fitted as a line over the pull's bytes
+    and only its fixed part is priced: the per-byte part is small beside the pull's own.
+    Samples of one size, or no line with a fixed cost: their mean.
+    """
+
+    line: LinkCostFit = field(default_factory=LinkCostFit)
+
+    def add(self, nbytes: float, seconds: float) -> None:
+        self.line.add(max(nbytes, 1.0), max(seconds, 1e-6))
+
+    @property
+    def fixed_s(self) -> float:
+        line = self.line
+        if not line.samples:
+            return 0.0
+        slope = line.line_slope()
+        return line.mean_seconds if slope is None else line.mean_seconds - slope * line.mean_bytes

@@ -66,6 +66,8 @@ class NodeLoad:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     prefill_tokens_per_s: float | None = None
+    # What one more prompt token adds to a prefill step (node.rates.StepLine), without the step's fixed cost.
+    prefill_marginal_tokens_per_s: float | None = None
     decode_tokens_per_s: float | None = None
     prefix_hit_tokens: int = 0
     prefix_query_tokens: int = 0

@@ -6,7 +6,10 @@ Under the `prefix` policy each candidate's cost is an estimate in seconds:
     load(node) = queued prefill tokens x prefill s/token + running decodes x decode s/token
 
 where `fill` covers blocks another node holds beyond this node's own prefix: the cheaper
-of recomputing them here and pulling them over the measured link (a migration). Rates are
+of recomputing them here, priced at what their tokens add to the request's prefill step (the
+node's marginal cost per token: the step and its fixed cost come either way), and pulling them
+over the measured link (a migration: the link's fixed cost, the measured overhead around a
+pull and the bytes), which must win by more than the tie band below. Rates are
 moving averages fed by heartbeats after new work, shrunk toward the cluster's mean by how
 little evidence they rest on and how long ago it was gathered: a node that never got work
 after one slow sample is not frozen as slow, and is tried again. A node not measured at all
@@ -52,7 +55,8 @@ RATE_HALF_LIFE_S = 60.0
 LinkRate = Callable[[NodeId, NodeId], "float | None"]
 #: Blocks of KV the coordinator knows a node holds (its prefix index).
 HeldBlocks = Callable[[NodeId], int]
-#: Fixed seconds one pull costs on a link besides its bytes (round trips, hand-offs).
+#: Fixed seconds a migration over a link costs its request besides its bytes: the pull's own
+#: (round trips, hand-offs) and the caller's call to the target around it.
 LinkLatency = Callable[[NodeId, NodeId], float]
 
 
@@ -125,6 +129,7 @@ class RouteDecision:
 class _Rates:
     prefill: float  # seconds per token
     decode: float
+    prefill_marginal: float  # seconds one more prompt token adds to a step (the migrate-or-recompute choice)
 
 
 @dataclass(frozen=True)
@@ -248,9 +253,9 @@ class Router:
             return None
         run_bytes = extra * node.info.bytes_per_block + node.info.state_bytes
         transfer_s = link_latency(source, node.node_id) + run_bytes / bytes_per_s
-        recompute_s = extra * request.block_size * rates.prefill
-        if transfer_s >= recompute_s:
-            return None
+        recompute_s = extra * request.block_size * rates.prefill_marginal  # the request's step runs either way
+        if recompute_s - transfer_s <= max(TIE_FLOOR_S, TIE_TOLERANCE * recompute_s):
+            return None  # a gain within the estimates' noise: recompute, with no pull that could fail or stall
         return MigrationPlan(source, extra, transfer_s, recompute_s)
 
     # ---- baseline policies ---------------------------------------------------------
@@ -273,13 +278,12 @@ class Router:
     def _rates(self, candidates: Sequence[NodeState]) -> dict[NodeId, _Rates]:
         prefill_default = _mean([n.prefill_s_per_token.value for n in candidates], self.config.prior_prefill_s_per_token)
         decode_default = _mean([n.decode_s_per_token.value for n in candidates], self.config.prior_decode_s_per_token)
-        return {
-            n.node_id: _Rates(
-                _shrunk(n.prefill_s_per_token.value, prefill_default, _confidence(n)),
-                _shrunk(n.decode_s_per_token.value, decode_default, _confidence(n)),
-            )
-            for n in candidates
-        }
+        rates = {}
+        for n in candidates:
+            prefill = _shrunk(n.prefill_s_per_token.value, prefill_default, _confidence(n))
+            decode = _shrunk(n.decode_s_per_token.value, decode_default, _confidence(n))
+            rates[n.node_id] = _Rates(prefill, decode, _marginal(n, prefill))
+        return rates
 
 
 def _confidence(node: NodeState) -> float:
@@ -287,6 +291,13 @@ def _confidence(node: NodeState) -> float:
     idle_s = max(0.0, node.last_heartbeat - node.rates_updated_at)
     evidence = node.rate_evidence
     return evidence / (evidence + EVIDENCE_PRIOR) * 0.5 ** (idle_s / RATE_HALF_LIFE_S)
+
+
+def _marginal(node: NodeState, prefill: float) -> float:
+    """Seconds one more prompt token adds to the node's prefill step, as the node last measured
+    it; its average cost per token (which carries each step's fixed cost) until it has."""
+    measured = node.load.prefill_marginal_tokens_per_s
+    return 1.0 / measured if measured else prefill
 
 
 def _shrunk(own: float | None, mean: float, weight: float) -> float:

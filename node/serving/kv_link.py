@@ -174,7 +174,7 @@ class KVLinkServer:
             for i in range(len(runs)):
                 pieces = upcoming.result()
                 upcoming = self._encoder.submit(encode_pieces, self.geometry, *runs[i + 1]) if i + 1 < len(runs) else None
-                size = sum(len(p) for p in pieces)
+                size = sum(map(len, pieces))
                 _send_pieces(conn, [_U64.pack(size), *pieces])
                 self.counters.sent_bytes += size
             conn.sendall(_U64.pack(0))
@@ -371,21 +371,26 @@ def _recv_into(sock: socket.socket, view: memoryview) -> bool:
 
 
 def _send_pieces(sock: socket.socket, pieces: list) -> None:
-    """Send every piece in order with scatter-gather writes: no byte is copied in user space."""
-    views = [memoryview(p).cast("B") for p in pieces]
+    """Send every piece (`bytes` or a memoryview of bytes: its `len` is its size, as
+    `kvcache.wire_stream.encode_pieces` makes them) in order with scatter-gather writes: no byte
+    is copied in user space, and a batch the kernel took whole costs no Python per piece."""
+    pending = list(pieces)
     i = 0
-    while i < len(views):
-        batch = views[i : i + _MAX_PIECES]
+    while i < len(pending):
+        batch = pending[i : i + _MAX_PIECES]
         try:
             sent = sock.sendmsg(batch)
         except BlockingIOError as exc:  # the kernel's send timeout (`_data_mode`)
             raise TimeoutError("the KV link's peer took nothing within its timeout") from exc
-        for view in batch:  # drop what went out; keep the rest of a partly sent piece
-            if sent >= len(view):
-                sent -= len(view)
+        if sent == sum(map(len, batch)):
+            i += len(batch)
+            continue
+        for piece in batch:  # drop what went out; keep the rest of a partly sent piece
+            if sent >= len(piece):
+                sent -= len(piece)
                 i += 1
             else:
-                views[i] = view[sent:]
+                pending[i] = memoryview(piece)[sent:]
                 break
 
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from cluster.coordinator.coordinator import Coordinator, CoordinatorConfig
-from cluster.coordinator.link_cost import LinkCostFit
+from cluster.coordinator.link_cost import LinkCostFit, MigrationOverhead
 from cluster.coordinator.membership import NodeLoad
 from cluster.coordinator.replication import NodeLoadView, ReplicationConfig, ReplicationPlanner
 from cluster.coordinator.router import MigrationPlan, Router
@@ -349,6 +349,68 @@ def test_a_pull_whose_fixed_cost_exceeds_the_prefill_is_not_planned():
     many = [bytes([i]) * 16 for i in range(64)]
     coord.index.load_snapshot("a", 0, [(h, "memory") for h in many])
     assert coord.route("m", many, 64 * BS + 1, BS).migration.num_blocks == 64
+
+
+def test_the_overhead_callers_measure_makes_a_short_prefix_recompute_while_a_long_one_migrates():
+    coord, _ = coordinator_with("a", "b", prefill_tps=1000.0, bytes_per_block=65536)  # 1 ms a token
+    short, long = [bytes([i]) * 16 for i in range(2)], [bytes([i]) * 16 for i in range(64)]
+    coord.index.load_snapshot("a", 0, [(h, "memory") for h in long])
+    coord.membership.get("a").load = NodeLoad(queued_prefill_tokens=100_000)
+    for nbytes in (65536, 8 << 20, 65536, 8 << 20):  # pulls themselves: 1 ms fixed, then 1 GB/s
+        coord.record_transfer("a", "b", nbytes, 0.001 + nbytes / 1e9, "direct")
+    assert coord.route("m", short, 2 * BS + 1, BS).migration is not None  # ~1.1 ms against 32 ms
+    coord.migration_overhead("a", "b", 65536, 0.040)  # what the gateway waited beyond a pull
+    assert coord.link_latency("a", "b") == pytest.approx(0.041, rel=1e-3)
+    assert coord.route("m", short, 2 * BS + 1, BS).migration is None  # 41 ms against 32 ms
+    assert coord.route("m", long, 64 * BS + 1, BS).migration.num_blocks == 64  # 45 ms against 1 s
+
+
+def test_a_pair_without_its_own_overhead_borrows_the_measured_mean():
+    coord, _ = coordinator_with("a", "b", "c")
+    coord.migration_overhead("a", "b", 65536, 0.010)
+    coord.migration_overhead("c", "b", 65536, 0.030)
+    assert coord.link_latency("a", "c") == pytest.approx(0.020)
+    assert coord.link_latency("a", "b") == pytest.approx(0.010)
+
+
+def test_a_pull_tells_the_coordinator_what_the_step_waited_beyond_the_pull():
+    async def pull(*_):
+        await asyncio.sleep(0.05)
+        return {"ok": True, "requested": 1, "imported": 1, "local": 0, "bytes": 65536, "seconds": 0.01}
+
+    coordinator = _Actor(migration_overhead=lambda *args: None, migration_failed=lambda *args: None)
+    outcome = asyncio.run(pull_for_request(coordinator, _Actor(pull_blocks=pull), "b", object(), "a", [b"h"], 1.0))
+    assert outcome.ok
+    [(source, target, nbytes, seconds)] = coordinator.migration_overhead.calls
+    assert (source, target, nbytes) == ("a", "b", 65536) and 0.04 <= seconds < 0.5
+
+
+def test_only_the_fixed_part_of_an_overhead_that_grows_with_the_pull_is_priced():
+    overhead = MigrationOverhead()
+    assert overhead.fixed_s == 0.0
+    overhead.add(1e6, 0.004)
+    assert overhead.fixed_s == pytest.approx(0.004)  # one size: its mean
+    growing = MigrationOverhead()
+    for _ in range(3):
+        growing.add(1e6, 0.003 + 1e6 * 3e-10)
+        growing.add(3e7, 0.003 + 3e7 * 3e-10)  # 12 ms around the larger pull
+    assert growing.fixed_s == pytest.approx(0.003, rel=1e-6)
+
+
+def test_a_node_whose_steps_cost_mostly_a_fixed_part_recomputes_a_short_prefix():
+    # 10 ms a step plus 0.1 ms a token: the average over a 33-token step is 0.4 ms a token,
+    # which prices 32 tokens at 12.8 ms against a 6 ms migration; what they add is 3.2 ms.
+    coord, _ = coordinator_with("a", "b", prefill_tps=1 / 0.0004, bytes_per_block=65536)
+    short, long = [bytes([i]) * 16 for i in range(2)], [bytes([i]) * 16 for i in range(16)]
+    coord.index.load_snapshot("a", 0, [(h, "memory") for h in long])
+    coord.membership.get("a").load = NodeLoad(queued_prefill_tokens=100_000)
+    for nbytes in (65536, 8 << 20):
+        coord.record_transfer("a", "b", nbytes, 0.003 + nbytes / 1e9, "direct")
+    coord.migration_overhead("a", "b", 65536, 0.003)
+    assert coord.route("m", short, 2 * BS + 1, BS).migration is not None  # the average rate: 12.8 ms
+    coord.heartbeat("b", {"prefill_tokens_per_s": 1 / 0.0004, "prefill_marginal_tokens_per_s": 1e4})
+    assert coord.route("m", short, 2 * BS + 1, BS).migration is None  # 3.2 ms against 6 ms
+    assert coord.route("m", long, 16 * BS + 1, BS).migration.num_blocks == 16  # 26 ms against 7 ms
 
 
 def test_a_joining_node_is_told_its_peers_to_probe():

@@ -197,6 +197,17 @@ def test_slow_link_means_recompute_instead_of_migrate():
     assert decision.migration is None
 
 
+def test_a_migration_whose_estimated_gain_is_within_noise_is_not_planned():
+    def route_over(block_s: float):
+        members = cluster("a", "b", bytes_per_block=1_000_000)
+        members.heartbeat("a", NodeLoad(queued_prefill_tokens=50_000, prefill_tokens_per_s=1000.0, decode_tokens_per_s=100.0))
+        members.record_link_rate("a", "b", 1e6 / block_s)
+        return Router().route(request({"a": 1}, num_tokens=BS + 1), members.candidates("m"), members.link_rate)
+
+    assert (route_over(0.015).node_id, route_over(0.015).migration) == ("b", None)  # 15 ms against 16 ms to recompute
+    assert route_over(0.008).migration.num_blocks == 1  # 8 ms: a gain past the band
+
+
 def test_unmeasured_link_never_migrates():
     members = cluster("a", "b", bytes_per_block=1_000_000)
     members.heartbeat("a", NodeLoad(queued_prefill_tokens=50_000, prefill_tokens_per_s=1000.0, decode_tokens_per_s=100.0))

@@ -130,3 +130,17 @@ def test_the_first_steps_of_a_node_do_not_set_its_rates():
     assert rates.prefill_s_per_token.value is None
     rates.observe_step(0.1, 100, 0)
     assert rates.prefill_s_per_token.value == pytest.approx(1e-3)
+
+
+def test_a_step_line_separates_a_steps_fixed_cost_from_what_each_token_adds():
+    from node.rates import WARMUP_STEPS, NodeRates
+
+    rates = NodeRates.new()
+    for _ in range(WARMUP_STEPS):
+        rates.observe_step(5.0, 100, 0)  # left out
+    rates.observe_step(0.010 + 40 * 1e-4, 40, 0)
+    assert rates.prefill_line.marginal_s_per_token is None  # one size shows no line
+    for tokens in (40, 512, 40, 512):
+        rates.observe_step(0.010 + tokens * 1e-4, tokens, 0)
+    assert rates.prefill_line.marginal_s_per_token == pytest.approx(1e-4, rel=1e-6)
+    assert rates.prefill_s_per_token.value > 2e-4  # the average carries the fixed cost
