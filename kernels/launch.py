@@ -20,8 +20,6 @@ from kernels.variants import PLAIN, LayerAttention, LayerInputs, layer_inputs
 
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 WARP = 32
-#: bytes of threadgroup memory one threadgroup may declare: CUDA's static __shared__ limit, Metal's threadgroup limit
-SHARED_BYTES = {"cuda": 48 * 1024, "metal": 32 * 1024}
 #: float32 words of shared memory the warps' partial outputs may take (16 KiB, half of Metal's 32 KiB)
 SHARED_WORDS = 4096
 MAX_HEADS_PER_TILE = 8
@@ -42,7 +40,6 @@ class KernelTuning:
     reduce_threads: int = 128
     max_per_lane: int = 8  # elements of a row per lane: more means fewer shuffles, more registers
     heads_inner: bool = False  # grid order: the head tiles of a partition adjacent (HEADS_INNER), else partitions
-    stages: int = 0  # > 1: K/V tiles staged through threadgroup memory this many deep (source.STAGED_LOOP); 0: direct
     max_heads_per_tile: int = MAX_HEADS_PER_TILE  # fewer: fewer registers a thread, K/V read once per tile of the group
 
 
@@ -56,22 +53,6 @@ class DecodePlan:
     @property
     def partitioned(self) -> bool:
         return self.num_partitions > 1
-
-
-def staged_bytes(plan: DecodePlan, tuning: KernelTuning, head_dim: int, itemsize: int) -> int:
-    """Threadgroup memory of the staged decode kernel: its K/V stages and the warps' partial outputs."""
-    warps = tuning.threads // WARP
-    tokens_per_step = warps * (WARP // plan.lanes) * tuning.unroll
-    stages = 2 * tuning.stages * tokens_per_step * head_dim * itemsize
-    return stages + 4 * warps * plan.heads_per_tile * (head_dim + 2)
-
-
-def use_staged(dialect: str, plan: DecodePlan, tuning: KernelTuning, head_dim: int, itemsize: int) -> bool:
-    """The staged loop when asked for, on CUDA (whose copies into shared memory are asynchronous; Metal's
-    would be plain loads, which the direct loop already does), when its stages fit and rows are whole
-    16-byte copies; else the direct loop."""
-    return (dialect == "cuda" and tuning.stages > 1 and (head_dim * itemsize) % 16 == 0
-            and staged_bytes(plan, tuning, head_dim, itemsize) <= SHARED_BYTES[dialect])
 
 
 def lanes_for(head_dim: int, max_per_lane: int = 8) -> int:
@@ -141,10 +122,10 @@ class PagedDecodeKernels:
         self.tuning = tuning
 
     @cache  # noqa: B019 -- one instance per dialect lives as long as the process
-    def _decode_kernel(self, partitioned: bool, staged: bool = False):
-        header, body = source.render_decode(self.dialect, partitioned, staged)
+    def _decode_kernel(self, partitioned: bool):
+        header, body = source.render_decode(self.dialect, partitioned)
         outputs = source.PARTITION_OUTPUTS if partitioned else source.SINGLE_OUTPUTS
-        name = "orchard_paged_decode" + ("_staged" if staged else "") + ("_split" if partitioned else "")
+        name = "orchard_paged_decode_split" if partitioned else "orchard_paged_decode"
         return self.compile_kernel(name, source.DECODE_INPUTS, outputs, header, body)
 
     @cache  # noqa: B019 -- one instance per dialect lives as long as the process
@@ -182,15 +163,12 @@ class PagedDecodeKernels:
             ("HEADS_PER_TILE", plan.heads_per_tile), ("LANES", plan.lanes), ("NUM_THREADS", tuning.threads),
             ("UNROLL", tuning.unroll), ("HEADS_INNER", int(tuning.heads_inner)), *layer.template,
         ]
-        staged = use_staged(self.dialect, plan, tuning, head_dim, key_cache.dtype.size)
-        if staged:
-            template.append(("STAGES", tuning.stages))
         head_tiles = num_kv_heads * (num_heads // num_kv_heads // plan.heads_per_tile)
         if tuning.heads_inner:
             grid = (head_tiles * tuning.threads, plan.num_partitions, num_seqs)
         else:
             grid = (plan.num_partitions * tuning.threads, head_tiles, num_seqs)
-        kernel = self._decode_kernel(plan.partitioned, staged)
+        kernel = self._decode_kernel(plan.partitioned)
         if not plan.partitioned:
             (out,) = kernel(
                 inputs=inputs, template=template, grid=grid, threadgroup=(tuning.threads, 1, 1),

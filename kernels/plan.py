@@ -28,10 +28,12 @@ import numpy as np
 from kernels import mma_source, reference, source
 from kernels.backends import resolve_backend
 from kernels.errors import InvalidAttentionMetadata, UnsupportedAttentionShape
-from kernels.launch import SHARED_BYTES, DecodePlan, KernelTuning, decode_dims, plan_decode
+from kernels.launch import DecodePlan, KernelTuning, decode_dims, plan_decode
 from kernels.variants import LayerAttention, LayerInputs, layer_inputs
 
 WARP = 32
+#: bytes of threadgroup memory one threadgroup may declare: CUDA's static __shared__ limit, Metal's threadgroup limit
+SHARED_BYTES = {"cuda": 48 * 1024, "metal": 32 * 1024}
 KV_TILES = (32, 16, 8, 4)
 #: rows and keys of one thread's register block of scores (SUB in VARLEN_BODY)
 SUB = 4

@@ -87,16 +87,6 @@ __device__ __forceinline__ void load4(const U* src, float* dst) {
   }
 }
 #define LOAD4(dst, src) load4((src), (dst))
-
-// 16 bytes from the pool into threadgroup memory without passing through registers (sm_80+);
-// a group of them is committed, and waiting leaves the newest `n` groups in flight.
-__device__ __forceinline__ void async_copy16(void* dst, const void* src) {
-  const unsigned shared_at = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(shared_at), "l"(src));
-}
-#define ASYNC_COPY(dst, src) async_copy16((dst), (src))
-#define ASYNC_COMMIT() asm volatile("cp.async.commit_group;\n" ::)
-#define ASYNC_WAIT(n) asm volatile("cp.async.wait_group %0;\n" :: "n"(n))
 """
 
 METAL_HEADER = r"""
@@ -111,11 +101,6 @@ METAL_HEADER = r"""
 #define TILE_ALIGN
 #define WARP_BARRIER() simdgroup_barrier(mem_flags::mem_threadgroup)
 #define LOAD4(dst, src) for (int i_ = 0; i_ < 4; ++i_) { (dst)[i_] = static_cast<float>((src)[i_]); }
-// Metal has no asynchronous copy to threadgroup memory in its language: the staged loop's copies are
-// plain loads and stores, ordered by its barriers.
-#define ASYNC_COPY(dst, src) for (int i_ = 0; i_ < VEC; ++i_) { (dst)[i_] = (src)[i_]; }
-#define ASYNC_COMMIT()
-#define ASYNC_WAIT(n)
 """
 
 # HEADS_INNER (a template constant) puts the head tiles of one partition next to each other in the
@@ -192,7 +177,58 @@ DECODE_BODY = r"""
   // auto: Metal binds inputs of under 8 elements (a short block table) in `constant`, not `device`.
   const auto table = block_tables + size_t(seq) * max_blocks;
   const size_t lane_offset = size_t(kv_head) * HEAD_DIM + lane_in_token * PER_LANE;
-@LOOP@
+  for (int base = start; base < end; base += TOKENS_PER_STEP) {
+    ROW_ALIGN T k_row[UNROLL][PER_LANE];
+    ROW_ALIGN T v_row[UNROLL][PER_LANE];
+    bool valid[UNROLL];
+    for (int u = 0; u < UNROLL; ++u) {
+      const int t = base + (u * NUM_WARPS + warp) * TOKENS_PER_WARP + slot_in_warp;
+      valid[u] = t < end;
+      if (valid[u]) {
+        const size_t slot = size_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE;
+        const size_t row = slot * (NUM_KV_HEADS * HEAD_DIM) + lane_offset;
+        LOAD_ROW(k_row[u], key_cache + row);
+        LOAD_ROW(v_row[u], value_cache + row);
+      } else {
+        for (int i = 0; i < PER_LANE; ++i) {
+          k_row[u][i] = static_cast<T>(0.0f);
+          v_row[u][i] = static_cast<T>(0.0f);
+        }
+      }
+    }
+    for (int g = 0; g < HEADS_PER_TILE; ++g) {
+      float score[UNROLL];
+      float step_max = run_max[g];
+      for (int u = 0; u < UNROLL; ++u) {
+        float dot = 0.0f;
+        for (int i = 0; i < PER_LANE; ++i) {
+          dot += q[g][i] * static_cast<float>(k_row[u][i]);
+        }
+        for (int mask = LANES / 2; mask > 0; mask /= 2) {
+          dot += SIMD_XOR(dot, mask);
+        }
+        if (SOFTCAP && softcap > 0.0f) {
+          dot = softcap * FTANH(dot / softcap);
+        }
+        score[u] = dot;
+        step_max = (valid[u] && dot > step_max) ? dot : step_max;
+      }
+      const float correction = FEXP2(run_max[g] - step_max);
+      run_sum[g] *= correction;
+      for (int i = 0; i < PER_LANE; ++i) {
+        acc[g][i] *= correction;
+      }
+      for (int u = 0; u < UNROLL; ++u) {
+        const float p = valid[u] ? FEXP2(score[u] - step_max) : 0.0f;
+        run_sum[g] += p;
+        for (int i = 0; i < PER_LANE; ++i) {
+          acc[g][i] += p * static_cast<float>(v_row[u][i]);
+        }
+      }
+      run_max[g] = step_max;
+    }
+  }
+
   // Merge the token slots of each warp: lanes that differ only above LANES hold the same dims.
   for (int mask = LANES; mask < WARP; mask *= 2) {
     for (int g = 0; g < HEADS_PER_TILE; ++g) {
@@ -241,131 +277,6 @@ DECODE_BODY = r"""
     const float sink = SINKS ? sinks[first_head + g] : NEG_BIG;
     @WRITE@
   }
-"""
-
-#: The decode kernel's main loop, reading each K/V row from the pool into registers and computing on it.
-DIRECT_LOOP = r"""
-  for (int base = start; base < end; base += TOKENS_PER_STEP) {
-    ROW_ALIGN T k_row[UNROLL][PER_LANE];
-    ROW_ALIGN T v_row[UNROLL][PER_LANE];
-    bool valid[UNROLL];
-    for (int u = 0; u < UNROLL; ++u) {
-      const int t = base + (u * NUM_WARPS + warp) * TOKENS_PER_WARP + slot_in_warp;
-      valid[u] = t < end;
-      if (valid[u]) {
-        const size_t slot = size_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE;
-        const size_t row = slot * (NUM_KV_HEADS * HEAD_DIM) + lane_offset;
-        LOAD_ROW(k_row[u], key_cache + row);
-        LOAD_ROW(v_row[u], value_cache + row);
-      } else {
-        for (int i = 0; i < PER_LANE; ++i) {
-          k_row[u][i] = static_cast<T>(0.0f);
-          v_row[u][i] = static_cast<T>(0.0f);
-        }
-      }
-    }
-@STEP@  }
-"""
-
-#: The decode kernel's main loop with the K/V rows of STAGES tiles staged in threadgroup memory: tile
-#: n + STAGES - 1 is copied (asynchronously where the dialect can: CUDA's cp.async) while the warps
-#: compute on tile n, so the pool's reads stay in flight during the arithmetic instead of waiting for
-#: it. A tile is TOKENS_PER_STEP tokens; rows past the range are stored as zeros, as the direct loop's.
-STAGED_LOOP = r"""
-  constexpr int VEC = 16 / int(sizeof(T));
-  constexpr int CHUNKS = HEAD_DIM / VEC;
-  SHARED TILE_ALIGN T k_stage[STAGES][TOKENS_PER_STEP * HEAD_DIM];
-  SHARED TILE_ALIGN T v_stage[STAGES][TOKENS_PER_STEP * HEAD_DIM];
-  const int tiles = end > start ? (end - start + TOKENS_PER_STEP - 1) / TOKENS_PER_STEP : 0;
-  for (int n = 0; n < STAGES - 1; ++n) {
-    if (n < tiles) {
-@ISSUE@
-    }
-    ASYNC_COMMIT();
-  }
-  for (int tile = 0; tile < tiles; ++tile) {
-    {
-      const int n = tile + STAGES - 1;
-      if (n < tiles) {
-@ISSUE@
-      }
-    }
-    ASYNC_COMMIT();
-    ASYNC_WAIT(STAGES - 1);
-    BARRIER();
-    const int stage = tile % STAGES;
-    const int base = start + tile * TOKENS_PER_STEP;
-    ROW_ALIGN T k_row[UNROLL][PER_LANE];
-    ROW_ALIGN T v_row[UNROLL][PER_LANE];
-    bool valid[UNROLL];
-    for (int u = 0; u < UNROLL; ++u) {
-      const int j = (u * NUM_WARPS + warp) * TOKENS_PER_WARP + slot_in_warp;
-      valid[u] = base + j < end;
-      LOAD_ROW(k_row[u], &k_stage[stage][j * HEAD_DIM + lane_in_token * PER_LANE]);
-      LOAD_ROW(v_row[u], &v_stage[stage][j * HEAD_DIM + lane_in_token * PER_LANE]);
-    }
-@STEP@
-    BARRIER();
-  }
-"""
-
-#: Copy tile `n`'s K and V rows of this threadgroup's KV head into stage n % STAGES: 16 bytes a thread
-#: at a time, adjacent threads on adjacent bytes of one row.
-STAGED_ISSUE = r"""
-      const int issue_base = start + n * TOKENS_PER_STEP;
-      const int issue_stage = n % STAGES;
-      for (int idx = tid; idx < TOKENS_PER_STEP * CHUNKS; idx += NUM_THREADS) {
-        const int j = idx / CHUNKS;
-        const int at = j * HEAD_DIM + (idx % CHUNKS) * VEC;
-        const int t = issue_base + j;
-        if (t < end) {
-          const size_t slot = size_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE;
-          const size_t row = slot * (NUM_KV_HEADS * HEAD_DIM) + size_t(kv_head) * HEAD_DIM + (idx % CHUNKS) * VEC;
-          ASYNC_COPY(&k_stage[issue_stage][at], key_cache + row);
-          ASYNC_COPY(&v_stage[issue_stage][at], value_cache + row);
-        } else {
-          for (int e = 0; e < VEC; ++e) {
-            k_stage[issue_stage][at + e] = static_cast<T>(0.0f);
-            v_stage[issue_stage][at + e] = static_cast<T>(0.0f);
-          }
-        }
-      }
-"""
-
-#: One step over UNROLL rows a lane holds (k_row, v_row, valid): scores, the online softmax and the
-#: weighted values of every query head of the tile. Shared by both loops.
-DECODE_STEP = r"""
-    for (int g = 0; g < HEADS_PER_TILE; ++g) {
-      float score[UNROLL];
-      float step_max = run_max[g];
-      for (int u = 0; u < UNROLL; ++u) {
-        float dot = 0.0f;
-        for (int i = 0; i < PER_LANE; ++i) {
-          dot += q[g][i] * static_cast<float>(k_row[u][i]);
-        }
-        for (int mask = LANES / 2; mask > 0; mask /= 2) {
-          dot += SIMD_XOR(dot, mask);
-        }
-        if (SOFTCAP && softcap > 0.0f) {
-          dot = softcap * FTANH(dot / softcap);
-        }
-        score[u] = dot;
-        step_max = (valid[u] && dot > step_max) ? dot : step_max;
-      }
-      const float correction = FEXP2(run_max[g] - step_max);
-      run_sum[g] *= correction;
-      for (int i = 0; i < PER_LANE; ++i) {
-        acc[g][i] *= correction;
-      }
-      for (int u = 0; u < UNROLL; ++u) {
-        const float p = valid[u] ? FEXP2(score[u] - step_max) : 0.0f;
-        run_sum[g] += p;
-        for (int i = 0; i < PER_LANE; ++i) {
-          acc[g][i] += p * static_cast<float>(v_row[u][i]);
-        }
-      }
-      run_max[g] = step_max;
-    }
 """
 
 SINGLE_RANGE = """const int start = kv_first;
@@ -741,13 +652,10 @@ def _field_count(name: str, fields: tuple) -> str:
     return f"  constexpr int {name} = {len(fields)};\n"
 
 
-def render_decode(dialect: str, partitioned: bool, staged: bool = False) -> tuple[str, str]:
-    """(header, body) of the decode kernel; the partitioned variant writes per-partition states, the
-    staged one copies K/V through threadgroup memory (STAGED_LOOP; template constant STAGES)."""
+def render_decode(dialect: str, partitioned: bool) -> tuple[str, str]:
+    """(header, body) of the decode kernel; the partitioned variant writes per-partition states."""
     header, prologue, _ = DIALECTS[dialect]
-    loop = STAGED_LOOP.replace("@ISSUE@", STAGED_ISSUE) if staged else DIRECT_LOOP
-    body = DECODE_BODY.replace("@LOOP@", loop.replace("@STEP@", DECODE_STEP))
-    body = body.replace("@RANGE@", PARTITION_RANGE if partitioned else SINGLE_RANGE)
+    body = DECODE_BODY.replace("@RANGE@", PARTITION_RANGE if partitioned else SINGLE_RANGE)
     body = body.replace("@WRITE@", PARTITION_WRITE if partitioned else SINGLE_WRITE)
     return header, prologue + body
 

@@ -128,19 +128,22 @@ def cuda_rows(copy_tb: float) -> list[Row]:
     return rows
 
 
-def sweep_rows(context: int, iters: int, batch: int = 64) -> list[Row]:
+def sweep_rows(context: int, iters: int) -> list[Row]:
     """Time each tuning of the compiled kernel on the headline problem."""
     rows = []
     default = dispatch.decode_function("cuda")
-    problem = Problem(batch=batch, num_heads=32, num_kv_heads=8, head_dim=128, context=context, dtype="float16")
-    variants = [dict(), dict(heads_inner=True)]
-    # K/V staged through shared memory by asynchronous copies, `stages` tiles deep
-    variants += [dict(stages=s, unroll=u) for u, s in ((4, 2), (2, 2), (2, 3), (2, 4), (1, 4), (1, 8))]
-    variants += [dict(stages=4, unroll=2, heads_inner=True), dict(stages=4, unroll=2, threads=64),
-                 dict(stages=4, unroll=2, partition_size=2048, min_partition_size=512)]
+    problem = Problem(batch=64, num_heads=32, num_kv_heads=8, head_dim=128, context=context, dtype="float16")
+    variants = [dict(threads=t, unroll=u) for t in (64, 128) for u in (2, 4)]
+    variants += [dict(partition_size=p, min_partition_size=p) for p in (512, 2048)]
+    variants += [dict(heads_inner=True)]
+    # fewer query heads a threadgroup: fewer registers, more loads in flight; the group's tiles read
+    # the same K/V one after another in the grid (heads_inner), so the second read can come from L2
+    variants += [dict(max_heads_per_tile=h, heads_inner=i, unroll=u) for h in (1, 2) for i in (False, True) for u in (4, 8)]
+    variants += [dict(max_heads_per_tile=2, heads_inner=True, unroll=8, threads=256),
+                 dict(max_heads_per_tile=1, heads_inner=True, unroll=16)]
     for variant in variants:
         default.tuning = launch.KernelTuning(**variant)
-        label = "cuda " + (" ".join(f"{''.join(w[0] for w in k.split('_'))}={v}" for k, v in variant.items()) or "default")
+        label = "cuda " + " ".join(f"{''.join(w[0] for w in k.split('_'))}={v}" for k, v in variant.items())
         rows.append(measure(problem, "cuda", "gpu", iters, None, label=label))
     default.tuning = launch.KernelTuning()
     return rows
@@ -159,8 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         copy_tb = copy_ceiling_tb_per_s()
         rows += (cuda_rows(copy_tb) if decode else []) + (kernels_varlen.cuda_rows(copy_tb) if varlen else [])
         if args.sweep:
-            rows += (sweep_rows(512, 50) + sweep_rows(4096, 20) + sweep_rows(32768, 5) + sweep_rows(32768, 50, batch=1)
-                     if decode else []) + (kernels_varlen.sweep_rows(copy_tb) if varlen else [])
+            rows += (sweep_rows(4096, 20) + sweep_rows(32768, 5) if decode else []) + (kernels_varlen.sweep_rows(copy_tb) if varlen else [])
     copy = next((r.copy_tb_per_s for r in rows if r.copy_tb_per_s), None)
     print(f"# mlx {mx.__version__}, {platform.machine()} {platform.system()}, OpenBLAS preloaded: {openblas_in_use()}"
           + (f", copy ceiling {copy:.2f} TB/s (read+write)" if copy else ""))

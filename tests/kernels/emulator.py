@@ -75,9 +75,6 @@ static void emu_launch(int gx, int gy, int gz, int threads, F body) {
 #define TILE_ALIGN __attribute__((aligned(16)))
 #define WARP_BARRIER() emu_warp_barriers[emu_tid / 32]->arrive_and_wait()
 #define LOAD4(dst, src) for (int i_ = 0; i_ < 4; ++i_) { (dst)[i_] = static_cast<float>((src)[i_]); }
-#define ASYNC_COPY(dst, src) for (int i_ = 0; i_ < VEC; ++i_) { (dst)[i_] = (src)[i_]; }
-#define ASYNC_COMMIT()
-#define ASYNC_WAIT(n)
 """
 
 DECODE_PROLOGUE = """
@@ -114,9 +111,8 @@ def emulator_source(constants: dict) -> str:
         "HEAD_DIM": constants["HEAD_DIM"], "NUM_HEADS": constants["NUM_KV_HEADS"] * constants["GROUP"],
         "NUM_THREADS": constants["NUM_THREADS"],
     })
-    staged = constants.get("STAGES", 0) > 0  # the staged loop (threadgroup-memory tiles), else the direct one
-    single = source.render_decode("metal", False, staged)[1].replace(source.METAL_DECODE_PROLOGUE, DECODE_PROLOGUE)
-    split = source.render_decode("metal", True, staged)[1].replace(source.METAL_DECODE_PROLOGUE, DECODE_PROLOGUE)
+    single = source.render_decode("metal", False)[1].replace(source.METAL_DECODE_PROLOGUE, DECODE_PROLOGUE)
+    split = source.render_decode("metal", True)[1].replace(source.METAL_DECODE_PROLOGUE, DECODE_PROLOGUE)
     reduce = source.REDUCE_BODY
     return EMU_HEADER + f"""
 static void decode_single({DECODE_ARGS}, float* out) {{

@@ -104,14 +104,13 @@ DECODE_TEMPLATE = dict(HEAD_DIM=128, BLOCK_SIZE=16, NUM_KV_HEADS=8, GROUP=4, HEA
                        HEADS_INNER=1, SOFTCAP=1, WINDOWED=1, SINKS=1)
 
 
-@pytest.mark.parametrize("kernel", ["decode", "decode_split", "decode_staged", "decode_staged_split", "reduce", "varlen_merge"])
+@pytest.mark.parametrize("kernel", ["decode", "decode_split", "reduce", "varlen_merge"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_decode_and_merge_kernels_with_layer_inputs_compile_for_sm90(tmp_path, kernel, dtype):
     if kernel.startswith("decode"):
-        split, staged = kernel.endswith("split"), "staged" in kernel
-        header, body = source.render_decode("cuda", split, staged)
-        outputs = source.PARTITION_OUTPUTS if split else source.SINGLE_OUTPUTS
-        names, template = source.DECODE_INPUTS + outputs, dict(DECODE_TEMPLATE, **({"STAGES": 2, "UNROLL": 2} if staged else {}))
+        header, body = source.render_decode("cuda", kernel == "decode_split")
+        outputs = source.PARTITION_OUTPUTS if kernel == "decode_split" else source.SINGLE_OUTPUTS
+        names, template = source.DECODE_INPUTS + outputs, DECODE_TEMPLATE
     elif kernel == "reduce":
         header, body = source.render_reduce("cuda")
         names, template = source.REDUCE_INPUTS + source.REDUCE_OUTPUTS, dict(HEAD_DIM=128, NUM_HEADS=32, NUM_THREADS=128, WINDOWED=1, SINKS=1)

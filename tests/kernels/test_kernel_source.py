@@ -101,11 +101,6 @@ EMULATED = [
     # D=64 with whole GQA groups per threadgroup; D=80 splits each group into two tiles
     dict(HEAD_DIM=64, BLOCK_SIZE=16, NUM_KV_HEADS=2, GROUP=4, HEADS_PER_TILE=4, LANES=8, NUM_THREADS=64, UNROLL=2, PARTITION=64),
     dict(HEAD_DIM=80, BLOCK_SIZE=32, NUM_KV_HEADS=1, GROUP=4, HEADS_PER_TILE=2, LANES=16, NUM_THREADS=64, UNROLL=3, PARTITION=96),
-    # the staged loop: tiles through threadgroup memory, three and two stages deep, tails and empty partitions
-    dict(HEAD_DIM=64, BLOCK_SIZE=16, NUM_KV_HEADS=2, GROUP=4, HEADS_PER_TILE=4, LANES=8, NUM_THREADS=64, UNROLL=2, PARTITION=64,
-         STAGES=3),
-    dict(HEAD_DIM=80, BLOCK_SIZE=32, NUM_KV_HEADS=1, GROUP=4, HEADS_PER_TILE=2, LANES=16, NUM_THREADS=64, UNROLL=3, PARTITION=96,
-         STAGES=2),
 ]
 
 
