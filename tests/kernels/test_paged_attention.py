@@ -104,4 +104,7 @@ def test_metadata_as_lists_and_mx_arrays_give_the_same_output(rng, backend):
     from_mx = kernels.paged_attention(
         *args, mx.array(case.block_tables), mx.array(case.context_lens), scale=0.1, backend=backend
     )
-    np.testing.assert_array_equal(np.array(from_lists), np.array(from_mx))
+    # On the reference backend host lists take the length-grouped path and device arrays the on-device
+    # decode over the tables' whole width (kernels/dispatch.py): the sums run over different masked
+    # lengths, so they may differ in their last bit.
+    np.testing.assert_allclose(np.array(from_lists), np.array(from_mx), rtol=1e-5, atol=1e-6)
