@@ -139,6 +139,7 @@ def step_overhead(engine: LLMEngine, batch: int, scale: float, steps: int = 24, 
     moment slows one round of each, not the whole of one side.
     """
     shares = [_overhead_round(engine, batch, scale, steps) for _ in range(rounds)]
+    print(f"  step overhead by round: {', '.join(f'{s * 100:.1f}%' for s in shares)}", flush=True)
     return float(np.median(shares))
 
 
