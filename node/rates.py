@@ -6,7 +6,7 @@ these are exponentially weighted so they follow load changes within a few steps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -28,37 +28,52 @@ WARMUP_STEPS = 1
 
 
 @dataclass
-class StepLine:
-    """`seconds = fixed + tokens x marginal` over a node's prefill steps, from exponentially
-    weighted moments. A step costs the same few milliseconds whatever it carries (Python, the
-    launch, the sampling), so the average cost per token of a short prefill is several times
-    what its tokens add to a step; whether recomputing 32 tokens beats pulling them is a question
-    of the added cost, which only steps of different sizes show."""
+class WeightedLine:
+    """`y = fixed + slope x`, least squares over exponentially weighted moments of recent samples,
+    so the line follows what it measures as that changes. A slope counts only where samples of
+    different sizes show one with a fixed part >= 0: one size alone cannot split the two."""
 
     alpha: float = 0.2
     samples: int = 0
-    mean_tokens: float = 0.0
-    mean_seconds: float = 0.0
-    mean_tokens_sq: float = 0.0
-    mean_tokens_seconds: float = 0.0
+    mean_x: float = 0.0
+    mean_y: float = 0.0
+    mean_xx: float = 0.0
+    mean_xy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        w = 1.0 if self.samples == 0 else self.alpha
+        self.mean_x += w * (x - self.mean_x)
+        self.mean_y += w * (y - self.mean_y)
+        self.mean_xx += w * (x * x - self.mean_xx)
+        self.mean_xy += w * (x * y - self.mean_xy)
+        self.samples += 1
+
+    def slope(self) -> float | None:
+        """The line's slope, or None until samples of different sizes gave one with a fixed part >= 0."""
+        spread = self.mean_xx - self.mean_x**2
+        covariance = self.mean_xy - self.mean_x * self.mean_y
+        if spread <= (0.05 * self.mean_x) ** 2 or covariance <= 0:
+            return None
+        slope = covariance / spread
+        return slope if self.mean_y - slope * self.mean_x >= 0 else None
+
+
+@dataclass
+class StepLine:
+    """`seconds = fixed + tokens x marginal` over a node's prefill steps. A step costs the same few
+    milliseconds whatever it carries (Python, the launch, the sampling), so the average cost per
+    token of a short prefill is several times what its tokens add to a step; whether recomputing
+    32 tokens beats pulling them is a question of the added cost, which only steps of different
+    sizes show."""
+
+    line: WeightedLine = field(default_factory=WeightedLine)
 
     def add(self, tokens: int, seconds: float) -> None:
-        w = 1.0 if self.samples == 0 else self.alpha
-        self.mean_tokens += w * (tokens - self.mean_tokens)
-        self.mean_seconds += w * (seconds - self.mean_seconds)
-        self.mean_tokens_sq += w * (tokens * tokens - self.mean_tokens_sq)
-        self.mean_tokens_seconds += w * (tokens * seconds - self.mean_tokens_seconds)
-        self.samples += 1
+        self.line.add(tokens, seconds)
 
     @property
     def marginal_s_per_token(self) -> float | None:
-        """The line's slope, or None until steps of different sizes gave one with a fixed cost >= 0."""
-        spread = self.mean_tokens_sq - self.mean_tokens**2
-        covariance = self.mean_tokens_seconds - self.mean_tokens * self.mean_seconds
-        if spread <= (0.05 * self.mean_tokens) ** 2 or covariance <= 0:
-            return None
-        slope = covariance / spread
-        return slope if self.mean_seconds - slope * self.mean_tokens >= 0 else None
+        return self.line.slope()
 
 
 @dataclass

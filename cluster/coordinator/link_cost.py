@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from node.rates import WeightedLine
+
 
 @dataclass
 class LinkCostFit:
@@ -23,38 +25,21 @@ class LinkCostFit:
     """
 
     path: str = "ray"  # which path the samples went over: "ray" or "direct" (`node.serving.kv_link`)
-    alpha: float = 0.3
-    samples: int = 0
-    mean_bytes: float = 0.0
-    mean_seconds: float = 0.0
-    mean_bytes_sq: float = 0.0
-    mean_bytes_seconds: float = 0.0
+    line: WeightedLine = field(default_factory=lambda: WeightedLine(alpha=0.3))  # seconds over bytes
 
     def add(self, nbytes: float, seconds: float) -> None:
-        if nbytes <= 0 or seconds <= 0:
-            return
-        w = 1.0 if self.samples == 0 else self.alpha
-        self.mean_bytes += w * (nbytes - self.mean_bytes)
-        self.mean_seconds += w * (seconds - self.mean_seconds)
-        self.mean_bytes_sq += w * (nbytes * nbytes - self.mean_bytes_sq)
-        self.mean_bytes_seconds += w * (nbytes * seconds - self.mean_bytes_seconds)
-        self.samples += 1
+        if nbytes > 0 and seconds > 0:
+            self.line.add(nbytes, seconds)
 
-    def line_slope(self) -> float | None:
-        """Seconds per byte of a line with a fixed cost >= 0, where moves of different sizes show one."""
-        spread = self.mean_bytes_sq - self.mean_bytes**2
-        covariance = self.mean_bytes_seconds - self.mean_bytes * self.mean_seconds
-        if spread > (0.05 * self.mean_bytes) ** 2 and covariance > 0:
-            slope = covariance / spread
-            if self.mean_seconds - slope * self.mean_bytes >= 0:
-                return slope
-        return None
+    @property
+    def samples(self) -> int:
+        return self.line.samples
 
     @property
     def _slope(self) -> float:
-        """Seconds per byte."""
-        slope = self.line_slope()
-        return slope if slope is not None else self.mean_seconds / self.mean_bytes
+        """Seconds per byte: the line's, or through the origin until transfers of different sizes gave one."""
+        slope = self.line.slope()
+        return slope if slope is not None else self.line.mean_y / self.line.mean_x
 
     @property
     def bytes_per_s(self) -> float | None:
@@ -62,7 +47,7 @@ class LinkCostFit:
 
     @property
     def latency_s(self) -> float:
-        return max(0.0, self.mean_seconds - self._slope * self.mean_bytes) if self.samples else 0.0
+        return max(0.0, self.line.mean_y - self._slope * self.line.mean_x) if self.samples else 0.0
 
     def estimate_s(self, nbytes: float) -> float | None:
         """Seconds a move of `nbytes` is expected to take over this link; None before any sample."""
@@ -82,7 +67,7 @@ class MigrationOverhead:
     Samples of one size, or no line with a fixed cost: their mean.
     """
 
-    line: LinkCostFit = field(default_factory=LinkCostFit)
+    line: WeightedLine = field(default_factory=lambda: WeightedLine(alpha=0.3))  # seconds over bytes
 
     def add(self, nbytes: float, seconds: float) -> None:
         self.line.add(max(nbytes, 1.0), max(seconds, 1e-6))
@@ -92,5 +77,5 @@ class MigrationOverhead:
         line = self.line
         if not line.samples:
             return 0.0
-        slope = line.line_slope()
-        return line.mean_seconds if slope is None else line.mean_seconds - slope * line.mean_bytes
+        slope = line.slope()
+        return line.mean_y if slope is None else line.mean_y - slope * line.mean_x
