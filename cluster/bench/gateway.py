@@ -54,6 +54,7 @@ class GatewayBenchConfig:
     max_num_seqs: int = 64
     peer: bool = True  # also measure mlx_lm.server
     ray: bool = True  # also measure `orchard serve` over Ray (False: only `--no-ray`, for a host without Ray)
+    compiled_decode: str = "auto"  # `orchard serve --compiled-decode`, also for the engine called directly
     start_timeout_s: float = 600.0
     seed: int = 0
 
@@ -84,7 +85,7 @@ def engine_config(cfg: GatewayBenchConfig):
     from node.engine import EngineConfig
 
     return EngineConfig(model=cfg.model, max_model_len=cfg.max_model_len, kv_memory_gb=cfg.kv_memory_gb,
-                        max_num_seqs=cfg.max_num_seqs)
+                        max_num_seqs=cfg.max_num_seqs, compiled_decode={"on": True, "off": False}.get(cfg.compiled_decode))
 
 
 async def _engine_ttft(engine, prompts: list[list[int]]) -> list[float]:
@@ -205,7 +206,8 @@ class ServerProcess:
 def orchard_server(cfg: GatewayBenchConfig, ray: bool = True) -> ServerProcess:
     port = free_port()
     cmd = [sys.executable, "-m", "cluster.cli", "serve", "--port", str(port), "--max-model-len", str(cfg.max_model_len),
-           "--kv-memory", str(cfg.kv_memory_gb), "--max-num-seqs", str(cfg.max_num_seqs), "--grace", "5"]
+           "--kv-memory", str(cfg.kv_memory_gb), "--max-num-seqs", str(cfg.max_num_seqs), "--grace", "5",
+           "--compiled-decode", cfg.compiled_decode]
     if not ray:
         cmd.append("--no-ray")
     if cfg.model:
@@ -353,13 +355,15 @@ def parse_args(argv: list[str] | None) -> tuple[GatewayBenchConfig, str | None]:
     p.add_argument("--kv-memory", type=float, default=d.kv_memory_gb, metavar="GB")
     p.add_argument("--no-peer", action="store_true", help="skip mlx_lm.server")
     p.add_argument("--no-ray", action="store_true", help="only `orchard serve --no-ray` (a host without Ray)")
+    p.add_argument("--compiled-decode", default=d.compiled_decode, choices=("auto", "on", "off"),
+                   help="orchard's decode graphs (`orchard serve --compiled-decode`)")
     p.add_argument("--json", metavar="PATH", help="also write the full result here")
     a = p.parse_args(argv)
     cfg = GatewayBenchConfig(
         model=a.model, ttft_samples=a.ttft_samples, ttft_prompt_tokens=a.ttft_prompt_tokens, clients=a.clients,
         requests=a.requests, input_tokens=a.input_tokens, output_tokens=a.output_tokens,
         max_model_len=a.max_model_len, kv_memory_gb=a.kv_memory, max_num_seqs=max(d.max_num_seqs, a.clients),
-        peer=not a.no_peer, ray=not a.no_ray,
+        peer=not a.no_peer, ray=not a.no_ray, compiled_decode=a.compiled_decode,
     )
     return cfg, a.json
 
