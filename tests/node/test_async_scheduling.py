@@ -144,3 +144,42 @@ def test_a_step_line_separates_a_steps_fixed_cost_from_what_each_token_adds():
         rates.observe_step(0.010 + tokens * 1e-4, tokens, 0)
     assert rates.prefill_line.marginal_s_per_token == pytest.approx(1e-4, rel=1e-6)
     assert rates.prefill_s_per_token.value > 2e-4  # the average carries the fixed cost
+
+
+def test_steps_settled_on_the_settle_thread_are_freed_on_the_engine_thread(model_dirs, monkeypatch):
+    """Their MLX arrays must not be freed by the settle thread while the engine thread encodes."""
+    import threading
+    import weakref
+
+    from node import engine as engine_module
+
+    freed_on: list[str] = []
+    real_launch = engine_module.LLMEngine._launch
+
+    def launch(self, sched):
+        flight = real_launch(self, sched)
+        weakref.finalize(flight, lambda: freed_on.append(threading.current_thread().name))
+        return flight
+
+    monkeypatch.setattr(engine_module.LLMEngine, "_launch", launch)
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["demo"]), num_blocks=64, settle_in_thread=True))
+    # The settle thread keeps each step it settled until it settles the next, then drops it: the
+    # late last reference the engine must outlast (a thread pool's work item is released late too).
+    real_settle, held = engine._settle, []
+
+    def settle(flight):
+        held.clear()
+        held.append(flight)
+        return real_settle(flight)
+
+    engine._settle = settle
+    for i in range(3):
+        engine.add_request(f"r{i}", list(range(3 + i, 20 + i)), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    held.clear()
+    del engine
+    import gc
+
+    gc.collect()
+    assert len(freed_on) >= 12 and set(freed_on) == {threading.current_thread().name}
