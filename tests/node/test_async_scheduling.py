@@ -182,4 +182,4 @@ def test_steps_settled_on_the_settle_thread_are_freed_on_the_engine_thread(model
     import gc
 
     gc.collect()
-    assert len(freed_on) >= 12 and set(freed_on) == {threading.current_thread().name}
+    assert len(freed_on) >= 8 and set(freed_on) == {threading.current_thread().name}
