@@ -21,6 +21,9 @@ here), one node actor on each (node "a" on the head, node "b" on the worker):
    the coordinator learns what a migration costs around its pull as it would in serving.
 
     python -m cluster.bench.migration [--prefix-tokens 2048] [--pull-tokens 2048,8192] [--sizes small,large]
+
+With `--link 1gbit|10gbit|none` the two nodes run instead in two network namespaces over a
+veth link shaped with `tc` (`cluster.bench.migration_netns`; needs root; no Ray).
 """
 
 from __future__ import annotations
@@ -319,10 +322,12 @@ def num_blocks_for(config: BenchConfig, size: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_args(argv)
+    config, link = parse_args(argv)
     from node.openblas import openblas_in_use, reexec_with_openblas
 
     reexec_with_openblas()
+    if link is not None:
+        return _main_over_link(config, link, openblas_in_use())
     from cluster.coordinator.coordinator import CoordinatorConfig
     from cluster.runtime.ray_cluster import LocalCluster, ensure_coordinator
 
@@ -343,19 +348,32 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def parse_args(argv) -> BenchConfig:
+def _main_over_link(config: BenchConfig, link: str, openblas: bool) -> int:
+    """The two nodes in two network namespaces over a shaped link (`cluster.bench.migration_netns`)."""
+    from cluster.bench import migration_netns as netns
+
+    over = netns.LinkBenchConfig(link=link, sizes=config.sizes, pull_tokens=config.pull_tokens, repeats=config.repeats,
+                                 tcp_mib=min(config.tcp_mib, 64))
+    netns.print_report(over, *netns.run(over), openblas)
+    return 0
+
+
+def parse_args(argv) -> tuple[BenchConfig, str | None]:
     p = argparse.ArgumentParser(prog="orchard bench migration", description=__doc__.split("\n\n")[0])
     p.add_argument("--prefix-tokens", type=int, default=2048, help="prefix moved for throughput and the TTFT row")
     p.add_argument("--sizes", default="small,large", help="demo model sizes, comma separated")
     p.add_argument("--tcp-mib", type=int, default=256, help="MiB sent through the raw TCP socket")
     p.add_argument("--pull-tokens", default="2048,8192", help="prefix sizes pulled for the throughput table")
     p.add_argument("--repeats", type=int, default=3, help="direct pulls per size (best and median shown)")
+    p.add_argument("--link", choices=("1gbit", "10gbit", "none"), default=None,
+                   help="run the nodes in two network namespaces over a link shaped with tc (root; no Ray)")
     args = p.parse_args(argv)
     sizes = tuple(s for s in args.sizes.split(",") if s)
     lengths = {s: tuple(sorted(set(DEFAULT_LENGTHS.get(s, ())) | {args.prefix_tokens})) for s in sizes}
     pull_tokens = tuple(int(n) for n in args.pull_tokens.split(",") if n)
-    return BenchConfig(prefix_tokens=args.prefix_tokens, sizes=sizes, tcp_mib=args.tcp_mib, lengths=lengths,
-                       pull_tokens=pull_tokens, repeats=args.repeats)
+    config = BenchConfig(prefix_tokens=args.prefix_tokens, sizes=sizes, tcp_mib=args.tcp_mib, lengths=lengths,
+                         pull_tokens=pull_tokens, repeats=args.repeats)
+    return config, args.link
 
 
 def print_report(config: BenchConfig, tcp: list[float], rows, cases: list[Case], openblas: bool) -> None:
@@ -373,6 +391,10 @@ def print_report(config: BenchConfig, tcp: list[float], rows, cases: list[Case],
         print(f"{'demo-' + row['size']:<12}{row['tokens']:>7}{row['bytes'] / 2**20:>7.1f}"
               + "".join(f"{v / gb:>{w}.2f}{100 * v / tcp_Bps:>6.0f}%" for v, w in zip(cells, widths)))
     print()
+    print_cases(cases)
+
+
+def print_cases(cases: list[Case]) -> None:
     print(f"{'model':<12}{'prefix':>7}{'TTFT migr s':>12}{'TTFT recomp s':>14}{'est migr s':>11}{'est recomp s':>13}"
           f"{'faster':>10}{'router':>10}{'right':>7}")
     for c in cases:
