@@ -14,8 +14,10 @@ Per demo model size:
 2. end-to-end direct pulls (export on a, transfer, checks, import on b), best and median
    of `--repeats`, of prefixes seeded on a by import (true hashes, made-up KV: no prefill);
 3. per prefix length, the router's choice for b (`Coordinator.route` with a excluded)
-   against the two measured times to first token on b: pull then prefill the rest, or
-   prefill it all. b prefills a few prompts first, so the choice weighs measured rates.
+   against the two measured times to first token on b, each the median over three fresh
+   prompts: pull then prefill the rest, or prefill it all (a few milliseconds apart for
+   the shortest prefixes, where one sample would decide "faster" by noise). b prefills a
+   few prompts first, so the choice weighs measured rates.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class LinkBenchConfig:
     repeats: int = 3
     tcp_mib: int = 64
     case_tokens: dict | None = None
+    ttft_repeats: int = 3
 
     def cases(self, size: str) -> tuple[int, ...]:
         return (self.case_tokens or CASE_TOKENS).get(size, ())
@@ -52,11 +55,9 @@ class Pair:
     """Nodes a and b of one model in the rig, and the coordinator that learns from their pulls."""
 
     def __init__(self, lab: NetLab, size: str, num_blocks: int):
-        from cluster.coordinator.coordinator import Coordinator
-
         self.model, self.size = f"demo-{size}", size
         self.a, self.b = (NodeProcess(NodeSpec(name, lab.ns(name), lab.hosts[name], size, num_blocks)) for name in HOSTS)
-        self.coordinator = Coordinator()
+        self.coordinator = quiet_coordinator()
         for node in (self.a, self.b):
             self.coordinator.register_node(node.spec.name, self._node_info(node))
         self.on_a: list[bytes] = []
@@ -128,13 +129,26 @@ class Pair:
                 "kv_link": info["address"], "max_num_seqs": info["max_num_seqs"]}
 
 
-def run_case(pair: Pair, prefix_tokens: int) -> Case:
-    tokens, hashes = pair.seed_on_a(prefix_tokens)
-    migrates, est_transfer, est_recompute = pair.router_choice(tokens, hashes)
-    migrated = pair.b.migrated_ttft(pair.a, hashes, tokens)
-    pair.report(migrated)
-    recompute_s = pair.b.first_token_s(pair.fresh_prompt(prefix_tokens))
-    return Case(pair.model, prefix_tokens, migrated["ttft_s"], recompute_s, migrates, est_transfer, est_recompute)
+def quiet_coordinator():
+    """A plain coordinator that never declares these nodes dead: they heartbeat only between the
+    driver's calls, so a node silent through a 10 s prefill is busy, not gone."""
+    from cluster.coordinator.coordinator import Coordinator, CoordinatorConfig
+    from cluster.coordinator.membership import MembershipConfig
+
+    return Coordinator(CoordinatorConfig(membership=MembershipConfig(dead_after_s=3600.0)))
+
+
+def run_case(pair: Pair, prefix_tokens: int, repeats: int) -> Case:
+    """The router's choice for the first of `repeats` fresh prompts; each TTFT the median over them."""
+    migrated, recomputed, choice = [], [], None
+    for _ in range(repeats):
+        tokens, hashes = pair.seed_on_a(prefix_tokens)
+        choice = choice or pair.router_choice(tokens, hashes)
+        migrated.append(pair.report(pair.b.migrated_ttft(pair.a, hashes, tokens))["ttft_s"])
+        recomputed.append(pair.b.first_token_s(pair.fresh_prompt(prefix_tokens)))
+    migrates, est_transfer, est_recompute = choice
+    return Case(pair.model, prefix_tokens, statistics.median(migrated), statistics.median(recomputed), migrates,
+                est_transfer, est_recompute)
 
 
 def throughput(pair: Pair, config: LinkBenchConfig) -> list[dict]:
@@ -152,7 +166,7 @@ def throughput(pair: Pair, config: LinkBenchConfig) -> list[dict]:
 
 def num_blocks_for(config: LinkBenchConfig, size: str) -> int:
     """Room for every prefix one node holds in a run, so nothing is evicted mid-run."""
-    pulled = (config.repeats + 1) * sum(config.pull_tokens) + 2 * sum(config.cases(size))
+    pulled = (config.repeats + 1) * sum(config.pull_tokens) + 2 * config.ttft_repeats * sum(config.cases(size))
     return pulled // BLOCK_SIZE + 256
 
 
@@ -173,7 +187,7 @@ def run(config: LinkBenchConfig) -> tuple[list[float], list[dict], list[Case], s
                 rows += throughput(pair, config)
                 tcp.append(tcp_throughput(lab, "a", "b", config.tcp_mib << 20))
                 pair.warm_rates()
-                cases += [run_case(pair, n) for n in config.cases(size)]
+                cases += [run_case(pair, n, config.ttft_repeats) for n in config.cases(size)]
             finally:
                 pair.close()
     return tcp, rows, cases, qdisc
