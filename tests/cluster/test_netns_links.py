@@ -9,7 +9,7 @@ and process is removed afterwards, whatever happened. Needs root; skipped otherw
 The router's choices are pinned at the prefill rates of a CPU node with OpenBLAS preloaded
 (`LD_PRELOAD=$(python -m node.openblas)`, as the project runs its tests and benches):
 without it this machine's prefill was about 6x slower (2,048 tokens estimated at 2.5 s
-against 0.41-0.46 s), a one-block pull then beats recomputing the block, and the router
+against 0.34-0.46 s), a one-block pull then beats recomputing the block, and the router
 rightly migrates it, so that test is skipped there.
 """
 
