@@ -3,10 +3,12 @@
 Two network namespaces on a bridge (`cluster.bench.netns`), each host's egress held to
 the link's rate by a token bucket (or unshaped), one node process in each
 (`cluster.bench.netns_node`): node "a" holds prefixes, node "b" pulls them over the
-direct KV path, the way a node actor's `pull_blocks` does, across the veths. No Ray: its
-raylets do not come up across the rig's namespaces in this bench, so the driver plays the
-coordinator with the plain `Coordinator` class, fed as the nodes would feed it (each
-pull's bytes and seconds, the wait around each pull, b's heartbeat load, a's blocks).
+direct KV path, the way a node actor's `pull_blocks` does, across the veths. No Ray: this
+bench starts no raylet in the rig (`tests/cluster/test_netns_join.py` does, with `orchard
+head` and `orchard join`), so a migration here pays none of the Ray hops it pays in
+serving; the driver plays the coordinator with the plain `Coordinator` class, fed as the
+nodes would feed it (each pull's bytes and seconds, the wait around each pull, b's
+heartbeat load, a's blocks).
 
 Per demo model size:
 1. raw TCP from a to b through the same veths and qdiscs, plain sockets, one stream:
