@@ -7,9 +7,10 @@ deletes them (the veths and their qdiscs go with them), whatever happened. Needs
 
 Shaping puts a token bucket (`tc qdisc ... tbf`) on each host's egress, so every byte a
 host sends leaves at the link's rate: a pull from a to b is held to it one way, its acks
-the other. The bucket holds about a millisecond of the rate, more than one GSO packet
-(64 KiB, else tbf splits them) and little enough that a pull's first burst cannot flatter
-its rate. tbf counts whole frames, so TCP's payload gets ~95 % of the shaped rate.
+the other. The bucket holds a millisecond of the rate and at least 128 KiB: more than one
+GSO packet (64 KiB, else tbf splits them), and small beside the pulls measured (8 MiB and
+up), so a pull's first burst flatters its rate little. tbf counts whole frames, so TCP's
+payload gets ~96 % of the shaped rate (0.96 Gbit/s through a 1 Gbit/s bucket here).
 
 A thread can `enter` a namespace (`setns` is per thread): a benchmark's socket threads and
 its spawned node processes join the hosts without a shell in between.
