@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         return _profile(args, None)
     from cluster.bench.netns import LINKS, NetLab
 
-    with NetLab(Path(tempfile.mkdtemp(prefix="orchard-profile-"))) as lab:
+    with tempfile.TemporaryDirectory(prefix="orchard-profile-") as workdir, NetLab(Path(workdir)) as lab:
         lab.build({"a": "2", "b": "3"})
         lab.shape(LINKS[args.link])
         print(f"link {args.link}: {lab.qdisc('a')}")

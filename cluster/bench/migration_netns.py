@@ -178,7 +178,7 @@ def run(config: LinkBenchConfig) -> tuple[list[float], list[dict], list[Case], s
     if reason:
         raise SystemExit(f"the namespace rig cannot be built here: {reason}")
     tcp, rows, cases = [], [], []
-    with NetLab(Path(tempfile.mkdtemp(prefix="orchard-links-"))) as lab:
+    with tempfile.TemporaryDirectory(prefix="orchard-links-") as workdir, NetLab(Path(workdir)) as lab:
         lab.build(HOSTS)
         lab.shape(LINKS[config.link])
         qdisc = lab.qdisc("a")

@@ -49,7 +49,7 @@ def rig_cluster(link: str, tcp_mib: int, object_store_mb: int = 400):
     reason = unavailable()
     if reason:
         raise SystemExit(f"the namespace rig cannot be built here: {reason}")
-    with NetLab(Path(tempfile.mkdtemp(prefix="orchard-links-"))) as lab:
+    with tempfile.TemporaryDirectory(prefix="orchard-links-") as workdir, NetLab(Path(workdir)) as lab:
         lab.build(HOSTS)
         lab.shape(LINKS[link])
         enter(lab.ns("a"))  # the driver, and every raylet it starts, on host a (module docstring)
