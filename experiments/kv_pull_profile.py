@@ -9,9 +9,12 @@ to more than the pull's wall time; the one nearest the wall time bounds the pull
     source: pin (pin_export on the engine thread), encode (headers + checksum), send (sendmsg)
     target: recv (socket to buffer), decode (checksum + parse), import (pool write, engine thread)
 
-Raw TCP over the same loopback, plain sockets, is measured in the same run.
+Raw TCP over the same loopback, plain sockets, is measured in the same run. With `--link`
+the two processes are two hosts of the namespace rig (`cluster.bench.netns`, needs root),
+over a veth shaped to 1 or 10 Gbit/s or unshaped, and raw TCP goes through the same veths.
 
     python -m experiments.kv_pull_profile [--size large] [--tokens 8192] [--repeats 3] [--chunk-mib 4]
+                                          [--link 1gbit|10gbit|none]
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ import asyncio
 import multiprocessing as mp
 import statistics
 import sys
+import tempfile
 import threading
 import time
 from collections import defaultdict
+from pathlib import Path
 
 from experiments.common import machine_line, print_header, save_results
 
@@ -73,13 +78,13 @@ def _engine(size: str, num_blocks: int):
     return engine
 
 
-def _path(name: str, engine, chunk_mib: int = 4):
+def _path(name: str, engine, chunk_mib: int = 4, host: str = "127.0.0.1"):
     from node.serving import link_auth
     from node.serving.direct_path import DirectPath
     from node.serving.kv_link import KVLinkConfig
     from node.serving.migration import BlockMover
 
-    config = KVLinkConfig(chunk_bytes=chunk_mib << 20)
+    config = KVLinkConfig(chunk_bytes=chunk_mib << 20, host=host)
     path = DirectPath(BlockMover(engine), name, link_auth.link_key(KEY_SECRET), config)
     path.start()
     return path
@@ -120,15 +125,20 @@ def _seed(path, tokens_len: int, seed: int) -> list[bytes]:
     return [bytes(h) for h in hashes]
 
 
-def _source_main(conn, size: str, num_blocks: int, switch_s: float) -> None:
-    """The source node: answers "seed" (a fresh prefix), "stages" (and clears them), "stop"."""
+def _source_main(conn, size: str, num_blocks: int, switch_s: float, where: tuple[str, str] | None) -> None:
+    """The source node: answers "seed" (a fresh prefix), "stages" (and clears them), "stop".
+    `where`: (namespace, address) of its host in the rig, entered before any socket is made."""
+    if where is not None:
+        from cluster.bench.netns import enter
+
+        enter(where[0])
     sys.setswitchinterval(switch_s)
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     engine = _engine(size, num_blocks)
     stages = Stages()
     _instrument(stages, "source")
-    path = _path("src", engine)
+    path = _path("src", engine, host=where[1] if where else "127.0.0.1")
     conn.send(path.address)
     while True:
         command, arg = conn.recv()
@@ -157,29 +167,57 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--switch-ms", type=float, default=5.0, help="the interpreter's GIL switch interval, both processes")
     p.add_argument("--chunk-mib", type=int, default=4, help="chunk size the target asks for")
+    p.add_argument("--link", choices=("1gbit", "10gbit", "none"), default=None,
+                   help="source and target in two network namespaces over a link shaped with tc (root)")
     args = p.parse_args(argv)
+    if args.link is None:
+        return _profile(args, None)
+    from cluster.bench.netns import LINKS, NetLab
+
+    with tempfile.TemporaryDirectory(prefix="orchard-profile-") as workdir, NetLab(Path(workdir)) as lab:
+        lab.build({"a": "2", "b": "3"})
+        lab.shape(LINKS[args.link])
+        print(f"link {args.link}: {lab.qdisc('a')}")
+        return _profile(args, lab)
+
+
+def _profile(args, lab) -> int:
+    """The run, on loopback (`lab` None) or from host a to host b of the rig: this process, the
+    target, moves into b's namespace before it makes a socket or a thread."""
     from cluster.bench.migration import tcp_throughput
+
+    if lab is not None:
+        from cluster.bench.netns import enter
+
+        enter(lab.ns("b"))
 
     print_header(f"direct KV pull, stage by stage ({args.size}, {args.tokens} tokens)")
     sys.setswitchinterval(args.switch_ms / 1e3)
     num_blocks = (args.repeats + 1) * args.tokens // 16 + 64
+    where = (lab.ns("a"), lab.hosts["a"]) if lab is not None else None
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    source = ctx.Process(target=_source_main, args=(theirs, args.size, num_blocks, args.switch_ms / 1e3), daemon=True)
+    source = ctx.Process(target=_source_main, args=(theirs, args.size, num_blocks, args.switch_ms / 1e3, where),
+                         daemon=True)
     source.start()
     loop = asyncio.new_event_loop()
     threading.Thread(target=loop.run_forever, daemon=True).start()
     engine = _engine(args.size, num_blocks)
     stages = Stages()
     _instrument(stages, "target")
-    path = _path("dst", engine, args.chunk_mib)
+    path = _path("dst", engine, args.chunk_mib, lab.hosts["b"] if lab is not None else "127.0.0.1")
     address = ours.recv()
     ours.send(("seed", (64, 1)))
     _pull(loop, path, address, ours.recv())  # warm
     ours.send(("stages", None))
     ours.recv()
     stages.take()
-    tcp_Bps = tcp_throughput(256 << 20)
+    if lab is not None:
+        from cluster.bench import netns
+
+        tcp_Bps = netns.tcp_throughput(lab, "a", "b", 64 << 20)
+    else:
+        tcp_Bps = tcp_throughput(256 << 20)
     rates, pulls = [], []
     for i in range(args.repeats):
         ours.send(("seed", (args.tokens, i + 2)))
@@ -200,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"raw TCP {tcp_Bps / 1e9:.2f} GB/s; pull best {max(rates) / 1e9:.2f} GB/s "
           f"({100 * max(rates) / tcp_Bps:.0f} %), median {statistics.median(rates) / 1e9:.2f} GB/s")
     save_results("kv_pull_profile", {"machine": machine_line(), "size": args.size, "tokens": args.tokens,
-                                      "chunk_mib": args.chunk_mib, "tcp_Bps": tcp_Bps, "pulls": pulls})
+                                      "chunk_mib": args.chunk_mib, "link": args.link, "tcp_Bps": tcp_Bps,
+                                      "pulls": pulls})
     ours.send(("stop", None))
     source.join(10)
     path.close()

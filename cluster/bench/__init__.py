@@ -10,6 +10,9 @@
     kvcache.py         KV block bookkeeping, memory waste and the cold tier (`orchard bench kv`)
     cluster.py         routing policies across nodes, prefix-aware vs round robin (`orchard bench cluster`)
     migration.py       KV block migration between two nodes vs recomputing (`orchard bench migration`)
+    migration_netns.py the same over a tc-shaped link between two network namespaces (`--link`)
+    netns.py           the namespace rig: hosts on a private bridge, tc shaping, raw TCP between hosts
+    netns_node.py      a node process in one of the rig's namespaces, driven over a pipe
     gateway.py         what the HTTP front costs; orchard serve vs mlx_lm.server (`orchard bench gateway`)
     stream.py          node -> gateway transport over Ray: a generator per request vs the coalesced stream
     loadgen/           the load generator behind `orchard bench serve`, for any OpenAI-compatible endpoint

@@ -4,7 +4,7 @@ One run, two raylets on this machine (loopback; separate network namespaces are 
 here), one node actor on each (node "a" on the head, node "b" on the worker):
 
 1. raw TCP throughput of the loopback link with plain sockets, the ceiling to compare with:
-   measured before the cluster starts and again after each model's throughput rows (on a
+   measured once the raylets are up, before the nodes start, and again after each model's throughput rows (on a
    shared machine one reading swings 2x from minute to minute), percentages of their median;
 2. migration throughput of a prefix from a to b, per size: `pull_blocks` end to end (export
    on a, transfer, checks and import on b, blocks usable by b's engine) over the direct KV
@@ -21,6 +21,11 @@ here), one node actor on each (node "a" on the head, node "b" on the worker):
    the coordinator learns what a migration costs around its pull as it would in serving.
 
     python -m cluster.bench.migration [--prefix-tokens 2048] [--pull-tokens 2048,8192] [--sizes small,large]
+
+With `--link 1gbit|10gbit|none` the two nodes run instead in two network namespaces over a
+veth link shaped with `tc` (`cluster.bench.migration_netns`; needs root; no Ray); with
+`--link ... --ray`, this bench as above with its two raylets in those two namespaces
+(`cluster.bench.netns_ray`), raw TCP read across the same veths.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import socket
 import statistics
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 DEFAULT_LENGTHS = {"small": (32, 256, 2048), "large": (256, 2048)}
@@ -319,51 +325,82 @@ def num_blocks_for(config: BenchConfig, size: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config = parse_args(argv)
+    config, link, via_ray = parse_args(argv)
     from node.openblas import openblas_in_use, reexec_with_openblas
 
     reexec_with_openblas()
+    if link is not None and not via_ray:
+        return _main_over_link(config, link, openblas_in_use())
     from cluster.coordinator.coordinator import CoordinatorConfig
-    from cluster.runtime.ray_cluster import LocalCluster, ensure_coordinator
+    from cluster.runtime.ray_cluster import ensure_coordinator
 
-    tcp = [tcp_throughput(config.tcp_mib << 20)]
     rows, cases = [], []
-    with LocalCluster(cpus_per_node=1, object_store_mb=400).start(extra_nodes=1) as local:
+    with _two_raylets(config, link) as (local, measure_tcp, where):
+        tcp = [measure_tcp()]
         ensure_coordinator(CoordinatorConfig())
         for size in config.sizes:
             pair = NodePair(local, size, config, num_blocks_for(config, size))
             try:
                 rows += throughput(pair, config)
-                tcp.append(tcp_throughput(config.tcp_mib << 20))
+                tcp.append(measure_tcp())
                 pair.warm_rates()
                 cases += [run_case(pair, n) for n in config.lengths.get(size, (config.prefix_tokens,))]
             finally:
                 pair.close()
-    print_report(config, tcp, rows, cases, openblas_in_use())
+    print_report(config, tcp, rows, cases, openblas_in_use(), where)
     return 0
 
 
-def parse_args(argv) -> BenchConfig:
+@contextmanager
+def _two_raylets(config: BenchConfig, link: str | None):
+    """(cluster, raw TCP reader, where): on loopback, or in the namespace rig over `link`."""
+    if link is None:
+        from cluster.runtime.ray_cluster import LocalCluster
+
+        with LocalCluster(cpus_per_node=1, object_store_mb=400).start(extra_nodes=1) as local:
+            yield local, lambda: tcp_throughput(config.tcp_mib << 20), "two raylets on loopback (no network namespaces)"
+        return
+    from cluster.bench.netns_ray import rig_cluster
+
+    with rig_cluster(link, min(config.tcp_mib, 64)) as (local, tcp, qdisc):
+        yield local, tcp, f"two raylets in two network namespaces, link {link} ({qdisc})"
+
+
+def _main_over_link(config: BenchConfig, link: str, openblas: bool) -> int:
+    """The two nodes in two network namespaces over a shaped link (`cluster.bench.migration_netns`)."""
+    from cluster.bench import migration_netns as netns
+
+    over = netns.LinkBenchConfig(link=link, sizes=config.sizes, pull_tokens=config.pull_tokens, repeats=config.repeats,
+                                 tcp_mib=min(config.tcp_mib, 64))
+    netns.print_report(over, *netns.run(over), openblas)
+    return 0
+
+
+def parse_args(argv) -> tuple[BenchConfig, str | None, bool]:
     p = argparse.ArgumentParser(prog="orchard bench migration", description=__doc__.split("\n\n")[0])
     p.add_argument("--prefix-tokens", type=int, default=2048, help="prefix moved for throughput and the TTFT row")
     p.add_argument("--sizes", default="small,large", help="demo model sizes, comma separated")
     p.add_argument("--tcp-mib", type=int, default=256, help="MiB sent through the raw TCP socket")
     p.add_argument("--pull-tokens", default="2048,8192", help="prefix sizes pulled for the throughput table")
     p.add_argument("--repeats", type=int, default=3, help="direct pulls per size (best and median shown)")
+    p.add_argument("--link", choices=("1gbit", "10gbit", "none"), default=None,
+                   help="run the nodes in two network namespaces over a link shaped with tc (root; no Ray unless --ray)")
+    p.add_argument("--ray", action="store_true", help="with --link: two raylets across the namespaces, as without --link")
     args = p.parse_args(argv)
     sizes = tuple(s for s in args.sizes.split(",") if s)
     lengths = {s: tuple(sorted(set(DEFAULT_LENGTHS.get(s, ())) | {args.prefix_tokens})) for s in sizes}
     pull_tokens = tuple(int(n) for n in args.pull_tokens.split(",") if n)
-    return BenchConfig(prefix_tokens=args.prefix_tokens, sizes=sizes, tcp_mib=args.tcp_mib, lengths=lengths,
-                       pull_tokens=pull_tokens, repeats=args.repeats)
+    config = BenchConfig(prefix_tokens=args.prefix_tokens, sizes=sizes, tcp_mib=args.tcp_mib, lengths=lengths,
+                         pull_tokens=pull_tokens, repeats=args.repeats)
+    return config, args.link, args.ray
 
 
-def print_report(config: BenchConfig, tcp: list[float], rows, cases: list[Case], openblas: bool) -> None:
+def print_report(config: BenchConfig, tcp: list[float], rows, cases: list[Case], openblas: bool, where: str) -> None:
     gb = 1e9
     tcp_Bps = statistics.median(tcp)
-    print(f"KV migration, two raylets on loopback (no network namespaces); OpenBLAS preloaded: {openblas}")
-    print(f"raw TCP, plain sockets, one stream: {tcp_Bps / gb:.2f} GB/s, the median of "
-          + ", ".join(f"{v / gb:.2f}" for v in tcp) + " (before the cluster, then after each model's pulls)")
+    print(f"KV migration, {where}; OpenBLAS preloaded: {openblas}")
+    print(f"raw TCP, plain sockets, one stream: {tcp_Bps / gb:.3f} GB/s, the median of "
+          + ", ".join(f"{v / gb:.3f}" for v in tcp) + " (before the nodes, then after each model's pulls)")
     print()
     print(f"{'model':<12}{'prefix':>7}{'MiB':>7}{'direct pull GB/s':>17}{'% TCP':>7}{'median':>8}{'% TCP':>7}"
           f"{'Ray pull GB/s':>14}{'% TCP':>7}{'object store only':>18}{'% TCP':>7}")
@@ -373,6 +410,10 @@ def print_report(config: BenchConfig, tcp: list[float], rows, cases: list[Case],
         print(f"{'demo-' + row['size']:<12}{row['tokens']:>7}{row['bytes'] / 2**20:>7.1f}"
               + "".join(f"{v / gb:>{w}.2f}{100 * v / tcp_Bps:>6.0f}%" for v, w in zip(cells, widths)))
     print()
+    print_cases(cases)
+
+
+def print_cases(cases: list[Case]) -> None:
     print(f"{'model':<12}{'prefix':>7}{'TTFT migr s':>12}{'TTFT recomp s':>14}{'est migr s':>11}{'est recomp s':>13}"
           f"{'faster':>10}{'router':>10}{'right':>7}")
     for c in cases:

@@ -1,7 +1,8 @@
 """Several "hosts" on one machine: Linux network namespaces on a private bridge.
 
-The test builds its own network: a switch namespace holding a bridge, and one namespace
-per host (head, node, rogue) wired to it by a veth pair, addressed in 10.213.0.0/24.
+The test builds its own network with `cluster.bench.netns`: a switch namespace holding a
+bridge, and one namespace per host (head, node, rogue) wired to it by a veth pair,
+addressed in 10.213.0.0/24 (unshaped).
 Nothing is routed anywhere else and nothing touches the machine's own namespace; every
 process started in those namespaces is killed and the namespaces deleted afterwards,
 whatever happened. Needs root (`ip netns add`); skipped otherwise.
@@ -18,16 +19,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
 import textwrap
 import time
-import uuid
 from pathlib import Path
 
 import pytest
+
+from cluster.bench.netns import NetLab, unavailable
+from cluster.bench.netns import stop as _stop
 
 pytestmark = pytest.mark.slow
 
@@ -37,90 +37,6 @@ SUBNET = "10.213.0"
 HOSTS = {"head": f"{SUBNET}.2", "node": f"{SUBNET}.3", "rogue": f"{SUBNET}.4"}
 CLUSTER = "netns"
 JOIN_DEADLINE_S = 20.0
-
-
-def _netns_unavailable() -> str | None:
-    if sys.platform != "linux":
-        return "network namespaces are Linux-only"
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces (ip netns add)"
-    if shutil.which("ip") is None:
-        return "iproute2 (`ip`) is not installed"
-    probe = f"orjprobe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True)
-    if made.returncode != 0:
-        return f"ip netns add failed: {made.stderr.decode().strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-class NetLab:
-    """Namespaces, a bridge and the processes started in them; `close` undoes everything."""
-
-    def __init__(self, workdir: Path):
-        self.tag = uuid.uuid4().hex[:6]
-        self.workdir = workdir
-        self.namespaces: list[str] = []
-        self.procs: list[subprocess.Popen] = []
-
-    def ns(self, role: str) -> str:
-        return f"orj{self.tag}{role}"
-
-    def build(self, hosts: dict[str, str]) -> None:
-        switch = self._add_ns("sw")
-        _ip("-n", switch, "link", "add", "br0", "type", "bridge", "mcast_snooping", "0")
-        _ip("-n", switch, "link", "set", "br0", "up")
-        for i, (role, address) in enumerate(hosts.items()):
-            host = self._add_ns(role)
-            _ip("link", "add", f"p{i}", "netns", switch, "type", "veth", "peer", "name", "eth0", "netns", host)
-            _ip("-n", switch, "link", "set", f"p{i}", "master", "br0", "up")
-            _ip("-n", host, "addr", "add", f"{address}/24", "dev", "eth0")
-            _ip("-n", host, "link", "set", "eth0", "up")
-            _ip("-n", host, "link", "set", "lo", "up")
-
-    def start(self, role: str, argv: list[str], env: dict[str, str], log_name: str) -> subprocess.Popen:
-        log = open(self.workdir / log_name, "ab")
-        proc = subprocess.Popen(["ip", "netns", "exec", self.ns(role), *argv], env=env, cwd=ROOT, stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    def run(self, role: str, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-        return subprocess.run(["ip", "netns", "exec", self.ns(role), *argv], env=env, cwd=ROOT, capture_output=True,
-                              text=True, timeout=timeout)
-
-    def close(self) -> None:
-        for proc in self.procs:
-            _stop(proc, grace_s=15)
-        for ns in self.namespaces:  # stragglers (Ray daemons in their own sessions), by pid
-            for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        for ns in reversed(self.namespaces):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-    def _add_ns(self, role: str) -> str:
-        name = self.ns(role)
-        _ip("netns", "add", name)
-        self.namespaces.append(name)
-        return name
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
-def _stop(proc: subprocess.Popen, grace_s: float) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode
 
 
 # Lists the Ray nodes the GCS knows, as JSON, without starting a driver (about 1 s).
@@ -148,10 +64,10 @@ _PROBE = textwrap.dedent("""
 
 @pytest.fixture
 def lab(tmp_path):
-    reason = _netns_unavailable()
+    reason = unavailable()
     if reason:
         pytest.skip(reason)
-    net = NetLab(tmp_path)
+    net = NetLab(tmp_path, cwd=ROOT)
     try:
         net.build(HOSTS)
         yield net

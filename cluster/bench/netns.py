@@ -1,0 +1,228 @@
+"""Several "hosts" on one Linux machine: network namespaces on a private bridge, links shaped with `tc`.
+
+A switch namespace holds a bridge; each host is a namespace wired to it by a veth pair
+and addressed in a private /24. Nothing is routed anywhere else and nothing touches the
+machine's own namespace. `NetLab.close` kills every process started in the namespaces and
+deletes them (the veths and their qdiscs go with them), whatever happened. Needs root.
+
+Shaping puts a token bucket (`tc qdisc ... tbf`) on each host's egress, so every byte a
+host sends leaves at the link's rate: a pull from a to b is held to it one way, its acks
+the other. The bucket holds a millisecond of the rate and at least 128 KiB: more than one
+GSO packet (64 KiB, else tbf splits them), and small beside the pulls measured (8 MiB and
+up), so a pull's first burst flatters its rate little. tbf counts whole frames, so TCP's
+payload gets ~96 % of the shaped rate (0.96 Gbit/s through a 1 Gbit/s bucket here).
+
+A thread can `enter` a namespace (`setns` is per thread): a benchmark's socket threads and
+its spawned node processes join the hosts without a shell in between.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+#: Link speeds the rig emulates: tbf rate in bits/s, or None for an unshaped veth.
+LINKS = {"1gbit": 1_000_000_000, "10gbit": 10_000_000_000, "none": None}
+_CLONE_NEWNET = 0x40000000
+_BUCKET_S = 1e-3  # the bucket: this much of the rate (module docstring)
+_QUEUE_S = 0.02  # what tbf queues before dropping: this much of the rate
+
+
+class NetLab:
+    """Namespaces, a bridge and the processes started in them; `close` undoes everything."""
+
+    def __init__(self, workdir: Path, subnet: str = "10.213.0", prefix: str = "orj", cwd: Path | None = None):
+        """Logs go to `workdir`; processes started here run in `cwd`."""
+        self.tag = uuid.uuid4().hex[:6]
+        self.workdir, self.subnet, self.prefix, self.cwd = workdir, subnet, prefix, cwd
+        self.namespaces: list[str] = []
+        self.procs: list[subprocess.Popen] = []
+        self.hosts: dict[str, str] = {}
+
+    def ns(self, role: str) -> str:
+        return f"{self.prefix}{self.tag}{role}"
+
+    def build(self, hosts: dict[str, str]) -> None:
+        """One namespace per role, at its address (a host number in `subnet`, or a whole address)."""
+        switch = self._add_ns("sw")
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge", "mcast_snooping", "0")
+        _ip("-n", switch, "link", "set", "br0", "up")
+        for i, (role, address) in enumerate(hosts.items()):
+            address = address if "." in address else f"{self.subnet}.{address}"
+            host = self._add_ns(role)
+            _ip("link", "add", f"p{i}", "netns", switch, "type", "veth", "peer", "name", "eth0", "netns", host)
+            _ip("-n", switch, "link", "set", f"p{i}", "master", "br0", "up")
+            _ip("-n", host, "addr", "add", f"{address}/24", "dev", "eth0")
+            _ip("-n", host, "link", "set", "eth0", "up")
+            _ip("-n", host, "link", "set", "lo", "up")
+            self.hosts[role] = address
+
+    def shape(self, bits_per_s: int | None) -> None:
+        """Every host's egress held to `bits_per_s` (None: unshaped, any qdisc removed)."""
+        for role in self.hosts:
+            subprocess.run(["tc", "-n", self.ns(role), "qdisc", "del", "dev", "eth0", "root"], capture_output=True)
+            if bits_per_s:
+                _tc(self.ns(role), *tbf_args(bits_per_s))
+
+    def qdisc(self, role: str) -> str:
+        """`tc qdisc show` of the role's link, as the kernel has it."""
+        return subprocess.run(["tc", "-n", self.ns(role), "qdisc", "show", "dev", "eth0"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+
+    def start(self, role: str, argv: list[str], env: dict[str, str], log_name: str) -> subprocess.Popen:
+        log = open(self.workdir / log_name, "ab")
+        proc = subprocess.Popen(["ip", "netns", "exec", self.ns(role), *argv], env=env, cwd=self.cwd, stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def run(self, role: str, argv: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+        return subprocess.run(["ip", "netns", "exec", self.ns(role), *argv], env=env, cwd=self.cwd, capture_output=True,
+                              text=True, timeout=timeout)
+
+    def close(self) -> None:
+        for proc in self.procs:
+            stop(proc, grace_s=15)
+        for ns in self.namespaces:  # stragglers (daemons in their own sessions, children that setns'd), by pid
+            for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+                if int(pid) != os.getpid():
+                    _kill(int(pid))
+        for ns in reversed(self.namespaces):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.namespaces.clear()
+
+    def _add_ns(self, role: str) -> str:
+        name = self.ns(role)
+        _ip("netns", "add", name)
+        self.namespaces.append(name)
+        return name
+
+    def __enter__(self) -> NetLab:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def unavailable() -> str | None:
+    """Why this machine cannot build the rig, or None when it can."""
+    if sys.platform != "linux":
+        return "network namespaces are Linux-only"
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces (ip netns add)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"iproute2 (`{tool}`) is not installed"
+    probe = f"orjprobe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True)
+    if made.returncode != 0:
+        return f"ip netns add failed: {made.stderr.decode().strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def tbf_args(bits_per_s: int) -> list[str]:
+    """`tc qdisc add` arguments for a token bucket at `bits_per_s` on eth0 (module docstring)."""
+    bucket = max(int(bits_per_s / 8 * _BUCKET_S), 128 << 10)
+    queue = int(bits_per_s / 8 * _QUEUE_S)
+    return ["qdisc", "add", "dev", "eth0", "root", "tbf", "rate", str(bits_per_s), "burst", str(bucket),
+            "limit", str(queue)]
+
+
+def enter(namespace: str) -> None:
+    """Move the calling thread into `namespace` (`ip netns` names it): sockets it makes afterwards live there."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({namespace}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def tcp_throughput(lab: NetLab, source: str, target: str, nbytes: int, chunk: int = 4 << 20) -> float:
+    """Bytes per second of one plain TCP stream from host `source` to host `target`, measured at the
+    receiver (first byte sent to last byte read). Each end is a thread in its host's namespace."""
+    ready, result, errors = threading.Event(), {}, []
+    receiver = threading.Thread(target=_guard(_receive, errors), args=(lab.ns(target), lab.hosts[target], nbytes, chunk,
+                                                                       ready, result))
+    receiver.start()
+    if not ready.wait(10):
+        raise RuntimeError(f"no TCP receiver in {target}: {errors}")
+    sender = threading.Thread(target=_guard(_send, errors), args=(lab.ns(source), result["address"], nbytes, chunk, result))
+    sender.start()
+    sender.join()
+    receiver.join()
+    if errors:
+        raise errors[0]
+    return result["received"] / (result["ended"] - result["started"])
+
+
+def _receive(namespace, host, nbytes, chunk, ready, result) -> None:
+    enter(namespace)
+    with socket.create_server((host, 0)) as server:
+        result["address"] = server.getsockname()[:2]
+        ready.set()
+        server.settimeout(30)
+        conn, _ = server.accept()
+        buffer, got = bytearray(chunk), 0
+        with conn:
+            while got < nbytes and (n := conn.recv_into(buffer)):
+                got += n
+        result["received"], result["ended"] = got, time.perf_counter()
+
+
+def _send(namespace, address, nbytes, chunk, result) -> None:
+    enter(namespace)
+    payload = memoryview(os.urandom(chunk))
+    with socket.create_connection(address, timeout=30) as client:
+        result["started"] = time.perf_counter()
+        for _ in range(0, nbytes, chunk):
+            client.sendall(payload)
+
+
+def _guard(fn, errors: list):
+    def run(*args):
+        try:
+            fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, which raises it
+            errors.append(exc)
+
+    return run
+
+
+def stop(proc: subprocess.Popen, grace_s: float) -> int:
+    """SIGTERM, then after `grace_s` SIGKILL to its whole session; returns its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+def _tc(namespace: str, *args: str) -> None:
+    subprocess.run(["tc", "-n", namespace, *args], check=True, capture_output=True)
