@@ -34,11 +34,12 @@ import argparse
 import os
 import secrets
 import socket
-import statistics
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+
+from cluster.bench.migration_report import Case, print_report
 
 DEFAULT_LENGTHS = {"small": (32, 256, 2048), "large": (256, 2048)}
 
@@ -52,21 +53,6 @@ class BenchConfig:
     repeats: int = 3
     block_size: int = 16
     lengths: dict = field(default_factory=lambda: dict(DEFAULT_LENGTHS))
-
-
-@dataclass
-class Case:
-    model: str
-    tokens: int
-    migrate_ttft_s: float
-    recompute_ttft_s: float
-    router_migrates: bool
-    est_transfer_s: float | None
-    est_recompute_s: float | None = None  # the prefix's tokens at b's marginal prefill cost (else its average)
-
-    @property
-    def router_was_right(self) -> bool:
-        return self.router_migrates == (self.migrate_ttft_s < self.recompute_ttft_s)
 
 
 # ---- raw TCP ------------------------------------------------------------------------
@@ -347,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                 cases += [run_case(pair, n) for n in config.lengths.get(size, (config.prefix_tokens,))]
             finally:
                 pair.close()
-    print_report(config, tcp, rows, cases, openblas_in_use(), where)
+    print_report(tcp, rows, cases, openblas_in_use(), where)
     return 0
 
 
@@ -393,37 +379,6 @@ def parse_args(argv) -> tuple[BenchConfig, str | None, bool]:
     config = BenchConfig(prefix_tokens=args.prefix_tokens, sizes=sizes, tcp_mib=args.tcp_mib, lengths=lengths,
                          pull_tokens=pull_tokens, repeats=args.repeats)
     return config, args.link, args.ray
-
-
-def print_report(config: BenchConfig, tcp: list[float], rows, cases: list[Case], openblas: bool, where: str) -> None:
-    gb = 1e9
-    tcp_Bps = statistics.median(tcp)
-    print(f"KV migration, {where}; OpenBLAS preloaded: {openblas}")
-    print(f"raw TCP, plain sockets, one stream: {tcp_Bps / gb:.3f} GB/s, the median of "
-          + ", ".join(f"{v / gb:.3f}" for v in tcp) + " (before the nodes, then after each model's pulls)")
-    print()
-    print(f"{'model':<12}{'prefix':>7}{'MiB':>7}{'direct pull GB/s':>17}{'% TCP':>7}{'median':>8}{'% TCP':>7}"
-          f"{'Ray pull GB/s':>14}{'% TCP':>7}{'object store only':>18}{'% TCP':>7}")
-    for row in rows:
-        cells = [row["direct_Bps"], row["direct_median_Bps"], row["ray_Bps"], row["transfer_Bps"]]
-        widths = (17, 8, 14, 18)
-        print(f"{'demo-' + row['size']:<12}{row['tokens']:>7}{row['bytes'] / 2**20:>7.1f}"
-              + "".join(f"{v / gb:>{w}.2f}{100 * v / tcp_Bps:>6.0f}%" for v, w in zip(cells, widths)))
-    print()
-    print_cases(cases)
-
-
-def print_cases(cases: list[Case]) -> None:
-    print(f"{'model':<12}{'prefix':>7}{'TTFT migr s':>12}{'TTFT recomp s':>14}{'est migr s':>11}{'est recomp s':>13}"
-          f"{'faster':>10}{'router':>10}{'right':>7}")
-    for c in cases:
-        faster = "migrate" if c.migrate_ttft_s < c.recompute_ttft_s else "recompute"
-        choice = "migrate" if c.router_migrates else "recompute"
-        estimates = [f"{v:.3f}" if v is not None else "-" for v in (c.est_transfer_s, c.est_recompute_s)]
-        print(f"{c.model:<12}{c.tokens:>7}{c.migrate_ttft_s:>12.3f}{c.recompute_ttft_s:>14.3f}{estimates[0]:>11}"
-              f"{estimates[1]:>13}{faster:>10}{choice:>10}{'yes' if c.router_was_right else 'no':>7}")
-    right = sum(c.router_was_right for c in cases)
-    print(f"router's migrate-or-recompute choice was the faster one in {right} of {len(cases)} cases")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.bench.migration import Case
+from cluster.bench.migration_report import Case
 from cluster.bench.netns import LINKS, NetLab, tcp_throughput, unavailable
 from cluster.bench.netns_node import BLOCK_SIZE, NodeProcess, NodeSpec
 
@@ -197,7 +197,7 @@ def run(config: LinkBenchConfig) -> tuple[list[float], list[dict], list[Case], s
 
 def print_report(config: LinkBenchConfig, tcp: list[float], rows: list[dict], cases: list[Case], qdisc: str,
                  openblas: bool) -> None:
-    from cluster.bench.migration import print_cases
+    from cluster.bench.migration_report import print_cases
 
     gb, tcp_Bps = 1e9, statistics.median(tcp)
     shaped = LINKS[config.link]
