@@ -135,6 +135,7 @@ class AsyncEngine:
             self._warm_up()
             self._loop()
         finally:
+            self.engine.close()
             mx.synchronize()  # MLX asks each thread to release its streams before it ends
             mx.clear_streams()
 

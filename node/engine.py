@@ -179,6 +179,13 @@ class LLMEngine:
             return 0
         return compiled.warm_up(self.kv.pool, self.config.max_num_seqs, -(-context // self.config.block_size))
 
+    def close(self) -> None:
+        """Stop the settle thread (the engine steps no more); a dropped engine's thread would
+        otherwise end only once the collector finds the engine."""
+        if self._settler is not None:
+            self._settler.shutdown(wait=True)
+            self._settler = None
+
     # -- requests -------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None) -> None:

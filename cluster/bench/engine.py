@@ -230,6 +230,7 @@ def load_bench_model(args):
 def _free(engine) -> None:
     import gc
 
+    engine.close()
     del engine
     gc.collect()
     mx.clear_cache()
@@ -261,8 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         budget = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
         overlap = not args.no_async_scheduling
         compiled = {"on": True, "off": False}.get(args.compiled_decode)
-        eng = LLMEngine(EngineConfig(max_num_seqs=args.num_requests, async_scheduling=overlap, compiled_decode=compiled,
-                                     **budget, **kw), loaded=loaded)
+        config = {"max_num_seqs": args.num_requests, "async_scheduling": overlap, "compiled_decode": compiled, **budget, **kw}
+        eng = LLMEngine(EngineConfig(**config), loaded=loaded)
         eng.warm_up()  # as a serving node does before its first request
         return eng
 
@@ -303,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         _free(eng)
     if "overhead" in only:
-        eng = engine(kv_memory_gb=args.kv_memory_gb)
+        # every one of the batch must run at once: the step loop waits for all of them to be prefilled
+        eng = engine(kv_memory_gb=args.kv_memory_gb, max_num_seqs=max(args.num_requests, 32))
         share = step_overhead(eng, 32, args.scale)
         table.add_row("step time outside forward @ batch 32", f"{share * 100:.1f}%", "", "target < 5%", "", "")
         console.print(f"  overhead profile: {profile_row(eng)}")

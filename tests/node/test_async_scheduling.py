@@ -183,3 +183,19 @@ def test_steps_settled_on_the_settle_thread_are_freed_on_the_engine_thread(model
 
     gc.collect()
     assert len(freed_on) >= 8 and set(freed_on) == {threading.current_thread().name}
+
+
+def test_closing_an_engine_ends_its_settle_thread(model_dirs):
+    import threading
+
+    def settle_threads():
+        return [t for t in threading.enumerate() if t.name.startswith("orchard-settle")]
+
+    before = len(settle_threads())
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["demo"]), num_blocks=64, settle_in_thread=True))
+    engine.add_request("a", list(range(3, 20)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished:
+        engine.step()
+    assert len(settle_threads()) == before + 1
+    engine.close()
+    assert len(settle_threads()) == before
