@@ -39,8 +39,6 @@ class KernelTuning:
     target_threadgroups: int = 512  # below this many, partitions shrink (B=64, T=512 measured faster unsplit)
     reduce_threads: int = 128
     max_per_lane: int = 8  # elements of a row per lane: more means fewer shuffles, more registers
-    heads_inner: bool = False  # grid order: the head tiles of a partition adjacent (HEADS_INNER), else partitions
-    max_heads_per_tile: int = MAX_HEADS_PER_TILE  # fewer: fewer registers a thread, K/V read once per tile of the group
 
 
 @dataclass(frozen=True)
@@ -65,10 +63,10 @@ def lanes_for(head_dim: int, max_per_lane: int = 8) -> int:
     raise UnsupportedAttentionShape(f"head_dim {head_dim} cannot be split over a power-of-two number of lanes")
 
 
-def heads_per_tile_for(group: int, head_dim: int, threads: int, most: int = MAX_HEADS_PER_TILE) -> int:
-    """Largest divisor of the GQA group, up to `most`, whose per-warp partial outputs fit the shared-memory budget."""
+def heads_per_tile_for(group: int, head_dim: int, threads: int) -> int:
+    """Largest divisor of the GQA group whose per-warp partial outputs fit the shared-memory budget."""
     budget = SHARED_WORDS // ((threads // WARP) * head_dim)
-    best = max((h for h in range(1, group + 1) if group % h == 0 and h <= min(budget, most)), default=0)
+    best = max((h for h in range(1, group + 1) if group % h == 0 and h <= min(budget, MAX_HEADS_PER_TILE)), default=0)
     if best == 0:
         raise UnsupportedAttentionShape(f"head_dim {head_dim} leaves no shared memory for {threads} threads")
     return best
@@ -78,7 +76,7 @@ def plan_decode(
     num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, max_context: int, tuning: KernelTuning
 ) -> DecodePlan:
     """Split long contexts into partitions; halve the partition while the grid is too small to fill the GPU."""
-    heads_per_tile = heads_per_tile_for(num_heads // num_kv_heads, head_dim, tuning.threads, tuning.max_heads_per_tile)
+    heads_per_tile = heads_per_tile_for(num_heads // num_kv_heads, head_dim, tuning.threads)
     groups = num_seqs * num_heads // heads_per_tile
     size = tuning.partition_size
     while size > tuning.min_partition_size and groups * -(-max_context // size) < tuning.target_threadgroups:
@@ -161,13 +159,9 @@ class PagedDecodeKernels:
             ("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),
             ("NUM_KV_HEADS", num_kv_heads), ("GROUP", num_heads // num_kv_heads),
             ("HEADS_PER_TILE", plan.heads_per_tile), ("LANES", plan.lanes), ("NUM_THREADS", tuning.threads),
-            ("UNROLL", tuning.unroll), ("HEADS_INNER", int(tuning.heads_inner)), *layer.template,
+            ("UNROLL", tuning.unroll), *layer.template,
         ]
-        head_tiles = num_kv_heads * (num_heads // num_kv_heads // plan.heads_per_tile)
-        if tuning.heads_inner:
-            grid = (head_tiles * tuning.threads, plan.num_partitions, num_seqs)
-        else:
-            grid = (plan.num_partitions * tuning.threads, head_tiles, num_seqs)
+        grid = (plan.num_partitions * tuning.threads, num_kv_heads * (num_heads // num_kv_heads // plan.heads_per_tile), num_seqs)
         kernel = self._decode_kernel(plan.partitioned)
         if not plan.partitioned:
             (out,) = kernel(

@@ -103,19 +103,17 @@ METAL_HEADER = r"""
 #define LOAD4(dst, src) for (int i_ = 0; i_ < 4; ++i_) { (dst)[i_] = static_cast<float>((src)[i_]); }
 """
 
-# HEADS_INNER (a template constant) puts the head tiles of one partition next to each other in the
-# grid, so the threadgroups reading one token's rows of every KV head run at about the same time.
 CUDA_DECODE_PROLOGUE = """
   const int tid = int(threadIdx.x);
-  const int part = HEADS_INNER ? int(blockIdx.y) : int(blockIdx.x);
-  const int head_tile = HEADS_INNER ? int(blockIdx.x) : int(blockIdx.y);
+  const int part = int(blockIdx.x);
+  const int head_tile = int(blockIdx.y);
   const int seq = int(blockIdx.z);
 """
 
 METAL_DECODE_PROLOGUE = """
   const int tid = int(thread_index_in_threadgroup);
-  const int part = HEADS_INNER ? int(threadgroup_position_in_grid.y) : int(threadgroup_position_in_grid.x);
-  const int head_tile = HEADS_INNER ? int(threadgroup_position_in_grid.x) : int(threadgroup_position_in_grid.y);
+  const int part = int(threadgroup_position_in_grid.x);
+  const int head_tile = int(threadgroup_position_in_grid.y);
   const int seq = int(threadgroup_position_in_grid.z);
 """
 

@@ -133,14 +133,9 @@ def sweep_rows(context: int, iters: int) -> list[Row]:
     rows = []
     default = dispatch.decode_function("cuda")
     problem = Problem(batch=64, num_heads=32, num_kv_heads=8, head_dim=128, context=context, dtype="float16")
-    variants = [dict(threads=t, unroll=u) for t in (64, 128) for u in (2, 4)]
+    variants = [dict(threads=t, unroll=u) for t in (64, 128) for u in (4, 6, 8)]
     variants += [dict(partition_size=p, min_partition_size=p) for p in (512, 2048)]
-    variants += [dict(heads_inner=True)]
-    # fewer query heads a threadgroup: fewer registers, more loads in flight; the group's tiles read
-    # the same K/V one after another in the grid (heads_inner), so the second read can come from L2
-    variants += [dict(max_heads_per_tile=h, heads_inner=i, unroll=u) for h in (1, 2) for i in (False, True) for u in (4, 8)]
-    variants += [dict(max_heads_per_tile=2, heads_inner=True, unroll=8, threads=256),
-                 dict(max_heads_per_tile=1, heads_inner=True, unroll=16)]
+    variants += [dict(max_per_lane=16, unroll=2), dict(target_threadgroups=4096)]
     for variant in variants:
         default.tuning = launch.KernelTuning(**variant)
         label = "cuda " + " ".join(f"{''.join(w[0] for w in k.split('_'))}={v}" for k, v in variant.items())
