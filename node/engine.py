@@ -107,12 +107,9 @@ class _InFlightStep:
     prefill_tokens: int
     decode_tokens: int
 
-    started: bool = False
-
     def start(self, settled_elsewhere: bool = False) -> None:
         """Queue the step's graph on the device (MLX encodes its kernels here, the GIL released);
         `settled_elsewhere`: a settle thread will read the tokens while this thread encodes the next step."""
-        self.started = True
         mx.async_eval(*self.sample.outputs(host_copy=settled_elsewhere))
 
 
@@ -301,9 +298,10 @@ class LLMEngine:
         and outputs are those of settling after the start. A step whose rows want log-probs
         settles here, since turning them into values is more MLX work.
         """
-        if launched is None or launched.started or previous is None or previous.sample.raw_logprobs is not None:
-            if launched is not None and not launched.started:
-                launched.start(settled_elsewhere=True)
+        if self._settler is None or launched is None:  # `_launch` started it, or there is none
+            return self._settle(previous)
+        if previous is None or previous.sample.raw_logprobs is not None:
+            launched.start(settled_elsewhere=True)
             return self._settle(previous)
         pending = self._settler.submit(self._settle, previous)
         try:
