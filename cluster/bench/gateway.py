@@ -302,43 +302,32 @@ def table(result: dict) -> str:
     rows.append(("  the same, HTTP gateway alone (--no-ray)", f"{result['ttft_http_no_ray_p50_ms']:.1f} ms (HTTP)",
                  f"{result['ttft_direct_p50_ms']:.1f} ms (engine direct)",
                  f"{result['ttft_http_no_ray_p50_ms'] - result['ttft_direct_p50_ms']:+.1f} ms", ""))
-    ours, peer = result["orchard"], result["mlx_lm_server"]
-    if ours is None:  # no Ray on this host: the --no-ray server is the one compared
-        no_ray = result["orchard_no_ray"]
-        ratio = no_ray["output_throughput"] / peer["output_throughput"] if peer and peer["output_throughput"] else None
-        rows.append((f"output tok/s, {cfg['clients']} streaming clients, orchard serve --no-ray",
-                     f"{no_ray['output_throughput']:.1f} (orchard --no-ray)",
-                     f"{peer['output_throughput']:.1f} (mlx_lm.server)" if peer else "not measured",
-                     f"{ratio:.2f}x" if ratio else "",
-                     f">= {THROUGHPUT_TARGET}x: {'met' if ratio >= THROUGHPUT_TARGET else 'missed'}" if ratio else ""))
-        if peer:
-            rows.append(("TTFT p50 under that load", f"{no_ray['ttft_ms']['p50']:.0f} ms", f"{peer['ttft_ms']['p50']:.0f} ms", "", ""))
-            rows.append(("TPOT p50 under that load", f"{no_ray['tpot_ms']['p50']:.1f} ms", f"{peer['tpot_ms']['p50']:.1f} ms", "", ""))
-            rows.append(("completed / failed", f"{no_ray['completed']} / {no_ray['failed']}",
-                         f"{peer['completed']} / {peer['failed']}", "", ""))
-    elif peer:
-        ratio = ours["output_throughput"] / peer["output_throughput"] if peer["output_throughput"] else float("inf")
-        rows.append((f"output tok/s, {cfg['clients']} streaming clients", f"{ours['output_throughput']:.1f} (orchard)",
-                     f"{peer['output_throughput']:.1f} (mlx_lm.server)", f"{ratio:.2f}x",
-                     f">= {THROUGHPUT_TARGET}x: {'met' if ratio >= THROUGHPUT_TARGET else 'missed'}"))
-        no_ray = result["orchard_no_ray"]
-        rows.append(("  the same, orchard serve --no-ray", f"{no_ray['output_throughput']:.1f} (orchard --no-ray)",
-                     f"{peer['output_throughput']:.1f} (mlx_lm.server)",
-                     f"{no_ray['output_throughput'] / peer['output_throughput']:.2f}x" if peer["output_throughput"] else "",
-                     ""))
-        rows.append(("TTFT p50 under that load", f"{ours['ttft_ms']['p50']:.0f} ms", f"{peer['ttft_ms']['p50']:.0f} ms",
-                     "", ""))
-        rows.append(("TPOT p50 under that load", f"{ours['tpot_ms']['p50']:.1f} ms", f"{peer['tpot_ms']['p50']:.1f} ms",
-                     "", ""))
-        rows.append(("completed / failed", f"{ours['completed']} / {ours['failed']}",
-                     f"{peer['completed']} / {peer['failed']}", "", ""))
-    else:
-        rows.append((f"output tok/s, {cfg['clients']} streaming clients", f"{ours['output_throughput']:.1f} (orchard)",
-                     "not measured", "", ""))
+    rows += _load_rows(result, cfg["clients"])
     header = ("metric", "orchard serve", "reference", "difference", "target")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _load_rows(result: dict, clients: int) -> list[tuple]:
+    """The throughput run's rows: `orchard serve` over Ray against mlx_lm.server (and `--no-ray` beside
+    it), or `--no-ray` alone on a host without Ray."""
+    ours, no_ray, peer = result["orchard"], result["orchard_no_ray"], result["mlx_lm_server"]
+    served, name, label = (ours, "", "orchard") if ours is not None else (no_ray, ", orchard serve --no-ray", "orchard --no-ray")
+    peer_rate = peer["output_throughput"] if peer else 0.0
+    ratio = served["output_throughput"] / peer_rate if peer_rate else None
+    rows = [(f"output tok/s, {clients} streaming clients{name}", f"{served['output_throughput']:.1f} ({label})",
+             f"{peer_rate:.1f} (mlx_lm.server)" if peer else "not measured", f"{ratio:.2f}x" if ratio else "",
+             f">= {THROUGHPUT_TARGET}x: {'met' if ratio >= THROUGHPUT_TARGET else 'missed'}" if ratio else "")]
+    if not peer:
+        return rows
+    if ours is not None:
+        rows.append(("  the same, orchard serve --no-ray", f"{no_ray['output_throughput']:.1f} (orchard --no-ray)",
+                     f"{peer_rate:.1f} (mlx_lm.server)", f"{no_ray['output_throughput'] / peer_rate:.2f}x" if peer_rate else "", ""))
+    rows.append(("TTFT p50 under that load", f"{served['ttft_ms']['p50']:.0f} ms", f"{peer['ttft_ms']['p50']:.0f} ms", "", ""))
+    rows.append(("TPOT p50 under that load", f"{served['tpot_ms']['p50']:.1f} ms", f"{peer['tpot_ms']['p50']:.1f} ms", "", ""))
+    rows.append(("completed / failed", f"{served['completed']} / {served['failed']}", f"{peer['completed']} / {peer['failed']}", "", ""))
+    return rows
 
 
 def parse_args(argv: list[str] | None) -> tuple[GatewayBenchConfig, str | None]:
