@@ -58,7 +58,7 @@ class NodeProcess:
         return self._ask("migrate", source.spec.name, source.info["address"], hashes, tokens)
 
     def load(self) -> dict:
-        """What a node actor would send in its heartbeat (`NodeActor._load`)."""
+        """What a node actor would send in its heartbeat (`node.serving.actor.heartbeat_load`)."""
         return self._ask("load")
 
     def close(self) -> None:
@@ -136,14 +136,9 @@ class _Node:
         return {**report, "ttft_s": time.perf_counter() - started, "first_token_s": first}
 
     def load(self) -> dict:
-        stats = self.engine.stats()
-        kv = stats.get("kv", {})
-        per_s = lambda s: 1.0 / s if s else None  # noqa: E731
-        return {"waiting": stats.get("waiting", 0), "running": stats.get("running", 0),
-                "kv_blocks_used": kv.get("blocks_used", 0), "kv_blocks_total": kv.get("blocks_total", 0),
-                "prefill_tokens_per_s": per_s(stats.get("prefill_s_per_token")),
-                "prefill_marginal_tokens_per_s": per_s(stats.get("prefill_marginal_s_per_token")),
-                "decode_tokens_per_s": per_s(stats.get("decode_s_per_token")), "requests_total": self.requests}
+        from node.serving.actor import heartbeat_load
+
+        return heartbeat_load(self.engine.stats(), 0, self.requests)
 
     def close(self) -> None:
         self.path.close()
