@@ -31,10 +31,7 @@ veth link shaped with `tc` (`cluster.bench.migration_netns`; needs root; no Ray)
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
-import socket
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -60,33 +57,9 @@ class BenchConfig:
 
 def tcp_throughput(nbytes: int, chunk: int = 4 << 20) -> float:
     """Bytes per second through a loopback TCP connection, plain sockets, one stream."""
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
-    received = [0]
+    from cluster.bench.netns import tcp_rate
 
-    def receive() -> None:
-        conn, _ = server.accept()
-        buffer = bytearray(chunk)
-        with conn:
-            while received[0] < nbytes:
-                n = conn.recv_into(buffer)
-                if not n:
-                    break
-                received[0] += n
-
-    thread = threading.Thread(target=receive)
-    thread.start()
-    payload = memoryview(os.urandom(chunk))
-    with socket.create_connection(("127.0.0.1", port)) as client:
-        started = time.perf_counter()
-        sent = 0
-        while sent < nbytes:
-            client.sendall(payload)
-            sent += chunk
-        thread.join()
-        seconds = time.perf_counter() - started
-    server.close()
-    return received[0] / seconds
+    return tcp_rate("127.0.0.1", nbytes, chunk)
 
 
 # ---- the two nodes --------------------------------------------------------------------
