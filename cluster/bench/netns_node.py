@@ -112,7 +112,7 @@ class _Node:
                 "kv_blocks_total": int(self.engine.stats()["kv"].get("blocks_total", 0)), "max_num_seqs": 4}
 
     def seed(self, tokens: list[int], seed: int) -> list[bytes]:
-        return self._wait(self.engine.run_on_engine(lambda e: _seed(e.kv, tokens, seed)))
+        return self._wait(self.engine.run_on_engine(lambda e: seed_kv(e.kv, tokens, seed)))
 
     def pull(self, source: str, address: str, hashes: list[bytes]) -> dict:
         started = time.perf_counter()
@@ -182,7 +182,7 @@ async def _first_token_s(engine, request_id: str, tokens: list[int], params) -> 
     return first
 
 
-def _seed(kv, tokens: list[int], seed: int) -> list[bytes]:
+def seed_kv(kv, tokens: list[int], seed: int) -> list[bytes]:
     """Import made-up KV for the full blocks of `tokens` under their true hashes (engine thread)."""
     import numpy as np
 
