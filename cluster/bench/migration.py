@@ -36,7 +36,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from cluster.bench.migration_report import Case, print_report
+from cluster.bench.migration_report import Case, print_report, router_estimates
 
 DEFAULT_LENGTHS = {"small": (32, 256, 2048), "large": (256, 2048)}
 
@@ -195,25 +195,19 @@ class NodePair:
             raise RuntimeError(f"migration fell short: {report}")
         return time.perf_counter() - started + self.first_token_s(self.b, f"migrated-{self._seed}", tokens)
 
-    def recompute_estimate(self, hashes: list[bytes]) -> float | None:
-        """The router's price of recomputing the prefix on b: its tokens at b's reported marginal
-        prefill cost, or at b's average cost per token until b has reported one."""
-        row = next(r for r in self.ray.get(self.coordinator.nodes.remote()) if r["node_id"] == self.b_id)
-        rate = row.get("prefill_marginal_tokens_per_s") or row.get("prefill_tokens_per_s")
-        return len(hashes) * self.block_size / rate if rate else None
-
-    def router_choice(self, tokens: list[int], hashes: list[bytes]) -> tuple[bool, float | None]:
-        """Whether the router, sending this prompt to b, would pull the prefix from a."""
+    def router_choice(self, tokens: list[int], hashes: list[bytes]) -> tuple[bool, float | None, float | None]:
+        """Whether the router, sending this prompt to b, would pull the prefix from a, with its
+        estimates of the migration and of recomputing the prefix on b."""
         request_id = f"route-{self._seed}"
         decision = self.ray.get(self.coordinator.route.remote(
             self.model, hashes, len(tokens), self.block_size, request_id, None, [self.a_id]))
         self.coordinator.prefill_done.remote(decision.node_id, request_id)
-        plan = decision.migration
         latency = self.ray.get(self.coordinator.link_latency.remote(self.a_id, self.b_id))  # the pull's and the step's
         rate = self.ray.get(self.coordinator.link_rate.remote(self.a_id, self.b_id))
         info = self.ray.get(self.b.info.remote())
-        estimate = latency + len(hashes) * info["bytes_per_block"] / rate if rate else None
-        return plan is not None, estimate
+        row = next(r for r in self.ray.get(self.coordinator.nodes.remote()) if r["node_id"] == self.b_id)
+        estimates = router_estimates(latency, rate, info["bytes_per_block"], row, len(hashes), self.block_size)
+        return decision.migration is not None, *estimates
 
 
 def _fetch_timed_body(refs: list) -> tuple[int, float]:
@@ -250,8 +244,7 @@ _fetch_timed = _FetchTimed()
 def run_case(pair: NodePair, tokens_len: int) -> Case:
     migrated_prompt = pair.fresh_prompt(tokens_len)
     hashes = pair.cache_on_a(migrated_prompt)
-    migrates, estimate = pair.router_choice(migrated_prompt, hashes)
-    recompute_estimate = pair.recompute_estimate(hashes)
+    migrates, estimate, recompute_estimate = pair.router_choice(migrated_prompt, hashes)
     migrate_s = pair.migrated_ttft(migrated_prompt, hashes)
     recompute_prompt = pair.fresh_prompt(tokens_len)
     recompute_s = pair.first_token_s(pair.b, f"recompute-{pair._seed}", recompute_prompt)
