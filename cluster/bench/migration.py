@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from cluster.bench.migration_report import Case, print_report, router_estimates
 
 DEFAULT_LENGTHS = {"small": (32, 256, 2048), "large": (256, 2048)}
+HEARTBEAT_S = 0.5  # the node actors' heartbeat period
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class NodePair:
         self.block_size = config.block_size
         engine = EngineConfig(model=str(default_demo_model_path(size)), block_size=config.block_size,
                               num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=512)
-        options = dict(heartbeat_s=0.5, model_name=self.model, link_token=secrets.token_urlsafe(32))
+        options = dict(heartbeat_s=HEARTBEAT_S, model_name=self.model, link_token=secrets.token_urlsafe(32))
         self.a = start_node_actor(local.head_ray_node_id, node_actor_config(f"a-{size}", engine, **options))
         self.b = start_node_actor(local.worker_nodes[0].node_id, node_actor_config(f"b-{size}", engine, **options))
         self.a_id, self.b_id = f"a-{size}", f"b-{size}"
@@ -126,7 +127,7 @@ class NodePair:
         for actor in (self.a, self.b):
             for length in (24, 40, 400, 40, 400):
                 self.first_token_s(actor, f"warm-{self._seed}", self.fresh_prompt(length))
-        time.sleep(3 * 0.5)  # three heartbeats (heartbeat_s)
+        time.sleep(3 * HEARTBEAT_S)  # three heartbeats
 
     def cache_on_a(self, tokens: list[int]) -> list[bytes]:
         self.first_token_s(self.a, f"cache-{self._seed}", tokens)
