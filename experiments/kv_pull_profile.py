@@ -106,23 +106,10 @@ def _instrument(stages: Stages, side: str) -> None:
 
 def _seed(path, tokens_len: int, seed: int) -> list[bytes]:
     """A fresh prefix in the source's pool, imported from made-up KV under its true hashes."""
-    import numpy as np
+    from cluster.bench.netns_node import seed_kv
 
-    from kvcache.wire import KVBlockData, encode_blocks
-
-    kv = path.mover.engine.engine.kv
-    geometry = kv.geometry
     tokens = [(seed * 7919 + j * 13 + (j * j) % 97) % 1500 + 20 for j in range(tokens_len)]
-    hashes = kv.block_hashes(tokens)
-    parents = [kv.root, *hashes[:-1]]
-    block = np.random.default_rng(seed).standard_normal((geometry.num_layers, *geometry.block_shape))
-    block = block.astype(geometry.numpy_storage_dtype)
-    bs = geometry.block_size
-    for start in range(0, len(hashes), 64):
-        blocks = [KVBlockData(hashes[i], parents[i], tuple(tokens[i * bs : (i + 1) * bs]), block, block)
-                  for i in range(start, min(start + 64, len(hashes)))]
-        kv.import_blocks(encode_blocks(geometry, blocks))
-    return [bytes(h) for h in hashes]
+    return seed_kv(path.mover.engine.engine.kv, tokens, seed)
 
 
 def _source_main(conn, size: str, num_blocks: int, switch_s: float, where: tuple[str, str] | None) -> None:

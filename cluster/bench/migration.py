@@ -31,17 +31,15 @@ veth link shaped with `tc` (`cluster.bench.migration_netns`; needs root; no Ray)
 from __future__ import annotations
 
 import argparse
-import os
 import secrets
-import socket
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from cluster.bench.migration_report import Case, print_report
+from cluster.bench.migration_report import Case, print_report, router_estimates
 
 DEFAULT_LENGTHS = {"small": (32, 256, 2048), "large": (256, 2048)}
+HEARTBEAT_S = 0.5  # the node actors' heartbeat period
 
 
 @dataclass(frozen=True)
@@ -60,33 +58,9 @@ class BenchConfig:
 
 def tcp_throughput(nbytes: int, chunk: int = 4 << 20) -> float:
     """Bytes per second through a loopback TCP connection, plain sockets, one stream."""
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
-    received = [0]
+    from cluster.bench.netns import tcp_rate
 
-    def receive() -> None:
-        conn, _ = server.accept()
-        buffer = bytearray(chunk)
-        with conn:
-            while received[0] < nbytes:
-                n = conn.recv_into(buffer)
-                if not n:
-                    break
-                received[0] += n
-
-    thread = threading.Thread(target=receive)
-    thread.start()
-    payload = memoryview(os.urandom(chunk))
-    with socket.create_connection(("127.0.0.1", port)) as client:
-        started = time.perf_counter()
-        sent = 0
-        while sent < nbytes:
-            client.sendall(payload)
-            sent += chunk
-        thread.join()
-        seconds = time.perf_counter() - started
-    server.close()
-    return received[0] / seconds
+    return tcp_rate("127.0.0.1", nbytes, chunk)
 
 
 # ---- the two nodes --------------------------------------------------------------------
@@ -108,7 +82,7 @@ class NodePair:
         self.block_size = config.block_size
         engine = EngineConfig(model=str(default_demo_model_path(size)), block_size=config.block_size,
                               num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=512)
-        options = dict(heartbeat_s=0.5, model_name=self.model, link_token=secrets.token_urlsafe(32))
+        options = dict(heartbeat_s=HEARTBEAT_S, model_name=self.model, link_token=secrets.token_urlsafe(32))
         self.a = start_node_actor(local.head_ray_node_id, node_actor_config(f"a-{size}", engine, **options))
         self.b = start_node_actor(local.worker_nodes[0].node_id, node_actor_config(f"b-{size}", engine, **options))
         self.a_id, self.b_id = f"a-{size}", f"b-{size}"
@@ -153,7 +127,7 @@ class NodePair:
         for actor in (self.a, self.b):
             for length in (24, 40, 400, 40, 400):
                 self.first_token_s(actor, f"warm-{self._seed}", self.fresh_prompt(length))
-        time.sleep(3 * 0.5)  # three heartbeats (heartbeat_s)
+        time.sleep(3 * HEARTBEAT_S)  # three heartbeats
 
     def cache_on_a(self, tokens: list[int]) -> list[bytes]:
         self.first_token_s(self.a, f"cache-{self._seed}", tokens)
@@ -222,25 +196,19 @@ class NodePair:
             raise RuntimeError(f"migration fell short: {report}")
         return time.perf_counter() - started + self.first_token_s(self.b, f"migrated-{self._seed}", tokens)
 
-    def recompute_estimate(self, hashes: list[bytes]) -> float | None:
-        """The router's price of recomputing the prefix on b: its tokens at b's reported marginal
-        prefill cost, or at b's average cost per token until b has reported one."""
-        row = next(r for r in self.ray.get(self.coordinator.nodes.remote()) if r["node_id"] == self.b_id)
-        rate = row.get("prefill_marginal_tokens_per_s") or row.get("prefill_tokens_per_s")
-        return len(hashes) * self.block_size / rate if rate else None
-
-    def router_choice(self, tokens: list[int], hashes: list[bytes]) -> tuple[bool, float | None]:
-        """Whether the router, sending this prompt to b, would pull the prefix from a."""
+    def router_choice(self, tokens: list[int], hashes: list[bytes]) -> tuple[bool, float | None, float | None]:
+        """Whether the router, sending this prompt to b, would pull the prefix from a, with its
+        estimates of the migration and of recomputing the prefix on b."""
         request_id = f"route-{self._seed}"
         decision = self.ray.get(self.coordinator.route.remote(
             self.model, hashes, len(tokens), self.block_size, request_id, None, [self.a_id]))
         self.coordinator.prefill_done.remote(decision.node_id, request_id)
-        plan = decision.migration
         latency = self.ray.get(self.coordinator.link_latency.remote(self.a_id, self.b_id))  # the pull's and the step's
         rate = self.ray.get(self.coordinator.link_rate.remote(self.a_id, self.b_id))
         info = self.ray.get(self.b.info.remote())
-        estimate = latency + len(hashes) * info["bytes_per_block"] / rate if rate else None
-        return plan is not None, estimate
+        row = next(r for r in self.ray.get(self.coordinator.nodes.remote()) if r["node_id"] == self.b_id)
+        estimates = router_estimates(latency, rate, info["bytes_per_block"], row, len(hashes), self.block_size)
+        return decision.migration is not None, *estimates
 
 
 def _fetch_timed_body(refs: list) -> tuple[int, float]:
@@ -277,8 +245,7 @@ _fetch_timed = _FetchTimed()
 def run_case(pair: NodePair, tokens_len: int) -> Case:
     migrated_prompt = pair.fresh_prompt(tokens_len)
     hashes = pair.cache_on_a(migrated_prompt)
-    migrates, estimate = pair.router_choice(migrated_prompt, hashes)
-    recompute_estimate = pair.recompute_estimate(hashes)
+    migrates, estimate, recompute_estimate = pair.router_choice(migrated_prompt, hashes)
     migrate_s = pair.migrated_ttft(migrated_prompt, hashes)
     recompute_prompt = pair.fresh_prompt(tokens_len)
     recompute_s = pair.first_token_s(pair.b, f"recompute-{pair._seed}", recompute_prompt)

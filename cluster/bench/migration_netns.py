@@ -29,7 +29,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from cluster.bench.migration_report import Case
+from cluster.bench.migration_report import Case, router_estimates
 from cluster.bench.netns import LINKS, NetLab, tcp_throughput, unavailable
 from cluster.bench.netns_node import BLOCK_SIZE, NodeProcess, NodeSpec
 
@@ -118,11 +118,9 @@ class Pair:
 
     def _estimates(self, blocks: int) -> tuple[float | None, float | None]:
         coordinator, a, b = self.coordinator, self.a.spec.name, self.b.spec.name
-        rate = coordinator.link_rate(a, b)
-        transfer = coordinator.link_latency(a, b) + blocks * self.b.info["bytes_per_block"] / rate if rate else None
         row = next(r for r in coordinator.nodes() if r["node_id"] == b)
-        per_token = row.get("prefill_marginal_tokens_per_s") or row.get("prefill_tokens_per_s")
-        return transfer, (blocks * BLOCK_SIZE / per_token if per_token else None)
+        return router_estimates(coordinator.link_latency(a, b), coordinator.link_rate(a, b),
+                                self.b.info["bytes_per_block"], row, blocks, BLOCK_SIZE)
 
     def _node_info(self, node: NodeProcess) -> dict:
         info = node.info

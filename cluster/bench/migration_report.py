@@ -24,6 +24,16 @@ class Case:
         return self.router_migrates == (self.migrate_ttft_s < self.recompute_ttft_s)
 
 
+def router_estimates(latency_s: float, bytes_per_s: float | None, bytes_per_block: int, target_row: dict,
+                     blocks: int, block_size: int) -> tuple[float | None, float | None]:
+    """The router's two prices of `blocks` the target lacks (`Router._plan_migration`): pulling them
+    over the link, and recomputing their tokens at the target's marginal prefill cost (its average
+    cost per token until it has reported one); None where the rate is not known yet."""
+    transfer = latency_s + blocks * bytes_per_block / bytes_per_s if bytes_per_s else None
+    per_token = target_row.get("prefill_marginal_tokens_per_s") or target_row.get("prefill_tokens_per_s")
+    return transfer, (blocks * block_size / per_token if per_token else None)
+
+
 def print_report(tcp: list[float], rows, cases: list[Case], openblas: bool, where: str) -> None:
     """The loopback bench's report: raw TCP, the pull table against it, then the router's cases."""
     gb = 1e9

@@ -151,15 +151,20 @@ def enter(namespace: str) -> None:
 
 
 def tcp_throughput(lab: NetLab, source: str, target: str, nbytes: int, chunk: int = 4 << 20) -> float:
-    """Bytes per second of one plain TCP stream from host `source` to host `target`, measured at the
-    receiver (first byte sent to last byte read). Each end is a thread in its host's namespace."""
+    """Bytes per second of one plain TCP stream from host `source` to host `target` (`tcp_rate`)."""
+    return tcp_rate(lab.hosts[target], nbytes, chunk, lab.ns(target), lab.ns(source))
+
+
+def tcp_rate(host: str, nbytes: int, chunk: int = 4 << 20, receiver_ns: str | None = None,
+             sender_ns: str | None = None) -> float:
+    """Bytes per second of one plain TCP stream to a listener at `host`, measured at the receiver
+    (first byte sent to last byte read). Each end is a thread, in its namespace where one is named."""
     ready, result, errors = threading.Event(), {}, []
-    receiver = threading.Thread(target=_guard(_receive, errors), args=(lab.ns(target), lab.hosts[target], nbytes, chunk,
-                                                                       ready, result))
+    receiver = threading.Thread(target=_guard(_receive, errors), args=(receiver_ns, host, nbytes, chunk, ready, result))
     receiver.start()
     if not ready.wait(10):
-        raise RuntimeError(f"no TCP receiver in {target}: {errors}")
-    sender = threading.Thread(target=_guard(_send, errors), args=(lab.ns(source), result["address"], nbytes, chunk, result))
+        raise RuntimeError(f"no TCP receiver at {host}: {errors}")
+    sender = threading.Thread(target=_guard(_send, errors), args=(sender_ns, result["address"], nbytes, chunk, result))
     sender.start()
     sender.join()
     receiver.join()
@@ -169,7 +174,8 @@ def tcp_throughput(lab: NetLab, source: str, target: str, nbytes: int, chunk: in
 
 
 def _receive(namespace, host, nbytes, chunk, ready, result) -> None:
-    enter(namespace)
+    if namespace:
+        enter(namespace)
     with socket.create_server((host, 0)) as server:
         result["address"] = server.getsockname()[:2]
         ready.set()
@@ -183,7 +189,8 @@ def _receive(namespace, host, nbytes, chunk, ready, result) -> None:
 
 
 def _send(namespace, address, nbytes, chunk, result) -> None:
-    enter(namespace)
+    if namespace:
+        enter(namespace)
     payload = memoryview(os.urandom(chunk))
     with socket.create_connection(address, timeout=30) as client:
         result["started"] = time.perf_counter()

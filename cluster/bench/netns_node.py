@@ -58,7 +58,7 @@ class NodeProcess:
         return self._ask("migrate", source.spec.name, source.info["address"], hashes, tokens)
 
     def load(self) -> dict:
-        """What a node actor would send in its heartbeat (`NodeActor._load`)."""
+        """What a node actor would send in its heartbeat (`node.serving.actor.heartbeat_load`)."""
         return self._ask("load")
 
     def close(self) -> None:
@@ -112,7 +112,7 @@ class _Node:
                 "kv_blocks_total": int(self.engine.stats()["kv"].get("blocks_total", 0)), "max_num_seqs": 4}
 
     def seed(self, tokens: list[int], seed: int) -> list[bytes]:
-        return self._wait(self.engine.run_on_engine(lambda e: _seed(e.kv, tokens, seed)))
+        return self._wait(self.engine.run_on_engine(lambda e: seed_kv(e.kv, tokens, seed)))
 
     def pull(self, source: str, address: str, hashes: list[bytes]) -> dict:
         started = time.perf_counter()
@@ -136,14 +136,9 @@ class _Node:
         return {**report, "ttft_s": time.perf_counter() - started, "first_token_s": first}
 
     def load(self) -> dict:
-        stats = self.engine.stats()
-        kv = stats.get("kv", {})
-        per_s = lambda s: 1.0 / s if s else None  # noqa: E731
-        return {"waiting": stats.get("waiting", 0), "running": stats.get("running", 0),
-                "kv_blocks_used": kv.get("blocks_used", 0), "kv_blocks_total": kv.get("blocks_total", 0),
-                "prefill_tokens_per_s": per_s(stats.get("prefill_s_per_token")),
-                "prefill_marginal_tokens_per_s": per_s(stats.get("prefill_marginal_s_per_token")),
-                "decode_tokens_per_s": per_s(stats.get("decode_s_per_token")), "requests_total": self.requests}
+        from node.serving.actor import heartbeat_load
+
+        return heartbeat_load(self.engine.stats(), 0, self.requests)
 
     def close(self) -> None:
         self.path.close()
@@ -187,7 +182,7 @@ async def _first_token_s(engine, request_id: str, tokens: list[int], params) -> 
     return first
 
 
-def _seed(kv, tokens: list[int], seed: int) -> list[bytes]:
+def seed_kv(kv, tokens: list[int], seed: int) -> list[bytes]:
     """Import made-up KV for the full blocks of `tokens` under their true hashes (engine thread)."""
     import numpy as np
 

@@ -345,21 +345,25 @@ class NodeActor:
             pass
 
     def _load(self) -> dict:
-        stats = self.engine.stats()
-        kv = stats.get("kv", {})
-        return {
-            "waiting": stats.get("waiting", 0),
-            "running": stats.get("running", 0),
-            "queued_prefill_tokens": max(0, self._queued_prompt_tokens),
-            "kv_blocks_used": kv.get("blocks_used", 0),
-            "kv_blocks_total": kv.get("blocks_total", 0),
-            "prefill_tokens_per_s": _per_second(stats.get("prefill_s_per_token")),
-            "prefill_marginal_tokens_per_s": _per_second(stats.get("prefill_marginal_s_per_token")),
-            "decode_tokens_per_s": _per_second(stats.get("decode_s_per_token")),
-            "prefix_hit_tokens": kv.get("prefix_hit_tokens", 0),
-            "prefix_query_tokens": kv.get("prefix_query_tokens", 0),
-            "requests_total": self._requests_total,
-        }
+        return heartbeat_load(self.engine.stats(), max(0, self._queued_prompt_tokens), self._requests_total)
+
+
+def heartbeat_load(stats: dict, queued_prefill_tokens: int, requests_total: int) -> dict:
+    """The load a node sends in its heartbeat (`cluster.coordinator.membership.NodeLoad`), from its engine's stats."""
+    kv = stats.get("kv", {})
+    return {
+        "waiting": stats.get("waiting", 0),
+        "running": stats.get("running", 0),
+        "queued_prefill_tokens": queued_prefill_tokens,
+        "kv_blocks_used": kv.get("blocks_used", 0),
+        "kv_blocks_total": kv.get("blocks_total", 0),
+        "prefill_tokens_per_s": _per_second(stats.get("prefill_s_per_token")),
+        "prefill_marginal_tokens_per_s": _per_second(stats.get("prefill_marginal_s_per_token")),
+        "decode_tokens_per_s": _per_second(stats.get("decode_s_per_token")),
+        "prefix_hit_tokens": kv.get("prefix_hit_tokens", 0),
+        "prefix_query_tokens": kv.get("prefix_query_tokens", 0),
+        "requests_total": requests_total,
+    }
 
 
 def _per_second(seconds_per_token: float | None) -> float | None:

@@ -374,15 +374,16 @@ def test_a_pair_without_its_own_overhead_borrows_the_measured_mean():
 
 
 def test_a_pull_tells_the_coordinator_what_the_step_waited_beyond_the_pull():
-    async def pull(*_):
-        await asyncio.sleep(0.05)
-        return {"ok": True, "requested": 1, "imported": 1, "local": 0, "bytes": 65536, "seconds": 0.01}
+    async def pull(*_):  # the target timed 160 ms of its 200 ms as the pull
+        await asyncio.sleep(0.2)
+        return {"ok": True, "requested": 1, "imported": 1, "local": 0, "bytes": 65536, "seconds": 0.16}
 
     coordinator = _Actor(migration_overhead=lambda *args: None, migration_failed=lambda *args: None)
     outcome = asyncio.run(pull_for_request(coordinator, _Actor(pull_blocks=pull), "b", object(), "a", [b"h"], 1.0))
     assert outcome.ok
     [(source, target, nbytes, seconds)] = coordinator.migration_overhead.calls
     assert (source, target, nbytes) == ("a", "b", 65536) and 0.04 <= seconds < 0.5
+    assert seconds < 0.2  # the wait less the pull: not the whole wait
 
 
 def test_only_the_fixed_part_of_an_overhead_that_grows_with_the_pull_is_priced():
