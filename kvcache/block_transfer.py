@@ -22,7 +22,7 @@ from kvcache.errors import IncompatibleKVPayload
 from kvcache.geometry import KVGeometry, StateGeometry
 from kvcache.hashing import BlockHash, hash_block, hash_block_rows
 from kvcache.hybrid_states import HybridStates, check_state_fits
-from kvcache.pool import KVPool
+from kvcache.pool import KVPool, as_slice
 from kvcache.wire import BlockRun, KVBlockData, StateSnapshotData, decode_payload, encode_blocks
 from kvcache.wire_stream import BlockPieces
 
@@ -121,7 +121,7 @@ class BlockTransfer:
         taken, block_ids = self.manager.import_run(hashes, run.parent_list(), [tuple(t) for t in run.tokens.tolist()])
         try:
             if taken:
-                rows = _as_slice(taken)
+                rows = as_slice(taken)
                 self.pool.write_block_arrays(block_ids, run.keys[rows], run.values[rows])
             self._keep_state(state)
             return len(taken)
@@ -207,11 +207,6 @@ class BlockTransfer:
 
 def _pieces(block: KVBlockData) -> BlockPieces:
     return BlockPieces(block.block_hash, block.parent_hash, block.token_ids, list(block.keys), list(block.values))
-
-
-def _as_slice(indexes: list[int]) -> slice | list[int]:
-    """Ascending indexes as a slice where they are consecutive (numpy then takes a view, not a copy)."""
-    return slice(indexes[0], indexes[-1] + 1) if indexes[-1] - indexes[0] == len(indexes) - 1 else indexes
 
 
 def _first_wrong_hash(run: BlockRun) -> bytes:
