@@ -113,12 +113,12 @@ class BlockTransfer:
     def _import_run(self, run: BlockRun, state: StateSnapshotData | None) -> int:
         """`import_decoded` of a chained run read at once: the same checks and the same blocks
         taken, with a numpy pass or one call per chunk where the loop above spends one per block."""
-        hashes = run.hash_list()
+        hashes, parents = run.hash_list(), run.parent_list()
         if hash_block_rows(run.parents, run.tokens) != b"".join(hashes):
             raise IncompatibleKVPayload(f"block {_first_wrong_hash(run).hex()}: hash does not match its parent and tokens")
-        if self.manager.cached_block(hashes[0]) is None and not self._chains_here(run.parent_list()[0]):
+        if self.manager.cached_block(hashes[0]) is None and not self._chains_here(parents[0]):
             return 0  # past the first block, each parent is the block before it: held, or taken here
-        taken, block_ids = self.manager.import_run(hashes, run.parent_list(), [tuple(t) for t in run.tokens.tolist()])
+        taken, block_ids = self.manager.import_run(hashes, parents, [tuple(t) for t in run.tokens.tolist()])
         try:
             if taken:
                 rows = as_slice(taken)
