@@ -138,11 +138,6 @@ class BlockManager:
         """Block ids of the longest run of leading full blocks cached in memory."""
         return self._prefix_hits(token_ids, len(token_ids) // self.block_size)[0]
 
-    def reusable_run(self, token_ids: Sequence[int]) -> list[BlockHash]:
-        """Hashes of the leading cached blocks `allocate` would consider for `token_ids`, before
-        `reuse_limit` cuts them."""
-        return self._cached_run(token_ids, self.max_reusable_blocks(len(token_ids)))[1]
-
     def max_reusable_blocks(self, num_tokens: int) -> int:
         """Full blocks strictly before the last token: one token is always left to compute
         (none at all with prefix caching off)."""
