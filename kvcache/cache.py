@@ -376,17 +376,15 @@ class KVCache:
 
     def _spill(self, block_id: int, block_hash: BlockHash, parent_hash, token_ids) -> None:
         """Eviction hook: copy a cached block to disk before its memory is reused."""
-        on_disk = block_hash in self.cold
         try:
-            if not on_disk:
+            if block_hash not in self.cold:
                 keys, values = self.pool.read_blocks([block_id])
                 self._put_block(block_hash, keys[:, 0], values[:, 0], token_ids, parent_hash)
-                on_disk = block_hash in self.cold
         except _COLD_FAILURES as err:
             log.warning("could not spill block %s to the cold tier: %s", block_hash.hex(), err)
         if self.hybrid is not None:
             try:
-                self.hybrid.spill(block_hash, on_disk)
+                self.hybrid.spill(block_hash, block_hash in self.cold)  # asked after the put, which may have failed
             except _COLD_FAILURES as err:
                 log.warning("could not spill the state snapshot of block %s: %s", block_hash.hex(), err)
 
