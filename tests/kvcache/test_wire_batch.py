@@ -46,7 +46,7 @@ def test_headers_written_at_once_are_the_bytes_the_per_block_writer_writes():
     assert [bytes(h) for h in at_once] == [_block_header(GEOMETRY, b, pack) for b in blocks]
 
 
-@pytest.mark.parametrize("odd", ["partial", "no parent", "token past uint32"])
+@pytest.mark.parametrize("odd", ["partial", "no parent", "token past uint32", "short hash"])
 def test_blocks_not_all_full_and_plain_are_left_to_the_per_block_writer(odd):
     blocks = chain(3)
     hashes, parents, tokens = [b.block_hash for b in blocks], [b.parent_hash for b in blocks], [b.token_ids for b in blocks]
@@ -54,6 +54,8 @@ def test_blocks_not_all_full_and_plain_are_left_to_the_per_block_writer(odd):
         tokens[1] = tokens[1][:3]
     elif odd == "no parent":
         parents[0] = None
+    elif odd == "short hash":
+        hashes[1] = hashes[1][:15]
     else:
         tokens[2] = (1 << 32, 0, 0, 0)
     assert write_headers(GEOMETRY, hashes, parents, tokens) is None
