@@ -114,7 +114,7 @@ class BlockTransfer:
         """`import_decoded` of a chained run read at once: the same checks and the same blocks
         taken, with a numpy pass or one call per chunk where the loop above spends one per block."""
         hashes, parents = run.hash_list(), run.parent_list()
-        if hash_block_rows(run.parents, run.tokens) != b"".join(hashes):
+        if hash_block_rows(run.parents, run.tokens) != run.hashes.tobytes():
             raise IncompatibleKVPayload(f"block {_first_wrong_hash(run).hex()}: hash does not match its parent and tokens")
         if self.manager.cached_block(hashes[0]) is None and not self._chains_here(parents[0]):
             return 0  # past the first block, each parent is the block before it: held, or taken here
