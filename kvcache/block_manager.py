@@ -138,11 +138,6 @@ class BlockManager:
         """Block ids of the longest run of leading full blocks cached in memory."""
         return self._prefix_hits(token_ids, len(token_ids) // self.block_size)[0]
 
-    def reusable_run(self, token_ids: Sequence[int]) -> list[BlockHash]:
-        """Hashes of the leading cached blocks `allocate` would consider for `token_ids`, before
-        `reuse_limit` cuts them."""
-        return self._cached_run(token_ids, self.max_reusable_blocks(len(token_ids)))[1]
-
     def max_reusable_blocks(self, num_tokens: int) -> int:
         """Full blocks strictly before the last token: one token is always left to compute
         (none at all with prefix caching off)."""
@@ -288,9 +283,7 @@ class BlockManager:
             raise ValueError(f"a cached block holds {self.block_size} tokens, got {len(token_ids)}")
         if block_hash in self._cached or not self._free:
             return None
-        block = self._take_free()
-        block.filled = self.block_size
-        self._register(block, block_hash, parent_hash, tuple(token_ids))
+        block = self._take_imported(block_hash, parent_hash, tuple(token_ids))
         self._park(block)
         return block.block_id
 
@@ -310,10 +303,9 @@ class BlockManager:
                 break
             if len(token_ids[i]) != self.block_size:
                 raise ValueError(f"a cached block holds {self.block_size} tokens, got {len(token_ids[i])}")
-            block = self._take_free()
-            block.filled, block.ref_count = self.block_size, 1
-            self._used_kv_slots += self.block_size
-            self._register(block, block_hash, parents[i], token_ids[i])
+            block = self._take_imported(block_hash, parents[i], token_ids[i])
+            block.ref_count = 1
+            self._used_kv_slots += block.filled
             taken.append(i)
             block_ids.append(block.block_id)
         return taken, block_ids
@@ -458,6 +450,14 @@ class BlockManager:
             self._num_free_cached -= 1
             self._evict(block)
         block.block_hash, block.parent_hash, block.token_ids, block.filled = None, None, (), 0
+        return block
+
+    def _take_imported(self, block_hash: BlockHash, parent: BlockHash | None, tokens: tuple) -> Block:
+        """A free block for a full block's KV arriving from elsewhere, listed as cached (ref 0:
+        the caller parks or holds it)."""
+        block = self._take_free()
+        block.filled = self.block_size
+        self._register(block, block_hash, parent, tokens)
         return block
 
     def _claim(self) -> Block:

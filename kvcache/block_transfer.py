@@ -22,7 +22,7 @@ from kvcache.errors import IncompatibleKVPayload
 from kvcache.geometry import KVGeometry, StateGeometry
 from kvcache.hashing import BlockHash, hash_block, hash_block_rows
 from kvcache.hybrid_states import HybridStates, check_state_fits
-from kvcache.pool import KVPool
+from kvcache.pool import KVPool, as_slice
 from kvcache.wire import BlockRun, KVBlockData, StateSnapshotData, decode_payload, encode_blocks
 from kvcache.wire_stream import BlockPieces
 
@@ -113,15 +113,15 @@ class BlockTransfer:
     def _import_run(self, run: BlockRun, state: StateSnapshotData | None) -> int:
         """`import_decoded` of a chained run read at once: the same checks and the same blocks
         taken, with a numpy pass or one call per chunk where the loop above spends one per block."""
-        hashes = run.hash_list()
-        if hash_block_rows(run.parents, run.tokens) != b"".join(hashes):
+        hashes, parents = run.hash_list(), run.parent_list()
+        if hash_block_rows(run.parents, run.tokens) != run.hashes.tobytes():
             raise IncompatibleKVPayload(f"block {_first_wrong_hash(run).hex()}: hash does not match its parent and tokens")
-        if self.manager.cached_block(hashes[0]) is None and not self._chains_here(run.parent_list()[0]):
+        if self.manager.cached_block(hashes[0]) is None and not self._chains_here(parents[0]):
             return 0  # past the first block, each parent is the block before it: held, or taken here
-        taken, block_ids = self.manager.import_run(hashes, run.parent_list(), [tuple(t) for t in run.tokens.tolist()])
+        taken, block_ids = self.manager.import_run(hashes, parents, [tuple(t) for t in run.tokens.tolist()])
         try:
             if taken:
-                rows = _as_slice(taken)
+                rows = as_slice(taken)
                 self.pool.write_block_arrays(block_ids, run.keys[rows], run.values[rows])
             self._keep_state(state)
             return len(taken)
@@ -207,11 +207,6 @@ class BlockTransfer:
 
 def _pieces(block: KVBlockData) -> BlockPieces:
     return BlockPieces(block.block_hash, block.parent_hash, block.token_ids, list(block.keys), list(block.values))
-
-
-def _as_slice(indexes: list[int]) -> slice | list[int]:
-    """Ascending indexes as a slice where they are consecutive (numpy then takes a view, not a copy)."""
-    return slice(indexes[0], indexes[-1] + 1) if indexes[-1] - indexes[0] == len(indexes) - 1 else indexes
 
 
 def _first_wrong_hash(run: BlockRun) -> bytes:

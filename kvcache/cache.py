@@ -135,7 +135,7 @@ class KVCache:
             return self.manager.allocate(seq_id, token_ids)
         if not self.manager.can_allocate(token_ids, keep_watermark=False):
             raise OutOfBlocks(f"sequence {seq_id!r} does not fit in {self.manager.num_available} available blocks")
-        held = self._hold_prefix(token_ids)
+        held = self._hold_prefix(token_ids, self.block_hashes(token_ids))
         try:
             return self.manager.allocate(seq_id, token_ids)
         finally:
@@ -145,14 +145,16 @@ class KVCache:
         """A hybrid model's allocation: the prefix reused up to its last block with a snapshot (in
         memory, or on disk with its blocks), that snapshot restored into a fresh state slot."""
         self.hybrid.check_slot_free(seq_id)
-        held = self._hold_prefix(token_ids) if self.cold is not None else []
+        hashes = self.block_hashes(token_ids)
+        held = self._hold_prefix(token_ids, hashes) if self.cold is not None else []
         try:
-            # the snapshot of the very run the manager will reuse, which stops short of the last token
-            self.hybrid.load_cold_snapshot(self.manager.reusable_run(token_ids))
+            # the snapshot of the very run the manager will reuse (the blocks held), which stops short
+            # of the last token; with no cold tier there is no snapshot on disk to load
+            self.hybrid.load_cold_snapshot(hashes[: len(held)])
             computed = self.manager.allocate(seq_id, token_ids)
         finally:
             self.manager.unpin(held)
-        self.hybrid.resume(seq_id, self.manager.sequence_hashes(seq_id)[: computed // self.block_size])
+        self.hybrid.resume(seq_id, hashes[: computed // self.block_size])
         return computed
 
     def holds_slots(self, seq_id: Hashable, num_tokens: int) -> bool:
@@ -326,9 +328,10 @@ class KVCache:
         if self.hybrid is not None:
             self.hybrid.adopt_recovered(self._disk_blocks)
 
-    def _hold_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Pin the longest reusable prefix, restoring from disk what memory lacks."""
-        hashes = self.block_hashes(token_ids)[: self.manager.max_reusable_blocks(len(token_ids))]
+    def _hold_prefix(self, token_ids: Sequence[int], hashes: Sequence[BlockHash]) -> list[int]:
+        """Pin the longest reusable prefix (`hashes`: its blocks' hashes), restoring from disk what
+        memory lacks."""
+        hashes = hashes[: self.manager.max_reusable_blocks(len(token_ids))]
         held: list[int] = []
         restored: list[tuple[int, KVBlockData]] = []
         try:
@@ -373,17 +376,15 @@ class KVCache:
 
     def _spill(self, block_id: int, block_hash: BlockHash, parent_hash, token_ids) -> None:
         """Eviction hook: copy a cached block to disk before its memory is reused."""
-        on_disk = block_hash in self.cold
         try:
-            if not on_disk:
+            if block_hash not in self.cold:
                 keys, values = self.pool.read_blocks([block_id])
                 self._put_block(block_hash, keys[:, 0], values[:, 0], token_ids, parent_hash)
-                on_disk = block_hash in self.cold
         except _COLD_FAILURES as err:
             log.warning("could not spill block %s to the cold tier: %s", block_hash.hex(), err)
         if self.hybrid is not None:
             try:
-                self.hybrid.spill(block_hash, on_disk)
+                self.hybrid.spill(block_hash, block_hash in self.cold)  # asked after the put, which may have failed
             except _COLD_FAILURES as err:
                 log.warning("could not spill the state snapshot of block %s: %s", block_hash.hex(), err)
 

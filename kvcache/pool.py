@@ -39,9 +39,9 @@ def _as_run(blocks: Sequence[np.ndarray]) -> np.ndarray | None:
     return np.lib.stride_tricks.as_strided(first, (len(blocks), *first.shape), (step, *first.strides), writeable=False)
 
 
-def _as_slice(ids: list[int]) -> slice | np.ndarray:
+def as_slice(ids: list[int]) -> slice | np.ndarray:
     """Consecutive ascending ids (a fresh pool hands them out so) as a slice: numpy copies a slice
-    faster than it scatters through an index array."""
+    faster than it scatters through an index array, and reads one as a view, not a copy."""
     if ids[-1] - ids[0] == len(ids) - 1 and all(b - a == 1 for a, b in zip(ids, ids[1:])):
         return slice(ids[0], ids[-1] + 1)
     return np.asarray(ids)
@@ -129,7 +129,7 @@ class KVPool:
         self._check_block_arrays(keys, values)
         runs = _as_run(keys), _as_run(values)
         if runs[0] is not None and runs[1] is not None:  # equally spaced in one buffer: a copy per layer
-            index = _as_slice(ids)
+            index = as_slice(ids)
             for layer in range(self.geometry.num_layers):
                 views[0][layer][index] = runs[0][:, layer]
                 views[1][layer][index] = runs[1][:, layer]

@@ -86,15 +86,14 @@ def write_headers(
     not full, has a hash or parent that is not 16 bytes, or a token id past uint32: those take
     the per-block writer."""
     layout, n = record_layout(geometry), len(hashes)
-    tokens = _token_array(token_ids, layout.block_size)
-    if tokens is None or not n or any(p is None for p in parents):
+    if not n or any(p is None for p in parents) or not _all_sized(hashes, parents):
         return None
-    hash_bytes, parent_bytes = b"".join(hashes), b"".join(parents)
-    if len(hash_bytes) != n * HASH_SIZE or len(parent_bytes) != n * HASH_SIZE or not _all_sized(hashes, parents):
+    tokens = _token_array(token_ids, layout.block_size)
+    if tokens is None:
         return None
     rows = np.tile(layout.header, (n, 1))
-    rows[:, layout.hash_at : layout.hash_at + HASH_SIZE] = np.frombuffer(hash_bytes, np.uint8).reshape(n, HASH_SIZE)
-    rows[:, layout.parent_at : layout.parent_at + HASH_SIZE] = np.frombuffer(parent_bytes, np.uint8).reshape(n, HASH_SIZE)
+    rows[:, layout.hash_at : layout.hash_at + HASH_SIZE] = np.frombuffer(b"".join(hashes), np.uint8).reshape(n, HASH_SIZE)
+    rows[:, layout.parent_at : layout.parent_at + HASH_SIZE] = np.frombuffer(b"".join(parents), np.uint8).reshape(n, HASH_SIZE)
     token_cells = rows[:, layout.tokens_at : layout.tokens_at + 5 * layout.block_size].reshape(n, layout.block_size, 5)
     token_cells[:, :, 1:] = tokens.astype(">u4").view(np.uint8).reshape(n, layout.block_size, 4)
     flat, width = memoryview(rows.reshape(-1)), rows.shape[1]

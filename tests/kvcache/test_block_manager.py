@@ -409,6 +409,25 @@ def test_import_cached_lists_a_block_as_most_recent_and_refuses_duplicates(make_
     m.free("a")
 
 
+def test_import_run_holds_the_blocks_it_takes_skips_those_cached_and_stops_when_none_is_free(make_manager):
+    m = make_manager(num_blocks=4)
+    tokens = list(range(16))
+    hashes = block_hashes(tokens, BS, ROOT)
+    parents = [ROOT, *hashes[:-1]]
+    chunks = [tuple(tokens[i : i + BS]) for i in range(0, 16, BS)]
+    assert m.import_cached(hashes[1], parents[1], chunks[1]) == 1
+    assert m.pin([hashes[1]]) == [1]
+    m.events.drain()
+    assert m.import_run(hashes, parents, chunks) == ([0, 2], [2, 3])  # index 1 cached; index 3 finds no free block
+    assert refs(m, [1, 2, 3]) == [1, 1, 1]
+    assert (m.num_used, m.num_cached, m.num_free) == (3, 0, 0)
+    assert m.events.drain() == [BlockStored(1, hashes[0], ROOT, chunks[0]), BlockStored(2, hashes[2], hashes[1], chunks[2])]
+    m.unpin([3, 2, 1])
+    assert (m.num_used, m.num_cached) == (0, 3)
+    with pytest.raises(ValueError):
+        m.import_run([b"\x01" * 16], [ROOT], [(0, 0)])
+
+
 def test_snapshot_lists_cached_blocks_parents_first_numbered_at_the_next_event(make_manager):
     m = make_manager()
     tokens = list(range(12))

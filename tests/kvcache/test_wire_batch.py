@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from kvcache.block_transfer import BlockTransfer
 from kvcache.cache import KVCache
 from kvcache.config import CacheConfig
 from kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
@@ -45,7 +46,7 @@ def test_headers_written_at_once_are_the_bytes_the_per_block_writer_writes():
     assert [bytes(h) for h in at_once] == [_block_header(GEOMETRY, b, pack) for b in blocks]
 
 
-@pytest.mark.parametrize("odd", ["partial", "no parent", "token past uint32"])
+@pytest.mark.parametrize("odd", ["partial", "no parent", "token past uint32", "short hash"])
 def test_blocks_not_all_full_and_plain_are_left_to_the_per_block_writer(odd):
     blocks = chain(3)
     hashes, parents, tokens = [b.block_hash for b in blocks], [b.parent_hash for b in blocks], [b.token_ids for b in blocks]
@@ -53,6 +54,8 @@ def test_blocks_not_all_full_and_plain_are_left_to_the_per_block_writer(odd):
         tokens[1] = tokens[1][:3]
     elif odd == "no parent":
         parents[0] = None
+    elif odd == "short hash":
+        hashes[1] = hashes[1][:15]
     else:
         tokens[2] = (1 << 32, 0, 0, 0)
     assert write_headers(GEOMETRY, hashes, parents, tokens) is None
@@ -97,6 +100,15 @@ def test_record_layout_matches_a_written_record():
 # ---- importing a run ----------------------------------------------------------------
 
 
+@pytest.fixture
+def run_imports(monkeypatch) -> list[int]:
+    """Lengths of the runs imported at once: the tests below must take that path, not the per-block one."""
+    seen: list[int] = []
+    real = BlockTransfer._import_run
+    monkeypatch.setattr(BlockTransfer, "_import_run", lambda self, run, state: seen.append(len(run)) or real(self, run, state))
+    return seen
+
+
 def make_cache(num_blocks: int = 12) -> KVCache:
     return KVCache(GEOMETRY, CacheConfig(block_size=4, num_blocks=num_blocks, watermark=0.0))
 
@@ -106,7 +118,7 @@ def read_kv(cache: KVCache, block_hash: bytes) -> tuple[np.ndarray, np.ndarray]:
     return keys[:, 0], values[:, 0]
 
 
-def test_an_imported_run_takes_the_ids_events_and_kv_a_block_by_block_import_takes():
+def test_an_imported_run_takes_the_ids_events_and_kv_a_block_by_block_import_takes(run_imports):
     cache = make_cache()
     blocks = chain(6, root=cache.root)
     by_run, by_block = make_cache(), make_cache()
@@ -116,6 +128,7 @@ def test_an_imported_run_takes_the_ids_events_and_kv_a_block_by_block_import_tak
         c.drain_events()
     run = decode_views(payload(blocks), GEOMETRY)
     assert by_run.import_decoded(run) == by_block.import_decoded(blocks) == 4
+    assert run_imports == [6]
     assert [by_run.manager.cached_block(b.block_hash) for b in blocks] == [by_block.manager.cached_block(b.block_hash) for b in blocks]
     assert by_run.drain_events() == by_block.drain_events()
     assert by_run.manager.stats() == by_block.manager.stats()
@@ -124,24 +137,25 @@ def test_an_imported_run_takes_the_ids_events_and_kv_a_block_by_block_import_tak
         assert np.array_equal(ours[0], block.keys) and np.array_equal(ours[1], block.values)
 
 
-def test_a_run_with_one_forged_block_is_refused_whole():
+def test_a_run_with_one_forged_block_is_refused_whole(run_imports):
     cache = make_cache()
     blocks = chain(4, root=cache.root)
     blocks[2] = KVBlockData(blocks[2].block_hash, blocks[2].parent_hash, (9, 9, 9, 9), blocks[2].keys, blocks[2].values)
     with pytest.raises(IncompatibleKVPayload, match=blocks[2].block_hash.hex()):
         cache.import_decoded(decode_views(payload(blocks), GEOMETRY))
-    assert cache.manager.num_cached == 0
+    assert cache.manager.num_cached == 0 and run_imports == [4]
 
 
-def test_a_run_whose_first_parent_is_not_held_imports_nothing():
+def test_a_run_whose_first_parent_is_not_held_imports_nothing(run_imports):
     cache = make_cache()
     blocks = chain(4, root=cache.root)
     assert cache.import_decoded(decode_views(payload(blocks[1:]), GEOMETRY)) == 0
-    assert cache.manager.num_cached == 0
+    assert cache.manager.num_cached == 0 and run_imports == [3]
 
 
-def test_a_run_stops_where_the_pool_has_no_free_block():
+def test_a_run_stops_where_the_pool_has_no_free_block(run_imports):
     cache = make_cache(num_blocks=4)  # three usable blocks
     blocks = chain(5, root=cache.root)
     assert cache.import_decoded(decode_views(payload(blocks), GEOMETRY)) == 3
     assert [cache.manager.cached_block(b.block_hash) is not None for b in blocks] == [True, True, True, False, False]
+    assert run_imports == [5]

@@ -111,3 +111,18 @@ def test_a_block_aligned_prompt_resumes_from_an_earlier_snapshot_on_disk(hybrid,
     again = run(engine, [answered[:20]], prefix="c")
     assert again[0][0].num_cached_tokens == 12
     assert_matches_mlx_lm(model, [answered[:20]], again)
+
+
+def test_a_snapshot_read_back_from_disk_is_not_written_again_when_its_block_leaves(hybrid, tmp_path, monkeypatch):
+    folder, _ = hybrid
+    engine = cold_engine(folder, tmp_path / "cold")
+    first = spill_first_prompt(engine)
+    boundary = engine.kv.block_hashes(first)[-1]
+    run(engine, [first], prefix="c")  # reads it back from disk, where it stays
+    store = engine.kv.cold_states
+    assert boundary in engine.kv.snapshots and boundary in store
+    written, real_put = [], store.put
+    monkeypatch.setattr(store, "put", lambda key, arrays: written.append(key) or real_put(key, arrays))
+    run(engine, prompts(engine.model.vocab_size, [36], offset=80), prefix="d")  # its blocks leave memory again
+    assert boundary not in engine.kv.snapshots and boundary in store
+    assert boundary not in written

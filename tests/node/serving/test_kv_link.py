@@ -277,3 +277,28 @@ def test_the_senders_buffer_grows_as_far_as_the_kernel_allows_and_a_refusal_is_n
     refusing = Refusing()
     kv_link._grow_send_buffer(refusing, 8 << 20)
     assert refusing.asked == [8 << 20, 4 << 20, 2 << 20, 1 << 20]
+
+
+def test_pieces_the_kernel_takes_in_part_are_sent_whole_and_in_order():
+    """A send that takes a few bytes at a time (a full socket buffer) resumes inside the piece it
+    cut, across more pieces than one scatter-gather call sends."""
+
+    class Trickle:
+        def __init__(self):
+            self.got, self.calls = bytearray(), 0
+
+        def sendmsg(self, buffers):
+            self.calls += 1
+            taken = b"".join(bytes(b) for b in buffers)[: 7 + self.calls % 5]
+            self.got += taken
+            return len(taken)
+
+    pieces = [bytes([i % 251]) * (1 + i % 9) if i % 2 else memoryview(bytes(range(i % 13, i % 13 + 6))) for i in range(1200)]
+    sock = Trickle()
+    kv_link._send_pieces(sock, pieces)
+    assert bytes(sock.got) == b"".join(bytes(p) for p in pieces)
+    batches = []
+    whole = Trickle()
+    whole.sendmsg = lambda buffers: batches.append(len(buffers)) or sum(map(len, buffers))  # takes every batch whole
+    kv_link._send_pieces(whole, pieces)
+    assert batches == [kv_link._MAX_PIECES, kv_link._MAX_PIECES, 1200 - 2 * kv_link._MAX_PIECES]
