@@ -266,6 +266,14 @@ class BlockManager:
             pinned.append(block_id)
         return pinned
 
+    def hold_cached(self, hashes: Sequence[BlockHash]) -> list[int]:
+        """Hold (ref +1) every block of `hashes` cached here, wherever it stands in the run, so that
+        taking free blocks for the rest of the run cannot evict them; `unpin` the ids returned."""
+        held = [self._cached[h] for h in hashes if h in self._cached]
+        for block_id in held:
+            self._acquire(self._blocks[block_id])
+        return held
+
     def unpin(self, block_ids: Sequence[int]) -> None:
         for block_id in block_ids:
             if self._blocks[block_id].ref_count == 0:

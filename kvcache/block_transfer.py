@@ -95,6 +95,15 @@ class BlockTransfer:
         """Cache decoded blocks (`decode_payload`, `decode_payload_views`) not held yet, in chain
         order; a hybrid model's `state` (the snapshot after the last block) is stored with them."""
         check_state_fits(self.state_geometry, blocks, state)
+        # The run's blocks already here are held meanwhile: a free block taken for a later one
+        # would otherwise evict one of them and leave what follows unreachable.
+        held = self.manager.hold_cached(blocks.hash_list() if isinstance(blocks, BlockRun) else [b.block_hash for b in blocks])
+        try:
+            return self._import_blocks(blocks, state)
+        finally:
+            self.manager.unpin(held)
+
+    def _import_blocks(self, blocks: Sequence[KVBlockData], state: StateSnapshotData | None) -> int:
         if isinstance(blocks, BlockRun) and len(blocks) and blocks.is_chained():
             return self._import_run(blocks, state)
         for block in blocks:

@@ -159,3 +159,16 @@ def test_a_run_stops_where_the_pool_has_no_free_block(run_imports):
     assert cache.import_decoded(decode_views(payload(blocks), GEOMETRY)) == 3
     assert [cache.manager.cached_block(b.block_hash) is not None for b in blocks] == [True, True, True, False, False]
     assert run_imports == [5]
+
+
+@pytest.mark.parametrize("form", ["run", "blocks"])
+def test_importing_a_run_never_evicts_its_own_blocks_already_here(form):
+    """With the pool full, the blocks of the run already cached stay; the import stops short instead
+    of evicting one of them and leaving the blocks after it unreachable."""
+    cache = make_cache(num_blocks=4)
+    blocks = chain(4, root=cache.root)
+    cache.import_decoded(blocks[:2])
+    imported = cache.import_decoded(decode_views(payload(blocks), GEOMETRY) if form == "run" else blocks)
+    cached = [cache.manager.cached_block(b.block_hash) is not None for b in blocks]
+    assert (imported, cached) == (1, [True, True, True, False])
+    assert cache.manager.num_used == 0  # nothing stays held
