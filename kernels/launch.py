@@ -14,7 +14,7 @@ from functools import cache
 import mlx.core as mx
 import numpy as np
 
-from kernels import source
+from kernels import mma_decode_source, source
 from kernels.errors import UnsupportedAttentionShape
 from kernels.variants import PLAIN, LayerAttention, LayerInputs, layer_inputs
 
@@ -39,6 +39,7 @@ class KernelTuning:
     target_threadgroups: int = 512  # below this many, partitions shrink (B=64, T=512 measured faster unsplit)
     reduce_threads: int = 128
     max_per_lane: int = 8  # elements of a row per lane: more means fewer shuffles, more registers
+    tensor_cores: bool = True  # CUDA, half pools: the MMA loop (kernels/mma_decode_source.py) where it applies
 
 
 @dataclass(frozen=True)
@@ -120,11 +121,20 @@ class PagedDecodeKernels:
         self.tuning = tuning
 
     @cache  # noqa: B019 -- one instance per dialect lives as long as the process
-    def _decode_kernel(self, partitioned: bool):
-        header, body = source.render_decode(self.dialect, partitioned)
+    def _decode_kernel(self, partitioned: bool, tensor_cores: bool = False):
+        if tensor_cores:
+            header, body = mma_decode_source.render(partitioned)
+        else:
+            header, body = source.render_decode(self.dialect, partitioned)
         outputs = source.PARTITION_OUTPUTS if partitioned else source.SINGLE_OUTPUTS
-        name = "orchard_paged_decode_split" if partitioned else "orchard_paged_decode"
+        name = "orchard_paged_decode" + ("_mma" if tensor_cores else "") + ("_split" if partitioned else "")
         return self.compile_kernel(name, source.DECODE_INPUTS, outputs, header, body)
+
+    def uses_tensor_cores(self, plan: DecodePlan, tuning: KernelTuning, num_heads: int, num_kv_heads: int,
+                          head_dim: int, dtype) -> bool:
+        """Whether a launch runs the MMA loop: CUDA, asked for, and a shape it serves."""
+        return (self.dialect == "cuda" and tuning.tensor_cores
+                and mma_decode_source.supports(head_dim, num_heads // num_kv_heads, plan.heads_per_tile, dtype.size))
 
     @cache  # noqa: B019 -- one instance per dialect lives as long as the process
     def _reduce_kernel(self):
@@ -162,7 +172,8 @@ class PagedDecodeKernels:
             ("UNROLL", tuning.unroll), *layer.template,
         ]
         grid = (plan.num_partitions * tuning.threads, num_kv_heads * (num_heads // num_kv_heads // plan.heads_per_tile), num_seqs)
-        kernel = self._decode_kernel(plan.partitioned)
+        kernel = self._decode_kernel(plan.partitioned,
+                                     self.uses_tensor_cores(plan, tuning, num_heads, num_kv_heads, head_dim, key_cache.dtype))
         if not plan.partitioned:
             (out,) = kernel(
                 inputs=inputs, template=template, grid=grid, threadgroup=(tuning.threads, 1, 1),

@@ -129,12 +129,10 @@ METAL_REDUCE_PROLOGUE = """
   const int seq = int(threadgroup_position_in_grid.y);
 """
 
-DECODE_BODY = r"""
+# What every decode body shares: names, the threadgroup's shared partial states, its KV head and range.
+DECODE_SETUP = r"""
   constexpr int WARP = 32;
   constexpr int NUM_WARPS = NUM_THREADS / WARP;
-  constexpr int PER_LANE = HEAD_DIM / LANES;
-  constexpr int TOKENS_PER_WARP = WARP / LANES;
-  constexpr int TOKENS_PER_STEP = NUM_WARPS * TOKENS_PER_WARP * UNROLL;
   constexpr int NUM_HEADS = NUM_KV_HEADS * GROUP;
   constexpr int TILES_PER_KV = GROUP / HEADS_PER_TILE;
   constexpr float NEG_BIG = -1.0e30f;
@@ -144,8 +142,6 @@ DECODE_BODY = r"""
 
   const int warp = tid / WARP;
   const int lane = tid % WARP;
-  const int slot_in_warp = lane / LANES;
-  const int lane_in_token = lane % LANES;
   const int kv_head = head_tile / TILES_PER_KV;
   const int first_head = kv_head * GROUP + (head_tile % TILES_PER_KV) * HEADS_PER_TILE;
   const int max_blocks = dims[0];
@@ -154,6 +150,14 @@ DECODE_BODY = r"""
   const int kv_window = WINDOWED ? window[0] : 0;
   const int kv_first = (kv_window > 0 && context_len > kv_window) ? context_len - kv_window : 0;
   @RANGE@
+"""
+
+# The SIMT loop: LANES threads a token, UNROLL tokens a step, one online softmax per head and lane.
+DECODE_SIMT_LOOP = r"""  constexpr int PER_LANE = HEAD_DIM / LANES;
+  constexpr int TOKENS_PER_WARP = WARP / LANES;
+  constexpr int TOKENS_PER_STEP = NUM_WARPS * TOKENS_PER_WARP * UNROLL;
+  const int slot_in_warp = lane / LANES;
+  const int lane_in_token = lane % LANES;
 
   float q[HEADS_PER_TILE][PER_LANE];
   float run_max[HEADS_PER_TILE];
@@ -255,7 +259,10 @@ DECODE_BODY = r"""
       }
     }
   }
-  BARRIER();
+"""
+
+# Every warp has left its per-head max, sum and weighted V in shared memory: merge them and write.
+DECODE_MERGE = r"""  BARRIER();
 
   for (int idx = tid; idx < HEADS_PER_TILE * HEAD_DIM; idx += NUM_THREADS) {
     const int g = idx / HEAD_DIM;
@@ -276,6 +283,8 @@ DECODE_BODY = r"""
     @WRITE@
   }
 """
+
+DECODE_BODY = DECODE_SETUP + DECODE_SIMT_LOOP + DECODE_MERGE
 
 SINGLE_RANGE = """const int start = kv_first;
   const int end = context_len;"""
@@ -650,10 +659,11 @@ def _field_count(name: str, fields: tuple) -> str:
     return f"  constexpr int {name} = {len(fields)};\n"
 
 
-def render_decode(dialect: str, partitioned: bool) -> tuple[str, str]:
-    """(header, body) of the decode kernel; the partitioned variant writes per-partition states."""
+def render_decode(dialect: str, partitioned: bool, body: str = DECODE_BODY) -> tuple[str, str]:
+    """(header, body) of the decode kernel; the partitioned variant writes per-partition states.
+    `body` is DECODE_BODY or another loop between DECODE_SETUP and DECODE_MERGE (kernels/mma_decode_source.py)."""
     header, prologue, _ = DIALECTS[dialect]
-    body = DECODE_BODY.replace("@RANGE@", PARTITION_RANGE if partitioned else SINGLE_RANGE)
+    body = body.replace("@RANGE@", PARTITION_RANGE if partitioned else SINGLE_RANGE)
     body = body.replace("@WRITE@", PARTITION_WRITE if partitioned else SINGLE_WRITE)
     return header, prologue + body
 

@@ -133,9 +133,10 @@ def sweep_rows(context: int, iters: int) -> list[Row]:
     rows = []
     default = dispatch.decode_function("cuda")
     problem = Problem(batch=64, num_heads=32, num_kv_heads=8, head_dim=128, context=context, dtype="float16")
-    variants = [dict(threads=t, unroll=u) for t in (64, 128) for u in (4, 6, 8)]
+    variants = [dict(tensor_cores=False), dict(tensor_cores=False, threads=64)]  # the SIMT loop
+    variants += [dict(threads=t) for t in (64, 256)]
     variants += [dict(partition_size=p, min_partition_size=p) for p in (512, 2048)]
-    variants += [dict(max_per_lane=16, unroll=2), dict(target_threadgroups=4096)]
+    variants += [dict(target_threadgroups=t) for t in (1024, 4096)]
     for variant in variants:
         default.tuning = launch.KernelTuning(**variant)
         label = "cuda " + " ".join(f"{''.join(w[0] for w in k.split('_'))}={v}" for k, v in variant.items())

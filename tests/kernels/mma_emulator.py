@@ -13,7 +13,7 @@ import ctypes
 
 import numpy as np
 
-from kernels import mma_source, source
+from kernels import mma_decode_source, mma_source, source
 from tests.kernels import emulator
 from tests.kernels.paged_case import PLAIN, Rules
 
@@ -162,3 +162,81 @@ def run_mma_varlen(library: ctypes.CDLL, plan, queries, key_cache, value_cache, 
                                  ctypes.c_int(num_heads), ctypes.c_int(split_rows.shape[0]))
         result[split_rows[:, 0]] = from_bf16_bits(to_bf16_bits(merged))
     return result
+
+
+EMU_MMA_DECODE_HEADER = r"""
+static float emu_shfl(float value, int src_lane) {
+  const int warp = emu_tid / 32;
+  emu_exchange[emu_tid] = value;
+  emu_warp_barriers[warp]->arrive_and_wait();
+  const float other = emu_exchange[warp * 32 + src_lane];
+  emu_warp_barriers[warp]->arrive_and_wait();
+  return other;
+}
+#define SIMD_SHFL(value, src_lane) emu_shfl((value), (src_lane))
+
+template <typename U>
+static void load_words(const U* src, unsigned int* dst) { std::memcpy(dst, src, 16); }
+static unsigned int low_halves(unsigned int a, unsigned int b) { return (a & 0xffffu) | (b << 16); }
+static unsigned int high_halves(unsigned int a, unsigned int b) { return (a >> 16) | (b & 0xffff0000u); }
+"""
+
+
+def mma_decode_text(constants: dict) -> str:
+    """The tensor-core decode kernel (single pass and split) and the partition merge, constants baked in."""
+    single, split = (mma_decode_source.render(p)[1].replace(source.CUDA_DECODE_PROLOGUE, emulator.DECODE_PROLOGUE)
+                     for p in (False, True))
+    consts = emulator._constants({k: v for k, v in constants.items() if k != "PARTITION"})
+    reduce_consts = emulator._constants({
+        "HEAD_DIM": constants["HEAD_DIM"], "NUM_HEADS": constants["NUM_KV_HEADS"] * constants["GROUP"],
+        "NUM_THREADS": constants["NUM_THREADS"],
+    })
+    args = MMA_ARGS.replace("const int* units", "const int* context_lens")
+    call = "queries, key_cache, value_cache, block_tables, context_lens, scale, dims, window, sinks"
+    return emulator.EMU_HEADER + EMU_MMA_HEADER + EMU_MMA_DECODE_HEADER + f"""
+static void decode_single({args}, EmuBf16* out) {{
+  using T = EmuBf16;
+{consts}{single}
+}}
+static void decode_split({args}, float* part_out, float* part_max, float* part_sum) {{
+  using T = EmuBf16;
+{consts}{split}
+}}
+static void merge(const float* part_out, const float* part_max, const float* part_sum,
+                  const int* context_lens, const int* dims, const int* window, const float* sinks, float* out) {{
+  using T = float;
+{reduce_consts}{emulator.REDUCE_PROLOGUE}{source.REDUCE_BODY}
+}}
+extern "C" void run_single({args}, EmuBf16* out, int gx, int gy, int gz) {{
+  emu_launch(gx, gy, gz, {constants["NUM_THREADS"]}, [=] {{ decode_single({call}, out); }});
+}}
+extern "C" void run_split({args}, float* part_out, float* part_max, float* part_sum, float* out,
+                          int gx, int gy, int gz, int heads) {{
+  emu_launch(gx, gy, gz, {constants["NUM_THREADS"]}, [=] {{ decode_split({call}, part_out, part_max, part_sum); }});
+  emu_launch(heads, gz, 1, {constants["NUM_THREADS"]}, [=] {{
+    merge(part_out, part_max, part_sum, context_lens, dims, window, sinks, out); }});
+}}
+"""
+
+
+def run_mma_decode(library: ctypes.CDLL, constants: dict, queries, key_cache, value_cache, block_tables, context_lens,
+                   scale: float, num_partitions: int, rules: Rules = PLAIN) -> np.ndarray:
+    """Launch as kernels/launch.py does (grid: partitions, KV heads, sequences), bfloat16 storage."""
+    num_seqs, num_heads, head_dim = queries.shape
+    halves = [to_bf16_bits(a) for a in (queries, key_cache, value_cache)]
+    ints = [np.ascontiguousarray(block_tables, dtype=np.int32), np.ascontiguousarray(context_lens, dtype=np.int32)]
+    dims = np.array([block_tables.shape[1], num_partitions, constants["PARTITION"]], dtype=np.int32)
+    extras = [emulator.scale_array(scale, rules), dims, *emulator.layer_arrays(rules, num_heads)]
+    grid = [ctypes.c_int(v) for v in (num_partitions, num_heads // constants["HEADS_PER_TILE"], num_seqs)]
+    ptr = emulator._ptr
+    if num_partitions == 1:
+        out = np.full((num_seqs, num_heads, head_dim), 0x7fc0, dtype=np.uint16)  # NaN until written
+        library.run_single(*map(ptr, halves + ints + extras), ptr(out), *grid)
+        return from_bf16_bits(out)
+    part_out = np.full((num_seqs, num_heads, num_partitions, head_dim), np.nan, dtype=np.float32)
+    part_max = np.full((num_seqs, num_heads, num_partitions), np.nan, dtype=np.float32)
+    part_sum = np.full_like(part_max, np.nan)
+    out = np.full((num_seqs, num_heads, head_dim), np.nan, dtype=np.float32)
+    library.run_split(*map(ptr, halves + ints + extras), ptr(part_out), ptr(part_max), ptr(part_sum), ptr(out),
+                      *grid, ctypes.c_int(num_heads))
+    return out

@@ -1,0 +1,236 @@
+"""The paged decode kernel on NVIDIA's tensor cores: a GQA group's scores and outputs in `mma.sync`.
+
+Why a second decode loop: the SIMT loop (kernels/source.py) spends most of a token on
+arithmetic, not on its loads: 16 lanes share a key row, so every query head's score costs
+4 shuffle rounds a token, and the rows it keeps in flight are capped by 128 registers a
+thread (docs/benchmarks.md, "Paged decode kernel, still missed"). Here one m16n8k16 MMA
+computes 8 keys x 16 dims of every head of the group at once, and K and V go from global
+memory straight into MMA fragments, without shared memory or shuffles.
+
+It shares the SIMT loop's setup, grid, inputs, partition states and final merge
+(DECODE_SETUP and DECODE_MERGE), so the launcher only picks which text to compile. Each
+warp takes 16 keys a step (warps interleave their tiles) and keeps an online softmax per
+query head:
+- S = Q K^T, rows = the group's query heads (up to 8 of the MMA's 16 rows), columns = 8
+  keys. A lane holds B = K^T's fragment for key `group_id`; which head dims each fragment
+  register holds is a permutation of our choosing (a dot product does not care), picked so
+  that a lane's K slice is 16-byte vectors and 4 lanes read a key's 64 contiguous bytes at
+  once. Q's fragments use the same permutation, loaded once.
+- O^T = V^T P^T, rows = head dims, columns = query heads: P's fragment is exactly S's
+  accumulator registers packed to half (FlashAttention-2's reuse, with keys as the inner
+  dimension), and V's fragment pairs two keys' elements of one dim, which a lane builds from
+  its own 16-byte loads of four keys (8 lanes read a key's row, 128 contiguous bytes).
+  Rescaling O^T by a head's correction takes two lane broadcasts a step.
+Keys past the range are neither loaded nor weighted, so a NaN in an unused pool slot never
+reaches an MMA. Half pools only (fp16 or bf16); head dims of 64 and 128; groups of at most
+8 query heads a KV head, the whole group in one threadgroup. Everything else keeps the SIMT
+loop.
+"""
+
+from __future__ import annotations
+
+from kernels import mma_source, source
+
+#: most query heads one KV head's group may have here: the columns of one O^T MMA tile
+MAX_GROUP = 8
+
+MMA_DECODE_HEADER = mma_source.MMA_HEADER + r"""
+#define SIMD_SHFL(value, src_lane) __shfl_sync(0xffffffffu, (value), (src_lane))
+
+// Sixteen bytes of a row as four 32-bit fragment words, in one vector load (rows are 16-byte aligned).
+template <typename U>
+__device__ __forceinline__ void load_words(const U* src, unsigned int* dst) {
+  const uint4 v = *reinterpret_cast<const uint4*>(src);
+  dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+}
+
+// The low (high) halves of two words as one word: element e of key a beside element e of key b.
+__device__ __forceinline__ unsigned int low_halves(unsigned int a, unsigned int b) { return (a & 0xffffu) | (b << 16); }
+__device__ __forceinline__ unsigned int high_halves(unsigned int a, unsigned int b) { return (a >> 16) | (b & 0xffff0000u); }
+"""
+
+MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
+  constexpr int K_WORDS = HEAD_DIM / 8;  // words of a key row this lane holds (4 lanes a key)
+  constexpr int V_WORDS = HEAD_DIM / 16;  // words of a value row this lane holds (8 lanes a key)
+  constexpr int K_STEPS = HEAD_DIM / 16;
+  constexpr int D_TILES = HEAD_DIM / 16;  // O^T's row tiles
+  constexpr float MASKED = -2.0e30f;  // below any running max: exp2(MASKED - max) is 0
+  const int group_id = lane / 4;
+  const int in_group = lane % 4;
+  const bool head_live = group_id < HEADS_PER_TILE;
+  const float softmax_scale = scale[0] * 1.4426950408889634f;
+  const float softcap = scale[1];
+
+  // Word w of a lane's K slice holds dims (w / 4) * 32 + in_group * 8 + (w % 4) * 2 and the next;
+  // k-step s reads words 2s (fragment register 0) and 2s + 1 (register 1), for Q and K alike.
+  unsigned int qw[K_WORDS];
+  #pragma unroll
+  for (int c = 0; c < HEAD_DIM / 32; ++c) {
+    const size_t q_at = (size_t(seq) * NUM_HEADS + first_head + group_id) * HEAD_DIM + c * 32 + in_group * 8;
+    if (head_live) {
+      load_words(queries + q_at, qw + 4 * c);
+    } else {
+      #pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        qw[4 * c + w] = 0u;
+      }
+    }
+  }
+  float o[D_TILES][4];
+  #pragma unroll
+  for (int i = 0; i < D_TILES; ++i) {
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      o[i][e] = 0.0f;
+    }
+  }
+  float run_max = NEG_BIG;
+  float run_sum = 0.0f;  // this lane's keys only; the group's four lanes add up at the end
+
+  const auto table = block_tables + size_t(seq) * max_blocks;
+  const size_t head_offset = size_t(kv_head) * HEAD_DIM;
+  constexpr int SLOT_STRIDE = NUM_KV_HEADS * HEAD_DIM;
+  for (int base = start + warp * KEY_TILE; base < end; base += NUM_WARPS * KEY_TILE) {
+    // K: keys base + group_id and base + 8 + group_id. V: keys base + {0, 1, 8, 9} + 2 * in_group,
+    // whose word w holds dims (w / 4) * 64 + group_id * 8 + (w % 4) * 2 and the next.
+    unsigned int kw[2][K_WORDS];
+    unsigned int vw[4][V_WORDS];
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int t = base + h * 8 + group_id;
+      // positions past the range are not looked up: the table may end there
+      const size_t row = t < end ? (size_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE) * SLOT_STRIDE + head_offset : 0;
+      #pragma unroll
+      for (int c = 0; c < HEAD_DIM / 32; ++c) {
+        if (t < end) {
+          load_words(key_cache + row + c * 32 + in_group * 8, kw[h] + 4 * c);
+        } else {
+          #pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            kw[h][4 * c + w] = 0u;
+          }
+        }
+      }
+    }
+    #pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int t = base + (j / 2) * 8 + 2 * in_group + j % 2;
+      // positions past the range are not looked up: the table may end there
+      const size_t row = t < end ? (size_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE) * SLOT_STRIDE + head_offset : 0;
+      #pragma unroll
+      for (int c = 0; c < HEAD_DIM / 64; ++c) {
+        if (t < end) {
+          load_words(value_cache + row + c * 64 + group_id * 8, vw[j] + 4 * c);
+        } else {
+          #pragma unroll
+          for (int w = 0; w < 4; ++w) {
+            vw[j][4 * c + w] = 0u;
+          }
+        }
+      }
+    }
+
+    float s[2][4];
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[h][e] = 0.0f;
+      }
+      #pragma unroll
+      for (int ks = 0; ks < K_STEPS; ++ks) {
+        const unsigned int a[4] = {qw[2 * ks], 0u, qw[2 * ks + 1], 0u};
+        const unsigned int b[2] = {kw[h][2 * ks], kw[h][2 * ks + 1]};
+        MmaTile<T>::run(s[h], a, b);
+      }
+    }
+
+    // This lane's scores: head group_id, keys base + h * 8 + 2 * in_group + e.
+    float tile_max = NEG_BIG;
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v = s[h][e] * softmax_scale;
+        if (SOFTCAP && softcap > 0.0f) {
+          v = softcap * FTANH(v / softcap);
+        }
+        v = base + h * 8 + 2 * in_group + e < end ? v : MASKED;
+        s[h][e] = v;
+        tile_max = v > tile_max ? v : tile_max;
+      }
+    }
+    #pragma unroll
+    for (int mask = 1; mask < 4; mask *= 2) {
+      const float other = SIMD_XOR(tile_max, mask);
+      tile_max = other > tile_max ? other : tile_max;
+    }
+    const float new_max = tile_max > run_max ? tile_max : run_max;
+    const float correction = FEXP2(run_max - new_max);
+    float tile_sum = 0.0f;
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        s[h][e] = FEXP2(s[h][e] - new_max);
+        tile_sum += s[h][e];
+      }
+    }
+    run_sum = run_sum * correction + tile_sum;
+    run_max = new_max;
+
+    // O^T's columns in this lane are heads 2 * in_group and 2 * in_group + 1: their corrections
+    // live in the lanes of groups 2 * in_group and 2 * in_group + 1.
+    const float keep_lo = SIMD_SHFL(correction, 8 * in_group);
+    const float keep_hi = SIMD_SHFL(correction, 8 * in_group + 4);
+    const unsigned int pb[2] = {pack_floats<T>(s[0][0], s[0][1]), pack_floats<T>(s[1][0], s[1][1])};
+    #pragma unroll
+    for (int i = 0; i < D_TILES; ++i) {
+      o[i][0] *= keep_lo;
+      o[i][1] *= keep_hi;
+      o[i][2] *= keep_lo;
+      o[i][3] *= keep_hi;
+      // Row group_id of tile i is element i of this lane's V slice, row group_id + 8 element D_TILES + i.
+      constexpr int HI = D_TILES;
+      const unsigned int a[4] = {
+          (i % 2) ? high_halves(vw[0][i / 2], vw[1][i / 2]) : low_halves(vw[0][i / 2], vw[1][i / 2]),
+          ((HI + i) % 2) ? high_halves(vw[0][(HI + i) / 2], vw[1][(HI + i) / 2]) : low_halves(vw[0][(HI + i) / 2], vw[1][(HI + i) / 2]),
+          (i % 2) ? high_halves(vw[2][i / 2], vw[3][i / 2]) : low_halves(vw[2][i / 2], vw[3][i / 2]),
+          ((HI + i) % 2) ? high_halves(vw[2][(HI + i) / 2], vw[3][(HI + i) / 2]) : low_halves(vw[2][(HI + i) / 2], vw[3][(HI + i) / 2]),
+      };
+      MmaTile<T>::run(o[i], a, pb);
+    }
+  }
+
+  run_sum += SIMD_XOR(run_sum, 1);
+  run_sum += SIMD_XOR(run_sum, 2);
+  if (head_live && in_group == 0) {
+    warp_max[warp][group_id] = run_max;
+    warp_sum[warp][group_id] = run_sum;
+  }
+  // Element e of this lane's V slice is dim (e / 8) * 64 + group_id * 8 + e % 8.
+  #pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const int head = 2 * in_group + c;
+    if (head < HEADS_PER_TILE) {
+      #pragma unroll
+      for (int i = 0; i < D_TILES; ++i) {
+        const int lo = i, hi = D_TILES + i;
+        warp_acc[warp][head][(lo / 8) * 64 + group_id * 8 + lo % 8] = o[i][c];
+        warp_acc[warp][head][(hi / 8) * 64 + group_id * 8 + hi % 8] = o[i][2 + c];
+      }
+    }
+  }
+"""
+
+
+def supports(head_dim: int, group: int, heads_per_tile: int, itemsize: int) -> bool:
+    """Whether this loop serves a layer: half pools, head dims of 64 or 128, a whole group of at most 8 heads
+    in one threadgroup (the launcher's plan decides heads_per_tile)."""
+    return itemsize == 2 and head_dim in (64, 128) and heads_per_tile == group <= MAX_GROUP
+
+
+def render(partitioned: bool) -> tuple[str, str]:
+    """(header, body) of the tensor-core decode kernel, CUDA only; partition states as the SIMT kernel's."""
+    _, body = source.render_decode("cuda", partitioned, source.DECODE_SETUP + MMA_DECODE_LOOP + source.DECODE_MERGE)
+    return MMA_DECODE_HEADER, body

@@ -1,0 +1,101 @@
+"""The tensor-core decode loop (kernels/mma_decode_source.py): where it runs, and its text on the CPU emulator.
+
+The emulator runs the CUDA text with `mma.sync` emulated from the PTX fragment layouts in
+bfloat16 (tests/kernels/mma_emulator.py), so the fragment permutations, the lane broadcasts
+of the corrections and the masking of positions past a range are checked without a GPU;
+on the H200 the same text runs against the float64 oracle in tests/kernels/test_paged_attention.py.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kernels import launch, mma_decode_source, source
+from tests.kernels import emulator
+from tests.kernels.paged_case import PLAIN, Rules, assert_close, make_paged_case, oracle_decode, random_stored, to_float64
+
+# (num_kv_heads, group, head_dim, block_size, partition, threads): Llama 3 8B's group and width, a 3-head
+# group (Llama 3.2 3B), multi-head attention, a full 8-head group with 32-token blocks.
+EMULATED = [
+    (2, 4, 128, 16, 64, 64),
+    (1, 3, 64, 16, 64, 64),
+    (2, 1, 64, 16, 96, 64),
+    (1, 8, 128, 32, 64, 32),
+]
+
+
+@pytest.fixture(scope="module")
+def libraries(tmp_path_factory):
+    if emulator.COMPILER is None:
+        pytest.skip("no g++ to build the CPU emulator of the kernel body")
+    workdir = tmp_path_factory.mktemp("emu-mma-decode")
+    from tests.kernels import mma_emulator
+
+    return {config: emulator.compile_library(mma_emulator.mma_decode_text(constants_of(config)), workdir)
+            for config in EMULATED}
+
+
+def constants_of(config) -> dict:
+    num_kv_heads, group, head_dim, block_size, partition, threads = config
+    return dict(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEADS_PER_TILE=group,
+                LANES=16, NUM_THREADS=threads, UNROLL=4, PARTITION=partition)
+
+
+def run_case(libraries, config, lengths, split: bool, rules: Rules = PLAIN, scale: float = 0.11):
+    from tests.kernels import mma_emulator
+
+    constants = constants_of(config)
+    rng = np.random.default_rng(len(lengths) * 7 + config[1])
+    case = make_paged_case(rng, lengths, constants["NUM_KV_HEADS"], constants["HEAD_DIM"], constants["BLOCK_SIZE"], "bfloat16")
+    num_heads = constants["NUM_KV_HEADS"] * constants["GROUP"]
+    queries = random_stored(rng, (len(lengths), num_heads, constants["HEAD_DIM"]), "bfloat16")
+    partitions = -(-max(lengths) // constants["PARTITION"]) if split else 1
+    out = mma_emulator.run_mma_decode(libraries[config], constants, to_float64(queries), case.keys64, case.values64,
+                                      case.block_tables, case.context_lens, scale, partitions, rules)
+    return out, oracle_decode(case, queries, scale, rules)
+
+
+@pytest.mark.parametrize("config", EMULATED)
+@pytest.mark.parametrize("split", [False, True])
+def test_tensor_core_decode_on_cpu_emulator_matches_float64_oracle(libraries, config, split):
+    # contexts of 1, a whole block, one past it, one past a partition, and one ending mid-tile
+    lengths = [1, config[3], config[3] + 1, config[4] + 5, 123]
+    out, expected = run_case(libraries, config, lengths, split)
+    assert np.isfinite(out).all(), "a NaN-poisoned slot or an unwritten row reached the output"
+    assert_close(mx.array(out), expected, "bfloat16")
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_tensor_core_decode_applies_window_soft_cap_and_sinks(libraries, split):
+    config = EMULATED[0]
+    heads = config[0] * config[1]
+    rules = Rules(window=37, softcap=5.0, sinks=np.linspace(-1.0, 2.0, heads))
+    out, expected = run_case(libraries, config, [5, 40, 150], split, rules)
+    assert_close(mx.array(out), expected, "bfloat16")
+
+
+def test_tensor_core_loop_shares_the_simt_kernels_setup_and_merge():
+    for partitioned in (False, True):
+        body = mma_decode_source.render(partitioned)[1]
+        simt = source.render_decode("cuda", partitioned)[1]
+        merge = source.DECODE_MERGE.replace("@WRITE@", source.PARTITION_WRITE if partitioned else source.SINGLE_WRITE)
+        assert merge in body and merge in simt
+        assert mma_decode_source.MMA_DECODE_LOOP in body and source.DECODE_SIMT_LOOP not in body
+
+
+@pytest.mark.parametrize("group,head_dim,dtype,expected", [
+    (4, 128, mx.bfloat16, True), (8, 64, mx.float16, True), (1, 128, mx.float16, True),
+    (4, 128, mx.float32, False),  # float32 pools keep the SIMT loop
+    (16, 128, mx.float16, False),  # more heads than one MMA tile's columns
+    (4, 80, mx.float16, False),  # not a head dim the fragments are laid out for
+])
+def test_cuda_launches_the_tensor_core_loop_only_where_it_applies(group, head_dim, dtype, expected):
+    tuning = launch.KernelTuning()
+    plan = launch.plan_decode(8, 8 * group, 8, head_dim, 4096, tuning)
+    kernels = {dialect: launch.PagedDecodeKernels(dialect, compile_kernel=None) for dialect in ("cuda", "metal")}
+    assert kernels["cuda"].uses_tensor_cores(plan, tuning, 8 * group, 8, head_dim, dtype) is expected
+    assert not kernels["metal"].uses_tensor_cores(plan, tuning, 8 * group, 8, head_dim, dtype)
+    off = launch.KernelTuning(tensor_cores=False)
+    assert not kernels["cuda"].uses_tensor_cores(plan, off, 8 * group, 8, head_dim, dtype)
