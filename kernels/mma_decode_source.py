@@ -38,10 +38,16 @@ MMA_DECODE_HEADER = mma_source.MMA_HEADER + r"""
 #define SIMD_SHFL(value, src_lane) __shfl_sync(0xffffffffu, (value), (src_lane))
 
 // Sixteen bytes of a row as four 32-bit fragment words, in one vector load (rows are 16-byte aligned).
-template <typename U>
+// STREAM: read-only, not kept in L1, and L2 fetches 256 bytes around it (a pool row is read once a step).
+template <int STREAM, typename U>
 __device__ __forceinline__ void load_words(const U* src, unsigned int* dst) {
-  const uint4 v = *reinterpret_cast<const uint4*>(src);
-  dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+  if constexpr (STREAM) {
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(dst[0]), "=r"(dst[1]), "=r"(dst[2]), "=r"(dst[3]) : "l"(src));
+  } else {
+    const uint4 v = *reinterpret_cast<const uint4*>(src);
+    dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+  }
 }
 
 // The low (high) halves of two words as one word: element e of key a beside element e of key b.
@@ -60,7 +66,7 @@ MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
   const bool head_live = group_id < HEADS_PER_TILE;
   const float softmax_scale = scale[0] * 1.4426950408889634f;
   const float softcap = scale[1];
-
+@TILES@
   // Word w of a lane's K slice holds dims (w / 4) * 32 + in_group * 8 + (w % 4) * 2 and the next;
   // k-step s reads words 2s (fragment register 0) and 2s + 1 (register 1), for Q and K alike.
   unsigned int qw[K_WORDS];
@@ -68,7 +74,7 @@ MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
   for (int c = 0; c < HEAD_DIM / 32; ++c) {
     const size_t q_at = (size_t(seq) * NUM_HEADS + first_head + group_id) * HEAD_DIM + c * 32 + in_group * 8;
     if (head_live) {
-      load_words(queries + q_at, qw + 4 * c);
+      load_words<0>(queries + q_at, qw + 4 * c);
     } else {
       #pragma unroll
       for (int w = 0; w < 4; ++w) {
@@ -90,7 +96,13 @@ MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
   const auto table = block_tables + size_t(seq) * max_blocks;
   const size_t head_offset = size_t(kv_head) * HEAD_DIM;
   constexpr int SLOT_STRIDE = NUM_KV_HEADS * HEAD_DIM;
-  for (int base = start + warp * KEY_TILE; base < end; base += NUM_WARPS * KEY_TILE) {
+  // Lane L holds the pool block of position base + L % 16 (0 past the range: the table may end there).
+  // The next tile's entries are read while this tile computes, so a table read never sits between a
+  // tile's start and its K/V loads; lanes take their positions' blocks by broadcast.
+  int block = first_tile + lane % KEY_TILE < end ? int(table[(first_tile + lane % KEY_TILE) / BLOCK_SIZE]) : 0;
+  for (int base = first_tile; base < end; base += tile_stride) {
+    const int ahead = base + tile_stride + lane % KEY_TILE;
+    const int next_block = ahead < end ? int(table[ahead / BLOCK_SIZE]) : 0;
     // K: keys base + group_id and base + 8 + group_id. V: keys base + {0, 1, 8, 9} + 2 * in_group,
     // whose word w holds dims (w / 4) * 64 + group_id * 8 + (w % 4) * 2 and the next.
     unsigned int kw[2][K_WORDS];
@@ -98,12 +110,11 @@ MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int t = base + h * 8 + group_id;
-      // positions past the range are not looked up: the table may end there
-      const size_t row = t < end ? (size_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE) * SLOT_STRIDE + head_offset : 0;
+      const size_t row = (size_t(SIMD_SHFL(block, h * 8 + group_id)) * BLOCK_SIZE + t % BLOCK_SIZE) * SLOT_STRIDE + head_offset;
       #pragma unroll
       for (int c = 0; c < HEAD_DIM / 32; ++c) {
         if (t < end) {
-          load_words(key_cache + row + c * 32 + in_group * 8, kw[h] + 4 * c);
+          load_words<STREAM_LOADS>(key_cache + row + c * 32 + in_group * 8, kw[h] + 4 * c);
         } else {
           #pragma unroll
           for (int w = 0; w < 4; ++w) {
@@ -115,12 +126,11 @@ MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
     #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int t = base + (j / 2) * 8 + 2 * in_group + j % 2;
-      // positions past the range are not looked up: the table may end there
-      const size_t row = t < end ? (size_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE) * SLOT_STRIDE + head_offset : 0;
+      const size_t row = (size_t(SIMD_SHFL(block, t - base)) * BLOCK_SIZE + t % BLOCK_SIZE) * SLOT_STRIDE + head_offset;
       #pragma unroll
       for (int c = 0; c < HEAD_DIM / 64; ++c) {
         if (t < end) {
-          load_words(value_cache + row + c * 64 + group_id * 8, vw[j] + 4 * c);
+          load_words<STREAM_LOADS>(value_cache + row + c * 64 + group_id * 8, vw[j] + 4 * c);
         } else {
           #pragma unroll
           for (int w = 0; w < 4; ++w) {
@@ -200,11 +210,15 @@ MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
       };
       MmaTile<T>::run(o[i], a, pb);
     }
+    block = next_block;
   }
 
   run_sum += SIMD_XOR(run_sum, 1);
   run_sum += SIMD_XOR(run_sum, 2);
-  if (head_live && in_group == 0) {
+"""
+
+# Warps split one KV head's range: each leaves its states for DECODE_MERGE.
+SHARED_STATES = r"""  if (head_live && in_group == 0) {
     warp_max[warp][group_id] = run_max;
     warp_sum[warp][group_id] = run_sum;
   }
@@ -224,13 +238,87 @@ MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
 """
 
 
+# The warps of a threadgroup take turns over one KV head's range, 16 keys each.
+SHARED_TILES = """  const int first_tile = start + warp * KEY_TILE;
+  const int tile_stride = NUM_WARPS * KEY_TILE;
+"""
+
+# One warp a KV head: the threadgroup's warps read the same positions of NUM_WARPS adjacent heads, i.e.
+# adjacent rows of every pool block, so a block's K (or V) of those heads is read in one sweep.
+OWN_TILES = """  const int first_tile = start;
+  const int tile_stride = KEY_TILE;
+"""
+
+WARP_SETUP = r"""
+  constexpr int WARP = 32;
+  constexpr int NUM_WARPS = NUM_THREADS / WARP;
+  constexpr int NUM_HEADS = NUM_KV_HEADS * GROUP;
+  constexpr float NEG_BIG = -1.0e30f;
+  const int warp = tid / WARP;
+  const int lane = tid % WARP;
+  const int kv_head = head_tile * NUM_WARPS + warp;
+  const int first_head = kv_head * GROUP;
+  const int max_blocks = dims[0];
+  const int num_partitions = dims[1];
+  const int context_len = context_lens[seq];
+  const int kv_window = WINDOWED ? window[0] : 0;
+  const int kv_first = (kv_window > 0 && context_len > kv_window) ? context_len - kv_window : 0;
+  @RANGE@
+"""
+
+# A warp that owns its KV head writes its heads itself: this lane's O^T columns are heads 2 * in_group + c,
+# whose max and sum sit in the lanes of groups 2 * in_group and 2 * in_group + 1.
+WARP_WRITE = r"""  #pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    const float head_max = SIMD_SHFL(run_max, 8 * in_group + 4 * c);
+    const float total = SIMD_SHFL(run_sum, 8 * in_group + 4 * c);
+    const int head = 2 * in_group + c;
+    if (head < HEADS_PER_TILE) {
+      const size_t head_row = size_t(seq) * NUM_HEADS + first_head + head;
+@HEAD_WRITE@
+    }
+  }
+"""
+
+WARP_SINGLE_WRITE = r"""      const float sink = SINKS ? sinks[first_head + head] : NEG_BIG;
+      const float top = sink > head_max ? sink : head_max;
+      const float keep = FEXP2(head_max - top);
+      const float denominator = total * keep + FEXP2(sink - top);
+      #pragma unroll
+      for (int i = 0; i < D_TILES; ++i) {
+        const int lo = i, hi = D_TILES + i;
+        out[head_row * HEAD_DIM + (lo / 8) * 64 + group_id * 8 + lo % 8] = static_cast<T>(o[i][c] * keep / denominator);
+        out[head_row * HEAD_DIM + (hi / 8) * 64 + group_id * 8 + hi % 8] = static_cast<T>(o[i][2 + c] * keep / denominator);
+      }"""
+
+WARP_PARTITION_WRITE = r"""      const size_t r = head_row * num_partitions + part;
+      #pragma unroll
+      for (int i = 0; i < D_TILES; ++i) {
+        const int lo = i, hi = D_TILES + i;
+        part_out[r * HEAD_DIM + (lo / 8) * 64 + group_id * 8 + lo % 8] = total > 0.0f ? o[i][c] / total : 0.0f;
+        part_out[r * HEAD_DIM + (hi / 8) * 64 + group_id * 8 + hi % 8] = total > 0.0f ? o[i][2 + c] / total : 0.0f;
+      }
+      if (group_id == 0) {
+        part_max[r] = head_max;
+        part_sum[r] = total;
+      }"""
+
+
 def supports(head_dim: int, group: int, heads_per_tile: int, itemsize: int) -> bool:
     """Whether this loop serves a layer: half pools, head dims of 64 or 128, a whole group of at most 8 heads
     in one threadgroup (the launcher's plan decides heads_per_tile)."""
     return itemsize == 2 and head_dim in (64, 128) and heads_per_tile == group <= MAX_GROUP
 
 
-def render(partitioned: bool) -> tuple[str, str]:
-    """(header, body) of the tensor-core decode kernel, CUDA only; partition states as the SIMT kernel's."""
-    _, body = source.render_decode("cuda", partitioned, source.DECODE_SETUP + MMA_DECODE_LOOP + source.DECODE_MERGE)
+def render(partitioned: bool, warp_per_head: bool = False) -> tuple[str, str]:
+    """(header, body) of the tensor-core decode kernel, CUDA only; partition states as the SIMT kernel's.
+
+    warp_per_head: each warp owns one KV head (the grid's y covers NUM_KV_HEADS / NUM_WARPS threadgroups);
+    else the threadgroup's warps split one KV head's range and merge through shared memory."""
+    if warp_per_head:
+        write = WARP_WRITE.replace("@HEAD_WRITE@", WARP_PARTITION_WRITE if partitioned else WARP_SINGLE_WRITE)
+        body = WARP_SETUP + MMA_DECODE_LOOP.replace("@TILES@", OWN_TILES) + write
+    else:
+        body = source.DECODE_SETUP + MMA_DECODE_LOOP.replace("@TILES@", SHARED_TILES) + SHARED_STATES + source.DECODE_MERGE
+    _, body = source.render_decode("cuda", partitioned, body)
     return MMA_DECODE_HEADER, body

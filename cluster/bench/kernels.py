@@ -133,10 +133,12 @@ def sweep_rows(context: int, iters: int) -> list[Row]:
     rows = []
     default = dispatch.decode_function("cuda")
     problem = Problem(batch=64, num_heads=32, num_kv_heads=8, head_dim=128, context=context, dtype="float16")
-    variants = [dict(tensor_cores=False), dict(tensor_cores=False, threads=64)]  # the SIMT loop
-    variants += [dict(threads=t) for t in (64, 256)]
-    variants += [dict(partition_size=p, min_partition_size=p) for p in (512, 2048)]
-    variants += [dict(target_threadgroups=t) for t in (1024, 4096)]
+    variants = [dict(tensor_cores=False)]  # the SIMT loop
+    variants += [dict(stream_loads=True), dict(threads=64), dict(partition_size=2048, min_partition_size=2048)]
+    # one warp a KV head: partitions and the fill target count warps
+    own = dict(warp_per_head=True, min_partition_size=64, target_threadgroups=4096)
+    variants += [dict(own, threads=t, partition_size=p) for t, p in ((128, 256), (256, 256), (256, 512), (256, 128))]
+    variants += [dict(own, threads=256, partition_size=256, stream_loads=True)]
     for variant in variants:
         default.tuning = launch.KernelTuning(**variant)
         label = "cuda " + " ".join(f"{''.join(w[0] for w in k.split('_'))}={v}" for k, v in variant.items())
@@ -158,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         copy_tb = copy_ceiling_tb_per_s()
         rows += (cuda_rows(copy_tb) if decode else []) + (kernels_varlen.cuda_rows(copy_tb) if varlen else [])
         if args.sweep:
-            rows += (sweep_rows(4096, 20) + sweep_rows(32768, 5) if decode else []) + (kernels_varlen.sweep_rows(copy_tb) if varlen else [])
+            sweeps = sweep_rows(512, 50) + sweep_rows(4096, 20) + sweep_rows(32768, 5) if decode else []
+            rows += sweeps + (kernels_varlen.sweep_rows(copy_tb) if varlen else [])
     copy = next((r.copy_tb_per_s for r in rows if r.copy_tb_per_s), None)
     print(f"# mlx {mx.__version__}, {platform.machine()} {platform.system()}, OpenBLAS preloaded: {openblas_in_use()}"
           + (f", copy ceiling {copy:.2f} TB/s (read+write)" if copy else ""))
