@@ -142,7 +142,10 @@ def sweep_rows(context: int, iters: int) -> list[Row]:
     for variant in variants:
         default.tuning = launch.KernelTuning(**variant)
         label = "cuda " + " ".join(f"{''.join(w[0] for w in k.split('_'))}={v}" for k, v in variant.items())
-        rows.append(measure(problem, "cuda", "gpu", iters, None, label=label))
+        try:
+            rows.append(measure(problem, "cuda", "gpu", iters, None, label=label))
+        except Exception as error:  # a variant that does not compile is reported, and the sweep goes on
+            print(f"  {label}: failed: {error}", flush=True)
     default.tuning = launch.KernelTuning()
     return rows
 
