@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         copy_tb = copy_ceiling_tb_per_s()
         rows += (cuda_rows(copy_tb) if decode else []) + (kernels_varlen.cuda_rows(copy_tb) if varlen else [])
         if args.sweep:
-            sweeps = sweep_rows(512, 50) + sweep_rows(4096, 20) + sweep_rows(32768, 5) if decode else []
+            sweeps = sweep_rows(4096, 20) + sweep_rows(32768, 5) if decode else []
             rows += sweeps + (kernels_varlen.sweep_rows(copy_tb) if varlen else [])
     copy = next((r.copy_tb_per_s for r in rows if r.copy_tb_per_s), None)
     print(f"# mlx {mx.__version__}, {platform.machine()} {platform.system()}, OpenBLAS preloaded: {openblas_in_use()}"
