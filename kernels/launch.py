@@ -40,8 +40,6 @@ class KernelTuning:
     reduce_threads: int = 128
     max_per_lane: int = 8  # elements of a row per lane: more means fewer shuffles, more registers
     tensor_cores: bool = True  # CUDA, half pools: the MMA loop (kernels/mma_decode_source.py) where it applies
-    stream_loads: bool = False  # the MMA loop reads K/V with L1 bypassed and 256-byte L2 fetches
-    warp_per_head: bool = False  # the MMA loop with one warp a KV head (no merge; partitions count warps)
 
 
 @dataclass(frozen=True)
@@ -123,14 +121,13 @@ class PagedDecodeKernels:
         self.tuning = tuning
 
     @cache  # noqa: B019 -- one instance per dialect lives as long as the process
-    def _decode_kernel(self, partitioned: bool, tensor_cores: bool = False, warp_per_head: bool = False):
+    def _decode_kernel(self, partitioned: bool, tensor_cores: bool = False):
         if tensor_cores:
-            header, body = mma_decode_source.render(partitioned, warp_per_head)
+            header, body = mma_decode_source.render(partitioned)
         else:
             header, body = source.render_decode(self.dialect, partitioned)
         outputs = source.PARTITION_OUTPUTS if partitioned else source.SINGLE_OUTPUTS
-        mode = ("_mma_warp" if warp_per_head else "_mma") if tensor_cores else ""
-        name = "orchard_paged_decode" + mode + ("_split" if partitioned else "")
+        name = "orchard_paged_decode" + ("_mma" if tensor_cores else "") + ("_split" if partitioned else "")
         return self.compile_kernel(name, source.DECODE_INPUTS, outputs, header, body)
 
     def uses_tensor_cores(self, plan: DecodePlan, tuning: KernelTuning, num_heads: int, num_kv_heads: int,
@@ -172,14 +169,11 @@ class PagedDecodeKernels:
             ("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),
             ("NUM_KV_HEADS", num_kv_heads), ("GROUP", num_heads // num_kv_heads),
             ("HEADS_PER_TILE", plan.heads_per_tile), ("LANES", plan.lanes), ("NUM_THREADS", tuning.threads),
-            ("UNROLL", tuning.unroll), ("STREAM_LOADS", int(tuning.stream_loads)), *layer.template,
+            ("UNROLL", tuning.unroll), *layer.template,
         ]
-        tensor_cores = self.uses_tensor_cores(plan, tuning, num_heads, num_kv_heads, head_dim, key_cache.dtype)
-        warps = tuning.threads // WARP
-        own_heads = tensor_cores and tuning.warp_per_head and num_kv_heads % warps == 0
-        tiles = num_kv_heads // warps if own_heads else num_kv_heads * (num_heads // num_kv_heads // plan.heads_per_tile)
-        grid = (plan.num_partitions * tuning.threads, tiles, num_seqs)
-        kernel = self._decode_kernel(plan.partitioned, tensor_cores, own_heads)
+        grid = (plan.num_partitions * tuning.threads, num_kv_heads * (num_heads // num_kv_heads // plan.heads_per_tile), num_seqs)
+        kernel = self._decode_kernel(plan.partitioned,
+                                     self.uses_tensor_cores(plan, tuning, num_heads, num_kv_heads, head_dim, key_cache.dtype))
         if not plan.partitioned:
             (out,) = kernel(
                 inputs=inputs, template=template, grid=grid, threadgroup=(tuning.threads, 1, 1),

@@ -5,7 +5,7 @@ arithmetic, not on its loads: 16 lanes share a key row, so every query head's sc
 4 shuffle rounds a token, and the rows it keeps in flight are capped by 128 registers a
 thread (docs/benchmarks.md, "Paged decode kernel, still missed"). Here one m16n8k16 MMA
 computes 8 keys x 16 dims of every head of the group at once, and K and V go from global
-memory straight into MMA fragments, without shared memory or shuffles.
+memory straight into MMA fragments: no shared memory in the loop and no shuffle per key.
 
 It shares the SIMT loop's setup, grid, inputs, partition states and final merge
 (DECODE_SETUP and DECODE_MERGE), so the launcher only picks which text to compile. Each
@@ -21,6 +21,8 @@ query head:
   dimension), and V's fragment pairs two keys' elements of one dim, which a lane builds from
   its own 16-byte loads of four keys (8 lanes read a key's row, 128 contiguous bytes).
   Rescaling O^T by a head's correction takes two lane broadcasts a step.
+- Block-table entries: lane L reads the entry of the warp's next tile's position L % 16
+  while the current tile computes, and lanes take their positions' blocks by broadcast.
 Keys past the range are neither loaded nor weighted, so a NaN in an unused pool slot never
 reaches an MMA. Half pools only (fp16 or bf16); head dims of 64 and 128; groups of at most
 8 query heads a KV head, the whole group in one threadgroup. Everything else keeps the SIMT
@@ -38,16 +40,10 @@ MMA_DECODE_HEADER = mma_source.MMA_HEADER + r"""
 #define SIMD_SHFL(value, src_lane) __shfl_sync(0xffffffffu, (value), (src_lane))
 
 // Sixteen bytes of a row as four 32-bit fragment words, in one vector load (rows are 16-byte aligned).
-// STREAM: read-only, not kept in L1, and L2 fetches 256 bytes around it (a pool row is read once a step).
-template <int STREAM, typename U>
+template <typename U>
 __device__ __forceinline__ void load_words(const U* src, unsigned int* dst) {
-  if constexpr (STREAM) {
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(dst[0]), "=r"(dst[1]), "=r"(dst[2]), "=r"(dst[3]) : "l"(src));
-  } else {
-    const uint4 v = *reinterpret_cast<const uint4*>(src);
-    dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
-  }
+  const uint4 v = *reinterpret_cast<const uint4*>(src);
+  dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
 }
 
 // The low (high) halves of two words as one word: element e of key a beside element e of key b.
@@ -66,7 +62,9 @@ MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
   const bool head_live = group_id < HEADS_PER_TILE;
   const float softmax_scale = scale[0] * 1.4426950408889634f;
   const float softcap = scale[1];
-@TILES@
+  // The warps take turns over the range, 16 keys each.
+  const int first_tile = start + warp * KEY_TILE;
+  const int tile_stride = NUM_WARPS * KEY_TILE;
   // Word w of a lane's K slice holds dims (w / 4) * 32 + in_group * 8 + (w % 4) * 2 and the next;
   // k-step s reads words 2s (fragment register 0) and 2s + 1 (register 1), for Q and K alike.
   unsigned int qw[K_WORDS];
@@ -74,7 +72,7 @@ MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
   for (int c = 0; c < HEAD_DIM / 32; ++c) {
     const size_t q_at = (size_t(seq) * NUM_HEADS + first_head + group_id) * HEAD_DIM + c * 32 + in_group * 8;
     if (head_live) {
-      load_words<0>(queries + q_at, qw + 4 * c);
+      load_words(queries + q_at, qw + 4 * c);
     } else {
       #pragma unroll
       for (int w = 0; w < 4; ++w) {
@@ -114,7 +112,7 @@ MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
       #pragma unroll
       for (int c = 0; c < HEAD_DIM / 32; ++c) {
         if (t < end) {
-          load_words<STREAM_LOADS>(key_cache + row + c * 32 + in_group * 8, kw[h] + 4 * c);
+          load_words(key_cache + row + c * 32 + in_group * 8, kw[h] + 4 * c);
         } else {
           #pragma unroll
           for (int w = 0; w < 4; ++w) {
@@ -130,7 +128,7 @@ MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
       #pragma unroll
       for (int c = 0; c < HEAD_DIM / 64; ++c) {
         if (t < end) {
-          load_words<STREAM_LOADS>(value_cache + row + c * 64 + group_id * 8, vw[j] + 4 * c);
+          load_words(value_cache + row + c * 64 + group_id * 8, vw[j] + 4 * c);
         } else {
           #pragma unroll
           for (int w = 0; w < 4; ++w) {
@@ -238,87 +236,14 @@ SHARED_STATES = r"""  if (head_live && in_group == 0) {
 """
 
 
-# The warps of a threadgroup take turns over one KV head's range, 16 keys each.
-SHARED_TILES = """  const int first_tile = start + warp * KEY_TILE;
-  const int tile_stride = NUM_WARPS * KEY_TILE;
-"""
-
-# One warp a KV head: the threadgroup's warps read the same positions of NUM_WARPS adjacent heads, i.e.
-# adjacent rows of every pool block, so a block's K (or V) of those heads is read in one sweep.
-OWN_TILES = """  const int first_tile = start;
-  const int tile_stride = KEY_TILE;
-"""
-
-WARP_SETUP = r"""
-  constexpr int WARP = 32;
-  constexpr int NUM_WARPS = NUM_THREADS / WARP;
-  constexpr int NUM_HEADS = NUM_KV_HEADS * GROUP;
-  constexpr float NEG_BIG = -1.0e30f;
-  const int warp = tid / WARP;
-  const int lane = tid % WARP;
-  const int kv_head = head_tile * NUM_WARPS + warp;
-  const int first_head = kv_head * GROUP;
-  const int max_blocks = dims[0];
-  const int num_partitions = dims[1];
-  const int context_len = context_lens[seq];
-  const int kv_window = WINDOWED ? window[0] : 0;
-  const int kv_first = (kv_window > 0 && context_len > kv_window) ? context_len - kv_window : 0;
-  @RANGE@
-"""
-
-# A warp that owns its KV head writes its heads itself: this lane's O^T columns are heads 2 * in_group + c,
-# whose max and sum sit in the lanes of groups 2 * in_group and 2 * in_group + 1.
-WARP_WRITE = r"""  #pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    const float head_max = SIMD_SHFL(run_max, 8 * in_group + 4 * c);
-    const float total = SIMD_SHFL(run_sum, 8 * in_group + 4 * c);
-    const int head = 2 * in_group + c;
-    if (head < HEADS_PER_TILE) {
-      const size_t head_row = size_t(seq) * NUM_HEADS + first_head + head;
-@HEAD_WRITE@
-    }
-  }
-"""
-
-WARP_SINGLE_WRITE = r"""      const float sink = SINKS ? sinks[first_head + head] : NEG_BIG;
-      const float top = sink > head_max ? sink : head_max;
-      const float keep = FEXP2(head_max - top);
-      const float denominator = total * keep + FEXP2(sink - top);
-      #pragma unroll
-      for (int i = 0; i < D_TILES; ++i) {
-        const int lo = i, hi = D_TILES + i;
-        out[head_row * HEAD_DIM + (lo / 8) * 64 + group_id * 8 + lo % 8] = static_cast<T>(o[i][c] * keep / denominator);
-        out[head_row * HEAD_DIM + (hi / 8) * 64 + group_id * 8 + hi % 8] = static_cast<T>(o[i][2 + c] * keep / denominator);
-      }"""
-
-WARP_PARTITION_WRITE = r"""      const size_t r = head_row * num_partitions + part;
-      #pragma unroll
-      for (int i = 0; i < D_TILES; ++i) {
-        const int lo = i, hi = D_TILES + i;
-        part_out[r * HEAD_DIM + (lo / 8) * 64 + group_id * 8 + lo % 8] = total > 0.0f ? o[i][c] / total : 0.0f;
-        part_out[r * HEAD_DIM + (hi / 8) * 64 + group_id * 8 + hi % 8] = total > 0.0f ? o[i][2 + c] / total : 0.0f;
-      }
-      if (group_id == 0) {
-        part_max[r] = head_max;
-        part_sum[r] = total;
-      }"""
-
-
 def supports(head_dim: int, group: int, heads_per_tile: int, itemsize: int) -> bool:
     """Whether this loop serves a layer: half pools, head dims of 64 or 128, a whole group of at most 8 heads
     in one threadgroup (the launcher's plan decides heads_per_tile)."""
     return itemsize == 2 and head_dim in (64, 128) and heads_per_tile == group <= MAX_GROUP
 
 
-def render(partitioned: bool, warp_per_head: bool = False) -> tuple[str, str]:
-    """(header, body) of the tensor-core decode kernel, CUDA only; partition states as the SIMT kernel's.
-
-    warp_per_head: each warp owns one KV head (the grid's y covers NUM_KV_HEADS / NUM_WARPS threadgroups);
-    else the threadgroup's warps split one KV head's range and merge through shared memory."""
-    if warp_per_head:
-        write = WARP_WRITE.replace("@HEAD_WRITE@", WARP_PARTITION_WRITE if partitioned else WARP_SINGLE_WRITE)
-        body = WARP_SETUP + MMA_DECODE_LOOP.replace("@TILES@", OWN_TILES) + write
-    else:
-        body = source.DECODE_SETUP + MMA_DECODE_LOOP.replace("@TILES@", SHARED_TILES) + SHARED_STATES + source.DECODE_MERGE
+def render(partitioned: bool) -> tuple[str, str]:
+    """(header, body) of the tensor-core decode kernel, CUDA only; partition states as the SIMT kernel's."""
+    body = source.DECODE_SETUP + MMA_DECODE_LOOP + SHARED_STATES + source.DECODE_MERGE
     _, body = source.render_decode("cuda", partitioned, body)
     return MMA_DECODE_HEADER, body

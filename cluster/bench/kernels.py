@@ -134,11 +134,8 @@ def sweep_rows(context: int, iters: int) -> list[Row]:
     default = dispatch.decode_function("cuda")
     problem = Problem(batch=64, num_heads=32, num_kv_heads=8, head_dim=128, context=context, dtype="float16")
     variants = [dict(tensor_cores=False)]  # the SIMT loop
-    variants += [dict(stream_loads=True), dict(threads=64), dict(partition_size=2048, min_partition_size=2048)]
-    # one warp a KV head: partitions and the fill target count warps
-    own = dict(warp_per_head=True, min_partition_size=64, target_threadgroups=4096)
-    variants += [dict(own, threads=t, partition_size=p) for t, p in ((128, 256), (256, 256), (256, 512), (256, 128))]
-    variants += [dict(own, threads=256, partition_size=256, stream_loads=True)]
+    variants += [dict(threads=64), dict(threads=256)]
+    variants += [dict(partition_size=p, min_partition_size=p) for p in (512, 2048)]
     for variant in variants:
         default.tuning = launch.KernelTuning(**variant)
         label = "cuda " + " ".join(f"{''.join(w[0] for w in k.split('_'))}={v}" for k, v in variant.items())

@@ -179,16 +179,16 @@ static V emu_shfl(V value, int src_lane) {
 }
 #define SIMD_SHFL(value, src_lane) emu_shfl((value), (src_lane))
 
-template <int STREAM, typename U>
+template <typename U>
 static void load_words(const U* src, unsigned int* dst) { std::memcpy(dst, src, 16); }
 static unsigned int low_halves(unsigned int a, unsigned int b) { return (a & 0xffffu) | (b << 16); }
 static unsigned int high_halves(unsigned int a, unsigned int b) { return (a >> 16) | (b & 0xffff0000u); }
 """
 
 
-def mma_decode_text(constants: dict, warp_per_head: bool = False) -> str:
+def mma_decode_text(constants: dict) -> str:
     """The tensor-core decode kernel (single pass and split) and the partition merge, constants baked in."""
-    single, split = (mma_decode_source.render(p, warp_per_head)[1].replace(source.CUDA_DECODE_PROLOGUE, emulator.DECODE_PROLOGUE)
+    single, split = (mma_decode_source.render(p)[1].replace(source.CUDA_DECODE_PROLOGUE, emulator.DECODE_PROLOGUE)
                      for p in (False, True))
     consts = emulator._constants({k: v for k, v in constants.items() if k != "PARTITION"})
     reduce_consts = emulator._constants({
@@ -224,15 +224,14 @@ extern "C" void run_split({args}, float* part_out, float* part_max, float* part_
 
 
 def run_mma_decode(library: ctypes.CDLL, constants: dict, queries, key_cache, value_cache, block_tables, context_lens,
-                   scale: float, num_partitions: int, rules: Rules = PLAIN, warp_per_head: bool = False) -> np.ndarray:
-    """Launch as kernels/launch.py does (grid: partitions, KV heads or KV heads / warps, sequences), bfloat16 storage."""
+                   scale: float, num_partitions: int, rules: Rules = PLAIN) -> np.ndarray:
+    """Launch as kernels/launch.py does (grid: partitions, KV heads, sequences), bfloat16 storage."""
     num_seqs, num_heads, head_dim = queries.shape
     halves = [to_bf16_bits(a) for a in (queries, key_cache, value_cache)]
     ints = [np.ascontiguousarray(block_tables, dtype=np.int32), np.ascontiguousarray(context_lens, dtype=np.int32)]
     dims = np.array([block_tables.shape[1], num_partitions, constants["PARTITION"]], dtype=np.int32)
     extras = [emulator.scale_array(scale, rules), dims, *emulator.layer_arrays(rules, num_heads)]
-    tiles = constants["NUM_KV_HEADS"] // (constants["NUM_THREADS"] // 32) if warp_per_head else num_heads // constants["HEADS_PER_TILE"]
-    grid = [ctypes.c_int(v) for v in (num_partitions, tiles, num_seqs)]
+    grid = [ctypes.c_int(v) for v in (num_partitions, num_heads // constants["HEADS_PER_TILE"], num_seqs)]
     ptr = emulator._ptr
     if num_partitions == 1:
         out = np.full((num_seqs, num_heads, head_dim), 0x7fc0, dtype=np.uint16)  # NaN until written

@@ -34,50 +34,47 @@ def libraries(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("emu-mma-decode")
     from tests.kernels import mma_emulator
 
-    return {(config, own): emulator.compile_library(mma_emulator.mma_decode_text(constants_of(config, own), own), workdir)
-            for config in EMULATED for own in (False, True)}
+    return {config: emulator.compile_library(mma_emulator.mma_decode_text(constants_of(config)), workdir)
+            for config in EMULATED}
 
 
-def constants_of(config, warp_per_head: bool) -> dict:
-    """Template constants as the launcher passes them; a warp a KV head takes one warp per head of the case."""
+def constants_of(config) -> dict:
+    """Template constants as the launcher passes them."""
     num_kv_heads, group, head_dim, block_size, partition, threads = config
     return dict(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEADS_PER_TILE=group,
-                LANES=16, NUM_THREADS=32 * num_kv_heads if warp_per_head else threads, UNROLL=4, STREAM_LOADS=0,
-                PARTITION=partition)
+                LANES=16, NUM_THREADS=threads, UNROLL=4, PARTITION=partition)
 
 
-def run_case(libraries, config, lengths, split: bool, rules: Rules = PLAIN, scale: float = 0.11, own: bool = False):
+def run_case(libraries, config, lengths, split: bool, rules: Rules = PLAIN, scale: float = 0.11):
     from tests.kernels import mma_emulator
 
-    constants = constants_of(config, own)
+    constants = constants_of(config)
     rng = np.random.default_rng(len(lengths) * 7 + config[1])
     case = make_paged_case(rng, lengths, constants["NUM_KV_HEADS"], constants["HEAD_DIM"], constants["BLOCK_SIZE"], "bfloat16")
     num_heads = constants["NUM_KV_HEADS"] * constants["GROUP"]
     queries = random_stored(rng, (len(lengths), num_heads, constants["HEAD_DIM"]), "bfloat16")
     partitions = -(-max(lengths) // constants["PARTITION"]) if split else 1
-    out = mma_emulator.run_mma_decode(libraries[config, own], constants, to_float64(queries), case.keys64, case.values64,
-                                      case.block_tables, case.context_lens, scale, partitions, rules, own)
+    out = mma_emulator.run_mma_decode(libraries[config], constants, to_float64(queries), case.keys64, case.values64,
+                                      case.block_tables, case.context_lens, scale, partitions, rules)
     return out, oracle_decode(case, queries, scale, rules)
 
 
 @pytest.mark.parametrize("config", EMULATED)
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("own", [False, True], ids=["warps-share-a-head", "warp-per-head"])
-def test_tensor_core_decode_on_cpu_emulator_matches_float64_oracle(libraries, config, split, own):
+def test_tensor_core_decode_on_cpu_emulator_matches_float64_oracle(libraries, config, split):
     # contexts of 1, a whole block, one past it, one past a partition, and one ending mid-tile
     lengths = [1, config[3], config[3] + 1, config[4] + 5, 123]
-    out, expected = run_case(libraries, config, lengths, split, own=own)
+    out, expected = run_case(libraries, config, lengths, split)
     assert np.isfinite(out).all(), "a NaN-poisoned slot or an unwritten row reached the output"
     assert_close(mx.array(out), expected, "bfloat16")
 
 
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("own", [False, True], ids=["warps-share-a-head", "warp-per-head"])
-def test_tensor_core_decode_applies_window_soft_cap_and_sinks(libraries, split, own):
+def test_tensor_core_decode_applies_window_soft_cap_and_sinks(libraries, split):
     config = EMULATED[0]
     heads = config[0] * config[1]
     rules = Rules(window=37, softcap=5.0, sinks=np.linspace(-1.0, 2.0, heads))
-    out, expected = run_case(libraries, config, [5, 40, 150], split, rules, own=own)
+    out, expected = run_case(libraries, config, [5, 40, 150], split, rules)
     assert_close(mx.array(out), expected, "bfloat16")
 
 
@@ -87,8 +84,7 @@ def test_tensor_core_loop_shares_the_simt_kernels_setup_and_merge():
         simt = source.render_decode("cuda", partitioned)[1]
         merge = source.DECODE_MERGE.replace("@WRITE@", source.PARTITION_WRITE if partitioned else source.SINGLE_WRITE)
         assert merge in body and merge in simt
-        loop = mma_decode_source.MMA_DECODE_LOOP.replace("@TILES@", mma_decode_source.SHARED_TILES)
-        assert loop in body and source.DECODE_SIMT_LOOP not in body
+        assert mma_decode_source.MMA_DECODE_LOOP in body and source.DECODE_SIMT_LOOP not in body
 
 
 @pytest.mark.parametrize("group,head_dim,dtype,expected", [
