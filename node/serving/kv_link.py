@@ -12,8 +12,9 @@ pull. On the wire (after `node.serving.link_auth`'s handshake):
               recurrent state after the last of them, which travels in the same payload)
 
 Each chunk is a whole payload, so the target verifies and imports chunk i on its engine
-thread while chunk i+1 arrives, and the source checksums chunk i+1 while chunk i is sent:
-the slowest stage sets the rate. A source that holds fewer blocks than asked sends fewer.
+thread while chunk i+1 arrives, and the source lays out chunk i+1 while the kernel still
+sends what it took of chunk i from the socket's buffer: the slowest stage sets the rate.
+A source that holds fewer blocks than asked sends fewer.
 
 Threads with blocking sockets, not asyncio streams: Python 3.11's transports join the
 buffers of `writelines` into one (a copy of every byte), and a thread's `sendmsg` and
@@ -97,7 +98,7 @@ class KVLinkServer:
         self.config = config or KVLinkConfig()
         self.counters = LinkCounters()
         self._sock: socket.socket | None = None
-        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-link-encode")
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-link-encode")  # probes, made ahead
         self._probes: dict[int, bytes] = {}
 
     @property
@@ -165,11 +166,8 @@ class KVLinkServer:
         per_chunk = max(1, int(request.get("chunk_bytes", self.config.chunk_bytes)) // self.geometry.bytes_per_block)
         handle, blocks, state = self._export(hashes)
         try:
-            runs = reply_runs(blocks, state, per_chunk)
-            upcoming = self._encoder.submit(payload_pieces, self.geometry, *runs[0]) if runs else None
-            for i in range(len(runs)):
-                pieces = upcoming.result()
-                upcoming = self._encoder.submit(payload_pieces, self.geometry, *runs[i + 1]) if i + 1 < len(runs) else None
+            for run in reply_runs(blocks, state, per_chunk):  # the next chunk's pieces are made while the
+                pieces = payload_pieces(self.geometry, *run)  # kernel still sends what it took of the last
                 self.counters.sent_bytes += link_io.send_payload(conn, pieces)
             conn.sendall(U64.pack(0))
         finally:
