@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 
+from kvcache.events import BlockStored
 from kvcache.hashing import BlockHash
 from node.async_engine import AsyncEngine
 from node.engine import EngineConfig, LLMEngine
@@ -134,6 +135,28 @@ def test_direct_pull_gives_the_greedy_tokens_of_recomputing_and_is_a_prefix_hit(
     assert result.bytes > 5 * paths["a"].mover.geometry.bytes_per_block
     assert (migrated, hit) == (reference, 5 * BS)
     assert paths["b"].mover.counters.migrated_blocks >= 5
+
+
+def test_a_pull_returns_once_every_chunk_is_imported_and_its_kv_events_are_published(nodes):
+    """Many chunks, each imported by a call that publishes nothing: the pull's closing engine call
+    runs after all of them and publishes their events before the pull returns."""
+    loop, paths = nodes
+    published = []
+    paths["b"].mover.engine.add_kv_listener(published.extend)
+    tokens = prompt(21, length=16 * 12)
+
+    async def run():
+        await generate(paths["a"], "cache-21", tokens)
+
+        async def resolve(_peer):
+            return paths["a"].address
+
+        result = await paths["b"].pull("a", hashes_of(paths["a"], tokens), resolve)
+        return result, [e.block_hash for e in published if isinstance(e, BlockStored)]
+
+    result, stored = loop.run_until_complete(run())
+    assert (result.ok, result.imported) == (True, 12)  # six chunks of two blocks
+    assert stored == hashes_of(paths["a"], tokens)
 
 
 def test_a_second_pull_from_the_same_source_reuses_the_authenticated_connection(nodes):
