@@ -6,8 +6,8 @@ actor's `pull_blocks` does. Each stage is timed by wrapping the function that do
 both processes, and summed over a pull (stages on different threads overlap, so they add up
 to more than the pull's wall time; the one nearest the wall time bounds the pull):
 
-    source: pin (pin_export on the engine thread), encode (headers + checksum), send (sendmsg)
-    target: recv (socket to buffer), decode (checksum + parse), import (pool write, engine thread)
+    source: pin (pin_export on the engine thread), encode (the pieces), send (checksum + sendmsg)
+    target: recv (socket to buffer + checksum), decode (check + parse), import (pool write, engine thread)
 
 Raw TCP over the same loopback, plain sockets, is measured in the same run. With `--link`
 the two processes are two hosts of the namespace rig (`cluster.bench.netns`, needs root),
@@ -91,16 +91,16 @@ def _path(name: str, engine, chunk_mib: int = 4, host: str = "127.0.0.1"):
 
 
 def _instrument(stages: Stages, side: str) -> None:
-    from kvcache import cache
-    from node.serving import kv_link
+    from kvcache import cache, wire_transit
+    from node.serving import kv_link, link_io
 
     if side == "source":
         stages.wrap(cache.KVCache, "pin_export", "pin")
-        stages.wrap(kv_link, "encode_pieces", "encode")
-        stages.wrap(kv_link, "_send_pieces", "send")
+        stages.wrap(kv_link, "payload_pieces", "encode")
+        stages.wrap(link_io, "send_payload", "send")
     else:
-        stages.wrap(kv_link, "_recv_into", "recv")
-        stages.wrap(kv_link, "decode_payload_views", "decode")
+        stages.wrap(link_io, "receive_payload", "recv")
+        stages.wrap(wire_transit.IncomingPayload, "decode", "decode")
         stages.wrap(cache.KVCache, "import_decoded", "import")
 
 

@@ -6,6 +6,8 @@ sees a gap knows it missed something and must ask for a full snapshot.
 
 from __future__ import annotations
 
+import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvcache.hashing import BlockHash
@@ -57,6 +59,23 @@ class StateRemoved:
 
 
 KVEvent = BlockStored | BlockRemoved | StateStored | StateRemoved
+
+
+@dataclass(frozen=True)
+class PackedEvents:
+    """A batch of events pickled once, by the node that sends them. Ray pickles a call's arguments
+    with a Python callback per object: 1.7-1.8 ms to send 512 events as a list (a pull of 32 MiB
+    of the small demo model makes that many), 0.2 ms as one bytes object, plus ~0.5 ms to pickle
+    them here. Node and coordinator run the same code (one Ray cluster), as for any Ray call."""
+
+    data: bytes
+
+    @classmethod
+    def of(cls, events: Sequence[KVEvent]) -> PackedEvents:
+        return cls(pickle.dumps(list(events), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def unpack(self) -> list[KVEvent]:
+        return pickle.loads(self.data)
 
 
 @dataclass

@@ -70,6 +70,17 @@ def encode_pieces(geometry: KVGeometry, blocks: Sequence[BlockPieces],
                   state: StateSnapshotData | None = None) -> list[Piece]:
     """The payload `encode_blocks` would make, as pieces whose KV (and state) parts are the given
     buffers; every piece is `bytes` or a memoryview of bytes, so its `len` is its size."""
+    pieces = payload_pieces(geometry, blocks, state)
+    digest = xxhash.xxh3_128()
+    for piece in pieces:
+        digest.update(piece)
+    return [*pieces, digest.digest()]
+
+
+def payload_pieces(geometry: KVGeometry, blocks: Sequence[BlockPieces],
+                   state: StateSnapshotData | None = None) -> list[Piece]:
+    """`encode_pieces` but for the last piece, the checksum's 16 bytes: a sender that checksums the
+    pieces as it sends them (`kvcache.wire_transit.OutgoingPayload`) reads each byte once less."""
     pack = msgpack.Packer(use_bin_type=True).pack
     key_bytes, value_bytes = geometry.key_bytes_per_block_layer, geometry.value_bytes_per_block_layer
     version = FORMAT_VERSION if state is None else STATE_FORMAT_VERSION
@@ -91,10 +102,6 @@ def encode_pieces(geometry: KVGeometry, blocks: Sequence[BlockPieces],
         head = _state_pieces(state_map(state, blocks), head, pieces, pack)
     head += pack("checksum") + bin_header(CHECKSUM_SIZE)
     pieces.append(bytes(head))
-    digest = xxhash.xxh3_128()
-    for piece in pieces:
-        digest.update(piece)
-    pieces.append(digest.digest())
     return pieces
 
 
@@ -111,9 +118,17 @@ def decode_payload_views(payload, expected: KVGeometry, expected_state: StateGeo
     """`decode_views` for any model: also the recurrent state of a hybrid model's payload, read in
     place (`expected_state` is its state pool's geometry; None for a model without state)."""
     data = memoryview(payload).cast("B")
+    return read_payload_views(data, xxhash.xxh3_128_digest(data[:-CHECKSUM_SIZE]), expected, expected_state)
+
+
+def read_payload_views(data: memoryview, digest: bytes, expected: KVGeometry,
+                       expected_state: StateGeometry | None = None) -> KVPayload:
+    """`decode_payload_views` of `data` (bytes, one byte an item) whose xxh3_128 over every byte
+    before its last 16 was taken as the bytes arrived (`kvcache.wire_transit.IncomingPayload`):
+    `digest` is compared with those 16 bytes before anything else is read."""
     if len(data) <= CHECKSUM_SIZE:
         raise CorruptKVPayload(f"KV payload of {len(data)} bytes is too short to hold anything")
-    if xxhash.xxh3_128_digest(data[:-CHECKSUM_SIZE]) != bytes(data[-CHECKSUM_SIZE:]):
+    if digest != bytes(data[-CHECKSUM_SIZE:]):
         raise CorruptKVPayload("KV payload checksum mismatch: the bytes were damaged on the way")
     reader = _Reader(data)
     try:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import ray
 
+from kvcache.events import PackedEvents
 from node.async_engine import AsyncEngine
 from node.engine import EngineConfig
 from node.serving.agent import COLD_TIER_DIR_ENV, COLD_TIER_GB_ENV
@@ -286,7 +287,7 @@ class NodeActor:
 
     def _send_kv_events(self, events: list) -> None:
         try:
-            self._coord().kv_events.remote(self.node_id, events)
+            self._coord().kv_events.remote(self.node_id, PackedEvents.of(events))
         except Exception as exc:  # coordinator away: the gap makes it ask for a snapshot later
             log.warning("node %s: KV events not delivered: %s", self.node_id, exc)
             self._coordinator = None

@@ -12,18 +12,17 @@ pull. On the wire (after `node.serving.link_auth`'s handshake):
               recurrent state after the last of them, which travels in the same payload)
 
 Each chunk is a whole payload, so the target verifies and imports chunk i on its engine
-thread while chunk i+1 arrives, and the source checksums chunk i+1 while chunk i is sent:
-the slowest stage sets the rate. A source that holds fewer blocks than asked sends fewer.
+thread while chunk i+1 arrives, and the source lays out chunk i+1 while the kernel still
+sends what it took of chunk i from the socket's buffer: the slowest stage sets the rate.
+A source that holds fewer blocks than asked sends fewer.
 
 Threads with blocking sockets, not asyncio streams: Python 3.11's transports join the
 buffers of `writelines` into one (a copy of every byte), and a thread's `sendmsg` and
 `recv_into` release the GIL, so the actor's event loop stays free to serve while bytes move.
-Once authenticated, a connection is in blocking mode with the kernel's send and receive
-timeouts (`SO_SNDTIMEO`, `SO_RCVTIMEO`) rather than Python's: a chunk is then one
-`recv_into(MSG_WAITALL)` and one `sendmsg` per batch of pieces, where a Python timeout
-(a non-blocking socket polled) returns to Python, and asks for the GIL, every few KiB.
-The receive thread also verifies each chunk: the kernel's receive buffer keeps filling
-meanwhile, and a second thread would only add a GIL hand-off per chunk.
+How bytes move on a connection (the kernel's timeouts, a chunk checksummed slice by slice as
+it is sent and as it lands): `node.serving.link_io`. The receive thread also verifies each
+chunk: the kernel's receive buffer keeps filling meanwhile, and a second thread would only
+add a GIL hand-off per chunk.
 Anything that fails before the reply starts (no address, refused, wrong node) means "no
 direct path": the caller falls back to Ray. Nothing listens unless a key is set.
 """
@@ -34,7 +33,6 @@ import asyncio
 import logging
 import queue
 import socket
-import struct
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,16 +43,15 @@ import msgpack
 from kvcache.errors import KVCacheError
 from kvcache.hashing import BlockHash
 from kvcache.wire import KVPayload, StateSnapshotData
-from kvcache.wire_stream import decode_payload_views, encode_pieces
+from kvcache.wire_stream import payload_pieces
 from node.serving import link_auth as auth
+from node.serving import link_io
+from node.serving.link_io import U32, U64, data_mode, eof, grow_send_buffer, recv_exact
 from node.serving.migration import probe_payload
 
 log = logging.getLogger(__name__)
 
-_U32, _U64 = struct.Struct(">I"), struct.Struct(">Q")
 _MAX_REQUEST = 64 << 20
-_MAX_PIECES = 512  # per sendmsg; IOV_MAX is 1024 on Linux and macOS
-_WAITALL = getattr(socket, "MSG_WAITALL", 0)
 
 
 class LinkRefused(ConnectionError):
@@ -101,7 +98,7 @@ class KVLinkServer:
         self.config = config or KVLinkConfig()
         self.counters = LinkCounters()
         self._sock: socket.socket | None = None
-        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-link-encode")
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-link-encode")  # probes, made ahead
         self._probes: dict[int, bytes] = {}
 
     @property
@@ -138,8 +135,8 @@ class KVLinkServer:
                     self.counters.refused += 1
                     return
                 self.counters.accepted += 1
-                _data_mode(conn, self.config.io_timeout_s)
-                _grow_send_buffer(conn, self.config.send_buffer_bytes)
+                data_mode(conn, self.config.io_timeout_s)
+                grow_send_buffer(conn, self.config.send_buffer_bytes)
                 while (request := _read_request(conn)) is not None:
                     self._reply(conn, request)
             except (OSError, ValueError) as exc:
@@ -150,7 +147,7 @@ class KVLinkServer:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         nonce = auth.new_nonce()
         conn.sendall(auth.MAGIC + nonce)
-        answer = _recv_exact(conn, auth.NONCE_SIZE + auth.PROOF_SIZE)
+        answer = recv_exact(conn, auth.NONCE_SIZE + auth.PROOF_SIZE)
         if answer is None:
             return False
         theirs, proof = answer[: auth.NONCE_SIZE], answer[auth.NONCE_SIZE :]
@@ -163,21 +160,16 @@ class KVLinkServer:
     def _reply(self, conn: socket.socket, request: dict) -> None:
         if "probe" in request:
             payload = self._probe(min(int(request["probe"]), 64 << 20))
-            conn.sendall(_U64.pack(len(payload)) + payload + _U64.pack(0))
+            conn.sendall(U64.pack(len(payload)) + payload + U64.pack(0))
             return
         hashes = [BlockHash(bytes(h)) for h in request["hashes"]]
         per_chunk = max(1, int(request.get("chunk_bytes", self.config.chunk_bytes)) // self.geometry.bytes_per_block)
         handle, blocks, state = self._export(hashes)
         try:
-            runs = reply_runs(blocks, state, per_chunk)
-            upcoming = self._encoder.submit(encode_pieces, self.geometry, *runs[0]) if runs else None
-            for i in range(len(runs)):
-                pieces = upcoming.result()
-                upcoming = self._encoder.submit(encode_pieces, self.geometry, *runs[i + 1]) if i + 1 < len(runs) else None
-                size = sum(map(len, pieces))
-                _send_pieces(conn, [_U64.pack(size), *pieces])
-                self.counters.sent_bytes += size
-            conn.sendall(_U64.pack(0))
+            for run in reply_runs(blocks, state, per_chunk):  # the next chunk's pieces are made while the
+                pieces = payload_pieces(self.geometry, *run)  # kernel still sends what it took of the last
+                self.counters.sent_bytes += link_io.send_payload(conn, pieces)
+            conn.sendall(U64.pack(0))
         finally:
             self._release(handle)
 
@@ -224,7 +216,7 @@ class LinkStream:
         """Ask for the blocks of `hashes` (or, with `probe_bytes`, a probe payload of about that size)."""
         ask = {"probe": probe_bytes} if probe_bytes else {"hashes": [bytes(h) for h in hashes], "chunk_bytes": chunk_bytes}
         request = msgpack.packb(ask, use_bin_type=True)
-        self.sock.sendall(_U32.pack(len(request)) + request)
+        self.sock.sendall(U32.pack(len(request)) + request)
         self._thread = threading.Thread(target=self._receive, name="kv-link-recv", daemon=True)
         self._thread.start()
 
@@ -264,15 +256,14 @@ class LinkStream:
     def _receive(self) -> None:
         """Socket to buffers, each chunk verified and decoded here before it is handed over."""
         try:
-            while (size := _U64.unpack(_recv_exact(self.sock, 8) or _eof())[0]) != 0:
+            while (size := U64.unpack(recv_exact(self.sock, 8) or eof())[0]) != 0:
                 buffer = self._free.get()
                 if buffer is None:
                     return
                 if len(buffer) < size:  # a new one (views of the old may live on), kept across pulls
                     self.buffers[self.buffers.index(buffer)] = buffer = bytearray(size)
-                if not _recv_into(self.sock, memoryview(buffer)[:size]):
-                    _eof()
-                chunk = (buffer, size, decode_payload_views(memoryview(buffer)[:size], self.geometry, self.state_geometry))
+                incoming = link_io.receive_payload(self.sock, memoryview(buffer)[:size]) or eof()
+                chunk = (buffer, size, incoming.decode(self.geometry, self.state_geometry))
                 self._sink(*chunk) if self._sink is not None else self._put(chunk)
             self.ended = True
             self._put(None)
@@ -295,105 +286,33 @@ def connect(address: str, key: bytes, expected_node: str, config: KVLinkConfig) 
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(config.handshake_timeout_s)
-        hello = _recv_exact(sock, len(auth.MAGIC) + auth.NONCE_SIZE)
+        hello = recv_exact(sock, len(auth.MAGIC) + auth.NONCE_SIZE)
         if hello is None or hello[: len(auth.MAGIC)] != auth.MAGIC:
             raise LinkRefused(f"{address} is not a KV link")
         server_nonce, nonce = hello[len(auth.MAGIC) :], auth.new_nonce()
         sock.sendall(nonce + auth.client_proof(key, server_nonce, nonce))
-        reply = _recv_exact(sock, auth.PROOF_SIZE + 1)
-        name = _recv_exact(sock, reply[-1]) if reply is not None else None
+        reply = recv_exact(sock, auth.PROOF_SIZE + 1)
+        name = recv_exact(sock, reply[-1]) if reply is not None else None
         if name is None or name.decode(errors="replace") != expected_node:
             raise LinkRefused(f"{address} refused our key, or is not node {expected_node!r}")
         if not auth.proofs_equal(reply[: auth.PROOF_SIZE], auth.server_proof(key, nonce, server_nonce, expected_node)):
             raise LinkRefused(f"{address} does not hold the cluster's key")
-        _data_mode(sock, config.io_timeout_s)
+        data_mode(sock, config.io_timeout_s)
         return sock
     except BaseException:
         sock.close()
         raise
 
 
-# ---- socket helpers -------------------------------------------------------------------
-
-
 def _read_request(conn: socket.socket) -> dict | None:
-    header = _recv_exact(conn, 4)
+    header = recv_exact(conn, 4)
     if header is None:
         return None
-    size = _U32.unpack(header)[0]
+    size = U32.unpack(header)[0]
     if size > _MAX_REQUEST:
         raise ValueError(f"request of {size} bytes")
-    body = _recv_exact(conn, size)
+    body = recv_exact(conn, size)
     request = msgpack.unpackb(body or b"", raw=False) if body is not None else None
     if not isinstance(request, dict) or not (isinstance(request.get("hashes"), list) or isinstance(request.get("probe"), int)):
         raise ValueError("malformed request")
     return request
-
-
-def _data_mode(sock: socket.socket, timeout_s: float) -> None:
-    """Blocking, with the kernel's timeouts: a whole chunk is one system call (module docstring)."""
-    sock.settimeout(None)
-    seconds = max(1, int(timeout_s))
-    timeval = struct.pack("ll", seconds, 0)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
-
-
-def _grow_send_buffer(sock: socket.socket, nbytes: int | None) -> None:
-    """Ask for a send buffer of `nbytes`, halving where the kernel refuses (macOS refuses sizes
-    past its limit where Linux caps them); never below what the kernel already gave."""
-    while nbytes and nbytes > sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
-            return
-        except OSError:
-            nbytes //= 2
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
-    buffer = bytearray(n)
-    return bytes(buffer) if _recv_into(sock, memoryview(buffer)) else None
-
-
-def _recv_into(sock: socket.socket, view: memoryview) -> bool:
-    """Fill `view` from `sock`; False when the peer closed first."""
-    got = 0
-    flags = _WAITALL if sock.gettimeout() is None else 0
-    while got < len(view):
-        try:
-            n = sock.recv_into(view[got:], 0, flags)
-        except BlockingIOError as exc:  # the kernel's receive timeout (`_data_mode`)
-            raise TimeoutError("the KV link's peer sent nothing within its timeout") from exc
-        if n == 0:
-            return False
-        got += n
-    return True
-
-
-def _send_pieces(sock: socket.socket, pieces: list) -> None:
-    """Send every piece (`bytes` or a memoryview of bytes: its `len` is its size, as
-    `kvcache.wire_stream.encode_pieces` makes them) in order with scatter-gather writes: no byte
-    is copied in user space, and a batch the kernel took whole costs no Python per piece."""
-    pending = list(pieces)
-    i = 0
-    while i < len(pending):
-        batch = pending[i : i + _MAX_PIECES]
-        try:
-            sent = sock.sendmsg(batch)
-        except BlockingIOError as exc:  # the kernel's send timeout (`_data_mode`)
-            raise TimeoutError("the KV link's peer took nothing within its timeout") from exc
-        if sent == sum(map(len, batch)):
-            i += len(batch)
-            continue
-        for piece in batch:  # drop what went out; keep the rest of a partly sent piece
-            if sent >= len(piece):
-                sent -= len(piece)
-                i += 1
-            else:
-                pending[i] = memoryview(piece)[sent:]
-                break
-
-
-def _eof():
-    raise ConnectionError("the KV link closed mid-reply")
-

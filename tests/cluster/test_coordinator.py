@@ -7,7 +7,7 @@ import pytest
 from cluster.coordinator.coordinator import Coordinator, CoordinatorConfig
 from cluster.coordinator.membership import MembershipConfig, NodeInfo
 from cluster.coordinator.router import NoNodeAvailable, RouterConfig
-from kvcache.events import MEMORY, EventLog
+from kvcache.events import MEMORY, EventLog, PackedEvents
 from kvcache.hashing import block_hashes, root_hash
 
 BS = 4
@@ -272,3 +272,14 @@ def test_a_hybrid_node_is_credited_only_up_to_its_last_state():
     coord.route("demo", other, 4 * BS, BS, exclude=["b"])  # a has a route pending now: its run is walked
     decision = route(coord, exclude=["b"])
     assert (decision.node_id, decision.cached_blocks) == ("a", 2)
+
+
+def test_events_a_node_sends_packed_index_its_blocks_as_the_events_themselves_do():
+    packed, plain = make("a", "b")[0], make("a", "b")[0]
+    for coord, pack in ((packed, PackedEvents.of), (plain, list)):
+        log = EventLog()
+        for parent, h in zip([None, *HASHES[:-1]], HASHES):
+            log.stored(h, parent, (0,) * BS)
+        log.removed(HASHES[-1])
+        assert coord.kv_events("a", pack(log.drain())) is True
+    assert packed.match(HASHES) == plain.match(HASHES) == {"a": len(HASHES) - 1}

@@ -11,11 +11,12 @@ from dataclasses import replace
 
 import pytest
 
+from kvcache.events import BlockStored
 from kvcache.hashing import BlockHash
 from node.async_engine import AsyncEngine
 from node.engine import EngineConfig, LLMEngine
-from node.serving import kv_link
 from node.serving import link_auth as auth
+from node.serving import link_io
 from node.serving.direct_path import DirectPath
 from node.serving.kv_link import KVLinkConfig, LinkRefused, connect
 from node.serving.migration import BlockMover
@@ -136,6 +137,28 @@ def test_direct_pull_gives_the_greedy_tokens_of_recomputing_and_is_a_prefix_hit(
     assert paths["b"].mover.counters.migrated_blocks >= 5
 
 
+def test_a_pull_returns_once_every_chunk_is_imported_and_its_kv_events_are_published(nodes):
+    """Many chunks, each imported by a call that publishes nothing: the pull's closing engine call
+    runs after all of them and publishes their events before the pull returns."""
+    loop, paths = nodes
+    published = []
+    paths["b"].mover.engine.add_kv_listener(published.extend)
+    tokens = prompt(21, length=16 * 12)
+
+    async def run():
+        await generate(paths["a"], "cache-21", tokens)
+
+        async def resolve(_peer):
+            return paths["a"].address
+
+        result = await paths["b"].pull("a", hashes_of(paths["a"], tokens), resolve)
+        return result, [e.block_hash for e in published if isinstance(e, BlockStored)]
+
+    result, stored = loop.run_until_complete(run())
+    assert (result.ok, result.imported) == (True, 12)  # six chunks of two blocks
+    assert stored == hashes_of(paths["a"], tokens)
+
+
 def test_a_second_pull_from_the_same_source_reuses_the_authenticated_connection(nodes):
     loop, paths = nodes
     pull(loop, paths, prompt(3))
@@ -183,22 +206,23 @@ def test_damaged_replies_are_refused_counted_and_the_request_recomputes(nodes, m
     loop, paths = nodes
     server = paths["a"].server
     if damage == "flipped":
-        real = kv_link.encode_pieces
+        real = link_io.send_pieces
 
-        def flipped(geometry, blocks, state=None):
-            pieces = real(geometry, blocks, state)
-            kv = bytearray(pieces[1])  # the first block's first layer of K, after the checksum was taken
-            kv[7] ^= 0x40
-            pieces[1] = bytes(kv)
-            return pieces
+        def flipped(sock, pieces):
+            if len(pieces) > 3 and len(pieces[3]) > 7:  # a batch with the first block's first layer of K
+                kv = bytearray(pieces[3])  # damaged after its batch was checksummed, on its way out
+                kv[7] ^= 0x40
+                pieces = [*pieces[:3], bytes(kv), *pieces[4:]]
+            real(sock, pieces)
 
-        monkeypatch.setattr(kv_link, "encode_pieces", flipped)
+        monkeypatch.setattr(link_io, "send_pieces", flipped)
     elif damage == "cut-off":
         def cut_off(sock, pieces):
-            sock.sendall(pieces[0] + bytes(pieces[1])[:100])  # the length promises more
+            sock.sendall(link_io.U64.pack(sum(map(len, pieces)) + 16) + bytes(pieces[0])[:100])  # the length promises more
             sock.shutdown(socket.SHUT_RDWR)
+            return 100
 
-        monkeypatch.setattr(kv_link, "_send_pieces", cut_off)
+        monkeypatch.setattr(link_io, "send_payload", cut_off)
     else:
         monkeypatch.setattr(server, "geometry", replace(server.geometry, model_fingerprint="another-model"))
     failures = paths["b"].mover.counters.migration_failures
@@ -240,10 +264,10 @@ def test_a_node_actors_link_listens_at_its_ray_node_address_by_default(monkeypat
 def test_a_silent_peer_times_out_under_the_kernels_timeout_of_an_authenticated_connection():
     with socket.create_server(("127.0.0.1", 0)) as server:
         with socket.create_connection(server.getsockname()) as client, server.accept()[0]:
-            kv_link._data_mode(client, 1.0)
+            link_io.data_mode(client, 1.0)
             assert client.gettimeout() is None  # blocking: a chunk is one system call
             with pytest.raises(TimeoutError):
-                kv_link._recv_into(client, memoryview(bytearray(64)))
+                link_io.recv_into(client, memoryview(bytearray(64)))
 
 
 def test_a_small_pull_asks_for_smaller_chunks_so_its_stages_overlap():
@@ -259,7 +283,7 @@ def test_a_small_pull_asks_for_smaller_chunks_so_its_stages_overlap():
 def test_the_senders_buffer_grows_as_far_as_the_kernel_allows_and_a_refusal_is_not_an_error(monkeypatch):
     with socket.socket() as sock:
         before = sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
-        kv_link._grow_send_buffer(sock, 4 * before)
+        link_io.grow_send_buffer(sock, 4 * before)
         assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) > before
 
     class Refusing:  # macOS: ENOBUFS past kern.ipc.maxsockbuf
@@ -275,7 +299,7 @@ def test_the_senders_buffer_grows_as_far_as_the_kernel_allows_and_a_refusal_is_n
                 raise OSError(55, "No buffer space available")
 
     refusing = Refusing()
-    kv_link._grow_send_buffer(refusing, 8 << 20)
+    link_io.grow_send_buffer(refusing, 8 << 20)
     assert refusing.asked == [8 << 20, 4 << 20, 2 << 20, 1 << 20]
 
 
@@ -295,10 +319,10 @@ def test_pieces_the_kernel_takes_in_part_are_sent_whole_and_in_order():
 
     pieces = [bytes([i % 251]) * (1 + i % 9) if i % 2 else memoryview(bytes(range(i % 13, i % 13 + 6))) for i in range(1200)]
     sock = Trickle()
-    kv_link._send_pieces(sock, pieces)
+    link_io.send_pieces(sock, pieces)
     assert bytes(sock.got) == b"".join(bytes(p) for p in pieces)
     batches = []
     whole = Trickle()
     whole.sendmsg = lambda buffers: batches.append(len(buffers)) or sum(map(len, buffers))  # takes every batch whole
-    kv_link._send_pieces(whole, pieces)
-    assert batches == [kv_link._MAX_PIECES, kv_link._MAX_PIECES, 1200 - 2 * kv_link._MAX_PIECES]
+    link_io.send_pieces(whole, pieces)
+    assert batches == [link_io.MAX_PIECES, link_io.MAX_PIECES, 1200 - 2 * link_io.MAX_PIECES]

@@ -1,0 +1,118 @@
+"""Bytes on an authenticated KV link's socket (`node.serving.kv_link`): framing, payloads, timeouts.
+
+Once authenticated, a connection is in blocking mode with the kernel's send and receive
+timeouts (`SO_SNDTIMEO`, `SO_RCVTIMEO`) rather than Python's: a slice of a chunk is then one
+`recv_into(MSG_WAITALL)` and a batch of pieces one `sendmsg`, where a Python timeout (a
+non-blocking socket polled) returns to Python, and asks for the GIL, every few KiB.
+
+A payload goes out in batches of about `BATCH_BYTES`, each checksummed just before it is
+sent, and comes in slices of `LANDING_BYTES`, each checksummed just after it landed
+(`kvcache.wire_transit`): the checksum and the kernel's copy then read the same bytes once
+from memory between them, the second read from the CPU's cache.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+from kvcache.wire_transit import IncomingPayload, OutgoingPayload
+
+U32, U64 = struct.Struct(">I"), struct.Struct(">Q")
+MAX_PIECES = 512  # per sendmsg; IOV_MAX is 1024 on Linux and macOS
+BATCH_BYTES = 512 << 10  # checksummed, then copied by the kernel, while still in a core's cache
+LANDING_BYTES = 512 << 10
+_WAITALL = getattr(socket, "MSG_WAITALL", 0)
+
+
+def send_payload(sock: socket.socket, pieces: list) -> int:
+    """Send one payload (`kvcache.wire_stream.payload_pieces`: all but its checksum) after its u64
+    length, checksumming it batch by batch as it goes and sending the checksum last; its size."""
+    outgoing = OutgoingPayload(pieces)
+    head = [U64.pack(outgoing.size)]
+    for batch in outgoing.batches(BATCH_BYTES, MAX_PIECES - 1):
+        send_pieces(sock, head + batch)
+        head = []
+    send_pieces(sock, [*head, outgoing.checksum()])
+    return outgoing.size
+
+
+def receive_payload(sock: socket.socket, buffer) -> IncomingPayload | None:
+    """Fill `buffer` (exactly one payload's size) slice by slice, each checksummed as it lands;
+    None when the peer closed first. `decode` the answer: it refuses a checksum that differs."""
+    incoming = IncomingPayload(buffer)
+    size = len(incoming.data)
+    for start in range(0, size, LANDING_BYTES):
+        end = min(size, start + LANDING_BYTES)
+        if not recv_into(sock, incoming.data[start:end]):
+            return None
+        incoming.landed(end)
+    return incoming
+
+
+def data_mode(sock: socket.socket, timeout_s: float) -> None:
+    """Blocking, with the kernel's timeouts: a whole slice is one system call (module docstring)."""
+    sock.settimeout(None)
+    seconds = max(1, int(timeout_s))
+    timeval = struct.pack("ll", seconds, 0)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
+def grow_send_buffer(sock: socket.socket, nbytes: int | None) -> None:
+    """Ask for a send buffer of `nbytes`, halving where the kernel refuses (macOS refuses sizes
+    past its limit where Linux caps them); never below what the kernel already gave."""
+    while nbytes and nbytes > sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, nbytes)
+            return
+        except OSError:
+            nbytes //= 2
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buffer = bytearray(n)
+    return bytes(buffer) if recv_into(sock, memoryview(buffer)) else None
+
+
+def recv_into(sock: socket.socket, view: memoryview) -> bool:
+    """Fill `view` from `sock`; False when the peer closed first."""
+    got = 0
+    flags = _WAITALL if sock.gettimeout() is None else 0
+    while got < len(view):
+        try:
+            n = sock.recv_into(view[got:], 0, flags)
+        except BlockingIOError as exc:  # the kernel's receive timeout (`data_mode`)
+            raise TimeoutError("the KV link's peer sent nothing within its timeout") from exc
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+def send_pieces(sock: socket.socket, pieces: list) -> None:
+    """Send every piece (`bytes` or a memoryview of bytes: its `len` is its size) in order with
+    scatter-gather writes: no byte is copied in user space, and a batch the kernel took whole
+    costs no Python per piece."""
+    pending = list(pieces)
+    i = 0
+    while i < len(pending):
+        batch = pending[i : i + MAX_PIECES]
+        try:
+            sent = sock.sendmsg(batch)
+        except BlockingIOError as exc:  # the kernel's send timeout (`data_mode`)
+            raise TimeoutError("the KV link's peer took nothing within its timeout") from exc
+        if sent == sum(map(len, batch)):
+            i += len(batch)
+            continue
+        for piece in batch:  # drop what went out; keep the rest of a partly sent piece
+            if sent >= len(piece):
+                sent -= len(piece)
+                i += 1
+            else:
+                pending[i] = memoryview(piece)[sent:]
+                break
+
+
+def eof():
+    raise ConnectionError("the KV link closed mid-reply")

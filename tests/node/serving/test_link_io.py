@@ -1,0 +1,106 @@
+"""A payload over a real socket pair as the KV link moves it: sent in checksummed batches, received
+in checksummed slices, read back whole; cut off, or damaged after its batch was checksummed,
+it is never read as blocks."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from kvcache.errors import CorruptKVPayload
+from kvcache.geometry import KVGeometry
+from kvcache.hashing import hash_block, root_hash
+from kvcache.wire_stream import BlockPieces, decode_views, encode_pieces, payload_pieces
+from node.serving import link_io
+
+# 12 KiB a block: a payload of 100 blocks spans several batches and landing slices once they are shrunk
+GEOMETRY = KVGeometry("fp", num_layers=3, num_kv_heads=2, head_dim=32, block_size=16, dtype="float16")
+
+
+def pieces(n: int = 100) -> list[BlockPieces]:
+    rng = np.random.default_rng(1)
+    parent, out = root_hash("fp"), []
+    for i in range(n):
+        tokens = tuple(range(i * 16, i * 16 + 16))
+        k, v = (rng.standard_normal((3, 16, 2, 32)).astype(np.float16) for _ in range(2))
+        block_hash = hash_block(parent, tokens)
+        out.append(BlockPieces(block_hash, parent, tokens, list(k), list(v)))
+        parent = block_hash
+    return out
+
+
+@pytest.fixture
+def small_slices(monkeypatch):
+    monkeypatch.setattr(link_io, "BATCH_BYTES", 20_000)
+    monkeypatch.setattr(link_io, "LANDING_BYTES", 30_000)
+
+
+def send_in_background(fn) -> threading.Thread:
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_payload_sent_in_batches_lands_in_slices_as_the_blocks_sent(small_slices):
+    blocks = pieces()
+    expected = b"".join(bytes(p) for p in encode_pieces(GEOMETRY, blocks))
+    a, b = socket.socketpair()
+    with a, b:
+        sizes = []
+        sender = send_in_background(lambda: sizes.append(link_io.send_payload(a, payload_pieces(GEOMETRY, blocks))))
+        size = link_io.U64.unpack(link_io.recv_exact(b, 8))[0]
+        incoming = link_io.receive_payload(b, bytearray(size))
+        sender.join(5)
+        assert sizes == [size] == [len(expected)] and bytes(incoming.data) == expected
+        for ours, theirs in zip(incoming.decode(GEOMETRY).blocks, decode_views(bytearray(expected), GEOMETRY), strict=True):
+            assert ours.block_hash == theirs.block_hash and np.array_equal(ours.keys, theirs.keys)
+
+
+def test_a_payload_cut_off_between_slices_is_no_payload(small_slices):
+    payload = b"".join(bytes(p) for p in encode_pieces(GEOMETRY, pieces()))
+    a, b = socket.socketpair()
+    with b:
+        with a:
+            a.sendall(payload[:45_000])  # one slice and a half
+        assert link_io.receive_payload(b, bytearray(len(payload))) is None
+
+
+def test_a_byte_damaged_after_its_batch_was_checksummed_is_refused(small_slices, monkeypatch):
+    real, calls = link_io.send_pieces, []
+
+    def damaging(sock, batch):
+        calls.append(len(batch))
+        if len(calls) == 3:  # a batch in the middle, after the checksum took it
+            kv = bytearray(batch[-1])
+            kv[0] ^= 0x01
+            batch = [*batch[:-1], bytes(kv)]
+        real(sock, batch)
+
+    monkeypatch.setattr(link_io, "send_pieces", damaging)
+    a, b = socket.socketpair()
+    with a, b:
+        sender = send_in_background(lambda: link_io.send_payload(a, payload_pieces(GEOMETRY, pieces())))
+        size = link_io.U64.unpack(link_io.recv_exact(b, 8))[0]
+        incoming = link_io.receive_payload(b, bytearray(size))
+        sender.join(5)
+        assert len(calls) > 3  # several batches went out
+        with pytest.raises(CorruptKVPayload, match="checksum"):
+            incoming.decode(GEOMETRY)
+
+
+def test_the_length_comes_first_and_the_checksum_last_in_their_own_places():
+    blocks = pieces(2)
+    sent = []
+
+    class Recorder:
+        def sendmsg(self, buffers):
+            sent.append([bytes(b) for b in buffers])
+            return sum(map(len, buffers))
+
+    size = link_io.send_payload(Recorder(), payload_pieces(GEOMETRY, blocks))
+    whole = b"".join(b"".join(batch) for batch in sent)
+    assert whole == link_io.U64.pack(size) + b"".join(bytes(p) for p in encode_pieces(GEOMETRY, blocks))
+    assert sent[-1] == [whole[-16:]]  # the checksum, known once every batch went out
