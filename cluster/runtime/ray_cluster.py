@@ -64,7 +64,14 @@ def ensure_coordinator(config: CoordinatorConfig | None = None):
         get_if_exists=True,
         max_restarts=-1,
         num_cpus=0,
+        runtime_env=SERVING_RUNTIME_ENV,
     ).remote(config or CoordinatorConfig())
+
+
+#: Ray starts worker processes at niceness 15, below its own daemons, the gateway and every other program
+#: on the machine; the engine's node actor and the coordinator are on every request's path, so they run at
+#: the default priority (Ray honours the variable per actor, as its job manager does for job supervisors).
+SERVING_RUNTIME_ENV = {"env_vars": {"RAY_worker_niceness": "0"}}
 
 
 def _head_ray_node_id() -> str | None:
@@ -93,6 +100,7 @@ def start_node_actor(ray_node_id: str, node_config, *, detached: bool = False):
         num_cpus=0,
         resources={NODE_RESOURCE: 1},
         scheduling_strategy=NodeAffinitySchedulingStrategy(ray_node_id, soft=False),
+        runtime_env=SERVING_RUNTIME_ENV,
     )
     if detached:
         options["lifetime"] = "detached"

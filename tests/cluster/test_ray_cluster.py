@@ -4,6 +4,7 @@ requests survive the loss of a node's actor and of a whole raylet mid-stream."""
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 
 import pytest
@@ -79,6 +80,22 @@ def wait_for(predicate, timeout=20.0):
             return True
         time.sleep(0.2)
     return False
+
+
+def _niceness(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda _self: os.getpriority(os.PRIO_PROCESS, 0)))
+
+
+def test_the_engines_and_the_coordinator_run_at_default_priority_not_rays_worker_niceness(cluster):
+    _, nodes = cluster
+
+    @ray.remote(num_cpus=0)
+    class Plain:
+        pass
+
+    assert _niceness(Plain.remote()) == 15  # what Ray gives a worker: below the gateway and every other program
+    actors = [ray.get_actor(node_actor_name(node_id), namespace="orchard") for node_id in nodes] + [coordinator()]
+    assert [_niceness(actor) for actor in actors] == [0] * len(actors)
 
 
 def test_second_request_with_a_prefix_goes_to_the_node_holding_it(cluster):
