@@ -208,7 +208,7 @@ class Router:
     def _by_cost(self, request, candidates, rates, link, held_blocks) -> RouteDecision:
         costed = [self._cost(request, node, rates[node.node_id], link) for node in candidates]
         lowest = min(c.cost for c in costed)
-        near = [c for c in costed if c.cost <= lowest * (1 + TIE_TOLERANCE) + TIE_FLOOR_S]
+        near = [c for c in costed if ties(c.cost, lowest)]
         # Within the band, the node holding most of the prompt itself wins: a prefix hit is
         # never traded for room, nor for a migration whose estimated gain is within noise.
         held_most = max(c.own_blocks for c in near)
@@ -254,7 +254,7 @@ class Router:
         run_bytes = extra * node.info.bytes_per_block + node.info.state_bytes
         transfer_s = link_latency(source, node.node_id) + run_bytes / bytes_per_s
         recompute_s = extra * request.block_size * rates.prefill_marginal  # the request's step runs either way
-        if recompute_s - transfer_s <= max(TIE_FLOOR_S, TIE_TOLERANCE * recompute_s):
+        if ties(recompute_s, transfer_s):
             return None  # a gain within the estimates' noise: recompute, with no pull that could fail or stall
         return MigrationPlan(source, extra, transfer_s, recompute_s)
 
@@ -284,6 +284,12 @@ class Router:
             decode = _shrunk(n.decode_s_per_token.value, decode_default, _confidence(n))
             rates[n.node_id] = _Rates(prefill, decode, _marginal(n, prefill))
         return rates
+
+
+def ties(cost: float, lowest: float) -> bool:
+    """Whether `cost` is within the tie band of `lowest`: the one band for ranking nodes and for a
+    migration against recomputing (both compare estimates no finer than the band)."""
+    return cost <= lowest * (1 + TIE_TOLERANCE) + TIE_FLOOR_S
 
 
 def _confidence(node: NodeState) -> float:

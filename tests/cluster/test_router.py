@@ -7,7 +7,7 @@ import collections
 import pytest
 
 from cluster.coordinator.membership import Membership, NodeInfo, NodeLoad
-from cluster.coordinator.router import NoNodeAvailable, Router, RouterConfig, RouteRequest, UnknownPolicy
+from cluster.coordinator.router import NoNodeAvailable, Router, RouterConfig, RouteRequest, UnknownPolicy, ties
 
 BS = 16
 
@@ -195,6 +195,11 @@ def test_slow_link_means_recompute_instead_of_migrate():
     decision = Router().route(request({"a": 16}), members.candidates("m"), members.link_rate)
     assert decision.node_id == "b"
     assert decision.migration is None
+
+
+def test_the_tie_band_is_ten_percent_of_the_lower_estimate_plus_five_milliseconds():
+    assert ties(1.104, 1.0) and not ties(1.106, 1.0)
+    assert ties(0.0049, 0.0) and not ties(0.0051, 0.0)
 
 
 def test_a_migration_whose_estimated_gain_is_within_noise_is_not_planned():
