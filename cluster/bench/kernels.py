@@ -134,8 +134,9 @@ def sweep_rows(context: int, iters: int) -> list[Row]:
     default = dispatch.decode_function("cuda")
     problem = Problem(batch=64, num_heads=32, num_kv_heads=8, head_dim=128, context=context, dtype="float16")
     variants = [dict(tensor_cores=False)]  # the SIMT loop
-    variants += [dict(threads=64), dict(threads=256)]
-    variants += [dict(partition_size=p, min_partition_size=p) for p in (512, 2048)]
+    long = dict(partition_size=2048, min_partition_size=2048)
+    variants += [dict(threads=64), long, dict(long, threads=64)]
+    variants += [dict(pipelined=True), dict(pipelined=True, threads=64), dict(long, pipelined=True), dict(long, pipelined=True, threads=64)]
     for variant in variants:
         default.tuning = launch.KernelTuning(**variant)
         label = "cuda " + " ".join(f"{''.join(w[0] for w in k.split('_'))}={v}" for k, v in variant.items())

@@ -186,9 +186,9 @@ static unsigned int high_halves(unsigned int a, unsigned int b) { return (a >> 1
 """
 
 
-def mma_decode_text(constants: dict) -> str:
+def mma_decode_text(constants: dict, pipelined: bool = False) -> str:
     """The tensor-core decode kernel (single pass and split) and the partition merge, constants baked in."""
-    single, split = (mma_decode_source.render(p)[1].replace(source.CUDA_DECODE_PROLOGUE, emulator.DECODE_PROLOGUE)
+    single, split = (mma_decode_source.render(p, pipelined)[1].replace(source.CUDA_DECODE_PROLOGUE, emulator.DECODE_PROLOGUE)
                      for p in (False, True))
     consts = emulator._constants({k: v for k, v in constants.items() if k != "PARTITION"})
     reduce_consts = emulator._constants({
