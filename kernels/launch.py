@@ -40,7 +40,7 @@ class KernelTuning:
     reduce_threads: int = 128
     max_per_lane: int = 8  # elements of a row per lane: more means fewer shuffles, more registers
     tensor_cores: bool = True  # CUDA, half pools: the MMA loop (kernels/mma_decode_source.py) where it applies
-    pipelined: bool = False  # the MMA loop loads the next tile's K and V while this one computes
+    pipelined: bool = False  # the MMA loop loads the next tile's K and V while this one computes (not yet timed)
 
 
 @dataclass(frozen=True)
