@@ -40,7 +40,6 @@ class KernelTuning:
     reduce_threads: int = 128
     max_per_lane: int = 8  # elements of a row per lane: more means fewer shuffles, more registers
     tensor_cores: bool = True  # CUDA, half pools: the MMA loop (kernels/mma_decode_source.py) where it applies
-    pipelined: bool = False  # the MMA loop loads the next tile's K and V while this one computes (not yet timed)
 
 
 @dataclass(frozen=True)
@@ -122,14 +121,13 @@ class PagedDecodeKernels:
         self.tuning = tuning
 
     @cache  # noqa: B019 -- one instance per dialect lives as long as the process
-    def _decode_kernel(self, partitioned: bool, tensor_cores: bool = False, pipelined: bool = False):
+    def _decode_kernel(self, partitioned: bool, tensor_cores: bool = False):
         if tensor_cores:
-            header, body = mma_decode_source.render(partitioned, pipelined)
+            header, body = mma_decode_source.render(partitioned)
         else:
             header, body = source.render_decode(self.dialect, partitioned)
         outputs = source.PARTITION_OUTPUTS if partitioned else source.SINGLE_OUTPUTS
-        mode = ("_mma_pipelined" if pipelined else "_mma") if tensor_cores else ""
-        name = "orchard_paged_decode" + mode + ("_split" if partitioned else "")
+        name = "orchard_paged_decode" + ("_mma" if tensor_cores else "") + ("_split" if partitioned else "")
         return self.compile_kernel(name, source.DECODE_INPUTS, outputs, header, body)
 
     def uses_tensor_cores(self, plan: DecodePlan, tuning: KernelTuning, num_heads: int, num_kv_heads: int,
@@ -174,8 +172,8 @@ class PagedDecodeKernels:
             ("UNROLL", tuning.unroll), *layer.template,
         ]
         grid = (plan.num_partitions * tuning.threads, num_kv_heads * (num_heads // num_kv_heads // plan.heads_per_tile), num_seqs)
-        tensor_cores = self.uses_tensor_cores(plan, tuning, num_heads, num_kv_heads, head_dim, key_cache.dtype)
-        kernel = self._decode_kernel(plan.partitioned, tensor_cores, tensor_cores and tuning.pipelined)
+        kernel = self._decode_kernel(plan.partitioned,
+                                     self.uses_tensor_cores(plan, tuning, num_heads, num_kv_heads, head_dim, key_cache.dtype))
         if not plan.partitioned:
             (out,) = kernel(
                 inputs=inputs, template=template, grid=grid, threadgroup=(tuning.threads, 1, 1),

@@ -36,6 +36,14 @@ from kernels import mma_source, source
 #: most query heads one KV head's group may have here: the columns of one O^T MMA tile
 MAX_GROUP = 8
 
+#: plain C++ but for its qualifiers, which the CPU emulator swaps for `static` (tests/kernels/mma_emulator.py)
+ELEMENT_PAIR = r"""
+// Element e of two keys' rows (as words, two elements a word) side by side in one word: key a's low.
+__device__ __forceinline__ unsigned int element_pair(const unsigned int* a, const unsigned int* b, int e) {
+  return (e % 2) ? (a[e / 2] >> 16) | (b[e / 2] & 0xffff0000u) : (a[e / 2] & 0xffffu) | (b[e / 2] << 16);
+}
+"""
+
 MMA_DECODE_HEADER = mma_source.MMA_HEADER + r"""
 #define SIMD_SHFL(value, src_lane) __shfl_sync(0xffffffffu, (value), (src_lane))
 
@@ -46,13 +54,9 @@ __device__ __forceinline__ void load_words(const U* src, unsigned int* dst) {
   dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
 }
 
-// The low (high) halves of two words as one word: element e of key a beside element e of key b.
-__device__ __forceinline__ unsigned int low_halves(unsigned int a, unsigned int b) { return (a & 0xffffu) | (b << 16); }
-__device__ __forceinline__ unsigned int high_halves(unsigned int a, unsigned int b) { return (a >> 16) | (b & 0xffff0000u); }
-"""
+""" + ELEMENT_PAIR
 
-# Everything before the loop over key tiles: fragments of Q, accumulators, the first tile's block entries.
-LOOP_SETUP = r"""  constexpr int KEY_TILE = 16;
+MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
   constexpr int K_WORDS = HEAD_DIM / 8;  // words of a key row this lane holds (4 lanes a key)
   constexpr int V_WORDS = HEAD_DIM / 16;  // words of a value row this lane holds (8 lanes a key)
   constexpr int K_STEPS = HEAD_DIM / 16;
@@ -99,14 +103,17 @@ LOOP_SETUP = r"""  constexpr int KEY_TILE = 16;
   // The next tile's entries are read while this tile computes, so a table read never sits between a
   // tile's start and its K/V loads; lanes take their positions' blocks by broadcast.
   int block = first_tile + lane % KEY_TILE < end ? int(table[(first_tile + lane % KEY_TILE) / BLOCK_SIZE]) : 0;
-"""
-
-# A tile's K into kw (keys @BASE@ + group_id and + 8) and V into vw (keys @BASE@ + {0, 1, 8, 9} + 2 * in_group,
-# word w holding dims (w / 4) * 64 + group_id * 8 + (w % 4) * 2 and the next); @BLOCK@ holds the tile's block entries.
-LOAD_K = r"""    #pragma unroll
+  for (int base = first_tile; base < end; base += tile_stride) {
+    const int ahead = base + tile_stride + lane % KEY_TILE;
+    const int next_block = ahead < end ? int(table[ahead / BLOCK_SIZE]) : 0;
+    // K: keys base + group_id and base + 8 + group_id. V: keys base + {0, 1, 8, 9} + 2 * in_group,
+    // whose word w holds dims (w / 4) * 64 + group_id * 8 + (w % 4) * 2 and the next.
+    unsigned int kw[2][K_WORDS];
+    unsigned int vw[4][V_WORDS];
+    #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int t = @BASE@ + h * 8 + group_id;
-      const size_t row = (size_t(SIMD_SHFL(@BLOCK@, h * 8 + group_id)) * BLOCK_SIZE + t % BLOCK_SIZE) * SLOT_STRIDE + head_offset;
+      const int t = base + h * 8 + group_id;
+      const size_t row = (size_t(SIMD_SHFL(block, h * 8 + group_id)) * BLOCK_SIZE + t % BLOCK_SIZE) * SLOT_STRIDE + head_offset;
       #pragma unroll
       for (int c = 0; c < HEAD_DIM / 32; ++c) {
         if (t < end) {
@@ -119,12 +126,10 @@ LOAD_K = r"""    #pragma unroll
         }
       }
     }
-"""
-
-LOAD_V = r"""    #pragma unroll
+    #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int t = @BASE@ + (j / 2) * 8 + 2 * in_group + j % 2;
-      const size_t row = (size_t(SIMD_SHFL(@BLOCK@, t - (@BASE@))) * BLOCK_SIZE + t % BLOCK_SIZE) * SLOT_STRIDE + head_offset;
+      const int t = base + (j / 2) * 8 + 2 * in_group + j % 2;
+      const size_t row = (size_t(SIMD_SHFL(block, t - base)) * BLOCK_SIZE + t % BLOCK_SIZE) * SLOT_STRIDE + head_offset;
       #pragma unroll
       for (int c = 0; c < HEAD_DIM / 64; ++c) {
         if (t < end) {
@@ -138,10 +143,7 @@ LOAD_V = r"""    #pragma unroll
       }
     }
 
-"""
-
-# S = Q K^T for the tile in kw.
-SCORES = r"""    float s[2][4];
+    float s[2][4];
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
       #pragma unroll
@@ -156,10 +158,7 @@ SCORES = r"""    float s[2][4];
       }
     }
 
-"""
-
-# Masking, the online softmax, and the correction of this lane's running state.
-SOFTMAX = r"""    // This lane's scores: head group_id, keys base + h * 8 + 2 * in_group + e.
+    // This lane's scores: head group_id, keys base + h * 8 + 2 * in_group + e.
     float tile_max = NEG_BIG;
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -193,10 +192,7 @@ SOFTMAX = r"""    // This lane's scores: head group_id, keys base + h * 8 + 2 * 
     run_sum = run_sum * correction + tile_sum;
     run_max = new_max;
 
-"""
-
-# O^T += V^T P^T for the tile in vw.
-ACCUMULATE = r"""    // O^T's columns in this lane are heads 2 * in_group and 2 * in_group + 1: their corrections
+    // O^T's columns in this lane are heads 2 * in_group and 2 * in_group + 1: their corrections
     // live in the lanes of groups 2 * in_group and 2 * in_group + 1.
     const float keep_lo = SIMD_SHFL(correction, 8 * in_group);
     const float keep_hi = SIMD_SHFL(correction, 8 * in_group + 4);
@@ -207,56 +203,18 @@ ACCUMULATE = r"""    // O^T's columns in this lane are heads 2 * in_group and 2 
       o[i][1] *= keep_hi;
       o[i][2] *= keep_lo;
       o[i][3] *= keep_hi;
-      // Row group_id of tile i is element i of this lane's V slice, row group_id + 8 element D_TILES + i.
-      constexpr int HI = D_TILES;
-      const unsigned int a[4] = {
-          (i % 2) ? high_halves(vw[0][i / 2], vw[1][i / 2]) : low_halves(vw[0][i / 2], vw[1][i / 2]),
-          ((HI + i) % 2) ? high_halves(vw[0][(HI + i) / 2], vw[1][(HI + i) / 2]) : low_halves(vw[0][(HI + i) / 2], vw[1][(HI + i) / 2]),
-          (i % 2) ? high_halves(vw[2][i / 2], vw[3][i / 2]) : low_halves(vw[2][i / 2], vw[3][i / 2]),
-          ((HI + i) % 2) ? high_halves(vw[2][(HI + i) / 2], vw[3][(HI + i) / 2]) : low_halves(vw[2][(HI + i) / 2], vw[3][(HI + i) / 2]),
-      };
+      // Row group_id of tile i is element i of this lane's V slice, row group_id + 8 element D_TILES + i;
+      // fragment registers 0 and 1 pair keys 2 * in_group and + 1, registers 2 and 3 those 8 later.
+      const unsigned int a[4] = {element_pair(vw[0], vw[1], i), element_pair(vw[0], vw[1], D_TILES + i),
+                                 element_pair(vw[2], vw[3], i), element_pair(vw[2], vw[3], D_TILES + i)};
       MmaTile<T>::run(o[i], a, pb);
     }
-"""
+    block = next_block;
+  }
 
-LOOP_END = r"""
   run_sum += SIMD_XOR(run_sum, 1);
   run_sum += SIMD_XOR(run_sum, 2);
 """
-
-KV_REGISTERS = r"""    unsigned int kw[2][K_WORDS];
-    unsigned int vw[4][V_WORDS];
-"""
-
-
-
-def _loads(load: str, base: str, block: str) -> str:
-    return load.replace("@BASE@", base).replace("@BLOCK@", block)
-
-
-def decode_loop(pipelined: bool) -> str:
-    """The loop over key tiles. Plain: a tile's K and V are loaded, then used. Pipelined: the next
-    tile's K is loaded as soon as this tile's scores are taken and its V as soon as this tile's V was
-    used (same registers), so a warp's loads are in flight while it computes."""
-    if not pipelined:
-        return (LOOP_SETUP + "  for (int base = first_tile; base < end; base += tile_stride) {\n"
-                "    const int ahead = base + tile_stride + lane % KEY_TILE;\n"
-                "    const int next_block = ahead < end ? int(table[ahead / BLOCK_SIZE]) : 0;\n"
-                + KV_REGISTERS + _loads(LOAD_K, "base", "block") + _loads(LOAD_V, "base", "block")
-                + SCORES + SOFTMAX + ACCUMULATE + "    block = next_block;\n  }\n" + LOOP_END)
-    return (LOOP_SETUP + KV_REGISTERS.replace("    ", "  ") + "  {\n"
-            + _loads(LOAD_K, "first_tile", "block") + _loads(LOAD_V, "first_tile", "block") + "  }\n"
-            "  const int second = first_tile + tile_stride + lane % KEY_TILE;\n"
-            "  int next_block = second < end ? int(table[second / BLOCK_SIZE]) : 0;\n"
-            "  for (int base = first_tile; base < end; base += tile_stride) {\n"
-            "    const int later = base + 2 * tile_stride + lane % KEY_TILE;\n"
-            "    const int later_block = later < end ? int(table[later / BLOCK_SIZE]) : 0;\n"
-            + SCORES + _loads(LOAD_K, "(base + tile_stride)", "next_block") + SOFTMAX + ACCUMULATE
-            + _loads(LOAD_V, "(base + tile_stride)", "next_block")
-            + "    next_block = later_block;\n  }\n" + LOOP_END)
-
-
-MMA_DECODE_LOOP = decode_loop(False)
 
 # Warps split one KV head's range: each leaves its states for DECODE_MERGE.
 SHARED_STATES = r"""  if (head_live && in_group == 0) {
@@ -285,8 +243,8 @@ def supports(head_dim: int, group: int, heads_per_tile: int, itemsize: int) -> b
     return itemsize == 2 and head_dim in (64, 128) and heads_per_tile == group <= MAX_GROUP
 
 
-def render(partitioned: bool, pipelined: bool = False) -> tuple[str, str]:
+def render(partitioned: bool) -> tuple[str, str]:
     """(header, body) of the tensor-core decode kernel, CUDA only; partition states as the SIMT kernel's."""
-    body = source.DECODE_SETUP + decode_loop(pipelined) + SHARED_STATES + source.DECODE_MERGE
+    body = source.DECODE_SETUP + MMA_DECODE_LOOP + SHARED_STATES + source.DECODE_MERGE
     _, body = source.render_decode("cuda", partitioned, body)
     return MMA_DECODE_HEADER, body

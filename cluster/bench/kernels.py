@@ -136,7 +136,6 @@ def sweep_rows(context: int, iters: int) -> list[Row]:
     variants = [dict(tensor_cores=False)]  # the SIMT loop
     long = dict(partition_size=2048, min_partition_size=2048)
     variants += [dict(threads=64), long, dict(long, threads=64)]
-    variants += [dict(pipelined=True), dict(pipelined=True, threads=64), dict(long, pipelined=True), dict(long, pipelined=True, threads=64)]
     for variant in variants:
         default.tuning = launch.KernelTuning(**variant)
         label = "cuda " + " ".join(f"{''.join(w[0] for w in k.split('_'))}={v}" for k, v in variant.items())

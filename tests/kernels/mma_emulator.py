@@ -181,14 +181,12 @@ static V emu_shfl(V value, int src_lane) {
 
 template <typename U>
 static void load_words(const U* src, unsigned int* dst) { std::memcpy(dst, src, 16); }
-static unsigned int low_halves(unsigned int a, unsigned int b) { return (a & 0xffffu) | (b << 16); }
-static unsigned int high_halves(unsigned int a, unsigned int b) { return (a >> 16) | (b & 0xffff0000u); }
-"""
+""" + mma_decode_source.ELEMENT_PAIR.replace("__device__ __forceinline__", "static")
 
 
-def mma_decode_text(constants: dict, pipelined: bool = False) -> str:
+def mma_decode_text(constants: dict) -> str:
     """The tensor-core decode kernel (single pass and split) and the partition merge, constants baked in."""
-    single, split = (mma_decode_source.render(p, pipelined)[1].replace(source.CUDA_DECODE_PROLOGUE, emulator.DECODE_PROLOGUE)
+    single, split = (mma_decode_source.render(p)[1].replace(source.CUDA_DECODE_PROLOGUE, emulator.DECODE_PROLOGUE)
                      for p in (False, True))
     consts = emulator._constants({k: v for k, v in constants.items() if k != "PARTITION"})
     reduce_consts = emulator._constants({
