@@ -97,15 +97,16 @@ class BlockTransfer:
         check_state_fits(self.state_geometry, blocks, state)
         # The run's blocks already here are held meanwhile: a free block taken for a later one
         # would otherwise evict one of them and leave what follows unreachable.
-        held = self.manager.hold_cached(blocks.hash_list() if isinstance(blocks, BlockRun) else [b.block_hash for b in blocks])
+        hashes = blocks.hash_list() if isinstance(blocks, BlockRun) else [b.block_hash for b in blocks]
+        held = self.manager.hold_cached(hashes)
         try:
-            return self._import_blocks(blocks, state)
+            return self._import_blocks(blocks, hashes, state)
         finally:
             self.manager.unpin(held)
 
-    def _import_blocks(self, blocks: Sequence[KVBlockData], state: StateSnapshotData | None) -> int:
+    def _import_blocks(self, blocks: Sequence[KVBlockData], hashes: list[BlockHash], state: StateSnapshotData | None) -> int:
         if isinstance(blocks, BlockRun) and len(blocks) and blocks.is_chained():
-            return self._import_run(blocks, state)
+            return self._import_run(blocks, hashes, state)
         for block in blocks:
             if not _hash_checks_out(block):
                 raise IncompatibleKVPayload(f"block {block.block_hash.hex()}: hash does not match its parent and tokens")
@@ -119,10 +120,11 @@ class BlockTransfer:
         finally:
             self.manager.unpin(list(reversed(pinned)))  # the chain's head ends most recent
 
-    def _import_run(self, run: BlockRun, state: StateSnapshotData | None) -> int:
-        """`import_decoded` of a chained run read at once: the same checks and the same blocks
-        taken, with a numpy pass or one call per chunk where the loop above spends one per block."""
-        hashes, parents = run.hash_list(), run.parent_list()
+    def _import_run(self, run: BlockRun, hashes: list[BlockHash], state: StateSnapshotData | None) -> int:
+        """`import_decoded` of a chained run read at once (`hashes`: its hash column as a list): the same
+        checks and the same blocks taken, with a numpy pass or one call per chunk where the loop above
+        spends one per block."""
+        parents = run.parent_list()
         if hash_block_rows(run.parents, run.tokens) != run.hashes.tobytes():
             raise IncompatibleKVPayload(f"block {_first_wrong_hash(run).hex()}: hash does not match its parent and tokens")
         if self.manager.cached_block(hashes[0]) is None and not self._chains_here(parents[0]):

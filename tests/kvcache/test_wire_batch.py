@@ -105,7 +105,7 @@ def run_imports(monkeypatch) -> list[int]:
     """Lengths of the runs imported at once: the tests below must take that path, not the per-block one."""
     seen: list[int] = []
     real = BlockTransfer._import_run
-    monkeypatch.setattr(BlockTransfer, "_import_run", lambda self, run, state: seen.append(len(run)) or real(self, run, state))
+    monkeypatch.setattr(BlockTransfer, "_import_run", lambda self, run, hashes, state: seen.append(len(run)) or real(self, run, hashes, state))
     return seen
 
 
