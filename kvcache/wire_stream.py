@@ -40,6 +40,7 @@ from kvcache.wire import (
     StateSnapshotData,
     _check_geometry,
     _check_version,
+    _checksum,
     block_array_bytes,
     block_array_shape,
     check_state_geometry,
@@ -118,7 +119,7 @@ def decode_payload_views(payload, expected: KVGeometry, expected_state: StateGeo
     """`decode_views` for any model: also the recurrent state of a hybrid model's payload, read in
     place (`expected_state` is its state pool's geometry; None for a model without state)."""
     data = memoryview(payload).cast("B")
-    return read_payload_views(data, xxhash.xxh3_128_digest(data[:-CHECKSUM_SIZE]), expected, expected_state)
+    return read_payload_views(data, _checksum(data), expected, expected_state)
 
 
 def read_payload_views(data: memoryview, digest: bytes, expected: KVGeometry,
