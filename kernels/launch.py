@@ -32,14 +32,16 @@ KernelCompiler = Callable[[str, list, list, str, str], Callable]
 class KernelTuning:
     """Knobs measured on the H200 (see docs/benchmarks.md); the defaults are the fastest found."""
 
-    threads: int = 128
+    threads: int = 64
     unroll: int = 4
-    partition_size: int = 1024  # tokens per threadgroup for long contexts
+    partition_size: int = 4096  # tokens per threadgroup for long contexts
     min_partition_size: int = 256  # short batches split down to this to fill the GPU
     target_threadgroups: int = 512  # below this many, partitions shrink (B=64, T=512 measured faster unsplit)
     reduce_threads: int = 128
     max_per_lane: int = 8  # elements of a row per lane: more means fewer shuffles, more registers
     tensor_cores: bool = True  # CUDA, half pools: the MMA loop (kernels/mma_decode_source.py) where it applies
+    pipelined: bool = True  # the MMA loop loads the next tile's K and V while this one computes
+    prefetch_tiles: int = 0  # pipelined MMA loop: also ask L2 for the tile this many tiles ahead (0: none)
 
 
 @dataclass(frozen=True)
@@ -121,13 +123,14 @@ class PagedDecodeKernels:
         self.tuning = tuning
 
     @cache  # noqa: B019 -- one instance per dialect lives as long as the process
-    def _decode_kernel(self, partitioned: bool, tensor_cores: bool = False):
+    def _decode_kernel(self, partitioned: bool, tensor_cores: bool = False, pipelined: bool = False, prefetch_tiles: int = 0):
         if tensor_cores:
-            header, body = mma_decode_source.render(partitioned)
+            header, body = mma_decode_source.render(partitioned, pipelined, prefetch_tiles)
         else:
             header, body = source.render_decode(self.dialect, partitioned)
         outputs = source.PARTITION_OUTPUTS if partitioned else source.SINGLE_OUTPUTS
-        name = "orchard_paged_decode" + ("_mma" if tensor_cores else "") + ("_split" if partitioned else "")
+        mode = ("_mma_pipelined" if pipelined else "_mma") + (f"_prefetch{prefetch_tiles}" if prefetch_tiles else "") if tensor_cores else ""
+        name = "orchard_paged_decode" + mode + ("_split" if partitioned else "")
         return self.compile_kernel(name, source.DECODE_INPUTS, outputs, header, body)
 
     def uses_tensor_cores(self, plan: DecodePlan, tuning: KernelTuning, num_heads: int, num_kv_heads: int,
@@ -172,8 +175,9 @@ class PagedDecodeKernels:
             ("UNROLL", tuning.unroll), *layer.template,
         ]
         grid = (plan.num_partitions * tuning.threads, num_kv_heads * (num_heads // num_kv_heads // plan.heads_per_tile), num_seqs)
-        kernel = self._decode_kernel(plan.partitioned,
-                                     self.uses_tensor_cores(plan, tuning, num_heads, num_kv_heads, head_dim, key_cache.dtype))
+        tensor_cores = self.uses_tensor_cores(plan, tuning, num_heads, num_kv_heads, head_dim, key_cache.dtype)
+        pipelined = tensor_cores and tuning.pipelined
+        kernel = self._decode_kernel(plan.partitioned, tensor_cores, pipelined, tuning.prefetch_tiles if pipelined else 0)
         if not plan.partitioned:
             (out,) = kernel(
                 inputs=inputs, template=template, grid=grid, threadgroup=(tuning.threads, 1, 1),

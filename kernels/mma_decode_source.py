@@ -54,9 +54,16 @@ __device__ __forceinline__ void load_words(const U* src, unsigned int* dst) {
   dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
 }
 
+// A hint, not a load: bring the 128-byte line at `src` into L2; no register waits for it.
+template <typename U>
+__device__ __forceinline__ void prefetch_l2(const U* src) {
+  asm volatile("prefetch.global.L2 [%0];" :: "l"(src));
+}
+
 """ + ELEMENT_PAIR
 
-MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
+# Before the loop over key tiles: Q's fragments, the accumulators, the first tile's block entries.
+LOOP_SETUP = r"""  constexpr int KEY_TILE = 16;
   constexpr int K_WORDS = HEAD_DIM / 8;  // words of a key row this lane holds (4 lanes a key)
   constexpr int V_WORDS = HEAD_DIM / 16;  // words of a value row this lane holds (8 lanes a key)
   constexpr int K_STEPS = HEAD_DIM / 16;
@@ -103,17 +110,13 @@ MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
   // The next tile's entries are read while this tile computes, so a table read never sits between a
   // tile's start and its K/V loads; lanes take their positions' blocks by broadcast.
   int block = first_tile + lane % KEY_TILE < end ? int(table[(first_tile + lane % KEY_TILE) / BLOCK_SIZE]) : 0;
-  for (int base = first_tile; base < end; base += tile_stride) {
-    const int ahead = base + tile_stride + lane % KEY_TILE;
-    const int next_block = ahead < end ? int(table[ahead / BLOCK_SIZE]) : 0;
-    // K: keys base + group_id and base + 8 + group_id. V: keys base + {0, 1, 8, 9} + 2 * in_group,
-    // whose word w holds dims (w / 4) * 64 + group_id * 8 + (w % 4) * 2 and the next.
-    unsigned int kw[2][K_WORDS];
-    unsigned int vw[4][V_WORDS];
-    #pragma unroll
+"""
+
+# A tile's K into kw: keys @BASE@ + group_id and @BASE@ + 8 + group_id; @BLOCK@ holds the tile's block entries.
+LOAD_K = r"""    #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int t = base + h * 8 + group_id;
-      const size_t row = (size_t(SIMD_SHFL(block, h * 8 + group_id)) * BLOCK_SIZE + t % BLOCK_SIZE) * SLOT_STRIDE + head_offset;
+      const int t = @BASE@ + h * 8 + group_id;
+      const size_t row = (size_t(SIMD_SHFL(@BLOCK@, h * 8 + group_id)) * BLOCK_SIZE + t % BLOCK_SIZE) * SLOT_STRIDE + head_offset;
       #pragma unroll
       for (int c = 0; c < HEAD_DIM / 32; ++c) {
         if (t < end) {
@@ -126,10 +129,14 @@ MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
         }
       }
     }
-    #pragma unroll
+"""
+
+# A tile's V into vw: keys @BASE@ + {0, 1, 8, 9} + 2 * in_group, word w holding dims
+# (w / 4) * 64 + group_id * 8 + (w % 4) * 2 and the next.
+LOAD_V = r"""    #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const int t = base + (j / 2) * 8 + 2 * in_group + j % 2;
-      const size_t row = (size_t(SIMD_SHFL(block, t - base)) * BLOCK_SIZE + t % BLOCK_SIZE) * SLOT_STRIDE + head_offset;
+      const int t = @BASE@ + (j / 2) * 8 + 2 * in_group + j % 2;
+      const size_t row = (size_t(SIMD_SHFL(@BLOCK@, t - (@BASE@))) * BLOCK_SIZE + t % BLOCK_SIZE) * SLOT_STRIDE + head_offset;
       #pragma unroll
       for (int c = 0; c < HEAD_DIM / 64; ++c) {
         if (t < end) {
@@ -143,7 +150,10 @@ MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
       }
     }
 
-    float s[2][4];
+"""
+
+# S = Q K^T for the tile in kw.
+SCORES = r"""    float s[2][4];
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
       #pragma unroll
@@ -158,7 +168,10 @@ MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
       }
     }
 
-    // This lane's scores: head group_id, keys base + h * 8 + 2 * in_group + e.
+"""
+
+# Masking, the online softmax, and the correction of this lane's running state.
+SOFTMAX = r"""    // This lane's scores: head group_id, keys base + h * 8 + 2 * in_group + e.
     float tile_max = NEG_BIG;
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -192,7 +205,10 @@ MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
     run_sum = run_sum * correction + tile_sum;
     run_max = new_max;
 
-    // O^T's columns in this lane are heads 2 * in_group and 2 * in_group + 1: their corrections
+"""
+
+# O^T += V^T P^T for the tile in vw.
+ACCUMULATE = r"""    // O^T's columns in this lane are heads 2 * in_group and 2 * in_group + 1: their corrections
     // live in the lanes of groups 2 * in_group and 2 * in_group + 1.
     const float keep_lo = SIMD_SHFL(correction, 8 * in_group);
     const float keep_hi = SIMD_SHFL(correction, 8 * in_group + 4);
@@ -209,12 +225,61 @@ MMA_DECODE_LOOP = r"""  constexpr int KEY_TILE = 16;
                                  element_pair(vw[2], vw[3], i), element_pair(vw[2], vw[3], D_TILES + i)};
       MmaTile<T>::run(o[i], a, pb);
     }
-    block = next_block;
-  }
+"""
 
+LOOP_END = r"""
   run_sum += SIMD_XOR(run_sum, 1);
   run_sum += SIMD_XOR(run_sum, 2);
 """
+
+KV_REGISTERS = r"""    unsigned int kw[2][K_WORDS];
+    unsigned int vw[4][V_WORDS];
+"""
+
+
+def _loads(load: str, base: str, block: str) -> str:
+    return load.replace("@BASE@", base).replace("@BLOCK@", block)
+
+
+# Tile base + PREFETCH_TILES * tile_stride into L2: lane L asks for half L / 16 of position L % 16's K and V rows.
+# Its block-table entry is read when the iteration starts and used only at its end.
+PREFETCH_ENTRY = r"""    const int far = base + @TILES@ * tile_stride + lane % KEY_TILE;
+    const int far_block = far < end ? int(table[far / BLOCK_SIZE]) : 0;
+"""
+
+PREFETCH = r"""    if (far < end) {
+      const size_t row = (size_t(far_block) * BLOCK_SIZE + far % BLOCK_SIZE) * SLOT_STRIDE + head_offset + (lane / KEY_TILE) * (HEAD_DIM / 2);
+      prefetch_l2(key_cache + row);
+      prefetch_l2(value_cache + row);
+    }
+"""
+
+
+def decode_loop(pipelined: bool, prefetch_tiles: int = 0) -> str:
+    """The loop over key tiles. Plain: a tile's K and V are loaded, then used. Pipelined: the next tile's
+    K is loaded as soon as this tile's scores are taken and its V as soon as this tile's V is used (the
+    same registers), so a warp has loads in flight while it computes. With `prefetch_tiles` (pipelined
+    only), each iteration also asks L2 for the tile that many tiles ahead, which costs no registers."""
+    if not pipelined:
+        return (LOOP_SETUP + "  for (int base = first_tile; base < end; base += tile_stride) {\n"
+                "    const int ahead = base + tile_stride + lane % KEY_TILE;\n"
+                "    const int next_block = ahead < end ? int(table[ahead / BLOCK_SIZE]) : 0;\n"
+                + KV_REGISTERS + _loads(LOAD_K, "base", "block") + _loads(LOAD_V, "base", "block")
+                + SCORES + SOFTMAX + ACCUMULATE + "    block = next_block;\n  }\n" + LOOP_END)
+    return (LOOP_SETUP + KV_REGISTERS.replace("    ", "  ")
+            + _loads(LOAD_K, "first_tile", "block") + _loads(LOAD_V, "first_tile", "block")
+            + "  {\n    const int second = first_tile + tile_stride + lane % KEY_TILE;\n"
+            "    block = second < end ? int(table[second / BLOCK_SIZE]) : 0;\n  }\n"
+            "  for (int base = first_tile; base < end; base += tile_stride) {\n"
+            "    const int later = base + 2 * tile_stride + lane % KEY_TILE;\n"
+            "    const int later_block = later < end ? int(table[later / BLOCK_SIZE]) : 0;\n"
+            + (PREFETCH_ENTRY.replace("@TILES@", str(prefetch_tiles)) if prefetch_tiles else "")
+            + SCORES + _loads(LOAD_K, "(base + tile_stride)", "block") + SOFTMAX + ACCUMULATE
+            + _loads(LOAD_V, "(base + tile_stride)", "block") + (PREFETCH if prefetch_tiles else "")
+            + "    block = later_block;\n  }\n" + LOOP_END)
+
+
+MMA_DECODE_LOOP = decode_loop(False)
 
 # Warps split one KV head's range: each leaves its states for DECODE_MERGE.
 SHARED_STATES = r"""  if (head_live && in_group == 0) {
@@ -243,8 +308,8 @@ def supports(head_dim: int, group: int, heads_per_tile: int, itemsize: int) -> b
     return itemsize == 2 and head_dim in (64, 128) and heads_per_tile == group <= MAX_GROUP
 
 
-def render(partitioned: bool) -> tuple[str, str]:
+def render(partitioned: bool, pipelined: bool = False, prefetch_tiles: int = 0) -> tuple[str, str]:
     """(header, body) of the tensor-core decode kernel, CUDA only; partition states as the SIMT kernel's."""
-    body = source.DECODE_SETUP + MMA_DECODE_LOOP + SHARED_STATES + source.DECODE_MERGE
+    body = source.DECODE_SETUP + decode_loop(pipelined, prefetch_tiles) + SHARED_STATES + source.DECODE_MERGE
     _, body = source.render_decode("cuda", partitioned, body)
     return MMA_DECODE_HEADER, body

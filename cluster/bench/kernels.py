@@ -37,6 +37,7 @@ class Problem:
     context: int
     dtype: str
     block_size: int = 16
+    ordered_blocks: bool = False  # a probe of the pool's layout: each sequence's blocks adjacent and in order
 
     @property
     def kv_bytes(self) -> int:
@@ -44,7 +45,8 @@ class Problem:
         return 2 * self.batch * self.context * self.num_kv_heads * self.head_dim * itemsize
 
     def label(self) -> str:
-        return f"B={self.batch} Hq={self.num_heads} Hkv={self.num_kv_heads} D={self.head_dim} T={self.context} {self.dtype}"
+        order = " ordered" if self.ordered_blocks else ""
+        return f"B={self.batch} Hq={self.num_heads} Hkv={self.num_kv_heads} D={self.head_dim} T={self.context} {self.dtype}{order}"
 
 
 @dataclass
@@ -60,12 +62,13 @@ class Inputs:
 
 
 def build_inputs(problem: Problem, seed: int = 0) -> Inputs:
-    """A pool whose blocks are handed out shuffled, and the same tokens laid out densely."""
+    """A pool whose blocks are handed out shuffled (or in order), and the same tokens laid out densely."""
     dtype = getattr(mx, problem.dtype)
     blocks_per_seq = -(-problem.context // problem.block_size)
     num_blocks = problem.batch * blocks_per_seq + 1
     rng = np.random.default_rng(seed)
-    tables = (rng.permutation(num_blocks - 1) + 1).astype(np.int32).reshape(problem.batch, blocks_per_seq)
+    order = np.arange(num_blocks - 1) if problem.ordered_blocks else rng.permutation(num_blocks - 1)
+    tables = (order + 1).astype(np.int32).reshape(problem.batch, blocks_per_seq)
     shape = (num_blocks, problem.block_size, problem.num_kv_heads, problem.head_dim)
     key_cache = mx.random.normal(shape).astype(dtype)
     value_cache = mx.random.normal(shape).astype(dtype)
@@ -129,13 +132,12 @@ def cuda_rows(copy_tb: float) -> list[Row]:
 
 
 def sweep_rows(context: int, iters: int) -> list[Row]:
-    """Time each tuning of the compiled kernel on the headline problem."""
+    """Time each tuning of the compiled kernel on the headline problem, then the layout probes."""
     rows = []
     default = dispatch.decode_function("cuda")
     problem = Problem(batch=64, num_heads=32, num_kv_heads=8, head_dim=128, context=context, dtype="float16")
-    variants = [dict(tensor_cores=False)]  # the SIMT loop
-    long = dict(partition_size=2048, min_partition_size=2048)
-    variants += [dict(threads=64), long, dict(long, threads=64)]
+    variants = [dict(tensor_cores=False), dict(pipelined=False), dict(threads=128), dict(partition_size=1024),
+                dict(partition_size=2048), dict(partition_size=8192), dict(prefetch_tiles=1), dict(prefetch_tiles=2)]
     for variant in variants:
         default.tuning = launch.KernelTuning(**variant)
         label = "cuda " + " ".join(f"{''.join(w[0] for w in k.split('_'))}={v}" for k, v in variant.items())
@@ -144,7 +146,16 @@ def sweep_rows(context: int, iters: int) -> list[Row]:
         except Exception as error:  # a variant that does not compile is reported, and the sweep goes on
             print(f"  {label}: failed: {error}", flush=True)
     default.tuning = launch.KernelTuning()
-    return rows
+    return rows + layout_probe_rows(context, iters)
+
+
+def layout_probe_rows(context: int, iters: int) -> list[Row]:
+    """The default kernel over the same bytes in other pool layouts: each sequence's blocks in order, and one
+    KV head (B=512, Hq=4) so that a head's rows are adjacent. Against the headline row they say how much of the
+    gap to dense SDPA is the pool's layout (256-byte rows 2 KiB apart, blocks scattered) and not the kernel."""
+    probes = [Problem(64, 32, 8, 128, context, "float16", ordered_blocks=True),
+              Problem(512, 4, 1, 128, context, "float16"), Problem(512, 4, 1, 128, context, "float16", ordered_blocks=True)]
+    return [measure(p, "cuda", "gpu", iters, None, label="cuda layout probe") for p in probes]
 
 
 def main(argv: list[str] | None = None) -> int:

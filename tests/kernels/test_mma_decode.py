@@ -27,6 +27,10 @@ EMULATED = [
 ]
 
 
+# The loop's modes: (pipelined, prefetch_tiles)
+LOOPS = {"plain": (False, 0), "pipelined": (True, 0), "prefetch": (True, 2)}
+
+
 @pytest.fixture(scope="module")
 def libraries(tmp_path_factory):
     if emulator.COMPILER is None:
@@ -34,8 +38,8 @@ def libraries(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("emu-mma-decode")
     from tests.kernels import mma_emulator
 
-    return {config: emulator.compile_library(mma_emulator.mma_decode_text(constants_of(config)), workdir)
-            for config in EMULATED}
+    return {(config, mode): emulator.compile_library(mma_emulator.mma_decode_text(constants_of(config), *LOOPS[mode]), workdir)
+            for config in EMULATED for mode in LOOPS}
 
 
 def constants_of(config) -> dict:
@@ -45,7 +49,7 @@ def constants_of(config) -> dict:
                 LANES=16, NUM_THREADS=threads, UNROLL=4, PARTITION=partition)
 
 
-def run_case(libraries, config, lengths, split: bool, rules: Rules = PLAIN, scale: float = 0.11):
+def run_case(libraries, config, lengths, split: bool, rules: Rules = PLAIN, scale: float = 0.11, mode: str = "plain"):
     from tests.kernels import mma_emulator
 
     constants = constants_of(config)
@@ -54,27 +58,29 @@ def run_case(libraries, config, lengths, split: bool, rules: Rules = PLAIN, scal
     num_heads = constants["NUM_KV_HEADS"] * constants["GROUP"]
     queries = random_stored(rng, (len(lengths), num_heads, constants["HEAD_DIM"]), "bfloat16")
     partitions = -(-max(lengths) // constants["PARTITION"]) if split else 1
-    out = mma_emulator.run_mma_decode(libraries[config], constants, to_float64(queries), case.keys64, case.values64,
+    out = mma_emulator.run_mma_decode(libraries[config, mode], constants, to_float64(queries), case.keys64, case.values64,
                                       case.block_tables, case.context_lens, scale, partitions, rules)
     return out, oracle_decode(case, queries, scale, rules)
 
 
 @pytest.mark.parametrize("config", EMULATED)
 @pytest.mark.parametrize("split", [False, True])
-def test_tensor_core_decode_on_cpu_emulator_matches_float64_oracle(libraries, config, split):
+@pytest.mark.parametrize("mode", list(LOOPS))
+def test_tensor_core_decode_on_cpu_emulator_matches_float64_oracle(libraries, config, split, mode):
     # contexts of 1, a whole block, one past it, one past a partition, and one ending mid-tile
     lengths = [1, config[3], config[3] + 1, config[4] + 5, 123]
-    out, expected = run_case(libraries, config, lengths, split)
+    out, expected = run_case(libraries, config, lengths, split, mode=mode)
     assert np.isfinite(out).all(), "a NaN-poisoned slot or an unwritten row reached the output"
     assert_close(mx.array(out), expected, "bfloat16")
 
 
 @pytest.mark.parametrize("split", [False, True])
-def test_tensor_core_decode_applies_window_soft_cap_and_sinks(libraries, split):
+@pytest.mark.parametrize("mode", list(LOOPS))
+def test_tensor_core_decode_applies_window_soft_cap_and_sinks(libraries, split, mode):
     config = EMULATED[0]
     heads = config[0] * config[1]
     rules = Rules(window=37, softcap=5.0, sinks=np.linspace(-1.0, 2.0, heads))
-    out, expected = run_case(libraries, config, [5, 40, 150], split, rules)
+    out, expected = run_case(libraries, config, [5, 40, 150], split, rules, mode=mode)
     assert_close(mx.array(out), expected, "bfloat16")
 
 
