@@ -8,7 +8,8 @@ CPU: the reference backend's time over dense SDPA's (target: within 1.3x).
 CUDA (when MLX has a CUDA device): the compiled kernel's KV read bandwidth (bytes of K
 and V read / time) against a measured copy ceiling and against MLX's dense SDPA, at
 B=64, Hq=32, Hkv=8, D=128, fp16, T = 512, 4096 and 32768. `--sweep` also times the
-kernel's tuning knobs at T=4096.
+kernel's tuning knobs at T=4096 and 32768 (`--rounds N`: N times, in turn) and the same
+kernel over other pool layouts (each sequence's blocks in order; one KV head).
 """
 
 from __future__ import annotations
@@ -131,16 +132,21 @@ def cuda_rows(copy_tb: float) -> list[Row]:
     return rows
 
 
-def sweep_rows(context: int, iters: int) -> list[Row]:
-    """Time each tuning of the compiled kernel on the headline problem, then the layout probes."""
+#: tunings the sweep times beside the default: the SIMT loop, the defaults before 2026-12-02 16:00 UTC, one knob each
+SWEEP_VARIANTS = [dict(tensor_cores=False), dict(threads=128, partition_size=1024, pipelined=False), dict(pipelined=False),
+                  dict(threads=128), dict(partition_size=1024), dict(partition_size=2048), dict(partition_size=8192),
+                  dict(prefetch_tiles=1), dict(prefetch_tiles=2)]
+
+
+def sweep_rows(context: int, iters: int, rounds: int = 1) -> list[Row]:
+    """Time the default and each tuning of SWEEP_VARIANTS on the headline problem, `rounds` times in turn
+    (the device's noise moves a row by a few per cent), then the layout probes."""
     rows = []
     default = dispatch.decode_function("cuda")
     problem = Problem(batch=64, num_heads=32, num_kv_heads=8, head_dim=128, context=context, dtype="float16")
-    variants = [dict(tensor_cores=False), dict(pipelined=False), dict(threads=128), dict(partition_size=1024),
-                dict(partition_size=2048), dict(partition_size=8192), dict(prefetch_tiles=1), dict(prefetch_tiles=2)]
-    for variant in variants:
+    for variant in [{}, *SWEEP_VARIANTS] * rounds:
         default.tuning = launch.KernelTuning(**variant)
-        label = "cuda " + " ".join(f"{''.join(w[0] for w in k.split('_'))}={v}" for k, v in variant.items())
+        label = "cuda " + (" ".join(f"{''.join(w[0] for w in k.split('_'))}={v}" for k, v in variant.items()) or "default")
         try:
             rows.append(measure(problem, "cuda", "gpu", iters, None, label=label))
         except Exception as error:  # a variant that does not compile is reported, and the sweep goes on
@@ -161,6 +167,7 @@ def layout_probe_rows(context: int, iters: int) -> list[Row]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster.bench.kernels", description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also time the CUDA kernels' tuning knobs")
+    parser.add_argument("--rounds", type=int, default=1, help="times the decode sweep goes over its tunings, in turn")
     parser.add_argument("--only", choices=["decode", "varlen"], help="only the decode rows or only the varlen (mixed-step) rows")
     parser.add_argument("--json", help="write the rows to this file as JSON")
     args = parser.parse_args(argv)
@@ -171,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         copy_tb = copy_ceiling_tb_per_s()
         rows += (cuda_rows(copy_tb) if decode else []) + (kernels_varlen.cuda_rows(copy_tb) if varlen else [])
         if args.sweep:
-            sweeps = sweep_rows(4096, 20) + sweep_rows(32768, 5) if decode else []
+            sweeps = sweep_rows(4096, 20, args.rounds) + sweep_rows(32768, 5, args.rounds) if decode else []
             rows += sweeps + (kernels_varlen.sweep_rows(copy_tb) if varlen else [])
     copy = next((r.copy_tb_per_s for r in rows if r.copy_tb_per_s), None)
     print(f"# mlx {mx.__version__}, {platform.machine()} {platform.system()}, OpenBLAS preloaded: {openblas_in_use()}"
