@@ -41,7 +41,7 @@ class KernelTuning:
     max_per_lane: int = 8  # elements of a row per lane: more means fewer shuffles, more registers
     tensor_cores: bool = True  # CUDA, half pools: the MMA loop (kernels/mma_decode_source.py) where it applies
     pipelined: bool = True  # the MMA loop loads the next tile's K and V while this one computes
-    prefetch_tiles: int = 0  # pipelined MMA loop: also ask L2 for the tile this many tiles ahead (0: none)
+    prefetch_tiles: int = 0  # pipelined MMA loop: also ask L2 for the tile this many beyond the one it loads (0: none)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ One run on one model measures, in order:
    medians is what the gateway and Ray add (target: under 5 ms).
 2. Output tokens/s with `--clients` concurrent streaming clients through `orchard serve`,
    then through `mlx_lm.server` on the same model, with `orchard bench serve`'s load
-   generator and the same seeded workload (target: 1.5x).
+   generator and the same seeded workload (target: 1.5x). The peer runs with its listen backlog
+   raised (PEER_LAUNCHER) so that it answers every request.
 
 The servers run one after another, never together, so they do not share the CPU. On Linux
 the whole run (servers included) has OpenBLAS preloaded when it exists; the table says so.
@@ -215,9 +216,16 @@ def orchard_server(cfg: GatewayBenchConfig, ray: bool = True) -> ServerProcess:
     return ServerProcess("orchard serve" + ("" if ray else " --no-ray"), cmd, port, "/health", cfg.start_timeout_s)
 
 
+#: `mlx_lm.server` with its socket's listen backlog raised from the stdlib's 5 to 128: with the stock
+#: backlog, 32 clients connecting at once overflow it and some connections die unanswered
+#: (`httpx.ReadError`, 3-33 of 96 requests a run), so the peer's rate was over fewer requests.
+PEER_LAUNCHER = ("import socketserver, sys; socketserver.TCPServer.request_queue_size = 128; "
+                 "sys.argv[0] = 'mlx_lm.server'; from mlx_lm.server import main; main()")
+
+
 def mlx_lm_server(cfg: GatewayBenchConfig, model_path: str) -> ServerProcess:
     port = free_port()
-    cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", model_path, "--port", str(port),
+    cmd = [sys.executable, "-c", PEER_LAUNCHER, "--model", model_path, "--port", str(port),
            "--decode-concurrency", str(cfg.clients), "--log-level", "WARNING"]
     return ServerProcess("mlx_lm.server", cmd, port, "/v1/models", cfg.start_timeout_s)
 

@@ -47,7 +47,8 @@ class Problem:
 
     def label(self) -> str:
         order = " ordered" if self.ordered_blocks else ""
-        return f"B={self.batch} Hq={self.num_heads} Hkv={self.num_kv_heads} D={self.head_dim} T={self.context} {self.dtype}{order}"
+        blocks = f" bs={self.block_size}" if self.block_size != 16 else ""
+        return f"B={self.batch} Hq={self.num_heads} Hkv={self.num_kv_heads} D={self.head_dim} T={self.context} {self.dtype}{blocks}{order}"
 
 
 @dataclass
@@ -156,10 +157,10 @@ def sweep_rows(context: int, iters: int, rounds: int = 1) -> list[Row]:
 
 
 def layout_probe_rows(context: int, iters: int) -> list[Row]:
-    """The default kernel over the same bytes in other pool layouts: each sequence's blocks in order, and one
-    KV head (B=512, Hq=4) so that a head's rows are adjacent. Against the headline row they say how much of the
+    """The default kernel over the same bytes in other pool layouts: each sequence's blocks in order, blocks of
+    32 tokens, and one KV head (B=512, Hq=4) so that a head's rows are adjacent. Against the headline row they say how much of the
     gap to dense SDPA is the pool's layout (256-byte rows 2 KiB apart, blocks scattered) and not the kernel."""
-    probes = [Problem(64, 32, 8, 128, context, "float16", ordered_blocks=True),
+    probes = [Problem(64, 32, 8, 128, context, "float16", ordered_blocks=True), Problem(64, 32, 8, 128, context, "float16", 32),
               Problem(512, 4, 1, 128, context, "float16"), Problem(512, 4, 1, 128, context, "float16", ordered_blocks=True)]
     return [measure(p, "cuda", "gpu", iters, None, label="cuda layout probe") for p in probes]
 

@@ -63,3 +63,16 @@ def test_the_serve_comparison_without_ray_compares_the_no_ray_server():
     assert "| output tok/s, 32 streaming clients, orchard serve --no-ray | 300.0 (orchard --no-ray) | 200.0 (mlx_lm.server) | 1.50x | >= 1.5x: met |" in text
     assert "| 12.0 ms (HTTP) | 10.0 ms (engine direct) | +2.0 ms |" in text.splitlines()[2]
     assert "one request at a time" not in text  # the Ray path's TTFT row: not measured
+
+
+def test_the_gateway_bench_peer_is_mlx_lm_server_with_a_listen_backlog_of_128():
+    import subprocess
+    import sys
+
+    from cluster.bench import gateway
+
+    launcher = gateway.PEER_LAUNCHER.replace("from mlx_lm.server import main; main()",
+                                             "print(socketserver.TCPServer.request_queue_size)")
+    assert subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, check=True).stdout.strip() == "128"
+    usage = subprocess.run([sys.executable, "-c", gateway.PEER_LAUNCHER, "--help"], capture_output=True, text=True, check=True).stdout
+    assert usage.startswith("usage: mlx_lm.server") and "--decode-concurrency" in usage
