@@ -9,7 +9,8 @@ One run on one model measures, in order:
 2. Output tokens/s with `--clients` concurrent streaming clients through `orchard serve`,
    then through `mlx_lm.server` on the same model, with `orchard bench serve`'s load
    generator and the same seeded workload (target: 1.5x). The peer runs with its listen backlog
-   raised (PEER_LAUNCHER) so that it answers every request.
+   raised (PEER_LAUNCHER) so that it answers every request. Each server first serves an
+   unmeasured burst (`--warmup-requests`): GPU kernels and decode graphs compile on first use.
 
 The servers run one after another, never together, so they do not share the CPU. On Linux
 the whole run (servers included) has OpenBLAS preloaded when it exists; the table says so.
@@ -48,6 +49,9 @@ class GatewayBenchConfig:
     ttft_prompt_tokens: int = 64
     clients: int = 32
     requests: int = 96
+    # A burst of this many requests, not measured, before each server's throughput run: a fresh server
+    # compiles its GPU kernels and decode graphs on first use (seconds each on the H200), which is start-up, not serving.
+    warmup_requests: int = 32
     input_tokens: int = 128
     output_tokens: int = 64
     max_model_len: int = 512
@@ -134,17 +138,23 @@ def http_ttft(base_url: str, model: str, prompts: list[list[int]]) -> list[float
 
 # ---- 2. throughput under concurrent streaming clients ------------------------------------
 def throughput(base_url: str, model: str, tokenizer_path: str, cfg: GatewayBenchConfig) -> dict:
-    """`orchard bench serve`'s summary of one burst of `requests` at `clients` concurrency."""
+    """`orchard bench serve`'s summary of one burst of `requests` at `clients` concurrency, after an
+    unmeasured burst of `warmup_requests` (other prompts: no prefix of the measured ones is cached by it)."""
     from cluster.bench.loadgen import DatasetConfig, EndpointConfig, LengthRange, LoadConfig, ServeBenchConfig, run_bench
 
-    bench = ServeBenchConfig(
-        endpoint=EndpointConfig(base_url, model, ignore_eos=True),
-        dataset=DatasetConfig("random", LengthRange(cfg.input_tokens), LengthRange(cfg.output_tokens), seed=cfg.seed),
-        load=LoadConfig(max_concurrency=cfg.clients, num_prompts=cfg.requests, seed=cfg.seed),
-        tokenizer=tokenizer_path,
-        progress=False,
-    )
-    return run_bench(bench)["runs"][0]["summary"]
+    def burst(requests: int, seed: int) -> dict:
+        bench = ServeBenchConfig(
+            endpoint=EndpointConfig(base_url, model, ignore_eos=True),
+            dataset=DatasetConfig("random", LengthRange(cfg.input_tokens), LengthRange(cfg.output_tokens), seed=seed),
+            load=LoadConfig(max_concurrency=cfg.clients, num_prompts=requests, seed=seed),
+            tokenizer=tokenizer_path,
+            progress=False,
+        )
+        return run_bench(bench)["runs"][0]["summary"]
+
+    if cfg.warmup_requests:
+        burst(cfg.warmup_requests, cfg.seed + 1)
+    return burst(cfg.requests, cfg.seed)
 
 
 # ---- servers -----------------------------------------------------------------------------
@@ -346,6 +356,8 @@ def parse_args(argv: list[str] | None) -> tuple[GatewayBenchConfig, str | None]:
     p.add_argument("--ttft-prompt-tokens", type=int, default=d.ttft_prompt_tokens)
     p.add_argument("--clients", type=int, default=d.clients, help="concurrent streaming clients")
     p.add_argument("--requests", type=int, default=d.requests, help="requests in the throughput run")
+    p.add_argument("--warmup-requests", type=int, default=d.warmup_requests,
+                   help="requests of an unmeasured burst before each server's throughput run (0: none)")
     p.add_argument("--input-tokens", type=int, default=d.input_tokens)
     p.add_argument("--output-tokens", type=int, default=d.output_tokens)
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
@@ -358,7 +370,7 @@ def parse_args(argv: list[str] | None) -> tuple[GatewayBenchConfig, str | None]:
     a = p.parse_args(argv)
     cfg = GatewayBenchConfig(
         model=a.model, ttft_samples=a.ttft_samples, ttft_prompt_tokens=a.ttft_prompt_tokens, clients=a.clients,
-        requests=a.requests, input_tokens=a.input_tokens, output_tokens=a.output_tokens,
+        requests=a.requests, warmup_requests=a.warmup_requests, input_tokens=a.input_tokens, output_tokens=a.output_tokens,
         max_model_len=a.max_model_len, kv_memory_gb=a.kv_memory, max_num_seqs=max(d.max_num_seqs, a.clients),
         peer=not a.no_peer, ray=not a.no_ray, compiled_decode=a.compiled_decode,
     )
