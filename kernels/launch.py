@@ -41,7 +41,6 @@ class KernelTuning:
     max_per_lane: int = 8  # elements of a row per lane: more means fewer shuffles, more registers
     tensor_cores: bool = True  # CUDA, half pools: the MMA loop (kernels/mma_decode_source.py) where it applies
     pipelined: bool = True  # the MMA loop loads the next tile's K and V while this one computes
-    prefetch_tiles: int = 0  # pipelined MMA loop: also ask L2 for the tile this many beyond the one it loads (0: none)
 
 
 @dataclass(frozen=True)
@@ -123,13 +122,13 @@ class PagedDecodeKernels:
         self.tuning = tuning
 
     @cache  # noqa: B019 -- one instance per dialect lives as long as the process
-    def _decode_kernel(self, partitioned: bool, tensor_cores: bool = False, pipelined: bool = False, prefetch_tiles: int = 0):
+    def _decode_kernel(self, partitioned: bool, tensor_cores: bool = False, pipelined: bool = False):
         if tensor_cores:
-            header, body = mma_decode_source.render(partitioned, pipelined, prefetch_tiles)
+            header, body = mma_decode_source.render(partitioned, pipelined)
         else:
             header, body = source.render_decode(self.dialect, partitioned)
         outputs = source.PARTITION_OUTPUTS if partitioned else source.SINGLE_OUTPUTS
-        mode = ("_mma_pipelined" if pipelined else "_mma") + (f"_prefetch{prefetch_tiles}" if prefetch_tiles else "") if tensor_cores else ""
+        mode = ("_mma_pipelined" if pipelined else "_mma") if tensor_cores else ""
         name = "orchard_paged_decode" + mode + ("_split" if partitioned else "")
         return self.compile_kernel(name, source.DECODE_INPUTS, outputs, header, body)
 
@@ -176,8 +175,7 @@ class PagedDecodeKernels:
         ]
         grid = (plan.num_partitions * tuning.threads, num_kv_heads * (num_heads // num_kv_heads // plan.heads_per_tile), num_seqs)
         tensor_cores = self.uses_tensor_cores(plan, tuning, num_heads, num_kv_heads, head_dim, key_cache.dtype)
-        pipelined = tensor_cores and tuning.pipelined
-        kernel = self._decode_kernel(plan.partitioned, tensor_cores, pipelined, tuning.prefetch_tiles if pipelined else 0)
+        kernel = self._decode_kernel(plan.partitioned, tensor_cores, tensor_cores and tuning.pipelined)
         if not plan.partitioned:
             (out,) = kernel(
                 inputs=inputs, template=template, grid=grid, threadgroup=(tuning.threads, 1, 1),

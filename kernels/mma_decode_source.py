@@ -58,12 +58,6 @@ __device__ __forceinline__ void load_words(const U* src, unsigned int* dst) {
   dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
 }
 
-// A hint, not a load: bring the 128-byte line at `src` into L2; no register waits for it.
-template <typename U>
-__device__ __forceinline__ void prefetch_l2(const U* src) {
-  asm volatile("prefetch.global.L2 [%0];" :: "l"(src));
-}
-
 """ + ELEMENT_PAIR
 
 # Before the loop over key tiles: Q's fragments, the accumulators, the first tile's block entries.
@@ -245,27 +239,10 @@ def _loads(load: str, base: str, block: str) -> str:
     return load.replace("@BASE@", base).replace("@BLOCK@", block)
 
 
-# The tile @TILES@ tiles beyond the one this iteration loads into registers, into L2: lane L asks for half
-# L / 16 of position L % 16's K and V rows. Its block-table entry is read when the iteration starts and used
-# only at its end.
-PREFETCH_ENTRY = r"""    const int far = base + (1 + @TILES@) * tile_stride + lane % KEY_TILE;
-    const int far_block = far < end ? int(table[far / BLOCK_SIZE]) : 0;
-"""
-
-PREFETCH = r"""    if (far < end) {
-      const size_t row = (size_t(far_block) * BLOCK_SIZE + far % BLOCK_SIZE) * SLOT_STRIDE + head_offset + (lane / KEY_TILE) * (HEAD_DIM / 2);
-      prefetch_l2(key_cache + row);
-      prefetch_l2(value_cache + row);
-    }
-"""
-
-
-def decode_loop(pipelined: bool, prefetch_tiles: int = 0) -> str:
+def decode_loop(pipelined: bool) -> str:
     """The loop over key tiles. Plain: a tile's K and V are loaded, then used. Pipelined: the next tile's
     K is loaded as soon as this tile's scores are taken and its V as soon as this tile's V is used (the
-    same registers), so a warp has loads in flight while it computes. With `prefetch_tiles` (pipelined
-    only), each iteration also asks L2 for the tile that many tiles beyond the one it loads, which costs
-    no registers (on the H200 one tile beyond measured 5-8 % slower, so it is off by default)."""
+    same registers), so a warp has loads in flight while it computes."""
     if not pipelined:
         return (LOOP_SETUP + "  for (int base = first_tile; base < end; base += tile_stride) {\n"
                 "    const int ahead = base + tile_stride + lane % KEY_TILE;\n"
@@ -279,9 +256,8 @@ def decode_loop(pipelined: bool, prefetch_tiles: int = 0) -> str:
             "  for (int base = first_tile; base < end; base += tile_stride) {\n"
             "    const int later = base + 2 * tile_stride + lane % KEY_TILE;\n"
             "    const int later_block = later < end ? int(table[later / BLOCK_SIZE]) : 0;\n"
-            + (PREFETCH_ENTRY.replace("@TILES@", str(prefetch_tiles)) if prefetch_tiles else "")
             + SCORES + _loads(LOAD_K, "(base + tile_stride)", "block") + SOFTMAX + ACCUMULATE
-            + _loads(LOAD_V, "(base + tile_stride)", "block") + (PREFETCH if prefetch_tiles else "")
+            + _loads(LOAD_V, "(base + tile_stride)", "block")
             + "    block = later_block;\n  }\n" + LOOP_END)
 
 
@@ -314,8 +290,8 @@ def supports(head_dim: int, group: int, heads_per_tile: int, itemsize: int) -> b
     return itemsize == 2 and head_dim in (64, 128) and heads_per_tile == group <= MAX_GROUP
 
 
-def render(partitioned: bool, pipelined: bool = False, prefetch_tiles: int = 0) -> tuple[str, str]:
+def render(partitioned: bool, pipelined: bool = False) -> tuple[str, str]:
     """(header, body) of the tensor-core decode kernel, CUDA only; partition states as the SIMT kernel's."""
-    body = source.DECODE_SETUP + decode_loop(pipelined, prefetch_tiles) + SHARED_STATES + source.DECODE_MERGE
+    body = source.DECODE_SETUP + decode_loop(pipelined) + SHARED_STATES + source.DECODE_MERGE
     _, body = source.render_decode("cuda", partitioned, body)
     return MMA_DECODE_HEADER, body

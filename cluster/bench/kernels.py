@@ -135,8 +135,7 @@ def cuda_rows(copy_tb: float) -> list[Row]:
 
 #: tunings the sweep times beside the default: the SIMT loop, the defaults before 2026-12-02 16:00 UTC, one knob each
 SWEEP_VARIANTS = [dict(tensor_cores=False), dict(threads=128, partition_size=1024, pipelined=False), dict(pipelined=False),
-                  dict(threads=128), dict(partition_size=1024), dict(partition_size=2048), dict(partition_size=8192),
-                  dict(prefetch_tiles=1), dict(prefetch_tiles=2)]
+                  dict(threads=128), dict(partition_size=1024), dict(partition_size=2048), dict(partition_size=8192)]
 
 
 def sweep_rows(context: int, iters: int, rounds: int = 1) -> list[Row]:

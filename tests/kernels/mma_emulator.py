@@ -181,16 +181,12 @@ static V emu_shfl(V value, int src_lane) {
 
 template <typename U>
 static void load_words(const U* src, unsigned int* dst) { std::memcpy(dst, src, 16); }
-
-// The GPU only hints; here the line's first byte is read, so a prefetch outside the pool faults the test.
-template <typename U>
-static void prefetch_l2(const U* src) { (void)*reinterpret_cast<const volatile unsigned char*>(src); }
 """ + mma_decode_source.ELEMENT_PAIR.replace("__device__ __forceinline__", "static")
 
 
-def mma_decode_text(constants: dict, pipelined: bool = False, prefetch_tiles: int = 0) -> str:
+def mma_decode_text(constants: dict, pipelined: bool = False) -> str:
     """The tensor-core decode kernel (single pass and split) and the partition merge, constants baked in."""
-    single, split = (mma_decode_source.render(p, pipelined, prefetch_tiles)[1].replace(source.CUDA_DECODE_PROLOGUE, emulator.DECODE_PROLOGUE)
+    single, split = (mma_decode_source.render(p, pipelined)[1].replace(source.CUDA_DECODE_PROLOGUE, emulator.DECODE_PROLOGUE)
                      for p in (False, True))
     consts = emulator._constants({k: v for k, v in constants.items() if k != "PARTITION"})
     reduce_consts = emulator._constants({

@@ -27,8 +27,8 @@ EMULATED = [
 ]
 
 
-# The loop's modes: (pipelined, prefetch_tiles)
-LOOPS = {"plain": (False, 0), "pipelined": (True, 0), "prefetch": (True, 2)}
+# The loop's modes: pipelined or not
+LOOPS = {"plain": False, "pipelined": True}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def libraries(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("emu-mma-decode")
     from tests.kernels import mma_emulator
 
-    return {(config, mode): emulator.compile_library(mma_emulator.mma_decode_text(constants_of(config), *LOOPS[mode]), workdir)
+    return {(config, mode): emulator.compile_library(mma_emulator.mma_decode_text(constants_of(config), LOOPS[mode]), workdir)
             for config in EMULATED for mode in LOOPS}
 
 
