@@ -9,7 +9,7 @@ CUDA (when MLX has a CUDA device): the compiled kernel's KV read bandwidth (byte
 and V read / time) against a measured copy ceiling and against MLX's dense SDPA, at
 B=64, Hq=32, Hkv=8, D=128, fp16, T = 512, 4096 and 32768. `--sweep` also times the
 kernel's tuning knobs at T=4096 and 32768 (`--rounds N`: N times, in turn) and the same
-kernel over other pool layouts (each sequence's blocks in order; one KV head).
+kernel over other pool layouts (each sequence's blocks in order; 32-token blocks; one KV head).
 """
 
 from __future__ import annotations
