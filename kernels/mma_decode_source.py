@@ -40,11 +40,22 @@ from kernels import mma_source, source
 #: most query heads one KV head's group may have here: the columns of one O^T MMA tile
 MAX_GROUP = 8
 
-#: plain C++ but for its qualifiers, which the CPU emulator swaps for `static` (tests/kernels/mma_emulator.py)
-ELEMENT_PAIR = r"""
+#: plain C++ but for its qualifiers, which the CPU emulator swaps for `static` (tests/kernels/mma_emulator.py);
+#: `load_words` is each side's own (a vector load here, a copy there)
+PLAIN_HELPERS = r"""
 // Element e of two keys' rows (as words, two elements a word) side by side in one word: key a's low.
 __device__ __forceinline__ unsigned int element_pair(const unsigned int* a, const unsigned int* b, int e) {
   return (e % 2) ? (a[e / 2] >> 16) | (b[e / 2] & 0xffff0000u) : (a[e / 2] & 0xffffu) | (b[e / 2] << 16);
+}
+
+// Sixteen bytes of a row into four words, or zeros for a row past the range (never read, so a NaN there stays out).
+template <typename U>
+__device__ __forceinline__ void load_words_if(bool valid, const U* src, unsigned int* dst) {
+  if (valid) {
+    load_words(src, dst);
+  } else {
+    dst[0] = dst[1] = dst[2] = dst[3] = 0u;
+  }
 }
 """
 
@@ -58,7 +69,7 @@ __device__ __forceinline__ void load_words(const U* src, unsigned int* dst) {
   dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
 }
 
-""" + ELEMENT_PAIR
+""" + PLAIN_HELPERS
 
 # Before the loop over key tiles: Q's fragments, the accumulators, the first tile's block entries.
 LOOP_SETUP = r"""  constexpr int KEY_TILE = 16;
@@ -81,14 +92,7 @@ LOOP_SETUP = r"""  constexpr int KEY_TILE = 16;
   #pragma unroll
   for (int c = 0; c < HEAD_DIM / 32; ++c) {
     const size_t q_at = (size_t(seq) * NUM_HEADS + first_head + group_id) * HEAD_DIM + c * 32 + in_group * 8;
-    if (head_live) {
-      load_words(queries + q_at, qw + 4 * c);
-    } else {
-      #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        qw[4 * c + w] = 0u;
-      }
-    }
+    load_words_if(head_live, queries + q_at, qw + 4 * c);
   }
   float o[D_TILES][4];
   #pragma unroll
@@ -117,14 +121,7 @@ LOAD_K = r"""    #pragma unroll
       const size_t row = (size_t(SIMD_SHFL(@BLOCK@, h * 8 + group_id)) * BLOCK_SIZE + t % BLOCK_SIZE) * SLOT_STRIDE + head_offset;
       #pragma unroll
       for (int c = 0; c < HEAD_DIM / 32; ++c) {
-        if (t < end) {
-          load_words(key_cache + row + c * 32 + in_group * 8, kw[h] + 4 * c);
-        } else {
-          #pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            kw[h][4 * c + w] = 0u;
-          }
-        }
+        load_words_if(t < end, key_cache + row + c * 32 + in_group * 8, kw[h] + 4 * c);
       }
     }
 """
@@ -137,14 +134,7 @@ LOAD_V = r"""    #pragma unroll
       const size_t row = (size_t(SIMD_SHFL(@BLOCK@, t - (@BASE@))) * BLOCK_SIZE + t % BLOCK_SIZE) * SLOT_STRIDE + head_offset;
       #pragma unroll
       for (int c = 0; c < HEAD_DIM / 64; ++c) {
-        if (t < end) {
-          load_words(value_cache + row + c * 64 + group_id * 8, vw[j] + 4 * c);
-        } else {
-          #pragma unroll
-          for (int w = 0; w < 4; ++w) {
-            vw[j][4 * c + w] = 0u;
-          }
-        }
+        load_words_if(t < end, value_cache + row + c * 64 + group_id * 8, vw[j] + 4 * c);
       }
     }
 
@@ -249,7 +239,7 @@ def decode_loop(pipelined: bool) -> str:
                 "    const int next_block = ahead < end ? int(table[ahead / BLOCK_SIZE]) : 0;\n"
                 + KV_REGISTERS + _loads(LOAD_K, "base", "block") + _loads(LOAD_V, "base", "block")
                 + SCORES + SOFTMAX + ACCUMULATE + "    block = next_block;\n  }\n" + LOOP_END)
-    return (LOOP_SETUP + KV_REGISTERS.replace("    ", "  ")
+    return (LOOP_SETUP + KV_REGISTERS
             + _loads(LOAD_K, "first_tile", "block") + _loads(LOAD_V, "first_tile", "block")
             + "  {\n    const int second = first_tile + tile_stride + lane % KEY_TILE;\n"
             "    block = second < end ? int(table[second / BLOCK_SIZE]) : 0;\n  }\n"
@@ -260,8 +250,6 @@ def decode_loop(pipelined: bool) -> str:
             + _loads(LOAD_V, "(base + tile_stride)", "block")
             + "    block = later_block;\n  }\n" + LOOP_END)
 
-
-MMA_DECODE_LOOP = decode_loop(False)
 
 # Warps split one KV head's range: each leaves its states for DECODE_MERGE.
 SHARED_STATES = r"""  if (head_live && in_group == 0) {
@@ -290,7 +278,7 @@ def supports(head_dim: int, group: int, heads_per_tile: int, itemsize: int) -> b
     return itemsize == 2 and head_dim in (64, 128) and heads_per_tile == group <= MAX_GROUP
 
 
-def render(partitioned: bool, pipelined: bool = False) -> tuple[str, str]:
+def render(partitioned: bool, pipelined: bool) -> tuple[str, str]:
     """(header, body) of the tensor-core decode kernel, CUDA only; partition states as the SIMT kernel's."""
     body = source.DECODE_SETUP + decode_loop(pipelined) + SHARED_STATES + source.DECODE_MERGE
     _, body = source.render_decode("cuda", partitioned, body)

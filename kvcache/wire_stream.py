@@ -2,11 +2,12 @@
 
 `encode_blocks` and `decode_blocks` make and read one bytes object, which costs two
 copies of every KV byte (msgpack's buffer on the way out, msgpack's bin objects on the
-way in). A socket does not need one object: `encode_pieces` lays the very same bytes
+way in). A socket does not need one object: `payload_pieces` lays the very same bytes
+(all but the checksum, which `kvcache.wire_transit.OutgoingPayload` takes as they are sent)
 out as a list of small msgpack headers and buffers that point into the pool's arrays,
 so a scatter-gather send reads the KV where it lies; `decode_views` reads a received
 payload in place and hands back numpy views into it (a hybrid model's recurrent state
-after the last block too: `encode_pieces(..., state)`, `decode_payload_views`). Both are the format `kvcache.wire`
+after the last block too: `payload_pieces(..., state)`, `decode_payload_views`). Both are the format `kvcache.wire`
 defines, field for field (tests pin that each reads the other's payloads); the one
 liberty taken is msgpack's: token ids are written at one width, so equal blocks are
 equally spaced, and a payload of full blocks is written and read all at once, as rows of one
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 
 import msgpack
 import numpy as np
-import xxhash
 
 from kvcache.errors import CorruptKVPayload
 from kvcache.geometry import KVGeometry, StateGeometry
@@ -67,21 +67,11 @@ class BlockPieces:
     values: Sequence[Piece]
 
 
-def encode_pieces(geometry: KVGeometry, blocks: Sequence[BlockPieces],
-                  state: StateSnapshotData | None = None) -> list[Piece]:
-    """The payload `encode_blocks` would make, as pieces whose KV (and state) parts are the given
-    buffers; every piece is `bytes` or a memoryview of bytes, so its `len` is its size."""
-    pieces = payload_pieces(geometry, blocks, state)
-    digest = xxhash.xxh3_128()
-    for piece in pieces:
-        digest.update(piece)
-    return [*pieces, digest.digest()]
-
-
 def payload_pieces(geometry: KVGeometry, blocks: Sequence[BlockPieces],
                    state: StateSnapshotData | None = None) -> list[Piece]:
-    """`encode_pieces` but for the last piece, the checksum's 16 bytes: a sender that checksums the
-    pieces as it sends them (`kvcache.wire_transit.OutgoingPayload`) reads each byte once less."""
+    """The payload `encode_blocks` would make but for its last 16 bytes, the checksum, as pieces whose KV
+    (and state) parts are the given buffers; every piece is `bytes` or a memoryview of bytes, so its `len`
+    is its size. The sender checksums the pieces as it sends them (`kvcache.wire_transit.OutgoingPayload`)."""
     pack = msgpack.Packer(use_bin_type=True).pack
     key_bytes, value_bytes = geometry.key_bytes_per_block_layer, geometry.value_bytes_per_block_layer
     version = FORMAT_VERSION if state is None else STATE_FORMAT_VERSION

@@ -181,10 +181,10 @@ static V emu_shfl(V value, int src_lane) {
 
 template <typename U>
 static void load_words(const U* src, unsigned int* dst) { std::memcpy(dst, src, 16); }
-""" + mma_decode_source.ELEMENT_PAIR.replace("__device__ __forceinline__", "static")
+""" + mma_decode_source.PLAIN_HELPERS.replace("__device__ __forceinline__", "static")
 
 
-def mma_decode_text(constants: dict, pipelined: bool = False) -> str:
+def mma_decode_text(constants: dict, pipelined: bool) -> str:
     """The tensor-core decode kernel (single pass and split) and the partition merge, constants baked in."""
     single, split = (mma_decode_source.render(p, pipelined)[1].replace(source.CUDA_DECODE_PROLOGUE, emulator.DECODE_PROLOGUE)
                      for p in (False, True))

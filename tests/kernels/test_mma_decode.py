@@ -84,13 +84,14 @@ def test_tensor_core_decode_applies_window_soft_cap_and_sinks(libraries, split, 
     assert_close(mx.array(out), expected, "bfloat16")
 
 
-def test_tensor_core_loop_shares_the_simt_kernels_setup_and_merge():
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_tensor_core_loop_shares_the_simt_kernels_setup_and_merge(pipelined):
     for partitioned in (False, True):
-        body = mma_decode_source.render(partitioned)[1]
+        body = mma_decode_source.render(partitioned, pipelined)[1]
         simt = source.render_decode("cuda", partitioned)[1]
         merge = source.DECODE_MERGE.replace("@WRITE@", source.PARTITION_WRITE if partitioned else source.SINGLE_WRITE)
         assert merge in body and merge in simt
-        assert mma_decode_source.MMA_DECODE_LOOP in body and source.DECODE_SIMT_LOOP not in body
+        assert mma_decode_source.decode_loop(pipelined) in body and source.DECODE_SIMT_LOOP not in body
 
 
 @pytest.mark.parametrize("group,head_dim,dtype,expected", [

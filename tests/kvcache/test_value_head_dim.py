@@ -13,7 +13,8 @@ from kvcache.geometry import KVGeometry
 from kvcache.hashing import block_hashes, root_hash
 from kvcache.pool import KVPool
 from kvcache.wire import KVBlockData, decode_blocks, encode_blocks
-from kvcache.wire_stream import BlockPieces, decode_views, encode_pieces
+from kvcache.wire_stream import BlockPieces, decode_views
+from tests.kvcache.wire_pieces import encode_pieces
 
 ONE_WIDTH = KVGeometry("tiny-model", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
 #: keys 24 wide (16 nope + 8 rope), values 12, as the tiny DeepSeek-V2 of the family tests

@@ -16,7 +16,8 @@ from kvcache.geometry import KVGeometry
 from kvcache.hashing import hash_block, hash_block_rows, root_hash
 from kvcache.wire import BlockRun, KVBlockData, decode_blocks
 from kvcache.wire_batch import record_layout, write_headers
-from kvcache.wire_stream import BlockPieces, _block_header, decode_views, encode_pieces
+from kvcache.wire_stream import BlockPieces, _block_header, decode_views
+from tests.kvcache.wire_pieces import encode_pieces
 
 GEOMETRY = KVGeometry("fp", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
 

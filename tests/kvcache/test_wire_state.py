@@ -19,9 +19,10 @@ from kvcache.wire import (
     decode_payload,
     encode_blocks,
 )
-from kvcache.wire_stream import decode_payload_views, decode_views, encode_pieces
+from kvcache.wire_stream import decode_payload_views, decode_views
 from tests.kvcache.test_wire import make_blocks, tiny_geometry
 from tests.kvcache.test_wire_stream import as_pieces
+from tests.kvcache.wire_pieces import encode_pieces
 
 GEOMETRY = tiny_geometry("float16")
 STATE = StateGeometry((

@@ -11,7 +11,8 @@ from kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
 from kvcache.geometry import KVGeometry
 from kvcache.hashing import hash_block, root_hash
 from kvcache.wire import KVBlockData, decode_blocks, encode_blocks
-from kvcache.wire_stream import BlockPieces, decode_views, encode_pieces
+from kvcache.wire_stream import BlockPieces, decode_views
+from tests.kvcache.wire_pieces import encode_pieces
 
 GEOMETRY = KVGeometry("fp", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
 

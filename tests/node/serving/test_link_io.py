@@ -13,8 +13,9 @@ import pytest
 from kvcache.errors import CorruptKVPayload
 from kvcache.geometry import KVGeometry
 from kvcache.hashing import hash_block, root_hash
-from kvcache.wire_stream import BlockPieces, decode_views, encode_pieces, payload_pieces
+from kvcache.wire_stream import BlockPieces, decode_views, payload_pieces
 from node.serving import link_io
+from tests.kvcache.wire_pieces import encode_pieces
 
 # 12 KiB a block: a payload of 100 blocks spans several batches and landing slices once they are shrunk
 GEOMETRY = KVGeometry("fp", num_layers=3, num_kv_heads=2, head_dim=32, block_size=16, dtype="float16")
