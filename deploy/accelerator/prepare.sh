@@ -17,7 +17,7 @@ rm -rf .gpu3 && mkdir -p .gpu3
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .gpu3 "transformers==5.24.0" "tokenizers==0.23.3" xxhash rich \
-  "fastapi>=0.115,<1" "uvicorn>=0.30,<1" "httpx>=0.27,<1" "prometheus_client>=0.20,<1"
+  "fastapi>=0.115,<1" "uvicorn>=0.30,<1" "httptools>=0.6,<1" "uvloop>=0.19,<1" "httpx>=0.27,<1" "prometheus_client>=0.20,<1"
 # numpy and msgpack are on the accelerator machine already; keep the transfer small.
 rm -f .gpu3/numpy-*.whl .gpu3/msgpack-*.whl
 du -sh .gpu1 .gpu2 .gpu3
