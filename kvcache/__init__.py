@@ -17,7 +17,7 @@ from kvcache.errors import (
     QuotaExceeded,
     UnknownSequence,
 )
-from kvcache.events import DISK, MEMORY, STATE, BlockRemoved, BlockStored, EventLog, KVEvent, StateRemoved, StateStored
+from kvcache.events import DISK, MEMORY, STATE, BlockRemoved, BlockStored, EventLog, KVEvent
 from kvcache.geometry import KVGeometry
 from kvcache.hashing import BlockHash, block_hashes, hash_block, root_hash
 from kvcache.stats import KVStats, contiguous_waste, paged_waste
@@ -64,8 +64,6 @@ __all__ = [
     "OutOfStateSlots",
     "QuotaExceeded",
     "STATE",
-    "StateRemoved",
-    "StateStored",
     "UnknownSequence",
     "block_hashes",
     "contiguous_waste",

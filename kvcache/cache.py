@@ -26,7 +26,7 @@ from kvcache.cold_states import ColdStates, cold_states_path
 from kvcache.cold_tier import ColdTier
 from kvcache.config import CacheConfig, InvalidCacheConfig
 from kvcache.errors import ColdTierError, OutOfBlocks
-from kvcache.events import DISK, BlockStored, EventLog, KVEvent, StateStored
+from kvcache.events import DISK, BlockStored, EventLog, KVEvent
 from kvcache.geometry import KVGeometry, StateGeometry
 from kvcache.hashing import BlockHash, block_hashes, hash_block, root_hash
 from kvcache.hybrid_states import HybridStates
@@ -277,7 +277,7 @@ class KVCache:
     def drain_events(self) -> list[KVEvent]:
         return self.events.drain()
 
-    def snapshot(self) -> list[BlockStored | StateStored]:
+    def snapshot(self) -> list[BlockStored]:
         """All cached blocks, memory then disk, each tier parents first, then the states a resume
         can use (hybrid models), at the next event seq."""
         seq = self.events.next_seq

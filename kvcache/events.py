@@ -40,25 +40,7 @@ class BlockRemoved:
     tier: str = MEMORY
 
 
-@dataclass(frozen=True)
-class StateStored:
-    """The recurrent state after this block became available (a hybrid model's snapshot)."""
-
-    seq: int
-    block_hash: BlockHash
-    tier: str = STATE
-
-
-@dataclass(frozen=True)
-class StateRemoved:
-    """The recurrent state after this block is no longer held."""
-
-    seq: int
-    block_hash: BlockHash
-    tier: str = STATE
-
-
-KVEvent = BlockStored | BlockRemoved | StateStored | StateRemoved
+KVEvent = BlockStored | BlockRemoved
 
 
 @dataclass(frozen=True)
@@ -94,12 +76,12 @@ class EventLog:
         self.next_seq += 1
 
     def state_stored(self, block_hash: BlockHash) -> None:
-        self._pending.append(StateStored(self.next_seq, block_hash))
-        self.next_seq += 1
+        """The recurrent state after this block became available (a hybrid model's snapshot): the
+        block's event in the STATE tier, which holds no tokens of its own."""
+        self.stored(block_hash, None, (), STATE)
 
     def state_removed(self, block_hash: BlockHash) -> None:
-        self._pending.append(StateRemoved(self.next_seq, block_hash))
-        self.next_seq += 1
+        self.removed(block_hash, STATE)
 
     def drain(self) -> list[KVEvent]:
         """Hand over everything pending; called by the owner once per engine step."""

@@ -7,7 +7,7 @@ keeps those snapshots in step with the blocks they follow: it stores them when t
 captures and publishes them, drops them when their block is evicted, sends them to disk when
 their block spills there (kvcache.cold_states, which gets `COLD_STATE_SHARE` of the cold
 tier's bytes), brings them back for a resume, and tells the coordinator which blocks a resume
-can use here (`StateStored`, `StateRemoved`), so it counts a hybrid node's runs only that far.
+can use here (block events in the STATE tier), so it counts a hybrid node's runs only that far.
 
 KVCache owns one of these per hybrid model and calls it from its own block operations (its
 migration, kvcache.block_transfer, too); nothing here touches blocks. One owner thread: the
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from kvcache.cold_states import ColdStates
 from kvcache.errors import IncompatibleKVPayload, OutOfStateSlots
-from kvcache.events import EventLog, StateStored
+from kvcache.events import STATE, BlockStored, EventLog
 from kvcache.geometry import StateGeometry
 from kvcache.hashing import BlockHash, block_hashes
 from kvcache.state_snapshots import StateSnapshots
@@ -139,9 +139,9 @@ class HybridStates:
                 self._announced.discard(block_hash)
                 self.events.state_removed(block_hash)
 
-    def held_events(self, seq: int) -> list[StateStored]:
-        """The blocks a resume can use here, as events at `seq` (the cache's snapshot of itself)."""
-        return [StateStored(seq, h) for h in self._announced]
+    def held_events(self, seq: int) -> list[BlockStored]:
+        """The blocks a resume can use here, as STATE-tier events at `seq` (the cache's snapshot of itself)."""
+        return [BlockStored(seq, h, None, (), STATE) for h in self._announced]
 
     # ----------------------------------------------------------------- blocks leaving or coming back
 

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 from cluster.coordinator.coordinator import Coordinator
 from cluster.coordinator.membership import NodeInfo
-from kvcache.events import BlockStored
+from kvcache.events import BlockStored, PackedEvents
 from kvcache.hashing import block_hashes, root_hash
 
 POLICIES = ("prefix", "round_robin", "least_loaded")
@@ -73,7 +73,7 @@ def bench_router(num_blocks: int = 100_000, num_nodes: int = 8, prompt_tokens: i
         for chain in node_chains:
             events = [BlockStored(seq + i, h, None, ()) for i, h in enumerate(chain)]
             seq += len(events)
-            coord.kv_events(node, events)
+            coord.kv_events(node, PackedEvents.of(events))
             applied += len(events)
     events_per_s = applied / (time.perf_counter() - started)
     latencies = []

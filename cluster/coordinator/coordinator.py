@@ -29,7 +29,7 @@ from cluster.coordinator.pending_prefixes import PendingPrefixes
 from cluster.coordinator.prefix_index import PrefixIndex
 from cluster.coordinator.replication import BlockMove, NodeLoadView, ReplicationConfig, ReplicationPlanner
 from cluster.coordinator.router import RouteDecision, Router, RouterConfig, RouteRequest
-from kvcache.events import KVEvent, PackedEvents
+from kvcache.events import PackedEvents
 from kvcache.hashing import BlockHash
 
 COORDINATOR_NAME = "orchard-coordinator"
@@ -106,11 +106,11 @@ class Coordinator:
             "moves": self._moves.pop(node_id, []),
         }
 
-    def kv_events(self, node_id: NodeId, events: Sequence[KVEvent] | PackedEvents) -> bool:
-        """Apply one step's events (as a node actor sends them: packed); False asks the node for a snapshot."""
+    def kv_events(self, node_id: NodeId, events: PackedEvents) -> bool:
+        """Apply one step's events, packed as a node actor sends them; False asks the node for a snapshot."""
         if not self._is_live(node_id):
             return True  # a dead or unknown node re-registers first; nothing to ask for
-        return self.index.apply(node_id, events.unpack() if isinstance(events, PackedEvents) else events)
+        return self.index.apply(node_id, events.unpack())
 
     def kv_snapshot(self, node_id: NodeId, seq: int, blocks: Iterable[tuple[BlockHash, str]]) -> None:
         if self._is_live(node_id):

@@ -17,7 +17,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from cluster.coordinator.membership import NodeId
-from kvcache.events import DISK, MEMORY, STATE, BlockRemoved, BlockStored, KVEvent, StateRemoved, StateStored
+from kvcache.events import DISK, MEMORY, STATE, BlockRemoved, BlockStored, KVEvent
 from kvcache.hashing import BlockHash
 
 #: One bit per tier so a block held in memory and on disk at once costs one int; STATE marks a
@@ -90,9 +90,9 @@ class PrefixIndex:
 
     def _apply_one(self, node_id: NodeId, event: KVEvent) -> None:
         bit = _tier_bit(event.tier)
-        if isinstance(event, (BlockStored, StateStored)):
+        if isinstance(event, BlockStored):
             self._add(node_id, event.block_hash, bit)
-        elif isinstance(event, (BlockRemoved, StateRemoved)):
+        elif isinstance(event, BlockRemoved):
             self._discard(node_id, event.block_hash, bit)
         else:
             raise TypeError(f"not a KV event: {event!r}")

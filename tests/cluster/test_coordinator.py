@@ -6,6 +6,7 @@ import pytest
 
 from cluster.coordinator.coordinator import Coordinator, CoordinatorConfig
 from cluster.coordinator.membership import MembershipConfig, NodeInfo
+from cluster.coordinator.prefix_index import PrefixIndex
 from cluster.coordinator.router import NoNodeAvailable, RouterConfig
 from kvcache.events import MEMORY, EventLog, PackedEvents
 from kvcache.hashing import block_hashes, root_hash
@@ -45,7 +46,7 @@ def serve(coord, logs, node_id, hashes):
     for h in hashes:
         log.stored(h, parent, (0,) * BS)
         parent = h
-    return coord.kv_events(node_id, log.drain())
+    return coord.kv_events(node_id, PackedEvents.of(log.drain()))
 
 
 def route(coord, policy=None, exclude=(), request_id=""):
@@ -74,7 +75,7 @@ def test_events_before_snapshot_are_refused_after_register():
     coord.register_node("a", NodeInfo(model="demo", block_size=BS))
     log = EventLog()
     log.stored(HASHES[0], None, (0,) * BS)
-    assert coord.kv_events("a", log.drain()) is False
+    assert coord.kv_events("a", PackedEvents.of(log.drain())) is False
     assert coord.heartbeat("a", LOAD)["snapshot"] is True
     coord.kv_snapshot("a", log.next_seq, [(HASHES[0], MEMORY)])
     assert coord.heartbeat("a", LOAD)["snapshot"] is False
@@ -111,7 +112,7 @@ def test_node_failure_report_stops_routing_at_once():
     assert coord.node_failed("a", "actor died")
     assert not coord.node_failed("a", "actor died")
     assert route(coord).node_id == "b"
-    assert coord.kv_events("a", []) is True  # ignored, not a snapshot request
+    assert coord.kv_events("a", PackedEvents.of([])) is True  # ignored, not a snapshot request
 
 
 def test_dead_node_heartbeat_is_told_to_register_again_and_rejoins_empty():
@@ -261,10 +262,10 @@ def test_a_hybrid_node_is_credited_only_up_to_its_last_state():
         logs[node_id] = EventLog()
     serve(coord, logs, "a", HASHES)  # every block, a state after the second only
     logs["a"].state_stored(HASHES[1])
-    coord.kv_events("a", logs["a"].drain())
+    coord.kv_events("a", PackedEvents.of(logs["a"].drain()))
     serve(coord, logs, "b", HASHES[:6])  # fewer blocks, a state after the sixth
     logs["b"].state_stored(HASHES[5])
-    coord.kv_events("b", logs["b"].drain())
+    coord.kv_events("b", PackedEvents.of(logs["b"].drain()))
     assert coord.match(HASHES) == {"a": 2, "b": 6}
     decision = route(coord)
     assert (decision.node_id, decision.cached_blocks) == ("b", 6)
@@ -275,11 +276,14 @@ def test_a_hybrid_node_is_credited_only_up_to_its_last_state():
 
 
 def test_events_a_node_sends_packed_index_its_blocks_as_the_events_themselves_do():
-    packed, plain = make("a", "b")[0], make("a", "b")[0]
-    for coord, pack in ((packed, PackedEvents.of), (plain, list)):
-        log = EventLog()
-        for parent, h in zip([None, *HASHES[:-1]], HASHES):
-            log.stored(h, parent, (0,) * BS)
-        log.removed(HASHES[-1])
-        assert coord.kv_events("a", pack(log.drain())) is True
-    assert packed.match(HASHES) == plain.match(HASHES) == {"a": len(HASHES) - 1}
+    coord = make("a", "b")[0]
+    log = EventLog()
+    for parent, h in zip([None, *HASHES[:-1]], HASHES):
+        log.stored(h, parent, (0,) * BS)
+    log.removed(HASHES[-1])
+    events = log.drain()
+    assert coord.kv_events("a", PackedEvents.of(events)) is True
+    plain = PrefixIndex()
+    plain.load_snapshot("a", 0, [])
+    assert plain.apply("a", events) is True
+    assert coord.match(HASHES) == plain.match(HASHES) == {"a": len(HASHES) - 1}

@@ -15,6 +15,7 @@ from cluster.coordinator.membership import NodeLoad
 from cluster.coordinator.replication import NodeLoadView, ReplicationConfig, ReplicationPlanner
 from cluster.coordinator.router import MigrationPlan, Router
 from cluster.gateway.block_pull import MigrationPolicy, migration_hashes, pull_for_request
+from kvcache.events import PackedEvents
 from kvcache.wire import decode_blocks, encode_blocks
 from node.async_engine import AsyncEngine
 from node.engine import EngineConfig, LLMEngine
@@ -422,7 +423,7 @@ def test_a_joining_node_is_told_its_peers_to_probe():
 def test_router_migrates_only_once_a_link_rate_is_measured_and_beats_prefill():
     coord, _ = coordinator_with("a", "b", prefill_tps=1000.0, bytes_per_block=1 << 20)
     hashes = [bytes([i]) * 16 for i in range(8)]
-    coord.kv_events("a", [])
+    coord.kv_events("a", PackedEvents.of([]))
     coord.index.load_snapshot("a", 0, [(h, "memory") for h in hashes])
     coord.membership.get("a").load = NodeLoad(queued_prefill_tokens=100_000)  # a is swamped
     assert coord.route("m", hashes, 8 * BS + 1, BS).migration is None  # no rate measured yet

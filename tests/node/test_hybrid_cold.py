@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from mlx_lm import load
 
-from kvcache.events import StateRemoved, StateStored
+from kvcache.events import STATE, BlockRemoved, BlockStored
 from node.engine import EngineConfig, LLMEngine
 from tests.node.test_families import assert_matches_mlx_lm, prompts, run
 from tests.node.tiny_models import write_tiny_model
@@ -72,28 +72,28 @@ def test_a_damaged_snapshot_on_disk_is_recomputed_not_restored(hybrid, tmp_path)
 
 
 def test_the_states_a_resume_can_use_are_announced_while_held(hybrid, tmp_path):
-    """StateStored when a snapshot is kept, none while it moves to disk with its block,
-    StateRemoved when it is gone; a restart announces what its cold tier still holds."""
+    """A STATE-tier store when a snapshot is kept, none while it moves to disk with its block,
+    a STATE-tier removal when it is gone; a restart announces what its cold tier still holds."""
     folder, _ = hybrid
     engine = cold_engine(folder, tmp_path / "cold")
     vocab = engine.model.vocab_size
     first = prompts(vocab, [13], offset=5)[0]
     boundary = engine.kv.block_hashes(first)[-1]
     run(engine, [first], prefix="a")
-    assert boundary in {e.block_hash for e in engine.kv.drain_events() if isinstance(e, StateStored)}
+    assert boundary in {e.block_hash for e in engine.kv.drain_events() if isinstance(e, BlockStored) and e.tier == STATE}
     run(engine, prompts(vocab, [36], offset=40), prefix="b")  # spills `first` with its snapshot
     assert boundary in engine.kv.cold_states and boundary not in engine.kv.snapshots
-    assert boundary not in {e.block_hash for e in engine.kv.drain_events() if isinstance(e, StateRemoved)}
-    assert StateStored(engine.kv.events.next_seq, boundary) in engine.kv.snapshot()
+    assert boundary not in {e.block_hash for e in engine.kv.drain_events() if isinstance(e, BlockRemoved) and e.tier == STATE}
+    assert BlockStored(engine.kv.events.next_seq, boundary, None, (), STATE) in engine.kv.snapshot()
     engine.kv.close()
     restarted = cold_engine(folder, tmp_path / "cold")
-    assert boundary in {e.block_hash for e in restarted.kv.drain_events() if isinstance(e, StateStored)}
+    assert boundary in {e.block_hash for e in restarted.kv.drain_events() if isinstance(e, BlockStored) and e.tier == STATE}
     forgetful = LLMEngine(EngineConfig(model=str(folder), num_blocks=12, block_size=4))  # no cold tier
     run(forgetful, [first], prefix="a")
     run(forgetful, prompts(vocab, [36], offset=40), prefix="b")
-    removed = [e for e in forgetful.kv.drain_events() if isinstance(e, StateRemoved)]
+    removed = [e for e in forgetful.kv.drain_events() if isinstance(e, BlockRemoved) and e.tier == STATE]
     assert boundary in {e.block_hash for e in removed}
-    assert not any(isinstance(e, StateStored) and e.block_hash == boundary for e in forgetful.kv.snapshot())
+    assert not any(isinstance(e, BlockStored) and e.tier == STATE and e.block_hash == boundary for e in forgetful.kv.snapshot())
 
 
 def test_a_block_aligned_prompt_resumes_from_an_earlier_snapshot_on_disk(hybrid, tmp_path):
