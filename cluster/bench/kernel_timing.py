@@ -1,7 +1,7 @@
 """What the two kernel benchmarks share: a result row, the device-time clock, the copy ceiling, the table.
 
 `cluster.bench.kernels` (decode rows) and `cluster.bench.kernels_varlen` (mixed-step rows) both
-time with `seconds_per_call` and print through `format_table`, so their rows line up in one table.
+time with `seconds_per_call` (a kernel and its peer in turn: `seconds_per_call_in_turn`) and print through `format_table`, so their rows line up in one table.
 """
 
 from __future__ import annotations
@@ -35,14 +35,24 @@ def seconds_per_call(fn, iters: int, repeats: int = 5) -> float:
     Building the lazy graph (Python, metadata checks) happens before the clock starts: an
     engine overlaps it with the device through async_eval, so device time is what counts.
     """
-    mx.eval(fn())
-    samples = []
-    for _ in range(repeats):
-        outputs = [fn() for _ in range(iters)]
-        start = time.perf_counter()
-        mx.eval(outputs)
-        samples.append((time.perf_counter() - start) / iters)
-    return statistics.median(samples)
+    return seconds_per_call_in_turn([fn], iters, repeats)[0]
+
+
+def seconds_per_call_in_turn(fns, iters: int, repeats: int = 5) -> list[float]:
+    """`seconds_per_call` of each of `fns`, their samples taken in turn (the order reversed every other
+    repeat): a kernel and the one it is compared with see the same device, whose clocks and other
+    tenants drift over a row's second or so, rather than one of them always going first."""
+    for fn in fns:
+        mx.eval(fn())
+    samples: list[list[float]] = [[] for _ in fns]
+    for r in range(repeats):
+        order = range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
+            outputs = [fns[i]() for _ in range(iters)]
+            start = time.perf_counter()
+            mx.eval(outputs)
+            samples[i].append((time.perf_counter() - start) / iters)
+    return [statistics.median(s) for s in samples]
 
 
 def copy_ceiling_tb_per_s() -> float:

@@ -25,7 +25,7 @@ import numpy as np
 
 import kernels
 from cluster.bench import kernels_varlen
-from cluster.bench.kernel_timing import Row, copy_ceiling_tb_per_s, format_table, seconds_per_call
+from cluster.bench.kernel_timing import Row, copy_ceiling_tb_per_s, format_table, seconds_per_call_in_turn
 from kernels import backends, dispatch, launch
 
 
@@ -103,8 +103,7 @@ def measure(problem: Problem, backend: str, device: str, iters: int, copy_tb: fl
     def dense():
         return mx.fast.scaled_dot_product_attention(inputs.dense_queries, inputs.dense_keys, inputs.dense_values, scale=scale)
 
-    paged_s = seconds_per_call(paged, iters)
-    dense_s = seconds_per_call(dense, iters)
+    paged_s, dense_s = seconds_per_call_in_turn([paged, dense], iters)
     if label is not None:  # a tuning of the sweep: it must still compute the same attention
         error = mx.abs(paged().astype(mx.float32) - dense()[:, :, 0, :].astype(mx.float32)).max().item()
         print(f"  {label}: largest difference from dense SDPA {error:.2e}", flush=True)
@@ -126,7 +125,7 @@ def cpu_rows() -> list[Row]:
 
 def cuda_rows(copy_tb: float) -> list[Row]:
     rows = []
-    for context, batch, iters in ((512, 64, 50), (4096, 64, 20), (32768, 64, 5), (32768, 1, 50)):
+    for context, batch, iters in ((512, 64, 50), (4096, 64, 20), (32768, 64, 20), (32768, 1, 50)):
         problem = Problem(batch=batch, num_heads=32, num_kv_heads=8, head_dim=128, context=context, dtype="float16")
         rows.append(measure(problem, "cuda", "gpu", iters, copy_tb))
         rows.append(measure(problem, "reference", "gpu", max(iters // 5, 2), copy_tb))
@@ -178,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         copy_tb = copy_ceiling_tb_per_s()
         rows += (cuda_rows(copy_tb) if decode else []) + (kernels_varlen.cuda_rows(copy_tb) if varlen else [])
         if args.sweep:
-            sweeps = sweep_rows(4096, 20, args.rounds) + sweep_rows(32768, 5, args.rounds) if decode else []
+            sweeps = sweep_rows(4096, 20, args.rounds) + sweep_rows(32768, 20, args.rounds) if decode else []
             rows += sweeps + (kernels_varlen.sweep_rows(copy_tb) if varlen else [])
     copy = next((r.copy_tb_per_s for r in rows if r.copy_tb_per_s), None)
     print(f"# mlx {mx.__version__}, {platform.machine()} {platform.system()}, OpenBLAS preloaded: {openblas_in_use()}"

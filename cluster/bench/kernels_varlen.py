@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 import kernels
-from cluster.bench.kernel_timing import Row, format_table, seconds_per_call
+from cluster.bench.kernel_timing import Row, format_table, seconds_per_call_in_turn
 
 
 @dataclass(frozen=True)
@@ -134,8 +134,7 @@ def measure_varlen(problem: VarlenProblem, backend: str, device: str, iters: int
     def paged():
         return kernels.paged_varlen_attention(inputs.queries, inputs.key_cache, inputs.value_cache, step_plan, scale=scale)
 
-    paged_s = seconds_per_call(paged, iters)
-    dense_s = seconds_per_call(lambda: dense_step(inputs, scale), iters)
+    paged_s, dense_s = seconds_per_call_in_turn([paged, lambda: dense_step(inputs, scale)], iters)
     row = Row(device, label or f"varlen {backend}", problem.label(), paged_s * 1e3, dense_s * 1e3,
                     problem.kv_bytes / paged_s / 1e12, copy_tb, plan_ms(problem, inputs, backend, tuning))
     inputs = step_plan = None  # frees the arrays; the closures above are not called again
@@ -152,8 +151,7 @@ def measure_decode_kernel(problem: VarlenProblem, iters: int, copy_tb) -> Row:
     def paged():
         return kernels.paged_attention(inputs.queries, inputs.key_cache, inputs.value_cache, tables, lengths, scale=scale, backend="cuda")
 
-    paged_s = seconds_per_call(paged, iters)
-    dense_s = seconds_per_call(lambda: dense_step(inputs, scale), iters)
+    paged_s, dense_s = seconds_per_call_in_turn([paged, lambda: dense_step(inputs, scale)], iters)
     row = Row("gpu", "decode kernel cuda", problem.label(), paged_s * 1e3, dense_s * 1e3, problem.kv_bytes / paged_s / 1e12, copy_tb)
     print(format_table([row]).splitlines()[-1], flush=True)
     return row
