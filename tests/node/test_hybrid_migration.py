@@ -17,7 +17,7 @@ import pytest
 from mlx_lm import load
 
 from kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
-from kvcache.events import BlockStored
+from kvcache.events import MEMORY, STATE, BlockStored
 from kvcache.geometry import StateArray, StateGeometry
 from kvcache.wire import StateSnapshotData, decode_payload, encode_blocks
 from node.async_engine import AsyncEngine
@@ -75,8 +75,9 @@ def test_a_migrated_prompt_resumes_on_the_target_as_mlx_lm_computes_it(hybrid):
     on_source = run(source, [prompt], prefix="source")
     hashes = source.kv.block_hashes(prompt)
     assert target.import_blocks(source.export_blocks(hashes)) == 3
-    stored = [e.block_hash for e in target.drain_kv_events() if isinstance(e, BlockStored)]
-    assert stored == hashes and target.kv.snapshots.hashes() == [hashes[-1]]
+    events = [e for e in target.drain_kv_events() if isinstance(e, BlockStored)]
+    stored, states = ([e.block_hash for e in events if e.tier == tier] for tier in (MEMORY, STATE))
+    assert stored == hashes and states == [hashes[-1]] and target.kv.snapshots.hashes() == [hashes[-1]]
     on_target = run(target, [prompt], prefix="target")
     assert on_target[0][0].num_cached_tokens == 12 and target.kv.snapshots.restored == 1
     assert_matches_mlx_lm(model, [prompt, prompt], on_source + on_target)
