@@ -10,6 +10,7 @@
     guard.py          what is refused before a body is read (size, API key)
     backend.py        the `Backend` protocol and `LocalBackend` (one engine in process)
     ray_backend.py    `RayBackend`: route with the coordinator, stream from node actors
+    served_models.py  the models a Ray-backed gateway serves, as local state refreshed behind requests
     resume.py         continuing a stream on another node when its node is lost
     block_pull.py     carrying out a route's migration: the target pulls blocks from the source
     metrics.py        Prometheus metrics measured at the gateway (`orchard_*` and `vllm:*`)

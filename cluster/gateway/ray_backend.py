@@ -14,6 +14,9 @@ after streaming ends with an error instead (`ResumeImpossible`).
 When the route carries a migration plan, the target node first pulls those blocks from
 the source node (`cluster.gateway.block_pull`); any failure there only means the target recomputes.
 
+The served models and their specs are local state (`cluster.gateway.served_models`), refreshed
+behind requests: `route` is the one coordinator call a request waits for.
+
 Everything here is awaited: no `ray.get` runs on the event loop.
 """
 
@@ -34,8 +37,9 @@ from cluster.gateway.backend import ModelInfo, node_entry, summarize_nodes
 from cluster.gateway.block_pull import MigrationOutcome, MigrationPolicy, migration_hashes, pull_for_request
 from cluster.gateway.node_streams import NodeLost, NodeStreams, next_item
 from cluster.gateway.resume import Progress, resume_params, seeded
+from cluster.gateway.served_models import ServedModels
 from cluster.runtime.ray_cluster import node_actor_name
-from kvcache.hashing import block_hashes, root_hash
+from kvcache.hashing import block_hashes
 from node.async_engine import EngineStepFailed
 from node.serving.output_streams import StreamFailed
 from node.serving.stream_delta import Cumulative
@@ -61,10 +65,6 @@ class ResumeImpossible(RuntimeError):
     """A stream lost its node and cannot be resumed elsewhere (retries spent, or n > 1 mid-stream)."""
 
 
-class UnknownModel(LookupError):
-    """No live node serves the requested model."""
-
-
 @dataclass(frozen=True)
 class RayBackendConfig:
     address: str | None = None  # used only when this process is not connected yet; None means "auto"
@@ -80,26 +80,13 @@ class RayBackendConfig:
     specs_refresh_s: float = 1.0
 
 
-@dataclass
-class _ModelSpec:
-    name: str
-    block_size: int
-    root: bytes
-    max_model_len: int
-    vocab_size: int | None
-    model_path: str
-    tokenizer: Any = None
-
-
 class RayBackend:
     def __init__(self, config: RayBackendConfig | None = None):
         self.config = config or RayBackendConfig()
         if not ray.is_initialized():
             ray.init(address=self.config.address or "auto", namespace=self.config.namespace, log_to_driver=False)
         self._coordinator = ray.get_actor(self.config.coordinator_name, namespace=self.config.namespace)
-        self._specs: dict[str, _ModelSpec] = {}  # every model seen, kept for its tokenizer
-        self._served: set[str] = set()  # models with a live node at the last refresh
-        self._specs_at = float("-inf")
+        self._models = ServedModels(self._fetch_specs, self.config.specs_refresh_s, self.config.coordinator_wait_s)
         self._actors: dict[str, Any] = {}
         self._active: dict[str, tuple[str, str]] = {}  # request id -> (node id, id on that node)
         self._awaiting_first_output: set[str] = set()
@@ -110,23 +97,23 @@ class RayBackend:
 
     # ---- Backend protocol ----------------------------------------------------------
     async def models(self) -> list[ModelInfo]:
-        await self._fresh_specs()
-        return [ModelInfo(s.name, s.max_model_len, await self._tokenizer(s), s.vocab_size)
-                for s in self._specs.values() if s.name in self._served]
+        await self._models.fresh()
+        return [ModelInfo(s.name, s.max_model_len, await self._models.tokenizer(s), s.vocab_size)
+                for s in self._models.listed()]
 
     async def ready(self) -> bool:
         if self._closed:
             return False
         try:
-            await self._fresh_specs()
+            await self._models.fresh()
         except rex.RayError:
             return False
-        return bool(self._served)
+        return self._models.ready()
 
     async def generate(
         self, request_id: str, model: str, prompt_token_ids: list[int], params: SamplingParams, session: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        spec = await self._spec(model)
+        spec = await self._models.spec(model)
         params = seeded(params)
         hashes = block_hashes(prompt_token_ids, spec.block_size, spec.root)
         progress = Progress()
@@ -333,48 +320,9 @@ class RayBackend:
             log.warning("could not report node %s lost: %s", node_id, exc)
 
     # ---- models and handles --------------------------------------------------------
-    async def _fresh_specs(self) -> None:
-        """The served models as local state: asked of the coordinator at most once per
-        `specs_refresh_s`, however many requests arrive, so `route` is a request's one call."""
-        if asyncio.get_running_loop().time() - self._specs_at >= self.config.specs_refresh_s:
-            await self._refresh_specs(patient=False)
-
-    async def _refresh_specs(self, patient: bool = True) -> None:
-        """Patient: ride out a coordinator restart (a request waiting for its model); else one call."""
-        served = await (self._ask("model_specs") if patient else self._coordinator.model_specs.remote())
-        self._served, self._specs_at = set(served), asyncio.get_running_loop().time()
-        for name, info in served.items():
-            if name in self._specs:
-                continue
-            self._specs[name] = _ModelSpec(
-                name=name,
-                block_size=info["block_size"],
-                root=root_hash(info["fingerprint"], info.get("cache_salt")),
-                max_model_len=info["max_model_len"],
-                vocab_size=info.get("vocab_size") or None,
-                model_path=info["model_path"],
-            )
-
-    async def _spec(self, model: str) -> _ModelSpec:
-        deadline = asyncio.get_running_loop().time() + self.config.coordinator_wait_s
-        while model not in self._specs:
-            await self._refresh_specs()
-            if model in self._specs:
-                break
-            if asyncio.get_running_loop().time() >= deadline:
-                raise UnknownModel(f"no node serves model {model!r}")
-            await asyncio.sleep(_RETRY_S)
-        spec = self._specs[model]
-        if spec.tokenizer is None:
-            await self._tokenizer(spec)
-        return spec
-
-    async def _tokenizer(self, spec: _ModelSpec):
-        if spec.tokenizer is None:
-            from mlx_lm.utils import load_tokenizer
-
-            spec.tokenizer = await asyncio.to_thread(load_tokenizer, spec.model_path)
-        return spec.tokenizer
+    def _fetch_specs(self, patient: bool):
+        """The coordinator's `model_specs` (cluster.gateway.served_models); patient rides out its restart."""
+        return self._ask("model_specs") if patient else self._coordinator.model_specs.remote()
 
     async def _actor(self, node_id: str):
         if node_id not in self._actors:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -161,6 +162,48 @@ def test_route_is_the_one_coordinator_call_a_request_waits_for(cluster):
     # prefill_done is not awaited; node_status is asked only while a stream is silent past stall_check_s.
     awaited = [m for m in backend._coordinator.calls if m not in ("prefill_done", "node_status")]
     assert awaited == ["route"] * 5, backend._coordinator.calls
+
+
+class SlowModelSpecs(CountingCoordinator):
+    """The coordinator handle whose `model_specs` answers only after `delay` seconds."""
+
+    def __init__(self, handle, delay: float):
+        super().__init__(handle)
+        self.delay = delay
+
+    def __getattr__(self, method):
+        real = super().__getattr__(method)
+        if method != "model_specs":
+            return real
+        delay = self.delay
+
+        async def answer():
+            await asyncio.sleep(delay)
+            return await real.remote()
+
+        return SimpleNamespace(remote=answer)
+
+
+def test_a_stale_model_list_is_refreshed_behind_requests_not_before_them(cluster):
+    from cluster.gateway.state import Gateway, GatewayConfig
+
+    backend = RayBackend(RayBackendConfig(specs_refresh_s=0.0))  # stale at every request
+    gateway = Gateway(backend, GatewayConfig())
+    asyncio.run(gateway.model(MODEL))  # the first list (and the tokenizer) is waited for
+    backend._coordinator = SlowModelSpecs(backend._coordinator, delay=5.0)
+
+    async def requests(count: int) -> list[float]:
+        took = []
+        for i in range(count):
+            start = time.monotonic()
+            await gateway.model(MODEL)
+            await collect(backend, f"stale-list-{i}", prompt(3500 + i, 20), GREEDY)
+            took.append(time.monotonic() - start)
+        return took
+
+    took = asyncio.run(requests(3))
+    assert "model_specs" in backend._coordinator.calls  # a refresh was started...
+    assert max(took) < 5.0, took  # ...and no request waited for it
 
 
 def test_a_scrape_right_after_a_request_counts_it_on_the_node_that_served_it(cluster):
