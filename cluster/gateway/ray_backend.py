@@ -23,6 +23,7 @@ Everything here is awaited: no `ray.get` runs on the event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -130,12 +131,14 @@ class RayBackend:
                 node_id = decision.node_id
                 if decision.migration is not None:
                     await self._migrate(decision, attempt_hashes)
-                try:
-                    async for out in self._attempt(node_id, request_id, len(lost), attempt_prompt, params, progress):
-                        self._awaiting_first_output.discard(request_id)
-                        yield self._rebase(out, request_id, prompt_token_ids, progress, spec)
-                        if out.finished:
-                            return
+                try:  # closed here, not when collected: a client that leaves is aborted on its node at once
+                    async with contextlib.aclosing(self._attempt(node_id, request_id, len(lost), attempt_prompt, params,
+                                                                 progress)) as outputs:
+                        async for out in outputs:
+                            self._awaiting_first_output.discard(request_id)
+                            yield self._rebase(out, request_id, prompt_token_ids, progress, spec)
+                            if out.finished:
+                                return
                     return
                 except NodeLost as exc:
                     await self._lose(node_id, str(exc))
@@ -202,11 +205,11 @@ class RayBackend:
                 if isinstance(item, StreamFailed):
                     raise EngineStepFailed(item.message)
                 out = replace(cumulative(item), node_id=node_id)
-                if not prefilled:
-                    prefilled = True
-                    self._coordinator.prefill_done.remote(node_id, request_id)  # no need to wait
                 finished = out.finished
                 yield out
+                if not prefilled:  # told once the first output is on its way to the client, not before
+                    prefilled = True
+                    self._coordinator.prefill_done.remote(node_id, request_id)  # no need to wait
         finally:
             self._streams.close(node_id, attempt_id)
             if not prefilled:

@@ -206,6 +206,52 @@ def test_a_stale_model_list_is_refreshed_behind_requests_not_before_them(cluster
     assert max(took) < 5.0, took  # ...and no request waited for it
 
 
+def pending_prefills() -> int:
+    """Routed requests the coordinator still counts as prefilling, over every node."""
+    return ray.get(coordinator().__ray_call__.remote(
+        lambda c: sum(n.pending_requests for n in c.membership.nodes())))
+
+
+class ReportsSeen(CountingCoordinator):
+    """The coordinator handle with the request ids of every `prefill_done` sent through it."""
+
+    def __init__(self, handle):
+        super().__init__(handle)
+        self.reported: list[str] = []
+
+    def __getattr__(self, method):
+        real = super().__getattr__(method)
+        if method != "prefill_done":
+            return real
+
+        def remote(node_id, request_id):
+            self.reported.append(request_id)
+            return real.remote(node_id, request_id)
+
+        return SimpleNamespace(remote=remote)
+
+
+def test_a_request_is_reported_prefilled_after_its_first_output_however_it_ends(cluster):
+    backend = RayBackend()
+    backend._coordinator = seen = ReportsSeen(backend._coordinator)
+
+    async def requests():
+        await collect(backend, "read-to-the-end", prompt(3600, 20), GREEDY)
+        await collect(backend, "one-token", prompt(3601, 20), SamplingParams(max_tokens=1, temperature=0.0))
+        stream = backend.generate("left-after-one", MODEL, prompt(3602, 20), GREEDY)
+        async for _ in stream:
+            assert "left-after-one" not in seen.reported  # the first token reaches the client first
+            break  # the client went away after its first token
+        await stream.aclose()
+        assert "left-after-one" in seen.reported
+
+    asyncio.run(requests())
+    deadline = time.monotonic() + 10.0
+    while pending_prefills() and time.monotonic() < deadline:
+        time.sleep(0.05)  # the reports are not waited for by the gateway
+    assert pending_prefills() == 0
+
+
 def test_a_scrape_right_after_a_request_counts_it_on_the_node_that_served_it(cluster):
     from cluster.gateway.metrics import GatewayMetrics
 
