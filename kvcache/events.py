@@ -30,6 +30,12 @@ class BlockStored:
     token_ids: tuple[int, ...]
     tier: str = MEMORY
 
+    @classmethod
+    def state(cls, seq: int, block_hash: BlockHash) -> BlockStored:
+        """The recurrent state after this block became available (a hybrid model's snapshot): the
+        block's event in the STATE tier, which holds no tokens of its own."""
+        return cls(seq, block_hash, None, (), STATE)
+
 
 @dataclass(frozen=True)
 class BlockRemoved:
@@ -76,9 +82,8 @@ class EventLog:
         self.next_seq += 1
 
     def state_stored(self, block_hash: BlockHash) -> None:
-        """The recurrent state after this block became available (a hybrid model's snapshot): the
-        block's event in the STATE tier, which holds no tokens of its own."""
-        self.stored(block_hash, None, (), STATE)
+        self._pending.append(BlockStored.state(self.next_seq, block_hash))
+        self.next_seq += 1
 
     def state_removed(self, block_hash: BlockHash) -> None:
         self.removed(block_hash, STATE)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from kvcache.cold_states import ColdStates
 from kvcache.errors import IncompatibleKVPayload, OutOfStateSlots
-from kvcache.events import STATE, BlockStored, EventLog
+from kvcache.events import BlockStored, EventLog
 from kvcache.geometry import StateGeometry
 from kvcache.hashing import BlockHash, block_hashes
 from kvcache.state_snapshots import StateSnapshots
@@ -141,7 +141,7 @@ class HybridStates:
 
     def held_events(self, seq: int) -> list[BlockStored]:
         """The blocks a resume can use here, as STATE-tier events at `seq` (the cache's snapshot of itself)."""
-        return [BlockStored(seq, h, None, (), STATE) for h in self._announced]
+        return [BlockStored.state(seq, h) for h in self._announced]
 
     # ----------------------------------------------------------------- blocks leaving or coming back
 

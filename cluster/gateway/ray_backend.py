@@ -38,7 +38,7 @@ from cluster.gateway.backend import ModelInfo, node_entry, summarize_nodes
 from cluster.gateway.block_pull import MigrationOutcome, MigrationPolicy, migration_hashes, pull_for_request
 from cluster.gateway.node_streams import NodeLost, NodeStreams, next_item
 from cluster.gateway.resume import Progress, resume_params, seeded
-from cluster.gateway.served_models import ServedModels
+from cluster.gateway.served_models import RETRY_S, ServedModels
 from cluster.runtime.ray_cluster import node_actor_name
 from kvcache.hashing import block_hashes
 from node.async_engine import EngineStepFailed
@@ -48,7 +48,6 @@ from node.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
-_RETRY_S = 0.25
 #: How long a scrape waits for a node's fresh counters before using its last heartbeat's.
 NODE_STATS_TIMEOUT_S = 1.0
 
@@ -267,7 +266,7 @@ class RayBackend:
             except (rex.RayActorError, NoNodeAvailable):
                 if loop.time() >= deadline:
                     raise
-                await asyncio.sleep(_RETRY_S)
+                await asyncio.sleep(RETRY_S)
 
     async def _node_is_dead(self, node_id: str) -> bool:
         try:

@@ -23,7 +23,7 @@ from kvcache.hashing import root_hash
 
 log = logging.getLogger(__name__)
 
-#: Between patient asks for a model no node serves yet.
+#: Between patient asks of the coordinator (a model no node serves yet, a coordinator restarting).
 RETRY_S = 0.25
 
 

@@ -26,5 +26,12 @@ def test_samples_alternate_which_function_goes_first_and_each_gets_its_own_media
     assert sampled.count("a") == sampled.count("b") == 2 * 4
 
 
-def test_one_function_is_timed_as_before():
-    assert seconds_per_call(lambda: mx.ones((4,)) + 1, iters=3, repeats=3) > 0
+def test_one_function_is_timed_iters_calls_a_sample_after_one_warm_call():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        return mx.ones((4,)) + len(calls)
+
+    assert seconds_per_call(fn, iters=3, repeats=5) > 0
+    assert len(calls) == 1 + 3 * 5

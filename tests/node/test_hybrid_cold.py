@@ -84,7 +84,7 @@ def test_the_states_a_resume_can_use_are_announced_while_held(hybrid, tmp_path):
     run(engine, prompts(vocab, [36], offset=40), prefix="b")  # spills `first` with its snapshot
     assert boundary in engine.kv.cold_states and boundary not in engine.kv.snapshots
     assert boundary not in {e.block_hash for e in engine.kv.drain_events() if isinstance(e, BlockRemoved) and e.tier == STATE}
-    assert BlockStored(engine.kv.events.next_seq, boundary, None, (), STATE) in engine.kv.snapshot()
+    assert BlockStored.state(engine.kv.events.next_seq, boundary) in engine.kv.snapshot()
     engine.kv.close()
     restarted = cold_engine(folder, tmp_path / "cold")
     assert boundary in {e.block_hash for e in restarted.kv.drain_events() if isinstance(e, BlockStored) and e.tier == STATE}
