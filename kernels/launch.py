@@ -41,6 +41,11 @@ class KernelTuning:
     max_per_lane: int = 8  # elements of a row per lane: more means fewer shuffles, more registers
     tensor_cores: bool = True  # CUDA, half pools: the MMA loop (kernels/mma_decode_source.py) where it applies
     pipelined: bool = True  # the MMA loop loads the next tile's K and V while this one computes
+    register_blocks: int | None = None  # MMA loop: registers for this many threadgroups an SM (None: the compiler's)
+    max_resident: int | None = None  # MMA loop: at most this many threadgroups an SM at once (None: no cap)
+
+    def residency(self) -> mma_decode_source.Residency:
+        return mma_decode_source.Residency(self.threads, self.register_blocks, self.max_resident)
 
 
 @dataclass(frozen=True)
@@ -122,13 +127,15 @@ class PagedDecodeKernels:
         self.tuning = tuning
 
     @cache  # noqa: B019 -- one instance per dialect lives as long as the process
-    def _decode_kernel(self, partitioned: bool, tensor_cores: bool = False, pipelined: bool = False):
+    def _decode_kernel(self, partitioned: bool, tensor_cores: bool = False, pipelined: bool = False,
+                       residency: mma_decode_source.Residency | None = None):
         if tensor_cores:
-            header, body = mma_decode_source.render(partitioned, pipelined)
+            residency = residency or mma_decode_source.Residency()
+            header, body = mma_decode_source.render(partitioned, pipelined, residency)
         else:
             header, body = source.render_decode(self.dialect, partitioned)
         outputs = source.PARTITION_OUTPUTS if partitioned else source.SINGLE_OUTPUTS
-        mode = ("_mma_pipelined" if pipelined else "_mma") if tensor_cores else ""
+        mode = ("_mma_pipelined" if pipelined else "_mma") + residency.suffix if tensor_cores else ""
         name = "orchard_paged_decode" + mode + ("_split" if partitioned else "")
         return self.compile_kernel(name, source.DECODE_INPUTS, outputs, header, body)
 
@@ -175,7 +182,8 @@ class PagedDecodeKernels:
         ]
         grid = (plan.num_partitions * tuning.threads, num_kv_heads * (num_heads // num_kv_heads // plan.heads_per_tile), num_seqs)
         tensor_cores = self.uses_tensor_cores(plan, tuning, num_heads, num_kv_heads, head_dim, key_cache.dtype)
-        kernel = self._decode_kernel(plan.partitioned, tensor_cores, tensor_cores and tuning.pipelined)
+        kernel = self._decode_kernel(plan.partitioned, tensor_cores, tensor_cores and tuning.pipelined,
+                                     tuning.residency() if tensor_cores else None)
         if not plan.partitioned:
             (out,) = kernel(
                 inputs=inputs, template=template, grid=grid, threadgroup=(tuning.threads, 1, 1),

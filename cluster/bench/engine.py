@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-budget-mb", type=float, default=256.0, help="KV budget of the capacity scenario")
     ap.add_argument("--kv-memory-gb", type=float, default=4.0, help="KV pool of the throughput scenarios")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine token budget per step (default: the device's)")
+    ap.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)")
     ap.add_argument("--no-async-scheduling", action="store_true", help="step by step: no overlap of host work with the device")
     ap.add_argument("--compiled-decode", default="auto", choices=("auto", "on", "off"),
                     help="decode-only steps from compiled graphs (auto: where attention runs a compiled kernel)")
@@ -260,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def engine(**kw) -> LLMEngine:
         budget = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
+        budget |= {"block_size": args.block_size} if args.block_size else {}
         overlap = not args.no_async_scheduling
         compiled = {"on": True, "off": False}.get(args.compiled_decode)
         config = {"max_num_seqs": args.num_requests, "async_scheduling": overlap, "compiled_decode": compiled, **budget, **kw}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import mma_source, source
+from kernels import launch, mma_decode_source, mma_source, source
 
 nvidia = pytest.importorskip("nvidia", reason="the NVIDIA compiler packages of the test extra are not installed")
 ROOTS = [Path(p) for p in nvidia.__path__]
@@ -137,3 +137,40 @@ def test_decode_kernel_keeps_its_rows_in_registers_unless_the_layer_soft_caps(tm
     assert done.returncode == 0, done.stderr
     frames = [int(n) for n in re.findall(r"(\d+) bytes stack frame", done.stderr)]
     assert frames and (max(frames) == 0) == (softcap == 0), done.stderr
+
+
+def mlx_kernel_text(header: str, body: str, names: list, template: dict, dtype: str) -> str:
+    """The kernel as MLX's `cuda_kernel` declares it: the header, then a plain `__global__` function
+    whose template constants are `constexpr` locals (mlx/backend/cuda/custom_kernel.cpp)."""
+    t = CUDA_TYPES[dtype]
+    params = ", ".join(f"{POINTERS[n].replace('T*', t + '*')} {n}" for n in names)
+    constants = "".join(f"  constexpr int {k} = {v};\n" for k, v in template.items())
+    return (f"#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n{header}\nnamespace mlx::core::cu {{\n"
+            f"__global__ void orchard_kernel({params}) {{\n  using T = {t};\n{constants}\n{body}\n}}\n}}\n")
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
+@pytest.mark.parametrize("register_blocks,max_resident", [(None, None), (8, None), (None, 4), (8, 5)])
+def test_the_tensor_core_decode_loops_residency_reaches_the_compiled_kernel(tmp_path, split, register_blocks, max_resident):
+    """KernelTuning's register bound and residency cap are in the kernel text ptxas compiles: the bound caps
+    registers so `register_blocks` 64-thread threadgroups fit an SM's 64K, the cap declares shared memory of
+    which an H200's 228 KiB hold `max_resident` threadgroups and no more."""
+    tuning = launch.KernelTuning(register_blocks=register_blocks, max_resident=max_resident)
+    header, body = mma_decode_source.render(split, True, tuning.residency())
+    names = source.DECODE_INPUTS + (source.PARTITION_OUTPUTS if split else source.SINGLE_OUTPUTS)
+    template = {**DECODE_TEMPLATE, "NUM_THREADS": 64, "SOFTCAP": 0, "WINDOWED": 0, "SINKS": 0}
+    (tmp_path / "k.ptx").write_text(nvrtc_ptx(mlx_kernel_text(header, body, names, template, "float16")))
+    done = subprocess.run([str(PTXAS), "-arch=sm_90", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    registers = int(re.search(r"Used (\d+) registers", done.stderr).group(1))
+    shared = int(re.search(r"(\d+) bytes smem", done.stderr).group(1))
+    if register_blocks is None:
+        assert registers > 65536 // (8 * 64), done.stderr  # unbounded, the loop takes more: the bound is what moves it
+    else:
+        assert registers * 64 * register_blocks <= 65536, done.stderr
+    if max_resident is None:
+        assert shared == mma_decode_source.LOOP_SHARED_BYTES, done.stderr
+    else:
+        per_group = shared + mma_decode_source.RESERVED_SHARED_BYTES
+        assert mma_decode_source.SM_SHARED_BYTES // per_group == max_resident, done.stderr
