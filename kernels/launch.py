@@ -34,18 +34,19 @@ class KernelTuning:
 
     threads: int = 64
     unroll: int = 4
-    partition_size: int = 4096  # tokens per threadgroup for long contexts
+    partition_size: int = 8192  # tokens per threadgroup for long contexts
     min_partition_size: int = 256  # short batches split down to this to fill the GPU
     target_threadgroups: int = 512  # below this many, partitions shrink (B=64, T=512 measured faster unsplit)
     reduce_threads: int = 128
     max_per_lane: int = 8  # elements of a row per lane: more means fewer shuffles, more registers
     tensor_cores: bool = True  # CUDA, half pools: the MMA loop (kernels/mma_decode_source.py) where it applies
     pipelined: bool = True  # the MMA loop loads the next tile's K and V while this one computes
-    register_blocks: int | None = None  # MMA loop: registers for this many threadgroups an SM (None: the compiler's)
-    max_resident: int | None = None  # MMA loop: at most this many threadgroups an SM at once (None: no cap)
+    # MMA loop, single-pass launches (one partition): registers bounded so this many threadgroups fit an SM
+    # (None: the compiler's choice). Split launches stay unbounded: there the bound measured slower.
+    single_pass_register_blocks: int | None = 8
 
-    def residency(self) -> mma_decode_source.Residency:
-        return mma_decode_source.Residency(self.threads, self.register_blocks, self.max_resident)
+    def register_blocks(self, partitioned: bool) -> int | None:
+        return None if partitioned else self.single_pass_register_blocks
 
 
 @dataclass(frozen=True)
@@ -128,14 +129,16 @@ class PagedDecodeKernels:
 
     @cache  # noqa: B019 -- one instance per dialect lives as long as the process
     def _decode_kernel(self, partitioned: bool, tensor_cores: bool = False, pipelined: bool = False,
-                       residency: mma_decode_source.Residency | None = None):
+                       threads: int = 64, register_blocks: int | None = None):
         if tensor_cores:
-            residency = residency or mma_decode_source.Residency()
-            header, body = mma_decode_source.render(partitioned, pipelined, residency)
+            bound = mma_decode_source.register_bound(threads, register_blocks)
+            header, body = mma_decode_source.render(partitioned, pipelined, bound)
         else:
             header, body = source.render_decode(self.dialect, partitioned)
         outputs = source.PARTITION_OUTPUTS if partitioned else source.SINGLE_OUTPUTS
-        mode = ("_mma_pipelined" if pipelined else "_mma") + residency.suffix if tensor_cores else ""
+        # MLX caches a kernel by its name and template, not its text: a bound kernel needs a name of its own
+        bounded = f"_regs{threads}x{register_blocks}" if register_blocks else ""
+        mode = ("_mma_pipelined" if pipelined else "_mma") + bounded if tensor_cores else ""
         name = "orchard_paged_decode" + mode + ("_split" if partitioned else "")
         return self.compile_kernel(name, source.DECODE_INPUTS, outputs, header, body)
 
@@ -182,8 +185,8 @@ class PagedDecodeKernels:
         ]
         grid = (plan.num_partitions * tuning.threads, num_kv_heads * (num_heads // num_kv_heads // plan.heads_per_tile), num_seqs)
         tensor_cores = self.uses_tensor_cores(plan, tuning, num_heads, num_kv_heads, head_dim, key_cache.dtype)
-        kernel = self._decode_kernel(plan.partitioned, tensor_cores, tensor_cores and tuning.pipelined,
-                                     tuning.residency() if tensor_cores else None)
+        kernel = self._decode_kernel(plan.partitioned, tensor_cores, tensor_cores and tuning.pipelined, tuning.threads,
+                                     tuning.register_blocks(plan.partitioned) if tensor_cores else None)
         if not plan.partitioned:
             (out,) = kernel(
                 inputs=inputs, template=template, grid=grid, threadgroup=(tuning.threads, 1, 1),

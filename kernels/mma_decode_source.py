@@ -35,10 +35,7 @@ loop.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from kernels import mma_source, source
-from kernels.errors import UnsupportedAttentionShape
 
 #: most query heads one KV head's group may have here: the columns of one O^T MMA tile
 MAX_GROUP = 8
@@ -281,55 +278,21 @@ def supports(head_dim: int, group: int, heads_per_tile: int, itemsize: int) -> b
     return itemsize == 2 and head_dim in (64, 128) and heads_per_tile == group <= MAX_GROUP
 
 
-#: shared memory an H100 / H200 multiprocessor gives its threadgroups, and what it keeps back for each one
-SM_SHARED_BYTES = 228 * 1024
-RESERVED_SHARED_BYTES = 1024
-#: static shared memory one threadgroup may declare
-MAX_STATIC_SHARED = 48 * 1024
-#: what the loop itself declares (SHARED_STATES' partial outputs of two warps, as ptxas reports)
-LOOP_SHARED_BYTES = 4160
+def register_bound(threads: int, blocks: int | None) -> str:
+    """Header lines that bound the kernel's registers so `blocks` threadgroups of `threads` fit an SM
+    (`__launch_bounds__`); "" for the compiler's own choice. MLX declares the kernel itself, right after
+    the header, so the bound goes in by redefining `__global__` there. Unbounded, the loop takes 180
+    registers (five 64-thread threadgroups an SM); bounded for eight it takes 128 and spills 76 bytes,
+    and on the H200 a single-pass launch ran 10-19 % faster so, a split one 12-19 % slower
+    (docs/benchmarks.md, "Register bounds and a residency cap")."""
+    if not blocks:
+        return ""
+    return f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({threads}, {blocks})\n"
 
 
-@dataclass(frozen=True)
-class Residency:
-    """How many threadgroups of this loop an SM holds, set from the kernel text (CUDA only).
-
-    `register_blocks`: the compiler keeps registers for this many 64-thread threadgroups a
-    multiprocessor (`__launch_bounds__`' minimum blocks; the loop otherwise takes 180 registers,
-    five threadgroups). `max_resident`: at most this many reside at once, by declaring shared
-    memory that only a larger share would leave room for. MLX declares the kernel itself, so the
-    bound goes in by redefining `__global__` in the kernel's own header, which precedes it.
-    """
-
-    threads: int = 64
-    register_blocks: int | None = None
-    max_resident: int | None = None
-
-    @property
-    def suffix(self) -> str:
-        """Part of the compiled kernel's name: MLX caches a kernel by its name and template, not its text."""
-        return (f"_regs{self.register_blocks}" if self.register_blocks else "") + (f"_cap{self.max_resident}" if self.max_resident else "")
-
-    def header(self) -> str:
-        if not self.register_blocks:
-            return ""
-        return (f"#undef __global__\n"
-                f"#define __global__ __location__(global) __launch_bounds__({self.threads}, {self.register_blocks})\n")
-
-    def reservation(self) -> str:
-        """Shared memory (never read; `volatile` keeps the compiler from dropping it) that caps residency."""
-        if not self.max_resident:
-            return ""
-        share = min(SM_SHARED_BYTES // self.max_resident - RESERVED_SHARED_BYTES, MAX_STATIC_SHARED)
-        if share <= LOOP_SHARED_BYTES or SM_SHARED_BYTES // (share + RESERVED_SHARED_BYTES) != self.max_resident:
-            raise UnsupportedAttentionShape(f"no shared-memory share caps residency at {self.max_resident} threadgroups")
-        words = (share - LOOP_SHARED_BYTES) // 4
-        return (f"  volatile __shared__ float residency_cap[{words}];\n"
-                "  if (dims[0] < 0) {\n    residency_cap[threadIdx.x] = 0.0f;\n  }\n")
-
-
-def render(partitioned: bool, pipelined: bool, residency: Residency = Residency()) -> tuple[str, str]:
-    """(header, body) of the tensor-core decode kernel, CUDA only; partition states as the SIMT kernel's."""
+def render(partitioned: bool, pipelined: bool, bound: str = "") -> tuple[str, str]:
+    """(header, body) of the tensor-core decode kernel, CUDA only; partition states as the SIMT kernel's.
+    `bound`: `register_bound`'s lines, or none."""
     body = source.DECODE_SETUP + decode_loop(pipelined) + SHARED_STATES + source.DECODE_MERGE
     _, body = source.render_decode("cuda", partitioned, body)
-    return residency.header() + MMA_DECODE_HEADER, residency.reservation() + body
+    return bound + MMA_DECODE_HEADER, body

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from kernels import launch, mma_decode_source, source
-from kernels.errors import UnsupportedAttentionShape
 from tests.kernels import emulator
 from tests.kernels.paged_case import PLAIN, Rules, assert_close, make_paged_case, oracle_decode, random_stored, to_float64
 
@@ -111,15 +110,13 @@ def test_cuda_launches_the_tensor_core_loop_only_where_it_applies(group, head_di
     assert not kernels["cuda"].uses_tensor_cores(plan, off, 8 * group, 8, head_dim, dtype)
 
 
-def test_each_residency_compiles_under_its_own_name_and_an_unreachable_cap_is_refused():
-    """MLX caches a custom kernel by its name and template, not its text: two residencies under one name
-    would run whichever compiled first."""
+def test_a_register_bound_kernel_compiles_under_its_own_name():
+    """MLX caches a custom kernel by its name and template, not its text: a bound and an unbound loop
+    under one name would run whichever compiled first."""
     compiled = []
     kernels = launch.PagedDecodeKernels("cuda", lambda name, *_: compiled.append(name) or name)
-    for tuning in (launch.KernelTuning(register_blocks=None, max_resident=None), launch.KernelTuning(register_blocks=8, max_resident=None),
-                   launch.KernelTuning(register_blocks=8, max_resident=4)):
-        kernels._decode_kernel(True, True, True, tuning.residency())
+    for blocks in (None, 8, 6):
+        kernels._decode_kernel(False, True, True, 64, blocks)
     assert len(set(compiled)) == 3, compiled
-    with pytest.raises(UnsupportedAttentionShape, match="caps residency at 3"):
-        mma_decode_source.Residency(64, 8, 3).reservation()  # 48 KiB of static shared memory leaves room for 4
-    assert mma_decode_source.Residency().header() == "" and mma_decode_source.Residency().reservation() == ""
+    assert mma_decode_source.register_bound(64, None) == ""
+    assert "__launch_bounds__(64, 8)" in mma_decode_source.render(False, True, mma_decode_source.register_bound(64, 8))[0]
