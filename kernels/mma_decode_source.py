@@ -283,8 +283,8 @@ def register_bound(threads: int, blocks: int | None) -> str:
     (`__launch_bounds__`); "" for the compiler's own choice. MLX declares the kernel itself, right after
     the header, so the bound goes in by redefining `__global__` there. Unbounded, the loop takes 180
     registers (five 64-thread threadgroups an SM); bounded for eight it takes 128 and spills 76 bytes,
-    and on the H200 a single-pass launch ran 10-19 % faster so, a split one 12-19 % slower
-    (docs/benchmarks.md, "Register bounds and a residency cap")."""
+    and on the H200 a single-pass launch took 7-18 % less time so, a split one 10-17 % more
+    (docs/benchmarks.md, "Register bounds, residency and block sizes")."""
     if not blocks:
         return ""
     return f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({threads}, {blocks})\n"

@@ -150,15 +150,16 @@ def test_route_is_the_one_coordinator_call_a_request_waits_for(cluster):
     backend = RayBackend(RayBackendConfig(specs_refresh_s=60.0))
     gateway = Gateway(backend, GatewayConfig())
 
-    async def requests(count: int):
-        for i in range(count):
+    async def requests(first: int, count: int):
+        for i in range(first, first + count):
             info = await gateway.model(MODEL)  # what every API route does first
-            await collect(backend, f"one-call-{i}", prompt(3000 + i, 20), GREEDY)
+            # prompts no node holds (prompt() repeats every 2,000): a prefix held elsewhere may be routed with a pull
+            await collect(backend, f"one-call-{i}", prompt(3700 + i, 20), GREEDY)
         return info
 
-    assert asyncio.run(requests(1)).name == MODEL  # warm: specs and tokenizer fetched once
+    assert asyncio.run(requests(0, 1)).name == MODEL  # warm: specs and tokenizer fetched once
     backend._coordinator = CountingCoordinator(backend._coordinator)
-    asyncio.run(requests(5))
+    asyncio.run(requests(1, 5))
     # prefill_done is not awaited; node_status is asked only while a stream is silent past stall_check_s.
     awaited = [m for m in backend._coordinator.calls if m not in ("prefill_done", "node_status")]
     assert awaited == ["route"] * 5, backend._coordinator.calls
