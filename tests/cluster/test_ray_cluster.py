@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from types import SimpleNamespace
 
@@ -343,10 +344,21 @@ def test_requests_survive_a_node_actor_crash(cluster):
 def test_requests_survive_a_raylet_being_killed(cluster):
     local, nodes = cluster
     raylet = next(n for n in local.worker_nodes if n.node_id == nodes["w2"])
-    # A killed raylet's workers notice only after a moment (longer on a loaded machine: with 64 tokens a
-    # full suite run once saw no request resumed mid-stream), so streams must outlast that.
+    # A killed raylet's workers notice only after a moment, on a loaded machine long enough for every stream to
+    # finish (two full suite runs saw no request resumed mid-stream): the node actor's process goes with its
+    # raylet, as both do when a machine leaves, and streams are long enough to be cut.
+    actor = ray.get_actor(node_actor_name("w2"), namespace="orchard")
+    pid = ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()))
+
+    def machine_gone():
+        local.kill_node(raylet)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # it went with its raylet
+            pass
+
     longer = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
-    reference, faulted, fired = _fault_run(lambda: local.kill_node(raylet), "w2", longer)
+    reference, faulted, fired = _fault_run(machine_gone, "w2", longer)
     assert fired
     assert faulted == reference
     status = {n["node_id"]: n["status"] for n in ray.get(coordinator().nodes.remote())}
