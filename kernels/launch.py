@@ -131,8 +131,7 @@ class PagedDecodeKernels:
     def _decode_kernel(self, partitioned: bool, tensor_cores: bool = False, pipelined: bool = False,
                        threads: int = 64, register_blocks: int | None = None):
         if tensor_cores:
-            bound = mma_decode_source.register_bound(threads, register_blocks)
-            header, body = mma_decode_source.render(partitioned, pipelined, bound)
+            header, body = mma_decode_source.render(partitioned, pipelined, threads, register_blocks)
         else:
             header, body = source.render_decode(self.dialect, partitioned)
         outputs = source.PARTITION_OUTPUTS if partitioned else source.SINGLE_OUTPUTS

@@ -290,9 +290,9 @@ def register_bound(threads: int, blocks: int | None) -> str:
     return f"#undef __global__\n#define __global__ __location__(global) __launch_bounds__({threads}, {blocks})\n"
 
 
-def render(partitioned: bool, pipelined: bool, bound: str = "") -> tuple[str, str]:
-    """(header, body) of the tensor-core decode kernel, CUDA only; partition states as the SIMT kernel's.
-    `bound`: `register_bound`'s lines, or none."""
+def render(partitioned: bool, pipelined: bool, threads: int = 64, register_blocks: int | None = None) -> tuple[str, str]:
+    """(header, body) of the tensor-core decode kernel, CUDA only; partition states as the SIMT kernel's;
+    registers bounded for `register_blocks` threadgroups of `threads` an SM when given (`register_bound`)."""
     body = source.DECODE_SETUP + decode_loop(pipelined) + SHARED_STATES + source.DECODE_MERGE
     _, body = source.render_decode("cuda", partitioned, body)
-    return bound + MMA_DECODE_HEADER, body
+    return register_bound(threads, register_blocks) + MMA_DECODE_HEADER, body

@@ -260,11 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     vocab = loaded.vocab_size
 
     def engine(**kw) -> LLMEngine:
-        budget = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
-        budget |= {"block_size": args.block_size} if args.block_size else {}
+        flags = {"max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size}
+        overrides = {key: value for key, value in flags.items() if value}  # unset: the engine's own default
         overlap = not args.no_async_scheduling
         compiled = {"on": True, "off": False}.get(args.compiled_decode)
-        config = {"max_num_seqs": args.num_requests, "async_scheduling": overlap, "compiled_decode": compiled, **budget, **kw}
+        config = {"max_num_seqs": args.num_requests, "async_scheduling": overlap, "compiled_decode": compiled, **overrides, **kw}
         eng = LLMEngine(EngineConfig(**config), loaded=loaded)
         eng.warm_up()  # as a serving node does before its first request
         return eng

@@ -90,14 +90,13 @@ POINTERS = {"queries": "const T*", "key_cache": "const T*", "value_cache": "cons
 
 
 def named_kernel_text(header: str, body: str, names: list, template: dict, dtype: str) -> str:
-    """A kernel whose parameters are the named inputs and outputs, as MLX declares them for `cuda_kernel`."""
+    """The kernel as MLX's `cuda_kernel` declares it: the header, then a plain `__global__` function of the
+    named inputs and outputs whose template constants are `constexpr` locals (mlx/backend/cuda/custom_kernel.cpp)."""
     t = CUDA_TYPES[dtype]
-    params = ", ".join(f"{POINTERS[n]} {n}" for n in names)
-    declared = ", ".join(["typename T", *(f"int {k}" for k in template)])
-    args = params.replace("const T*", f"const {t}*").replace("T* ", f"{t}* ")
-    return (f"#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n{header}\n"
-            f"template <{declared}>\n__global__ void orchard_kernel({params}) {{\n{body}\n}}\n"
-            f"template __global__ void orchard_kernel<{t}, {', '.join(map(str, template.values()))}>({args});\n")
+    params = ", ".join(f"{POINTERS[n].replace('T*', t + '*')} {n}" for n in names)
+    constants = "".join(f"  constexpr int {k} = {v};\n" for k, v in template.items())
+    return (f"#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n{header}\nnamespace mlx::core::cu {{\n"
+            f"__global__ void orchard_kernel({params}) {{\n  using T = {t};\n{constants}\n{body}\n}}\n}}\n")
 
 
 DECODE_TEMPLATE = dict(HEAD_DIM=128, BLOCK_SIZE=16, NUM_KV_HEADS=8, GROUP=4, HEADS_PER_TILE=4, LANES=16, NUM_THREADS=128, UNROLL=4,
@@ -139,15 +138,6 @@ def test_decode_kernel_keeps_its_rows_in_registers_unless_the_layer_soft_caps(tm
     assert frames and (max(frames) == 0) == (softcap == 0), done.stderr
 
 
-def mlx_kernel_text(header: str, body: str, names: list, template: dict, dtype: str) -> str:
-    """The kernel as MLX's `cuda_kernel` declares it: the header, then a plain `__global__` function
-    whose template constants are `constexpr` locals (mlx/backend/cuda/custom_kernel.cpp)."""
-    t = CUDA_TYPES[dtype]
-    params = ", ".join(f"{POINTERS[n].replace('T*', t + '*')} {n}" for n in names)
-    constants = "".join(f"  constexpr int {k} = {v};\n" for k, v in template.items())
-    return (f"#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n{header}\nnamespace mlx::core::cu {{\n"
-            f"__global__ void orchard_kernel({params}) {{\n  using T = {t};\n{constants}\n{body}\n}}\n}}\n")
-
 
 @pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
 def test_the_tensor_core_decode_loops_register_bound_reaches_the_compiled_kernel(tmp_path, split):
@@ -157,10 +147,10 @@ def test_the_tensor_core_decode_loops_register_bound_reaches_the_compiled_kernel
     tuning = launch.KernelTuning()
     blocks = tuning.register_blocks(split)
     assert (blocks is None) == split
-    header, body = mma_decode_source.render(split, True, mma_decode_source.register_bound(tuning.threads, blocks))
+    header, body = mma_decode_source.render(split, True, tuning.threads, blocks)
     names = source.DECODE_INPUTS + (source.PARTITION_OUTPUTS if split else source.SINGLE_OUTPUTS)
     template = {**DECODE_TEMPLATE, "NUM_THREADS": tuning.threads, "SOFTCAP": 0, "WINDOWED": 0, "SINKS": 0}
-    (tmp_path / "k.ptx").write_text(nvrtc_ptx(mlx_kernel_text(header, body, names, template, "float16")))
+    (tmp_path / "k.ptx").write_text(nvrtc_ptx(named_kernel_text(header, body, names, template, "float16")))
     done = subprocess.run([str(PTXAS), "-arch=sm_90", "-v", str(tmp_path / "k.ptx"), "-o", str(tmp_path / "k.cubin")],
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

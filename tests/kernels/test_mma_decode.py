@@ -119,4 +119,4 @@ def test_a_register_bound_kernel_compiles_under_its_own_name():
         kernels._decode_kernel(False, True, True, 64, blocks)
     assert len(set(compiled)) == 3, compiled
     assert mma_decode_source.register_bound(64, None) == ""
-    assert "__launch_bounds__(64, 8)" in mma_decode_source.render(False, True, mma_decode_source.register_bound(64, 8))[0]
+    assert "__launch_bounds__(64, 8)" in mma_decode_source.render(False, True, 64, 8)[0]
