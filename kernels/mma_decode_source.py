@@ -27,6 +27,8 @@ query head:
   tile's scores are taken and its V once this tile's V is used, so a warp's loads are in
   flight while it computes; on the H200 it measured as fast as the plain loop to 5 % faster
   at T = 4,096 and 32,768 (docs/benchmarks.md, "The recorded run: the pipelined tensor-core loop").
+  Staging the next tiles through shared memory with cp.async instead, 1 to 4 tiles ahead, measured
+  1.4-1.7x slower at T >= 4,096 (docs/benchmarks.md, "K and V staged through shared memory").
 Keys past the range are neither loaded nor weighted, so a NaN in an unused pool slot never
 reaches an MMA. Half pools only (fp16 or bf16); head dims of 64 and 128; groups of at most
 8 query heads a KV head, the whole group in one threadgroup. Everything else keeps the SIMT
