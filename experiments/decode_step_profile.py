@@ -64,13 +64,14 @@ def forward_variants(engine: LLMEngine, steps: int) -> dict[str, float]:
     model_runner.kernels.write_kv = lambda k, v, *_: (k, v)
     out["forward without KV write"] = _median_ms(lambda: mx.eval(runner.forward(step)), steps)
     model_runner.kernels.write_kv = real_write
-    real_attend = model_runner.PagedLayerCache.attend
-    model_runner.PagedLayerCache.attend = lambda self, q, scale, **_: q
+    # attend_packed is the call both wirings make (mlx-lm's modules through `attend`, the fused layers directly)
+    real_attend = model_runner.PagedLayerCache.attend_packed
+    model_runner.PagedLayerCache.attend_packed = lambda self, q, scale, *_, **__: q
     out["forward without attention"] = _median_ms(lambda: mx.eval(runner.forward(step)), steps)
     model_runner.kernels.write_kv = lambda k, v, *_: (k, v)
     out["forward without KV write and attention"] = _median_ms(lambda: mx.eval(runner.forward(step)), steps)
     model_runner.kernels.write_kv = real_write
-    model_runner.PagedLayerCache.attend = real_attend
+    model_runner.PagedLayerCache.attend_packed = real_attend
     runner.compiled_decode = compiled
     return out
 
