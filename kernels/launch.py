@@ -35,8 +35,12 @@ class KernelTuning:
     threads: int = 64
     unroll: int = 4
     partition_size: int = 8192  # tokens per threadgroup for long contexts
-    min_partition_size: int = 256  # short batches split down to this to fill the GPU
-    target_threadgroups: int = 512  # below this many, partitions shrink (B=64, T=512 measured faster unsplit)
+    # Small batches split their contexts down to this to fill the GPU, no further: a split costs a merge
+    # launch and partial states, and on the H200 fewer, longer partitions won at every batch of 1 to 32
+    # measured (B 1, T 32,768: 0.86-0.89x of dense SDPA against 1.14-1.35x with 512-token partitions;
+    # docs/benchmarks.md, "Fewer, longer partitions for small batches").
+    min_partition_size: int = 4096
+    target_threadgroups: int = 256  # below this many, partitions shrink
     reduce_threads: int = 128
     max_per_lane: int = 8  # elements of a row per lane: more means fewer shuffles, more registers
     tensor_cores: bool = True  # CUDA, half pools: the MMA loop (kernels/mma_decode_source.py) where it applies
@@ -101,7 +105,7 @@ def decode_dims(max_blocks: int, plan: DecodePlan) -> list[int]:
     """The decode kernels' int32 `dims` input: [max_blocks, num_partitions, partition_size].
 
     The partition size is read at run time, not baked in as a template constant: the planner
-    picks it per step from the batch (256 to 1,024 tokens), and every constant value is one more
+    picks it per step from the batch (4,096 or 8,192 tokens by default), and every constant value is one more
     NVRTC compile, measured at 1.8-4.4 s on the H200, landing mid-run on the first step that needs it.
     """
     return [max(max_blocks, 1), plan.num_partitions, plan.partition_size]

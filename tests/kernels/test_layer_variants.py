@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import kernels
-from kernels import backends
+from kernels import backends, launch
 from tests.kernels import emulator
 from tests.kernels.backends import ALL_BACKENDS
 from tests.kernels.paged_case import Rules, assert_close, make_paged_case, oracle_decode, oracle_prefill, random_stored, to_float64
@@ -146,7 +146,8 @@ def test_windows_reach_the_compiled_kernels_at_run_time_not_as_variants(rng, mon
     case = make_paged_case(rng, lengths, 2, 64, 16, "float16")
     starts = starts_of(q_lens)
     monkeypatch.setattr(backends, "cuda_available", lambda: True)  # plan for CUDA; the stand-in compiler runs nothing
-    plan = plan_for(case, starts, 8, "cuda", partition_size=256, min_partition_size=256)
+    decode = launch.KernelTuning(partition_size=256, min_partition_size=256)  # the decode rows split too
+    plan = plan_for(case, starts, 8, "cuda", partition_size=256, min_partition_size=256, decode=decode)
     assert plan.kernel.split_rows is not None and plan.kernel.decode.plan.partitioned
     varlen = PagedVarlenKernels("cuda", compile_kernel)
     queries = random_stored(rng, (int(starts[-1]), 8, 64), "float16")
