@@ -138,7 +138,6 @@ def test_decode_kernel_keeps_its_rows_in_registers_unless_the_layer_soft_caps(tm
     assert frames and (max(frames) == 0) == (softcap == 0), done.stderr
 
 
-
 @pytest.mark.parametrize("split", [False, True], ids=["single", "split"])
 def test_the_tensor_core_decode_loops_register_bound_reaches_the_compiled_kernel(tmp_path, split):
     """KernelTuning bounds a single-pass launch's registers so that eight 64-thread threadgroups fit an

@@ -64,6 +64,17 @@ def test_small_batches_get_smaller_partitions_until_the_grid_fills():
     assert launch.plan_decode(2, 32, 8, 128, 16384, tuning).partition_size == 512
 
 
+def test_by_default_small_batches_split_no_finer_than_4096_tokens():
+    """The defaults' floor (docs/benchmarks.md, "Fewer, longer partitions for small batches"): one sequence
+    runs one pass up to 4,096 tokens and 4,096-token partitions past it; a batch of 64 keeps 8,192."""
+    tuning = launch.KernelTuning()
+    plans = {(b, t): launch.plan_decode(b, 32, 8, 128, t, tuning) for b, t in ((1, 2048), (1, 32768), (16, 16384), (64, 32768))}
+    assert plans[1, 2048].num_partitions == 1
+    assert (plans[1, 32768].partition_size, plans[1, 32768].num_partitions) == (4096, 8)
+    assert (plans[16, 16384].partition_size, plans[16, 16384].num_partitions) == (8192, 2)
+    assert (plans[64, 32768].partition_size, plans[64, 32768].num_partitions) == (8192, 4)
+
+
 def test_partition_size_reaches_the_kernels_at_run_time_not_as_a_compiled_variant():
     """Batches of 1, 16 and 64 sequences plan 256-, 512- and 1,024-token partitions; all of them
     launch the same two compiled kernels (split decode, merge), the size travelling in `dims`."""
