@@ -8,15 +8,20 @@ outputs, so the host side only picks which body to launch; float32 pools, and Me
 the SIMT body (a `simdgroup_matrix` twin for Metal is the next step, not written yet).
 
 One threadgroup: WARPS warps x 16 query rows (rows are tokens x heads of one KV group, as
-in the SIMT body). Per key tile of KV_TILE keys, loaded from the pool through the block
-table into shared memory:
-- S = Q K^T with m16n8k16 MMAs (Q fragments stay in registers for the whole unit);
+in the SIMT body). Key tiles of KV_TILE keys are copied from the pool through the block
+table into shared memory by `cp.async`, two buffers deep: the next tile's copies are in
+flight while this one is computed on (FlashAttention-2's pipeline; a load-then-compute loop
+left every tile's load latency exposed). Per tile:
+- S = Q K^T with m16n8k16 MMAs (Q fragments are read from global memory once a unit and
+  stay in registers, so shared memory holds only K and V);
 - online softmax on the accumulator fragments in registers, base 2 (log2 e folded into the
   scale), row maxima shared by the four lanes of a row through two shuffles;
 - O += P V: the S accumulators of two adjacent 8-key tiles are exactly the A fragment of a
   16-key MMA, so P never touches shared memory (FlashAttention-2's register reuse).
 Fragment layouts follow the PTX ISA for `mma.sync.aligned.m16n8k16.row.col` (lane = 4 x
-group + thread-in-group). Shared rows are padded by 8 elements so fragment loads hit 32
+group + thread-in-group). K's and V's fragments come out of shared memory by `ldmatrix`
+(V's transposed), four 8x8 matrices an instruction, where element-wise loads took 6x the
+instructions. Shared rows are padded by 8 elements so the 8 rows of each matrix hit
 distinct banks.
 """
 
@@ -68,6 +73,38 @@ template <typename U>
 __device__ __forceinline__ unsigned int pack_floats(float lo, float hi) {
   return pair_of<U>(static_cast<U>(lo), static_cast<U>(hi));
 }
+
+// Sixteen bytes of a row copied into shared memory by cp.async (sm_80 and later), bypassing registers and L1;
+// zeros where `valid` is false (nothing is read then: a NaN in an unowned pool slot stays out).
+template <typename U>
+__device__ __forceinline__ void stage_copy(U* dst, const U* src, bool valid) {
+  const unsigned int to = static_cast<unsigned int>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(to), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void stage_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Wait until at most N committed groups of this thread's copies are still in flight.
+template <int N>
+__device__ __forceinline__ void stage_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+
+// Four 8x8 matrices of 16-bit elements out of shared memory, one warp-wide instruction: lane L names row L % 8
+// of matrix L / 8 (16 aligned bytes); register m of lane L gets row L / 4, elements 2 (L % 4) and the next, of
+// matrix m, which is an MMA fragment's layout. `_trans` hands out each matrix transposed: column L / 4, rows
+// 2 (L % 4) and the next.
+template <typename U>
+__device__ __forceinline__ void ldmatrix_x4(unsigned int* r, const U* row) {
+  const unsigned int at = static_cast<unsigned int>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
+}
+
+template <typename U>
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int* r, const U* row) {
+  const unsigned int at = static_cast<unsigned int>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at));
+}
 """
 
 MMA_PROLOGUE = source.CUDA_VARLEN_PROLOGUE
@@ -85,9 +122,10 @@ MMA_BODY = r"""
   constexpr int CHUNKS = HEAD_DIM / VEC;
   constexpr float NEG_BIG = -1.0e30f;
   constexpr float MASKED = -2.0e30f;  // below any running max: exp2(MASKED - max) is 0
-  SHARED TILE_ALIGN T q_tile[ROWS * STRIDE];
-  SHARED TILE_ALIGN T k_tile[KV_TILE * STRIDE];
-  SHARED TILE_ALIGN T v_tile[KV_TILE * STRIDE];
+  constexpr int TILE_ELEMS = KV_TILE * STRIDE;
+  // Two K and two V tiles: the next tile's copies land in one while the other is computed on.
+  SHARED TILE_ALIGN T k_tile[2 * TILE_ELEMS];
+  SHARED TILE_ALIGN T v_tile[2 * TILE_ELEMS];
 
 @UNIT@
   const int warp = tid / 32;
@@ -95,35 +133,37 @@ MMA_BODY = r"""
   const int group_id = lane / 4;
   const int in_group = lane % 4;
 
-  // Row r of the tile is query token r / HEADS_PER_TILE, head first_head + r % HEADS_PER_TILE.
-  for (int idx = tid; idx < ROWS * CHUNKS; idx += NUM_THREADS) {
-    const int r = idx / CHUNKS;
-    const int c = idx % CHUNKS;
-    ROW_ALIGN T row[VEC];
-    if (r < active_rows) {
-      const size_t q_at = (size_t(query_row + r / HEADS_PER_TILE) * NUM_HEADS + first_head + r % HEADS_PER_TILE) * HEAD_DIM + c * VEC;
-      COPY_VEC(row, queries + q_at);
-    } else {
-      #pragma unroll
-      for (int e = 0; e < VEC; ++e) {
-        row[e] = static_cast<T>(0.0f);
-      }
+  const auto table = block_tables + size_t(seq) * max_blocks;
+  // The copies of the key tile from `first`, into buffer `buf`, as one committed group.
+  auto stage_tile = [&](int first, int buf) {
+    for (int idx = tid; idx < KV_TILE * CHUNKS; idx += NUM_THREADS) {
+      const int j = idx / CHUNKS;
+      const int c = idx % CHUNKS;
+      const int t = first + j;
+      const bool valid = t < kv_end;
+      const size_t at = valid ? ((size_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE) * NUM_KV_HEADS + kv_head) * HEAD_DIM + c * VEC : 0;
+      stage_copy(k_tile + buf * TILE_ELEMS + j * STRIDE + c * VEC, key_cache + at, valid);
+      stage_copy(v_tile + buf * TILE_ELEMS + j * STRIDE + c * VEC, value_cache + at, valid);
     }
-    COPY_VEC(q_tile + r * STRIDE + c * VEC, row);
-  }
-  BARRIER();
+    stage_commit();
+  };
+  stage_tile(kv_first, 0);
 
-  // This lane's two rows: r (accumulator elements 0, 1) and r + 8 (elements 2, 3).
+  // This lane's two rows: r (accumulator elements 0, 1) and r + 8 (elements 2, 3). Row r of the tile is query
+  // token r / HEADS_PER_TILE, head first_head + r % HEADS_PER_TILE. Q's fragments come from global memory once a
+  // unit, while the first tile's copies are in flight; shared memory holds only K and V.
   const int my_row[2] = {warp * 16 + group_id, warp * 16 + group_id + 8};
   unsigned int qa[K_STEPS][4];
   #pragma unroll
-  for (int kk = 0; kk < K_STEPS; ++kk) {
-    const T* q0 = q_tile + my_row[0] * STRIDE + kk * 16 + in_group * 2;
-    const T* q8 = q0 + 8 * STRIDE;
-    qa[kk][0] = pair_at(q0);
-    qa[kk][1] = pair_at(q8);
-    qa[kk][2] = pair_at(q0 + 8);
-    qa[kk][3] = pair_at(q8 + 8);
+  for (int h = 0; h < 2; ++h) {
+    const bool live = my_row[h] < active_rows;
+    const T* q_at = queries + (size_t(query_row + my_row[h] / HEADS_PER_TILE) * NUM_HEADS + first_head
+                               + my_row[h] % HEADS_PER_TILE) * HEAD_DIM + in_group * 2;
+    #pragma unroll
+    for (int kk = 0; kk < K_STEPS; ++kk) {
+      qa[kk][h] = live ? pair_at(q_at + kk * 16) : 0u;
+      qa[kk][h + 2] = live ? pair_at(q_at + kk * 16 + 8) : 0u;
+    }
   }
   bool row_live[2];
   int row_position[2];
@@ -147,17 +187,16 @@ MMA_BODY = r"""
 
   const float softmax_scale = scale[0] * 1.4426950408889634f;
   const float softcap = scale[1];
-  const auto table = block_tables + size_t(seq) * max_blocks;
-  for (int base = kv_first; base < kv_end; base += KV_TILE) {
-    for (int idx = tid; idx < KV_TILE * CHUNKS; idx += NUM_THREADS) {
-      const int j = idx / CHUNKS;
-      const int c = idx % CHUNKS;
-      const int t = base + j;
-@KV_CHUNK@
-      COPY_VEC(k_tile + j * STRIDE + c * VEC, k_row);
-      COPY_VEC(v_tile + j * STRIDE + c * VEC, v_row);
+  for (int base = kv_first, buf = 0; base < kv_end; base += KV_TILE, buf ^= 1) {
+    if (base + KV_TILE < kv_end) {
+      stage_tile(base + KV_TILE, buf ^ 1);  // the other buffer, free since the last iteration's closing barrier
+      stage_wait<1>();
+    } else {
+      stage_wait<0>();
     }
     BARRIER();
+    const T* k_buf = k_tile + buf * TILE_ELEMS;
+    const T* v_buf = v_tile + buf * TILE_ELEMS;
 
     float s[S_TILES][4];
     #pragma unroll
@@ -166,11 +205,19 @@ MMA_BODY = r"""
       for (int e = 0; e < 4; ++e) {
         s[nt][e] = 0.0f;
       }
-      const T* k_at = k_tile + (nt * 8 + group_id) * STRIDE + in_group * 2;
+      // B fragments of two k-steps in one ldmatrix: lane L names key nt * 8 + L % 8, dims kk * 16 + (L / 8) * 8.
+      const T* k_rows = k_buf + (nt * 8 + lane % 8) * STRIDE + (lane / 8) * 8;
       #pragma unroll
-      for (int kk = 0; kk < K_STEPS; ++kk) {
-        const unsigned int b[2] = {pair_at(k_at + kk * 16), pair_at(k_at + kk * 16 + 8)};
+      for (int kk = 0; kk + 1 < K_STEPS; kk += 2) {
+        unsigned int b[4];
+        ldmatrix_x4(b, k_rows + kk * 16);
         MmaTile<T>::run(s[nt], qa[kk], b);
+        MmaTile<T>::run(s[nt], qa[kk + 1], b + 2);
+      }
+      if (K_STEPS % 2) {  // head dims of an odd number of 16s: the last step by pairs
+        const T* k_at = k_buf + (nt * 8 + group_id) * STRIDE + (K_STEPS - 1) * 16 + in_group * 2;
+        const unsigned int b[2] = {pair_at(k_at), pair_at(k_at + 8)};
+        MmaTile<T>::run(s[nt], qa[K_STEPS - 1], b);
       }
     }
 
@@ -227,12 +274,15 @@ MMA_BODY = r"""
           pack_floats<T>(s[2 * kk][0], s[2 * kk][1]), pack_floats<T>(s[2 * kk][2], s[2 * kk][3]),
           pack_floats<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]), pack_floats<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]),
       };
-      const T* v_at = v_tile + (kk * 16 + in_group * 2) * STRIDE + group_id;
+      // B fragments of two O tiles in one transposing ldmatrix: lane L names key kk * 16 + (L / 8 % 2) * 8 + L % 8,
+      // dims (t + L / 16) * 8 (O_TILES is even: head dims are whole 16s).
+      const T* v_rows = v_buf + (kk * 16 + (lane / 8 % 2) * 8 + lane % 8) * STRIDE + (lane / 16) * 8;
       #pragma unroll
-      for (int t = 0; t < O_TILES; ++t) {
-        const T* v0 = v_at + t * 8;
-        const unsigned int b[2] = {pair_of(v0[0], v0[STRIDE]), pair_of(v0[8 * STRIDE], v0[9 * STRIDE])};
+      for (int t = 0; t < O_TILES; t += 2) {
+        unsigned int b[4];
+        ldmatrix_x4_trans(b, v_rows + t * 8);
         MmaTile<T>::run(o[t], pa, b);
+        MmaTile<T>::run(o[t + 1], pa, b + 2);
       }
     }
     BARRIER();
@@ -271,8 +321,8 @@ MMA_BODY = r"""
 
 
 def shared_bytes(kv_tile: int, head_dim: int, itemsize: int = 2) -> int:
-    """Threadgroup memory MMA_BODY declares: the Q tile and the K and V tiles, rows padded."""
-    return itemsize * (head_dim + ROW_PAD) * (ROWS + 2 * kv_tile)
+    """Threadgroup memory MMA_BODY declares: two K and two V tiles, rows padded (Q stays in registers)."""
+    return itemsize * (head_dim + ROW_PAD) * 4 * kv_tile
 
 
 def kv_tile_for(head_dim: int, budget_bytes: int) -> int | None:

@@ -57,6 +57,41 @@ static uint32_t pair_of(U lo, U hi) { return uint32_t(lo.bits) | (uint32_t(hi.bi
 template <typename U>
 static uint32_t pack_floats(float lo, float hi) { return pair_of<U>(U(lo), U(hi)); }
 
+// cp.async done at once: the copy lands when issued, so committing and waiting have nothing to do.
+template <typename U>
+static void stage_copy(U* dst, const U* src, bool valid) {
+  if (valid) {
+    std::memcpy(dst, src, 16);
+  } else {
+    std::memset(dst, 0, 16);
+  }
+}
+static void stage_commit() {}
+template <int N>
+static void stage_wait() {}
+
+static const void* emu_ld_rows[1024];
+
+// ldmatrix .x4 as a warp-wide exchange: every lane posts the row it names, then builds its four registers.
+template <typename U>
+static void emu_ldmatrix_x4(unsigned int* r, const U* row, bool trans) {
+  const int warp = emu_tid / 32, lane = emu_tid % 32;
+  emu_ld_rows[emu_tid] = row;
+  emu_warp_barriers[warp]->arrive_and_wait();
+  for (int m = 0; m < 4; ++m) {
+    const U* const* rows = reinterpret_cast<const U* const*>(&emu_ld_rows[warp * 32 + m * 8]);
+    r[m] = trans ? pair_of(rows[2 * (lane % 4)][lane / 4], rows[2 * (lane % 4) + 1][lane / 4])
+                 : pair_at(rows[lane / 4] + 2 * (lane % 4));
+  }
+  emu_warp_barriers[warp]->arrive_and_wait();
+}
+
+template <typename U>
+static void ldmatrix_x4(unsigned int* r, const U* row) { emu_ldmatrix_x4(r, row, false); }
+
+template <typename U>
+static void ldmatrix_x4_trans(unsigned int* r, const U* row) { emu_ldmatrix_x4(r, row, true); }
+
 template <typename U> struct MmaTile {
   // m16n8k16, row-major A, column-major B: lane = 4 * group + thread-in-group.
   static void run(float* c, const unsigned int* a, const unsigned int* b) {

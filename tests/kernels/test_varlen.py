@@ -424,6 +424,7 @@ MMA_EMULATED = [
     (2, 4, 64, 16, [7, 40, 100], {}),
     (1, 1, 128, 16, [3, 70], dict(partition_size=64, min_partition_size=64)),
     (1, 8, 64, 32, [17, 2], dict(partition_size=64, min_partition_size=64)),
+    (2, 2, 80, 16, [9, 33], {}),  # five 16-wide k-steps: the last one outside the paired ldmatrix loads
 ]
 
 
