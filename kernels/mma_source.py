@@ -287,6 +287,7 @@ MMA_BODY = r"""
     }
     BARRIER();
   }
+  stage_wait<0>();  // a unit with no keys still issued (zero-filling) copies of one tile: none outlives the thread
 
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
