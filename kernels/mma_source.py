@@ -17,7 +17,9 @@ left every tile's load latency exposed). Per tile:
 - online softmax on the accumulator fragments in registers, base 2 (log2 e folded into the
   scale), row maxima shared by the four lanes of a row through two shuffles;
 - O += P V: the S accumulators of two adjacent 8-key tiles are exactly the A fragment of a
-  16-key MMA, so P never touches shared memory (FlashAttention-2's register reuse).
+  16-key MMA, so P never touches shared memory (FlashAttention-2's register reuse). O's rescale
+  by a row's correction is skipped while no row of the warp has a new maximum, which also keeps
+  the body at 168 registers (three threadgroups an SM) for layers without a window, sinks or cap.
 Fragment layouts follow the PTX ISA for `mma.sync.aligned.m16n8k16.row.col` (lane = 4 x
 group + thread-in-group). K's and V's fragments come out of shared memory by `ldmatrix`
 (V's transposed), four 8x8 matrices an instruction, where element-wise loads took 6x the
@@ -73,6 +75,9 @@ template <typename U>
 __device__ __forceinline__ unsigned int pack_floats(float lo, float hi) {
   return pair_of<U>(static_cast<U>(lo), static_cast<U>(hi));
 }
+
+// Whether `p` holds in any lane of the warp (every lane gets the same answer, so a branch on it is uniform).
+#define WARP_ANY(p) __any_sync(0xffffffffu, (p))
 
 // Sixteen bytes of a row copied into shared memory by cp.async (sm_80 and later), bypassing registers and L1;
 // zeros where `valid` is false (nothing is read then: a NaN in an unowned pool slot stays out).
@@ -261,10 +266,14 @@ MMA_BODY = r"""
       }
       run_sum[h] = run_sum[h] * correction + tile_sum;
       run_max[h] = new_max;
-      #pragma unroll
-      for (int t = 0; t < O_TILES; ++t) {
-        o[t][2 * h] *= correction;
-        o[t][2 * h + 1] *= correction;
+      // Once a row's maximum settles (most tiles of a long context) its correction is exactly 1: the warp skips
+      // the rescale of O unless some lane's row moved.
+      if (WARP_ANY(correction != 1.0f)) {
+        #pragma unroll
+        for (int t = 0; t < O_TILES; ++t) {
+          o[t][2 * h] *= correction;
+          o[t][2 * h + 1] *= correction;
+        }
       }
     }
 

@@ -70,6 +70,19 @@ static void stage_commit() {}
 template <int N>
 static void stage_wait() {}
 
+static bool emu_any_flags[1024];
+
+static bool emu_warp_any(bool p) {
+  const int warp = emu_tid / 32;
+  emu_any_flags[emu_tid] = p;
+  emu_warp_barriers[warp]->arrive_and_wait();
+  bool any = false;
+  for (int i = 0; i < 32; ++i) any = any || emu_any_flags[warp * 32 + i];
+  emu_warp_barriers[warp]->arrive_and_wait();
+  return any;
+}
+#define WARP_ANY(p) emu_warp_any(p)
+
 static const void* emu_ld_rows[1024];
 
 // ldmatrix .x4 as a warp-wide exchange: every lane posts the row it names, then builds its four registers.
