@@ -293,6 +293,15 @@ def test_threadgroup_memory_declared_by_the_body_is_what_the_plan_budgets():
     assert "constexpr int V_STRIDE = HEAD_DIM + VEC;" in body and "constexpr int VEC = 16 / int(sizeof(T));" in body
 
 
+def test_threadgroup_memory_declared_by_the_tensor_core_body_is_what_its_plan_budgets():
+    _, body = mma_source.render()
+    declared = [line.strip().split(" ", 2)[2] for line in body.splitlines() if line.strip().startswith("SHARED")]
+    assert declared == ["T k_tile[2 * TILE_ELEMS];", "T v_tile[2 * TILE_ELEMS];"]  # two buffers each, no Q tile
+    assert "constexpr int TILE_ELEMS = KV_TILE * STRIDE;" in body and "constexpr int STRIDE = HEAD_DIM + ROW_PAD;" in body
+    for head_dim, kv_tile in ((128, 32), (64, 64)):
+        assert mma_source.shared_bytes(kv_tile, head_dim) == 2 * 2 * kv_tile * (head_dim + mma_source.ROW_PAD) * 2
+
+
 #: (num_kv_heads, group, head_dim, block_size, tuning): every key-tile width, head dims that do and
 #: do not divide by 32, partitions small enough that chunks split, and a D=128 tile of 16 rows that fills
 #: only half a warp (the other lanes only load and shuffle).
