@@ -146,7 +146,7 @@ MMA_BODY = r"""
       const int c = idx % CHUNKS;
       const int t = first + j;
       const bool valid = t < kv_end;
-      const size_t at = valid ? ((size_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE) * NUM_KV_HEADS + kv_head) * HEAD_DIM + c * VEC : 0;
+      const size_t at = valid ? @KV_ROW_AT@ : 0;
       stage_copy(k_tile + buf * TILE_ELEMS + j * STRIDE + c * VEC, key_cache + at, valid);
       stage_copy(v_tile + buf * TILE_ELEMS + j * STRIDE + c * VEC, value_cache + at, valid);
     }

@@ -602,14 +602,17 @@ VARLEN_SINK = r"""
     const float denominator = total * keep + FEXP2(sink - top);
 """
 
-#: One 16-byte chunk `c` of key `t`'s K and V row, read through the block table into registers
-#: (k_row, v_row); zeros past the unit's context. Shared by both varlen bodies.
+#: Pool element where 16-byte chunk `c` of key `t`'s K (or V) row starts for this unit's KV head, through the
+#: sequence's block table row `table`. Both varlen bodies read the pool through it.
+VARLEN_KV_ROW_AT = "((size_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE) * NUM_KV_HEADS + kv_head) * HEAD_DIM + c * VEC"
+
+#: One 16-byte chunk `c` of key `t`'s K and V row, read into registers (k_row, v_row); zeros past the
+#: unit's context. The SIMT body's load (the tensor-core body copies chunks by cp.async instead).
 VARLEN_KV_CHUNK = r"""
       ROW_ALIGN T k_row[VEC];
       ROW_ALIGN T v_row[VEC];
       if (t < kv_end) {
-        const size_t slot = size_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE;
-        const size_t at = (slot * NUM_KV_HEADS + kv_head) * HEAD_DIM + c * VEC;
+        const size_t at = @KV_ROW_AT@;
         COPY_VEC(k_row, key_cache + at);
         COPY_VEC(v_row, value_cache + at);
       } else {
@@ -683,7 +686,8 @@ def render_varlen(dialect: str) -> tuple[str, str]:
 def render_shared(body: str, row_max: str) -> str:
     """A varlen body with the snippets both bodies share filled in; `row_max` names the row's running max."""
     sink = VARLEN_SINK.replace("row_max", row_max)
-    return body.replace("@UNIT@", VARLEN_UNIT).replace("@KV_CHUNK@", VARLEN_KV_CHUNK).replace("@SINK@", sink)
+    body = body.replace("@UNIT@", VARLEN_UNIT).replace("@KV_CHUNK@", VARLEN_KV_CHUNK).replace("@SINK@", sink)
+    return body.replace("@KV_ROW_AT@", VARLEN_KV_ROW_AT)
 
 
 def render_varlen_merge(dialect: str) -> tuple[str, str]:

@@ -9,6 +9,7 @@ host-side work list checked by itself.
 from __future__ import annotations
 
 import ctypes
+import re
 from dataclasses import replace
 
 import mlx.core as mx
@@ -294,12 +295,17 @@ def test_threadgroup_memory_declared_by_the_body_is_what_the_plan_budgets():
 
 
 def test_threadgroup_memory_declared_by_the_tensor_core_body_is_what_its_plan_budgets():
+    """The bytes come from the body's own text: its constexpr sizes evaluated, then its SHARED arrays summed."""
     _, body = mma_source.render()
     declared = [line.strip().split(" ", 2)[2] for line in body.splitlines() if line.strip().startswith("SHARED")]
-    assert declared == ["T k_tile[2 * TILE_ELEMS];", "T v_tile[2 * TILE_ELEMS];"]  # two buffers each, no Q tile
-    assert "constexpr int TILE_ELEMS = KV_TILE * STRIDE;" in body and "constexpr int STRIDE = HEAD_DIM + ROW_PAD;" in body
-    for head_dim, kv_tile in ((128, 32), (64, 64)):
-        assert mma_source.shared_bytes(kv_tile, head_dim) == 2 * 2 * kv_tile * (head_dim + mma_source.ROW_PAD) * 2
+    assert [d.split("[")[0] for d in declared] == ["T k_tile", "T v_tile"]  # no Q tile: Q stays in registers
+    sizes = dict(re.findall(r"constexpr int (STRIDE|TILE_ELEMS) = ([^;]+);", body))
+    for head_dim, kv_tile in ((128, 32), (64, 64), (80, 64)):
+        names = {"HEAD_DIM": head_dim, "KV_TILE": kv_tile, "ROW_PAD": mma_source.ROW_PAD}
+        for name in ("STRIDE", "TILE_ELEMS"):
+            names[name] = eval(sizes[name], {}, names)
+        elements = sum(eval(d.split("[")[1].rstrip("];"), {}, names) for d in declared)
+        assert elements * 2 == mma_source.shared_bytes(kv_tile, head_dim)
 
 
 #: (num_kv_heads, group, head_dim, block_size, tuning): every key-tile width, head dims that do and
