@@ -1,7 +1,9 @@
 """The gateway's end of the nodes' coalesced output streams (node/serving/output_streams.py).
 
-One `outputs` stream per node for this gateway process, read by one task that fans each
-message's outputs out to the queues of the requests waiting for them. A stream that
+One output stream per node for this gateway process, read by one task that fans each
+message's outputs out to the queues of the requests waiting for them. The stream is the
+node's direct output link (`node.serving.output_link`) when the gateway holds the cluster's
+key and the node listens, else the node's `outputs` Ray stream. A stream that
 breaks or ends means its node is gone: every request waiting on it gets `NodeLost`,
 which the caller turns into a resume elsewhere.
 """
@@ -12,10 +14,13 @@ import asyncio
 import itertools
 import logging
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import ray
 
+from node.serving.link_auth import LinkRefused
+from node.serving.output_link import open_output_link, read_messages
 from node.types import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -37,8 +42,11 @@ class _Reader:
 class NodeStreams:
     """Per node one reader task; per (node, request id on that node) one queue, tied to the reader it waits on."""
 
-    def __init__(self):
+    def __init__(self, key: bytes | None = None):
         self.receiver = f"gateway-{uuid.uuid4().hex[:12]}"
+        self._key = key  # the nodes' output link key (node.serving.output_link); None: Ray streams only
+        self.direct_readers = 0  # readers that got a direct link (each event loop's readers are its own)
+        self._direct: set[str] = set()  # their names
         self._queues: dict[tuple[str, str], tuple[asyncio.Queue, str]] = {}  # -> (queue, its reader's name)
         self._readers: dict[str, _Reader] = {}
         self._numbers = itertools.count()
@@ -61,6 +69,11 @@ class NodeStreams:
         self._queues[(node_id, request_id)] = (queue, reader.name)
         return queue, reader.name
 
+    @property
+    def direct_links(self) -> int:
+        """Nodes whose outputs this gateway reads over a direct link now."""
+        return sum(1 for r in self._readers.values() if r.name in self._direct and not r.task.done())
+
     def close(self, node_id: str, request_id: str) -> None:
         self._queues.pop((node_id, request_id), None)
 
@@ -69,10 +82,10 @@ class NodeStreams:
             reader.task.cancel()
 
     async def _read(self, node_id: str, actor, name: str) -> None:
-        stream = actor.outputs.options(num_returns="streaming").remote(name)
+        messages = None
         try:
-            async for ref in stream:
-                batch = await ref
+            messages = await self._messages(node_id, actor, name)
+            async for batch in messages:
                 self.messages += 1
                 self.outputs += len(batch)
                 for item in batch:
@@ -81,10 +94,12 @@ class NodeStreams:
                         waiting[0].put_nowait(item)
             lost = NodeLost("the node's output stream ended")
         except asyncio.CancelledError:
-            _cancel(stream)  # the node then aborts this reader's requests
-            raise
-        except Exception as exc:  # the actor died, its raylet went away, or Ray is shutting down
+            raise  # closing `messages` below ends the stream: the node then aborts this reader's requests
+        except Exception as exc:  # the actor died, its raylet went away, the link broke, or Ray is shutting down
             lost = NodeLost(repr(exc))
+        finally:
+            if messages is not None:
+                await messages.aclose()
         log.warning("output stream of node %s closed: %s", node_id, lost)
         reader = self._readers.get(node_id)
         if reader is not None and reader.name == name:
@@ -92,6 +107,32 @@ class NodeStreams:
         for (node, _), (queue, reader_name) in list(self._queues.items()):
             if node == node_id and reader_name == name:
                 queue.put_nowait(lost)
+
+    async def _messages(self, node_id: str, actor, name: str) -> AsyncIterator[list]:
+        """The node's messages for `name`: over its direct output link when it has one we hold the key
+        to, else over its Ray stream."""
+        if self._key is not None:
+            address = (await actor.info.remote()).get("output_link")
+            if address:
+                try:
+                    sock = await asyncio.to_thread(open_output_link, address, self._key, node_id, name)
+                except (OSError, LinkRefused) as exc:
+                    log.warning("node %s: no direct output link (%s); reading its Ray stream", node_id, exc)
+                else:
+                    self.direct_readers += 1
+                    self._direct.add(name)
+                    return read_messages(sock)
+        return _ray_messages(actor, name)
+
+
+async def _ray_messages(actor, name: str) -> AsyncIterator[list]:
+    stream = actor.outputs.options(num_returns="streaming").remote(name)
+    try:
+        async for ref in stream:
+            yield await ref
+    except (GeneratorExit, asyncio.CancelledError):
+        _cancel(stream)
+        raise
 
 
 def _cancel(stream) -> None:

@@ -42,6 +42,7 @@ from cluster.gateway.served_models import RETRY_S, ServedModels
 from cluster.runtime.ray_cluster import node_actor_name
 from kvcache.hashing import block_hashes
 from node.async_engine import EngineStepFailed
+from node.serving.output_link import output_link_key
 from node.serving.output_streams import StreamFailed
 from node.serving.stream_delta import Cumulative
 from node.types import RequestOutput, SamplingParams
@@ -78,6 +79,9 @@ class RayBackendConfig:
     migration: MigrationPolicy = field(default_factory=MigrationPolicy)
     # How stale the gateway's list of served models may be (a new model shows up within this).
     specs_refresh_s: float = 1.0
+    # The cluster's secret for the nodes' direct output links; None: the Ray token in the environment
+    # (as the nodes take it). Without either, outputs come over Ray streams.
+    link_token: str | None = None
 
 
 class RayBackend:
@@ -90,7 +94,7 @@ class RayBackend:
         self._actors: dict[str, Any] = {}
         self._active: dict[str, tuple[str, str]] = {}  # request id -> (node id, id on that node)
         self._awaiting_first_output: set[str] = set()
-        self._streams = NodeStreams()  # one coalesced output stream per node
+        self._streams = NodeStreams(output_link_key(self.config.link_token))  # one coalesced output stream per node
         self._closed = False
         self.resumed_mid_stream = 0  # requests that lost a node after streaming some tokens
         self.last_migration: MigrationOutcome | None = None
@@ -168,6 +172,7 @@ class RayBackend:
         summary = summarize_nodes(", ".join(info["models"]), nodes, await self.queue_depth())
         summary["coordinator"] = {k: info[k] for k in ("policy", "index", "routing", "recent_decisions", "uptime_s")}
         summary["resumed_mid_stream"] = self.resumed_mid_stream
+        summary["direct_output_links"] = self._streams.direct_links  # nodes whose outputs come off Ray now
         return summary
 
     async def _node_stats(self, row: dict) -> dict:

@@ -22,7 +22,8 @@ from concurrent.futures import Future
 
 from kvcache.hashing import BlockHash
 from kvcache.wire import KVPayload
-from node.serving.kv_link import KVLinkConfig, KVLinkServer, LinkRefused, LinkStream, connect
+from node.serving.kv_link import KVLinkConfig, KVLinkServer, LinkStream, connect
+from node.serving.link_auth import LinkRefused
 from node.serving.migration import BlockMover, PullResult, local_prefix
 
 log = logging.getLogger(__name__)

@@ -54,10 +54,6 @@ log = logging.getLogger(__name__)
 _MAX_REQUEST = 64 << 20
 
 
-class LinkRefused(ConnectionError):
-    """The peer is not an orchard KV link holding our key, or not the node we meant."""
-
-
 @dataclass(frozen=True)
 class KVLinkConfig:
     host: str = "127.0.0.1"  # the address to listen on; beyond loopback only when the cluster binds there
@@ -88,45 +84,22 @@ Exporter = Callable[[list[BlockHash]], tuple[object, list, StateSnapshotData | N
 Releaser = Callable[[object], None]
 
 
-class KVLinkServer:
+class KVLinkServer(link_io.Listener):
     """Accepts authenticated connections and streams the blocks they ask for."""
 
     def __init__(self, key: bytes, node_id: str, geometry, export: Exporter, release: Releaser,
                  config: KVLinkConfig | None = None):
+        self.config = config or KVLinkConfig()
+        super().__init__(self.config.host, self.config.port, self._serve, "kv-link")
         self.key, self.node_id, self.geometry = key, node_id, geometry
         self._export, self._release = export, release
-        self.config = config or KVLinkConfig()
         self.counters = LinkCounters()
-        self._sock: socket.socket | None = None
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-link-encode")  # probes, made ahead
         self._probes: dict[int, bytes] = {}
 
-    @property
-    def address(self) -> str | None:
-        if self._sock is None:
-            return None
-        host, port = self._sock.getsockname()[:2]
-        return f"{host}:{port}"
-
-    def start(self) -> str:
-        self._sock = socket.create_server((self.config.host, self.config.port))
-        threading.Thread(target=self._accept_loop, name="kv-link-accept", daemon=True).start()
-        return self.address
-
     def close(self) -> None:
-        sock, self._sock = self._sock, None
-        if sock is not None:
-            sock.close()
+        super().close()
         self._encoder.shutdown(wait=False)
-
-    def _accept_loop(self) -> None:
-        sock = self._sock
-        while self._sock is sock:
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._serve, args=(conn,), name="kv-link-conn", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
@@ -145,17 +118,7 @@ class KVLinkServer:
     def _handshake(self, conn: socket.socket) -> bool:
         conn.settimeout(self.config.handshake_timeout_s)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        nonce = auth.new_nonce()
-        conn.sendall(auth.MAGIC + nonce)
-        answer = recv_exact(conn, auth.NONCE_SIZE + auth.PROOF_SIZE)
-        if answer is None:
-            return False
-        theirs, proof = answer[: auth.NONCE_SIZE], answer[auth.NONCE_SIZE :]
-        if not auth.proofs_equal(proof, auth.client_proof(self.key, nonce, theirs)):
-            return False
-        name = self.node_id.encode()
-        conn.sendall(auth.server_proof(self.key, theirs, nonce, self.node_id) + bytes([len(name)]) + name)
-        return True
+        return auth.answer_handshake(conn, self.key, self.node_id)
 
     def _reply(self, conn: socket.socket, request: dict) -> None:
         if "probe" in request:
@@ -286,17 +249,7 @@ def connect(address: str, key: bytes, expected_node: str, config: KVLinkConfig) 
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.settimeout(config.handshake_timeout_s)
-        hello = recv_exact(sock, len(auth.MAGIC) + auth.NONCE_SIZE)
-        if hello is None or hello[: len(auth.MAGIC)] != auth.MAGIC:
-            raise LinkRefused(f"{address} is not a KV link")
-        server_nonce, nonce = hello[len(auth.MAGIC) :], auth.new_nonce()
-        sock.sendall(nonce + auth.client_proof(key, server_nonce, nonce))
-        reply = recv_exact(sock, auth.PROOF_SIZE + 1)
-        name = recv_exact(sock, reply[-1]) if reply is not None else None
-        if name is None or name.decode(errors="replace") != expected_node:
-            raise LinkRefused(f"{address} refused our key, or is not node {expected_node!r}")
-        if not auth.proofs_equal(reply[: auth.PROOF_SIZE], auth.server_proof(key, nonce, server_nonce, expected_node)):
-            raise LinkRefused(f"{address} does not hold the cluster's key")
+        auth.open_handshake(sock, key, expected_node, address)
         data_mode(sock, config.io_timeout_s)
         return sock
     except BaseException:

@@ -17,8 +17,11 @@ import hashlib
 import hmac
 import os
 import secrets
+import socket
 
-MAGIC = b"ORKVLNK1"
+from node.serving.link_io import recv_exact
+
+MAGIC = b"ORKVLNK1"  # the KV link's; another link over the same handshake opens with its own
 NONCE_SIZE = 32
 PROOF_SIZE = 32
 #: Where a node finds the secret when its config names none: Ray's token, itself derived from
@@ -31,10 +34,11 @@ def derive_key(secret: str, purpose: str) -> bytes:
     return hmac.new(secret.encode(), b"mlx-orchard/" + purpose.encode(), hashlib.sha256).digest()
 
 
-def link_key(secret: str | None, environ=None) -> bytes | None:
-    """The KV link's key from `secret`, else from the environment's Ray token; None: no link."""
+def link_key(secret: str | None, environ=None, purpose: str = "kv-link-v1") -> bytes | None:
+    """A link's key (the KV link's unless `purpose` names another) from `secret`, else from the
+    environment's Ray token; None: no link."""
     secret = secret or (os.environ if environ is None else environ).get(SECRET_ENV)
-    return derive_key(secret, "kv-link-v1") if secret else None
+    return derive_key(secret, purpose) if secret else None
 
 
 def new_nonce() -> bytes:
@@ -52,3 +56,38 @@ def server_proof(key: bytes, client_nonce: bytes, server_nonce: bytes, node_id: 
 def proofs_equal(a: bytes, b: bytes) -> bool:
     """Constant time, so timing does not reveal how much of a forged proof was right."""
     return hmac.compare_digest(a, b)
+
+
+class LinkRefused(ConnectionError):
+    """The peer is not the orchard link we meant, does not hold our key, or is not the node we meant."""
+
+
+def answer_handshake(conn: socket.socket, key: bytes, node_id: str, magic: bytes = MAGIC) -> bool:
+    """The listener's side, on a blocking socket: whether the peer proved `key` (we then proved it
+    and named `node_id`)."""
+    nonce = new_nonce()
+    conn.sendall(magic + nonce)
+    answer = recv_exact(conn, NONCE_SIZE + PROOF_SIZE)
+    if answer is None:
+        return False
+    theirs, proof = answer[:NONCE_SIZE], answer[NONCE_SIZE:]
+    if not proofs_equal(proof, client_proof(key, nonce, theirs)):
+        return False
+    name = node_id.encode()
+    conn.sendall(server_proof(key, theirs, nonce, node_id) + bytes([len(name)]) + name)
+    return True
+
+
+def open_handshake(sock: socket.socket, key: bytes, expected_node: str, address: str, magic: bytes = MAGIC) -> None:
+    """The connecting side, on a blocking socket; raises `LinkRefused` unless `expected_node` proved `key`."""
+    hello = recv_exact(sock, len(magic) + NONCE_SIZE)
+    if hello is None or hello[: len(magic)] != magic:
+        raise LinkRefused(f"{address} is not the link we meant")
+    server_nonce, nonce = hello[len(magic) :], new_nonce()
+    sock.sendall(nonce + client_proof(key, server_nonce, nonce))
+    reply = recv_exact(sock, PROOF_SIZE + 1)
+    name = recv_exact(sock, reply[-1]) if reply is not None else None
+    if name is None or name.decode(errors="replace") != expected_node:
+        raise LinkRefused(f"{address} refused our key, or is not node {expected_node!r}")
+    if not proofs_equal(reply[:PROOF_SIZE], server_proof(key, nonce, server_nonce, expected_node)):
+        raise LinkRefused(f"{address} does not hold the cluster's key")

@@ -1,4 +1,5 @@
-"""Bytes on an authenticated KV link's socket (`node.serving.kv_link`): framing, payloads, timeouts.
+"""Bytes on an authenticated link's socket (`node.serving.kv_link`, `node.serving.output_link`):
+the listener, framing, payloads, timeouts.
 
 Once authenticated, a connection is in blocking mode with the kernel's send and receive
 timeouts (`SO_SNDTIMEO`, `SO_RCVTIMEO`) rather than Python's: a slice of a chunk is then one
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
+from collections.abc import Callable
 
 from kvcache.wire_transit import IncomingPayload, OutgoingPayload
 
@@ -23,6 +26,40 @@ MAX_PIECES = 512  # per sendmsg; IOV_MAX is 1024 on Linux and macOS
 BATCH_BYTES = 512 << 10  # checksummed, then copied by the kernel, while still in a core's cache
 LANDING_BYTES = 512 << 10
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
+
+
+class Listener:
+    """A listening socket whose every connection gets a thread of its own running `serve(conn)`
+    (handshakes and KV replies block; the event loop never waits on a peer)."""
+
+    def __init__(self, host: str, port: int, serve: Callable[[socket.socket], None], name: str):
+        self.host, self.port, self.serve, self.name = host, port, serve, name
+        self._sock: socket.socket | None = None
+
+    @property
+    def address(self) -> str | None:
+        if self._sock is None:
+            return None
+        host, port = self._sock.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def start(self) -> str:
+        self._sock = socket.create_server((self.host, self.port))
+        threading.Thread(target=self._accept_loop, args=(self._sock,), name=f"{self.name}-accept", daemon=True).start()
+        return self.address
+
+    def close(self) -> None:
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close()
+
+    def _accept_loop(self, sock: socket.socket) -> None:
+        while self._sock is sock:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self.serve, args=(conn,), name=f"{self.name}-conn", daemon=True).start()
 
 
 def send_payload(sock: socket.socket, pieces: list) -> int:

@@ -125,6 +125,7 @@ def test_routed_request_pulls_the_prefix_and_matches_recomputing(cluster):
     assert (backend.last_migration.ok, backend.last_migration.imported) == (True, 4)
     assert out.outputs[0].token_ids == reference
     assert out.num_cached_tokens == 4 * BLOCK
+    assert backend._streams.direct_readers == 0  # a gateway without the cluster's key reads the node's Ray stream
     assert wait_for(lambda: node_row("b")["kv_migrated_blocks"] == before + 4)
     assert wait_for(lambda: ray.get(coordinator().match.remote(hashes)) == {"a": 4, "b": 4})
 
@@ -224,8 +225,8 @@ def test_nodes_listen_where_ray_reaches_them_and_the_coordinator_knows_where(clu
 
 
 def test_a_node_refuses_and_counts_a_connection_without_the_cluster_key(cluster):
-    from node.serving.kv_link import KVLinkConfig, LinkRefused, connect
-    from node.serving.link_auth import link_key
+    from node.serving.kv_link import KVLinkConfig, connect
+    from node.serving.link_auth import LinkRefused, link_key
 
     before = ray.get(cluster["a"].stats.remote())["kv_link_refused"]
     with pytest.raises(LinkRefused):

@@ -32,6 +32,9 @@ MODEL = "orchard-demo"
 BLOCK = 16
 ENGINE = EngineConfig(block_size=BLOCK, num_blocks=96, max_num_seqs=16, max_num_batched_tokens=256)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# The nodes' and the gateways' secret, as `orchard serve` and `orchard head` give both: outputs then
+# come over the nodes' direct output links (tests/cluster/test_migration.py keeps Ray streams).
+LINK_TOKEN = "a-test-cluster-token-for-the-output-link-0"
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +48,7 @@ def cluster():
         for i, ray_node_id in enumerate(sorted(ray_ids, key=lambda r: r != local.head_ray_node_id)):
             node_id = "head" if i == 0 else f"w{i}"
             nodes[node_id] = ray_node_id
-            handles.append(start_node_actor(ray_node_id, node_actor_config(node_id, ENGINE, heartbeat_s=0.5)))
+            handles.append(start_node_actor(ray_node_id, node_actor_config(node_id, ENGINE, heartbeat_s=0.5, link_token=LINK_TOKEN)))
         yield local, nodes
     finally:
         local.shutdown()
@@ -101,7 +104,7 @@ def test_the_engines_and_the_coordinator_run_at_default_priority_not_rays_worker
 
 
 def test_second_request_with_a_prefix_goes_to_the_node_holding_it(cluster):
-    backend = RayBackend()
+    backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN))
     shared = prompt(1000, 64)  # four full blocks
     asyncio.run(collect(backend, "first", shared + [5, 6, 7], GREEDY))
     first = ray.get(coordinator().recent_decisions.remote(1))[0]
@@ -121,7 +124,7 @@ def test_second_request_with_a_prefix_goes_to_the_node_holding_it(cluster):
 
 
 def test_a_sessions_requests_stay_on_one_node_though_their_prompts_share_nothing(cluster):
-    backend = RayBackend()
+    backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN))
 
     async def turns():
         for turn in range(4):
@@ -148,7 +151,7 @@ class CountingCoordinator:
 def test_route_is_the_one_coordinator_call_a_request_waits_for(cluster):
     from cluster.gateway.state import Gateway, GatewayConfig
 
-    backend = RayBackend(RayBackendConfig(specs_refresh_s=60.0))
+    backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN, specs_refresh_s=60.0))
     gateway = Gateway(backend, GatewayConfig())
 
     async def requests(first: int, count: int):
@@ -189,7 +192,7 @@ class SlowModelSpecs(CountingCoordinator):
 def test_a_stale_model_list_is_refreshed_behind_requests_not_before_them(cluster):
     from cluster.gateway.state import Gateway, GatewayConfig
 
-    backend = RayBackend(RayBackendConfig(specs_refresh_s=0.0))  # stale at every request
+    backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN, specs_refresh_s=0.0))  # stale at every request
     gateway = Gateway(backend, GatewayConfig())
     asyncio.run(gateway.model(MODEL))  # the first list (and the tokenizer) is waited for
     backend._coordinator = SlowModelSpecs(backend._coordinator, delay=5.0)
@@ -234,7 +237,7 @@ class ReportsSeen(CountingCoordinator):
 
 
 def test_a_request_is_reported_prefilled_after_its_first_output_however_it_ends(cluster):
-    backend = RayBackend()
+    backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN))
     backend._coordinator = seen = ReportsSeen(backend._coordinator)
 
     async def requests():
@@ -257,7 +260,7 @@ def test_a_request_is_reported_prefilled_after_its_first_output_however_it_ends(
 def test_a_scrape_right_after_a_request_counts_it_on_the_node_that_served_it(cluster):
     from cluster.gateway.metrics import GatewayMetrics
 
-    backend = RayBackend()
+    backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN))
     before = {n["node"]: n for n in asyncio.run(backend.cluster_info())["nodes"]}
     tokens = prompt(4000, 37)
     asyncio.run(collect(backend, "fresh-metrics", tokens, GREEDY))
@@ -270,17 +273,18 @@ def test_a_scrape_right_after_a_request_counts_it_on_the_node_that_served_it(clu
 
 
 def test_a_node_sends_its_requests_outputs_coalesced_not_one_object_per_token(cluster):
-    backend = RayBackend(RayBackendConfig(policy="round_robin"))
+    backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN, policy="round_robin"))
     prompts = [prompt(5000 + i, 24) for i in range(12)]
     asyncio.run(run_all(backend, prompts, GREEDY))  # every output checked against its deltas in collect()
     streams = backend._streams
+    assert streams.direct_readers == 3  # one direct output link per node, not a Ray stream
     assert streams.outputs >= 12 * GREEDY.max_tokens
     # Four requests per node decode in the same steps: a message carries a step's outputs of all of them.
     assert streams.messages * 2 <= streams.outputs, (streams.messages, streams.outputs)
 
 
 def test_round_robin_ignores_the_prefix(cluster):
-    backend = RayBackend(RayBackendConfig(policy="round_robin"))
+    backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN, policy="round_robin"))
     shared = prompt(2000, 64)
     for i in range(3):
         asyncio.run(collect(backend, f"rr-{i}", shared + [i + 1], GREEDY))
@@ -289,7 +293,7 @@ def test_round_robin_ignores_the_prefix(cluster):
 
 
 def test_restarted_coordinator_rebuilds_the_index_from_node_snapshots(cluster):
-    backend = RayBackend()
+    backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN))
     shared = prompt(3000, 48)  # three full blocks
     asyncio.run(collect(backend, "before-restart", shared + [1], GREEDY))
     holder = ray.get(coordinator().recent_decisions.remote(1))[0]["node_id"]
@@ -312,7 +316,7 @@ def test_restarted_coordinator_rebuilds_the_index_from_node_snapshots(cluster):
 
 def _fault_run(kill, victim: str, params=GREEDY):
     """16 streaming requests; `kill()` fires once a request on `victim` has streamed 3 tokens."""
-    backend = RayBackend(RayBackendConfig(policy="round_robin", stall_check_s=0.5))
+    backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN, policy="round_robin", stall_check_s=0.5))
     prompts = [prompt(i) for i in range(16)]
     reference = asyncio.run(run_all(backend, prompts, params))
     fired = asyncio.Event()
@@ -376,7 +380,7 @@ SEEDED = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=1234, ign
 def _fresh_victim(cluster, node_id: str):
     """A new node actor on w1's raylet (its first actor is gone), to be killed by the test."""
     local, nodes = cluster
-    start_node_actor(nodes["w1"], node_actor_config(node_id, ENGINE, heartbeat_s=0.5))
+    start_node_actor(nodes["w1"], node_actor_config(node_id, ENGINE, heartbeat_s=0.5, link_token=LINK_TOKEN))
     assert wait_for(lambda: any(n["node_id"] == node_id and n["status"] == "alive"
                                 for n in ray.get(coordinator().nodes.remote())))
     return ray.get_actor(node_actor_name(node_id), namespace="orchard")
@@ -390,7 +394,7 @@ def test_penalised_greedy_and_seeded_streams_continue_exactly_after_their_node_d
     except ValueError:
         pass
     victim = _fresh_victim(cluster, "w1-penalties")
-    backend = RayBackend(RayBackendConfig(policy="round_robin", stall_check_s=0.5))
+    backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN, policy="round_robin", stall_check_s=0.5))
     kinds = [PENALISED_GREEDY if (i // 2) % 2 == 0 else SEEDED for i in range(12)]
     prompts = [prompt(i + 500) for i in range(12)]
 
@@ -420,7 +424,7 @@ def test_a_stream_with_n_choices_that_loses_its_node_ends_with_an_error_not_repe
     from cluster.gateway.ray_backend import ResumeImpossible
 
     victim = _fresh_victim(cluster, "w1-choices")
-    backend = RayBackend(RayBackendConfig(policy="round_robin", stall_check_s=0.5))
+    backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN, policy="round_robin", stall_check_s=0.5))
     params = SamplingParams(max_tokens=48, temperature=0.8, seed=5, n=3, ignore_eos=True)
     fired = asyncio.Event()
 

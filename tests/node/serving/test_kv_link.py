@@ -18,7 +18,8 @@ from node.engine import EngineConfig, LLMEngine
 from node.serving import link_auth as auth
 from node.serving import link_io
 from node.serving.direct_path import DirectPath
-from node.serving.kv_link import KVLinkConfig, LinkRefused, connect
+from node.serving.kv_link import KVLinkConfig, connect
+from node.serving.link_auth import LinkRefused
 from node.serving.migration import BlockMover
 from node.types import SamplingParams
 
