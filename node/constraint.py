@@ -35,6 +35,9 @@ class UnsupportedConstraint(InvalidSamplingParams):
     def __init__(self, message: str):
         super().__init__("constraint", message)
 
+    def __reduce__(self):
+        return UnsupportedConstraint, (self.message,)
+
 
 @dataclass(frozen=True)
 class Constraint:

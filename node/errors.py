@@ -1,5 +1,7 @@
 """Named request errors: sampling parameters refused where they are built, and what the engine refuses at
-`add_request`; nothing is queued when they fire."""
+`add_request`; nothing is queued when they fire. Each survives pickling with its fields (a node's refusal
+reaches the gateway pickled, over its link or through Ray), which an exception whose constructor takes
+other arguments than its message does not without `__reduce__`."""
 
 
 class InvalidSamplingParams(ValueError):
@@ -7,7 +9,10 @@ class InvalidSamplingParams(ValueError):
 
     def __init__(self, param: str, message: str):
         super().__init__(f"{param}: {message}")
-        self.param = param
+        self.param, self.message = param, message
+
+    def __reduce__(self):
+        return InvalidSamplingParams, (self.param, self.message)
 
 
 class EngineError(Exception):
@@ -22,6 +27,9 @@ class PromptTooLong(EngineError):
         )
         self.prompt_tokens = prompt_tokens
         self.max_model_len = max_model_len
+
+    def __reduce__(self):
+        return PromptTooLong, (self.prompt_tokens, self.max_model_len)
 
 
 class InvalidPrompt(EngineError):

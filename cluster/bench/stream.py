@@ -1,5 +1,6 @@
-"""Node -> gateway transport: a Ray generator per request, the coalesced Ray stream, and the same
-coalesced messages over the node's direct output link (`node.serving.output_link`).
+"""Gateway <-> node transport: a Ray generator per request, the coalesced Ray stream (submitted by a
+Ray call), and the node's direct gateway link (`node.serving.gateway_link`: submissions and the
+same coalesced messages).
 
 `python -m cluster.bench.stream`: one node actor on a local Ray, the same requests every
 way, alternating: TTFT one request at a time (1-token answers), then output tok/s of 32
@@ -17,7 +18,7 @@ import time
 from cluster.gateway.node_streams import NodeStreams, next_item
 from cluster.runtime.ray_cluster import LocalCluster, ensure_coordinator, node_actor_config, start_node_actor
 from node.engine import EngineConfig
-from node.serving.output_link import output_link_key
+from node.serving.gateway_link import gateway_link_key
 from node.types import SamplingParams
 
 FIRST = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
@@ -28,14 +29,14 @@ def prompt(seed: int, length: int) -> list[int]:
 
 
 PATHS = ("generator", "coalesced", "direct")
-#: The bench's own cluster secret: the node listens for output links with it, the direct path holds it.
+#: The bench's own cluster secret: the node listens for gateway links with it, the direct path holds it.
 LINK_TOKEN = secrets.token_urlsafe(32)
 
 
 class Paths:
     def __init__(self, actor):
         self.actor, self.streams = actor, NodeStreams()
-        self.direct_streams = NodeStreams(output_link_key(LINK_TOKEN))
+        self.direct_streams = NodeStreams(gateway_link_key(LINK_TOKEN))
 
     async def generator(self, request_id: str, tokens: list[int], params: SamplingParams, first_only: bool) -> int:
         count = 0
@@ -49,7 +50,8 @@ class Paths:
                         streams: NodeStreams | None = None) -> int:
         streams = streams or self.streams
         queue, receiver = streams.open("n", self.actor, request_id)
-        await self.actor.submit.remote(receiver, request_id, tokens, params)
+        if not await streams.submit("n", request_id, tokens, params):  # over the link when there is one
+            await self.actor.submit.remote(receiver, request_id, tokens, params)
         count = 0
         try:
             while True:
@@ -80,8 +82,8 @@ async def measure(paths: Paths, samples: int, clients: int, output_tokens: int) 
             calls = [getattr(paths, name)(f"r{name}{round_}-{i}", prompt(1000 + i, 128), params, False) for i in range(clients)]
             tokens = sum(await asyncio.gather(*calls))
             rates[name].append(tokens / (time.perf_counter() - started))
-    if paths.direct_streams.direct_readers != 1:
-        raise RuntimeError("the direct path read the node's Ray stream: no output link was made")
+    if paths.direct_streams.direct_readers != 1 or not paths.direct_streams.direct_submissions:
+        raise RuntimeError("the direct path went through Ray: no gateway link was made")
     return {"ttft": ttft, "rates": rates, "messages": paths.streams.messages, "outputs": paths.streams.outputs}
 
 

@@ -2,8 +2,9 @@
 
 One output stream per node for this gateway process, read by one task that fans each
 message's outputs out to the queues of the requests waiting for them. The stream is the
-node's direct output link (`node.serving.output_link`) when the gateway holds the cluster's
-key and the node listens, else the node's `outputs` Ray stream. A stream that
+node's direct gateway link (`node.serving.gateway_link`) when the gateway holds the cluster's
+key and the node listens, else the node's `outputs` Ray stream; over a link, requests are
+submitted on it too (`submit`), and the node's answers come back among the outputs. A stream that
 breaks or ends means its node is gone: every request waiting on it gets `NodeLost`,
 which the caller turns into a resume elsewhere.
 """
@@ -19,8 +20,8 @@ from dataclasses import dataclass
 
 import ray
 
+from node.serving.gateway_link import Accepted, Refused, open_gateway_link, read_messages, write_frame
 from node.serving.link_auth import LinkRefused
-from node.serving.output_link import open_output_link, read_messages
 from node.types import RequestOutput
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class _Reader:
     task: asyncio.Task
     name: str
     actor_id: object  # the incarnation it reads: a replaced actor keeps the node id, not this
+    link: asyncio.Future  # its gateway link's writer once connected, None when it reads a Ray stream
 
 
 class NodeStreams:
@@ -44,10 +46,12 @@ class NodeStreams:
 
     def __init__(self, key: bytes | None = None):
         self.receiver = f"gateway-{uuid.uuid4().hex[:12]}"
-        self._key = key  # the nodes' output link key (node.serving.output_link); None: Ray streams only
+        self._key = key  # the nodes' gateway link key (node.serving.gateway_link); None: Ray streams only
         self.direct_readers = 0  # readers that got a direct link (each event loop's readers are its own)
+        self.direct_submissions = 0  # requests submitted over a link
         self._direct: set[str] = set()  # their names
         self._queues: dict[tuple[str, str], tuple[asyncio.Queue, str]] = {}  # -> (queue, its reader's name)
+        self._answers: dict[tuple[str, str], tuple[asyncio.Future, str]] = {}  # submissions over a link, waiting
         self._readers: dict[str, _Reader] = {}
         self._numbers = itertools.count()
         self.messages = 0  # messages received, for tests and stats: about one per engine step
@@ -62,9 +66,9 @@ class NodeStreams:
         if reader is None or reader.task.done() or reader.actor_id != actor._actor_id:
             if reader is not None:
                 reader.task.cancel()  # it read an actor this node no longer has
-            name = f"{self.receiver}-{next(self._numbers)}"
-            task = asyncio.get_running_loop().create_task(self._read(node_id, actor, name))
-            reader = self._readers[node_id] = _Reader(task, name, actor._actor_id)
+            name, link = f"{self.receiver}-{next(self._numbers)}", asyncio.get_running_loop().create_future()
+            task = asyncio.get_running_loop().create_task(self._read(node_id, actor, name, link))
+            reader = self._readers[node_id] = _Reader(task, name, actor._actor_id, link)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[(node_id, request_id)] = (queue, reader.name)
         return queue, reader.name
@@ -74,6 +78,29 @@ class NodeStreams:
         """Nodes whose outputs this gateway reads over a direct link now."""
         return sum(1 for r in self._readers.values() if r.name in self._direct and not r.task.done())
 
+    async def submit(self, node_id: str, request_id: str, prompt: list[int], params) -> bool:
+        """Submit an opened request over its node's gateway link: True once the engine took it; raises
+        what the node refused it with, or NodeLost. False when the node's reader has no link (the
+        caller submits through Ray)."""
+        reader = self._readers.get(node_id)
+        writer = await asyncio.shield(reader.link) if reader is not None else None
+        if writer is None:
+            return False
+        answer = asyncio.get_running_loop().create_future()
+        self._answers[(node_id, request_id)] = (answer, reader.name)
+        try:
+            write_frame(writer, ("submit", request_id, prompt, params))
+            await writer.drain()
+            item = await answer
+        except ConnectionError as exc:
+            raise NodeLost(repr(exc)) from exc
+        finally:
+            self._answers.pop((node_id, request_id), None)
+        if isinstance(item, Refused):
+            raise item.error
+        self.direct_submissions += 1
+        return True
+
     def close(self, node_id: str, request_id: str) -> None:
         self._queues.pop((node_id, request_id), None)
 
@@ -81,48 +108,68 @@ class NodeStreams:
         for reader in self._readers.values():
             reader.task.cancel()
 
-    async def _read(self, node_id: str, actor, name: str) -> None:
-        messages = None
+    async def _read(self, node_id: str, actor, name: str, link: asyncio.Future) -> None:
+        messages, writer, lost = None, None, NodeLost("the node's output stream ended")
         try:
-            messages = await self._messages(node_id, actor, name)
+            messages, writer = await self._messages(node_id, actor, name)
+            link.set_result(writer)
             async for batch in messages:
                 self.messages += 1
                 self.outputs += len(batch)
                 for item in batch:
-                    waiting = self._queues.get((node_id, item.request_id))
-                    if waiting is not None and waiting[1] == name:
-                        waiting[0].put_nowait(item)
-            lost = NodeLost("the node's output stream ended")
+                    self._route(node_id, name, item)
         except asyncio.CancelledError:
             raise  # closing `messages` below ends the stream: the node then aborts this reader's requests
         except Exception as exc:  # the actor died, its raylet went away, the link broke, or Ray is shutting down
             lost = NodeLost(repr(exc))
         finally:
+            if not link.done():
+                link.set_result(None)
             if messages is not None:
                 await messages.aclose()
+            if writer is not None:
+                writer.close()
+            self._end(node_id, name, lost)
         log.warning("output stream of node %s closed: %s", node_id, lost)
+
+    def _route(self, node_id: str, name: str, item) -> None:
+        if isinstance(item, (Accepted, Refused)):
+            waiting = self._answers.get((node_id, item.request_id))
+            if waiting is not None and waiting[1] == name and not waiting[0].done():
+                waiting[0].set_result(item)
+            return
+        waiting = self._queues.get((node_id, item.request_id))
+        if waiting is not None and waiting[1] == name:
+            waiting[0].put_nowait(item)
+
+    def _end(self, node_id: str, name: str, lost: NodeLost) -> None:
+        """The reader `name` stopped: whoever waits on it, for outputs or for an answer, gets `lost`."""
         reader = self._readers.get(node_id)
         if reader is not None and reader.name == name:
             del self._readers[node_id]
         for (node, _), (queue, reader_name) in list(self._queues.items()):
             if node == node_id and reader_name == name:
                 queue.put_nowait(lost)
+        for (node, _), (answer, reader_name) in list(self._answers.items()):
+            if node == node_id and reader_name == name and not answer.done():
+                answer.set_exception(lost)
 
-    async def _messages(self, node_id: str, actor, name: str) -> AsyncIterator[list]:
-        """The node's messages for `name`: over its direct output link when it has one we hold the key
-        to, else over its Ray stream."""
+    async def _messages(self, node_id: str, actor, name: str) -> tuple[AsyncIterator[list], asyncio.StreamWriter | None]:
+        """The node's messages for `name`, and the link's writer: over its gateway link when it has one we
+        hold the key to, else over its Ray stream (no writer)."""
         if self._key is not None:
-            address = (await actor.info.remote()).get("output_link")
+            address = (await actor.info.remote()).get("gateway_link")
             if address:
                 try:
-                    sock = await asyncio.to_thread(open_output_link, address, self._key, node_id, name)
+                    sock = await asyncio.to_thread(open_gateway_link, address, self._key, node_id, name)
                 except (OSError, LinkRefused) as exc:
-                    log.warning("node %s: no direct output link (%s); reading its Ray stream", node_id, exc)
+                    log.warning("node %s: no direct gateway link (%s); reading its Ray stream", node_id, exc)
                 else:
+                    reader, writer = await asyncio.open_connection(sock=sock)
                     self.direct_readers += 1
                     self._direct.add(name)
-                    return read_messages(sock)
-        return _ray_messages(actor, name)
+                    return read_messages(reader), writer
+        return _ray_messages(actor, name), None
 
 
 async def _ray_messages(actor, name: str) -> AsyncIterator[list]:

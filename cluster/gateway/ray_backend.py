@@ -42,7 +42,8 @@ from cluster.gateway.served_models import RETRY_S, ServedModels
 from cluster.runtime.ray_cluster import node_actor_name
 from kvcache.hashing import block_hashes
 from node.async_engine import EngineStepFailed
-from node.serving.output_link import output_link_key
+from node.errors import EngineError, InvalidSamplingParams
+from node.serving.gateway_link import gateway_link_key
 from node.serving.output_streams import StreamFailed
 from node.serving.stream_delta import Cumulative
 from node.types import RequestOutput, SamplingParams
@@ -79,7 +80,7 @@ class RayBackendConfig:
     migration: MigrationPolicy = field(default_factory=MigrationPolicy)
     # How stale the gateway's list of served models may be (a new model shows up within this).
     specs_refresh_s: float = 1.0
-    # The cluster's secret for the nodes' direct output links; None: the Ray token in the environment
+    # The cluster's secret for the nodes' direct gateway links; None: the Ray token in the environment
     # (as the nodes take it). Without either, outputs come over Ray streams.
     link_token: str | None = None
 
@@ -94,7 +95,7 @@ class RayBackend:
         self._actors: dict[str, Any] = {}
         self._active: dict[str, tuple[str, str]] = {}  # request id -> (node id, id on that node)
         self._awaiting_first_output: set[str] = set()
-        self._streams = NodeStreams(output_link_key(self.config.link_token))  # one coalesced output stream per node
+        self._streams = NodeStreams(gateway_link_key(self.config.link_token))  # one coalesced output stream per node
         self._closed = False
         self.resumed_mid_stream = 0  # requests that lost a node after streaming some tokens
         self.last_migration: MigrationOutcome | None = None
@@ -172,7 +173,7 @@ class RayBackend:
         summary = summarize_nodes(", ".join(info["models"]), nodes, await self.queue_depth())
         summary["coordinator"] = {k: info[k] for k in ("policy", "index", "routing", "recent_decisions", "uptime_s")}
         summary["resumed_mid_stream"] = self.resumed_mid_stream
-        summary["direct_output_links"] = self._streams.direct_links  # nodes whose outputs come off Ray now
+        summary["direct_gateway_links"] = self._streams.direct_links  # nodes whose outputs come off Ray now
         return summary
 
     async def _node_stats(self, row: dict) -> dict:
@@ -229,8 +230,12 @@ class RayBackend:
             try:
                 actor = await self._actor(node_id)
                 queue, receiver = self._streams.open(node_id, actor, attempt_id)  # before submitting: no output is missed
-                await actor.submit.remote(receiver, attempt_id, prompt, params)
+                if not await self._streams.submit(node_id, attempt_id, prompt, params):  # over the node's link, or
+                    await actor.submit.remote(receiver, attempt_id, prompt, params)  # through Ray
                 return actor, queue
+            except (EngineError, InvalidSamplingParams):
+                self._streams.close(node_id, attempt_id)
+                raise  # refused by the engine: the client's error, not a lost node
             except (ValueError, *NODE_LOST_ERRORS) as exc:  # ValueError: no actor by that name any more
                 self._streams.close(node_id, attempt_id)
                 self._actors.pop(node_id, None)

@@ -2,7 +2,7 @@
 
     actor.py           the engine as a Ray actor: streams outputs, reports what it holds to the coordinator
     output_streams.py  a node's outputs to one receiver, coalesced into one message per step
-    output_link.py     those messages to a gateway over a direct, authenticated connection (Ray's stream the fallback)
+    gateway_link.py    a gateway's requests in and those messages out over a direct, authenticated connection (Ray the fallback)
     stream_delta.py    what an output stream carries over the network: only what is new
     migration.py       KV block migration: export, pull-and-import, link probes
     kv_link.py         the direct KV data path between two nodes: listener and client

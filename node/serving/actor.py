@@ -14,8 +14,9 @@ actor's event loop only moves requests in and outputs out. Two duties beyond ser
   `pull_blocks`; the payload goes from the source's object store straight to the target.
   On joining, a node probes the link to each peer so migration can be costed at all.
 
-Outputs leave on a gateway's direct connection (`node.serving.output_link`) when the cluster
-has a secret, else on the `outputs` Ray stream; both carry what `Subscribers` gathered.
+A gateway's requests arrive and their outputs leave on its direct connection
+(`node.serving.gateway_link`) when the cluster has a secret, else through `submit` and the
+`outputs` Ray stream; both streams carry what `Subscribers` gathered.
 
 The node never imports `cluster`: the coordinator is found by the name and namespace the
 cluster side hands over in `NodeActorConfig`, and spoken to in plain dicts.
@@ -40,11 +41,11 @@ from node.async_engine import AsyncEngine
 from node.engine import EngineConfig
 from node.serving.agent import COLD_TIER_DIR_ENV, COLD_TIER_GB_ENV
 from node.serving.direct_path import DirectPath
+from node.serving.gateway_link import GatewayLinkServer, gateway_link_key
 from node.serving.hardware import describe_machine
 from node.serving.kv_link import KVLinkConfig
 from node.serving.link_auth import link_key
 from node.serving.migration import BlockMover, PullResult
-from node.serving.output_link import OutputLinkServer, output_link_key
 from node.serving.output_streams import Subscribers
 from node.serving.stream_delta import only_new
 from node.types import RequestOutput, SamplingParams
@@ -118,7 +119,7 @@ class NodeActor:
         self.mover = BlockMover(self.engine)
         self.direct = DirectPath(self.mover, config.node_id, link_key(config.link_token), listen_config(config.link))
         self.subscribers = Subscribers()
-        self.output_link: OutputLinkServer | None = None  # listening once started, when a key is set
+        self.gateway_link: GatewayLinkServer | None = None  # listening once started, when a key is set
         self._background: set[asyncio.Task] = set()
         self.engine.add_kv_listener(self._push_kv_events)
 
@@ -128,7 +129,7 @@ class NodeActor:
         self._loop = asyncio.get_running_loop()
         freeze_loaded_objects()
         self.direct.start()  # before registering: the info carries its address
-        self._start_output_link()
+        self._start_gateway_link()
         await self._register()
         if self._heartbeat_task is None:
             self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
@@ -154,7 +155,7 @@ class NodeActor:
             "kv_blocks_total": int(engine.stats()["kv"].get("blocks_total", 0)),
             "actor_name": ray.get_runtime_context().get_actor_name(),
             "kv_link": self.direct.address or "",
-            "output_link": self.output_link.address if self.output_link is not None else "",
+            "gateway_link": self.gateway_link.address if self.gateway_link is not None else "",
             "max_num_seqs": engine.config.max_num_seqs,
             **describe_machine(),
         }
@@ -200,7 +201,7 @@ class NodeActor:
             "kv_migrated_blocks": counters.migrated_blocks,
             "kv_migration_failures": counters.migration_failures,
             "kv_link_refused": self.direct.refused,  # connections to this node's listener that failed the handshake
-            "output_link_refused": self.output_link.refused if self.output_link is not None else 0,
+            "gateway_link_refused": self.gateway_link.refused if self.gateway_link is not None else 0,
         }
 
     # ---- KV migration --------------------------------------------------------------
@@ -241,16 +242,16 @@ class NodeActor:
 
     def shutdown(self) -> None:
         self.direct.close()
-        if self.output_link is not None:
-            self.output_link.close()
+        if self.gateway_link is not None:
+            self.gateway_link.close()
         self.engine.shutdown()
 
-    def _start_output_link(self) -> None:
-        key = output_link_key(self.config.link_token)
-        if key is not None and self.output_link is None:
+    def _start_gateway_link(self) -> None:
+        key = gateway_link_key(self.config.link_token)
+        if key is not None and self.gateway_link is None:
             host = listen_config(self.config.link).host
-            self.output_link = OutputLinkServer(key, self.node_id, self.subscribers, self._loop, host)
-            self.output_link.start()
+            self.gateway_link = GatewayLinkServer(key, self.node_id, self.subscribers, self.submit, self._loop, host)
+            self.gateway_link.start()
 
     def _report(self, result: PullResult) -> dict:
         report = result.to_dict()

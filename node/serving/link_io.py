@@ -1,4 +1,4 @@
-"""Bytes on an authenticated link's socket (`node.serving.kv_link`, `node.serving.output_link`):
+"""Bytes on an authenticated link's socket (`node.serving.kv_link`, `node.serving.gateway_link`):
 the listener, framing, payloads, timeouts.
 
 Once authenticated, a connection is in blocking mode with the kernel's send and receive

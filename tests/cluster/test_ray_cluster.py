@@ -33,7 +33,7 @@ BLOCK = 16
 ENGINE = EngineConfig(block_size=BLOCK, num_blocks=96, max_num_seqs=16, max_num_batched_tokens=256)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 # The nodes' and the gateways' secret, as `orchard serve` and `orchard head` give both: outputs then
-# come over the nodes' direct output links (tests/cluster/test_migration.py keeps Ray streams).
+# come over the nodes' direct gateway links (tests/cluster/test_migration.py keeps Ray streams).
 LINK_TOKEN = "a-test-cluster-token-for-the-output-link-0"
 
 
@@ -277,7 +277,8 @@ def test_a_node_sends_its_requests_outputs_coalesced_not_one_object_per_token(cl
     prompts = [prompt(5000 + i, 24) for i in range(12)]
     asyncio.run(run_all(backend, prompts, GREEDY))  # every output checked against its deltas in collect()
     streams = backend._streams
-    assert streams.direct_readers == 3  # one direct output link per node, not a Ray stream
+    assert streams.direct_readers == 3  # one direct gateway link per node, not a Ray stream
+    assert streams.direct_submissions == 12  # and every request submitted over it, not by a Ray call
     assert streams.outputs >= 12 * GREEDY.max_tokens
     # Four requests per node decode in the same steps: a message carries a step's outputs of all of them.
     assert streams.messages * 2 <= streams.outputs, (streams.messages, streams.outputs)
