@@ -284,6 +284,19 @@ def test_a_node_sends_its_requests_outputs_coalesced_not_one_object_per_token(cl
     assert streams.messages * 2 <= streams.outputs, (streams.messages, streams.outputs)
 
 
+@pytest.mark.parametrize("link_token", [LINK_TOKEN, None], ids=["over the gateway link", "through Ray"])
+def test_a_request_the_node_refuses_raises_the_engines_error_and_loses_no_node(cluster, link_token):
+    from node.errors import PromptTooLong
+
+    backend = RayBackend(RayBackendConfig(link_token=link_token, policy="round_robin"))
+    limit = ray.get(ray.get_actor(node_actor_name("head"), namespace="orchard").info.remote())["max_model_len"]
+    with pytest.raises(PromptTooLong) as refused:
+        asyncio.run(collect(backend, f"too-long-{link_token is None}", prompt(7, limit + 5), GREEDY))
+    assert (refused.value.prompt_tokens, refused.value.max_model_len) == (limit + 5, limit)
+    assert backend._streams.direct_submissions == 0 and backend.resumed_mid_stream == 0
+    assert all(n["status"] == "alive" for n in ray.get(coordinator().nodes.remote()))  # not taken for a lost node
+
+
 def test_round_robin_ignores_the_prefix(cluster):
     backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN, policy="round_robin"))
     shared = prompt(2000, 64)
