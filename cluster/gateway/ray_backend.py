@@ -230,8 +230,13 @@ class RayBackend:
             try:
                 actor = await self._actor(node_id)
                 queue, receiver = self._streams.open(node_id, actor, attempt_id)  # before submitting: no output is missed
-                if not await self._streams.submit(node_id, attempt_id, prompt, params):  # over the node's link, or
-                    await actor.submit.remote(receiver, attempt_id, prompt, params)  # through Ray
+                try:
+                    if not await self._streams.submit(node_id, attempt_id, prompt, params):  # over the node's link, or
+                        await actor.submit.remote(receiver, attempt_id, prompt, params)  # through Ray
+                except asyncio.CancelledError:  # the client left while the submission was on its way
+                    self._streams.close(node_id, attempt_id)
+                    _abort_on(actor, attempt_id)
+                    raise
                 return actor, queue
             except (EngineError, InvalidSamplingParams):
                 self._streams.close(node_id, attempt_id)

@@ -297,6 +297,34 @@ def test_a_request_the_node_refuses_raises_the_engines_error_and_loses_no_node(c
     assert all(n["status"] == "alive" for n in ray.get(coordinator().nodes.remote()))  # not taken for a lost node
 
 
+def test_a_client_that_leaves_while_its_request_is_submitted_has_it_aborted_on_the_node(cluster):
+    backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN, policy="round_robin"))
+    asyncio.run(collect(backend, "warm-links", prompt(8), GREEDY))  # links open: the next submit is one write
+    node_id = ray.get(coordinator().recent_decisions.remote(1))[0]["node_id"]
+    actor = ray.get_actor(node_actor_name(node_id), namespace="orchard")
+    before = ray.get(actor.stats.remote())["aborted_requests"]
+    # The node's engine thread is held for a second: a submission waits that long for the engine to take it.
+    actor.__ray_call__.remote(lambda node: node.engine._commands.put(("call", lambda _: time.sleep(1.0), lambda *_: None, False)))
+    time.sleep(0.2)
+
+    async def leave_while_submitting():
+        backend._streams.open(node_id, actor, "leaves")  # the reader of this event loop, linked before the submit
+        await asyncio.sleep(0.3)
+        task = asyncio.ensure_future(backend._submit(node_id, "leaves", prompt(9), SamplingParams(max_tokens=64, temperature=0.0)))
+        await asyncio.sleep(0.2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # Watched while this loop, and so its link to the node, stays open: closing it would abort the request too.
+        for _ in range(50):
+            if (await actor.stats.remote())["aborted_requests"] == before + 1:
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    assert asyncio.run(leave_while_submitting())
+
+
 def test_round_robin_ignores_the_prefix(cluster):
     backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN, policy="round_robin"))
     shared = prompt(2000, 64)
