@@ -1,7 +1,7 @@
 """A gateway's direct connection to a node: its requests in, their outputs out, instead of Ray calls.
 
 Why: through Ray a request's submission took 1.5-1.7 ms to reach the engine thread and each
-output message 2.8 ms from the actor's yield to the gateway's reader on the 2-core VM, while
+output message 2.4-3.1 ms from the actor's yield to the gateway's reader on the 2-core VM, while
 the engine thread built the next step (docs/benchmarks.md, "Requests and outputs over a direct link"):
 Ray serializes, reports and fetches every call and item with Python work on both sides. Here
 each is one pickle, one write and one read. Ray's `submit` and `outputs` stay for a gateway
