@@ -1,7 +1,7 @@
 """The head's brain: membership, the cluster prefix index and the router in one object.
 
-`Coordinator` is a plain class so it is tested without Ray; `CoordinatorActor` is the same
-class as a Ray actor, deployed once per cluster as the named, detached actor
+`Coordinator` is a plain class so it is tested without Ray; `cluster.coordinator.service`
+makes it the Ray actor deployed once per cluster as the named, detached actor
 `orchard-coordinator` in namespace `orchard`. Its methods are synchronous and the actor
 runs them one at a time, so the state needs no locks.
 
@@ -20,8 +20,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-
-import ray
 
 from cluster.coordinator.link_cost import LinkCostFit, MigrationOverhead
 from cluster.coordinator.membership import Membership, MembershipConfig, NodeId, NodeInfo, NodeLoad, NodeStatus, UnknownNode
@@ -42,6 +40,7 @@ class CoordinatorConfig:
     membership: MembershipConfig = field(default_factory=MembershipConfig)
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
     pending_prefix_ttl_s: float = 30.0  # how long a routed prefix counts as held before its node reports it
+    link_token: str | None = None  # the cluster's secret for the route link; None: the Ray token in the environment
 
 
 @dataclass
@@ -379,8 +378,6 @@ def _node_row(state, index: PrefixIndex) -> dict:
         "death_reason": state.death_reason,
     }
 
-
-CoordinatorActor = ray.remote(Coordinator)
 
 
 def _resume_at_states(nodes) -> list[NodeId]:

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import ray
 
-from node.serving.gateway_link import Accepted, Refused, open_gateway_link, read_messages, write_frame
+from node.serving.gateway_link import Accepted, Refused, open_gateway_link, read_messages
 from node.serving.link_auth import LinkRefused
+from node.serving.link_io import write_frame
 from node.types import RequestOutput
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,8 @@ import ray
 import ray.exceptions as rex
 
 from cluster.coordinator.coordinator import COORDINATOR_NAME, NAMESPACE
-from cluster.coordinator.router import NoNodeAvailable
+from cluster.coordinator.route_link import RouteLinks, route_link_key
+from cluster.coordinator.router import NoNodeAvailable, RouteDecision
 from cluster.gateway.backend import ModelInfo, node_entry, summarize_nodes
 from cluster.gateway.block_pull import MigrationOutcome, MigrationPolicy, migration_hashes, pull_for_request
 from cluster.gateway.node_streams import NodeLost, NodeStreams, next_item
@@ -96,6 +97,7 @@ class RayBackend:
         self._active: dict[str, tuple[str, str]] = {}  # request id -> (node id, id on that node)
         self._awaiting_first_output: set[str] = set()
         self._streams = NodeStreams(gateway_link_key(self.config.link_token))  # one coalesced output stream per node
+        self._route_links = RouteLinks(route_link_key(self.config.link_token), self._coordinator.route_link.remote)
         self._closed = False
         self.resumed_mid_stream = 0  # requests that lost a node after streaming some tokens
         self.last_migration: MigrationOutcome | None = None
@@ -128,8 +130,8 @@ class RayBackend:
             while True:
                 attempt_prompt = list(prompt_token_ids) + progress.token_ids
                 attempt_hashes = hashes if not progress.token_ids else block_hashes(attempt_prompt, spec.block_size, spec.root)
-                decision = await self._ask(
-                    "route", model, attempt_hashes, len(attempt_prompt), spec.block_size, request_id, self.config.policy, lost,
+                decision = await self._route(
+                    model, attempt_hashes, len(attempt_prompt), spec.block_size, request_id, self.config.policy, lost,
                     session or "",
                 )
                 node_id = decision.node_id
@@ -174,6 +176,7 @@ class RayBackend:
         summary["coordinator"] = {k: info[k] for k in ("policy", "index", "routing", "recent_decisions", "uptime_s")}
         summary["resumed_mid_stream"] = self.resumed_mid_stream
         summary["direct_gateway_links"] = self._streams.direct_links  # nodes whose outputs come off Ray now
+        summary["route_link"] = self._route_links.connected
         return summary
 
     async def _node_stats(self, row: dict) -> dict:
@@ -270,6 +273,14 @@ class RayBackend:
         finally:
             if not task.done():
                 task.cancel()
+
+    async def _route(self, *args) -> RouteDecision:
+        """The coordinator's `route`: over its link when there is one (a write and a read), else through Ray."""
+        try:
+            decision = await self._route_links.route(*args)
+        except NoNodeAvailable:
+            decision = None  # ridden out through Ray below, as `_ask` rides it out
+        return decision if decision is not None else await self._ask("route", *args)
 
     async def _ask(self, method: str, *args):
         """Call the coordinator, riding out its restart and the moments before nodes re-register."""

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.coordinator.coordinator import COORDINATOR_NAME, NAMESPACE, CoordinatorActor, CoordinatorConfig
+from cluster.coordinator.coordinator import COORDINATOR_NAME, NAMESPACE, CoordinatorConfig
+from cluster.coordinator.service import CoordinatorActor
 
 NODE_RESOURCE = "orchard_node"
 NODE_ACTOR_PREFIX = "orchard-node-"

@@ -35,7 +35,7 @@ import msgpack
 
 from node.errors import EngineError
 from node.serving import link_auth as auth
-from node.serving.link_io import U32, Listener, recv_exact
+from node.serving.link_io import U32, Listener, read_frame, recv_exact, write_frame
 from node.serving.output_streams import Subscribers
 from node.types import SamplingParams
 
@@ -45,7 +45,6 @@ MAGIC = b"ORGWLNK1"
 KEY_PURPOSE = "gateway-link-v1"
 HANDSHAKE_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 2.0
-MAX_MESSAGE = 256 << 20  # a reader refuses a length past this: a broken stream, not a step's outputs
 _MAX_REQUEST = 4096
 
 
@@ -156,19 +155,6 @@ def _submission(request: object) -> tuple[str, list, SamplingParams]:
     return request[1], request[2], request[3]
 
 
-async def read_frame(reader: asyncio.StreamReader) -> object:
-    """One pickled frame off a link (raises IncompleteReadError once the peer has closed)."""
-    size = U32.unpack(await reader.readexactly(4))[0]
-    if size > MAX_MESSAGE:
-        raise ValueError(f"a message of {size} bytes")
-    return pickle.loads(await reader.readexactly(size))
-
-
-def write_frame(writer: asyncio.StreamWriter, item: object) -> None:
-    body = pickle.dumps(item, protocol=5)
-    writer.write(U32.pack(len(body)) + body)
-
-
 def _read_receiver(conn: socket.socket) -> str:
     header = recv_exact(conn, 4)
     size = U32.unpack(header)[0] if header is not None else 0
@@ -182,14 +168,10 @@ def _read_receiver(conn: socket.socket) -> str:
 
 
 def open_gateway_link(address: str, key: bytes, node_id: str, receiver: str) -> socket.socket:
-    """A blocking socket reading `node_id`'s outputs for `receiver` (run it in a thread); raises
+    """A blocking socket to `node_id` for `receiver`'s requests and outputs (run it in a thread); raises
     OSError or `link_auth.LinkRefused` when no link can be made."""
-    host, _, port = address.rpartition(":")
-    sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S)
+    sock = auth.dial(address, key, node_id, MAGIC, CONNECT_TIMEOUT_S, HANDSHAKE_TIMEOUT_S)
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(HANDSHAKE_TIMEOUT_S)
-        auth.open_handshake(sock, key, node_id, address, MAGIC)
         body = msgpack.packb({"receiver": receiver})
         sock.sendall(U32.pack(len(body)) + body)
         sock.settimeout(None)

@@ -244,12 +244,8 @@ class LinkStream:
 
 def connect(address: str, key: bytes, expected_node: str, config: KVLinkConfig) -> socket.socket:
     """An authenticated connection to `expected_node`'s listener (blocking: run it in a thread)."""
-    host, _, port = address.rpartition(":")
-    sock = socket.create_connection((host, int(port)), timeout=config.connect_timeout_s)
+    sock = auth.dial(address, key, expected_node, auth.MAGIC, config.connect_timeout_s, config.handshake_timeout_s)
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.settimeout(config.handshake_timeout_s)
-        auth.open_handshake(sock, key, expected_node, address)
         data_mode(sock, config.io_timeout_s)
         return sock
     except BaseException:

@@ -91,3 +91,19 @@ def open_handshake(sock: socket.socket, key: bytes, expected_node: str, address:
         raise LinkRefused(f"{address} refused our key, or is not node {expected_node!r}")
     if not proofs_equal(reply[:PROOF_SIZE], server_proof(key, nonce, server_nonce, expected_node)):
         raise LinkRefused(f"{address} does not hold the cluster's key")
+
+
+def dial(address: str, key: bytes, expected_node: str, magic: bytes = MAGIC, connect_timeout_s: float = 2.0,
+         handshake_timeout_s: float = 5.0) -> socket.socket:
+    """A blocking connection to `expected_node` at "host:port" that has proved `key` both ways (run it in a
+    thread); raises OSError or `LinkRefused`. Left with the handshake's timeout: the caller sets its own."""
+    host, _, port = address.rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=connect_timeout_s)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(handshake_timeout_s)
+        open_handshake(sock, key, expected_node, address, magic)
+        return sock
+    except BaseException:
+        sock.close()
+        raise

@@ -14,6 +14,8 @@ from memory between them, the second read from the CPU's cache.
 
 from __future__ import annotations
 
+import asyncio
+import pickle
 import socket
 import struct
 import threading
@@ -26,6 +28,20 @@ MAX_PIECES = 512  # per sendmsg; IOV_MAX is 1024 on Linux and macOS
 BATCH_BYTES = 512 << 10  # checksummed, then copied by the kernel, while still in a core's cache
 LANDING_BYTES = 512 << 10
 _WAITALL = getattr(socket, "MSG_WAITALL", 0)
+MAX_FRAME = 256 << 20  # a reader refuses a length past this: a broken stream, not a message
+
+
+async def read_frame(reader: asyncio.StreamReader) -> object:
+    """One pickled frame off an authenticated link (raises IncompleteReadError once the peer has closed)."""
+    size = U32.unpack(await reader.readexactly(4))[0]
+    if size > MAX_FRAME:
+        raise ValueError(f"a frame of {size} bytes")
+    return pickle.loads(await reader.readexactly(size))
+
+
+def write_frame(writer: asyncio.StreamWriter, item: object) -> None:
+    body = pickle.dumps(item, protocol=5)
+    writer.write(U32.pack(len(body)) + body)
 
 
 class Listener:

@@ -32,8 +32,8 @@ MODEL = "orchard-demo"
 BLOCK = 16
 ENGINE = EngineConfig(block_size=BLOCK, num_blocks=96, max_num_seqs=16, max_num_batched_tokens=256)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-# The nodes' and the gateways' secret, as `orchard serve` and `orchard head` give both: outputs then
-# come over the nodes' direct gateway links (tests/cluster/test_migration.py keeps Ray streams).
+# The cluster's secret for nodes, coordinator and gateways, as `orchard serve` and `orchard head` give it:
+# requests are routed and served over direct links (tests/cluster/test_migration.py keeps Ray's paths).
 LINK_TOKEN = "a-test-cluster-token-for-the-output-link-0"
 
 
@@ -42,7 +42,7 @@ def cluster():
     """Three raylets (head + two workers), one node actor each, and the coordinator."""
     local = LocalCluster(cpus_per_node=1).start(extra_nodes=2)
     try:
-        ensure_coordinator(CoordinatorConfig(membership=MembershipConfig(dead_after_s=6.0)))
+        ensure_coordinator(CoordinatorConfig(membership=MembershipConfig(dead_after_s=6.0), link_token=LINK_TOKEN))
         nodes, handles = {}, []  # non-detached actors live as long as a handle does
         ray_ids = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
         for i, ray_node_id in enumerate(sorted(ray_ids, key=lambda r: r != local.head_ray_node_id)):
@@ -161,12 +161,32 @@ def test_route_is_the_one_coordinator_call_a_request_waits_for(cluster):
             await collect(backend, f"one-call-{i}", prompt(3700 + i, 20), GREEDY)
         return info
 
-    assert asyncio.run(requests(0, 1)).name == MODEL  # warm: specs and tokenizer fetched once
-    backend._coordinator = CountingCoordinator(backend._coordinator)
-    asyncio.run(requests(1, 5))
+    async def warm_and_count():
+        assert (await requests(0, 1)).name == MODEL  # warm: specs, tokenizer and the route link, once
+        backend._coordinator = CountingCoordinator(backend._coordinator)
+        before = backend._route_links.calls
+        await requests(1, 5)
+        return backend._route_links.calls - before
+
+    routed_over_link = asyncio.run(warm_and_count())
     # prefill_done is not awaited; node_status is asked only while a stream is silent past stall_check_s.
     awaited = [m for m in backend._coordinator.calls if m not in ("prefill_done", "node_status")]
-    assert awaited == ["route"] * 5, backend._coordinator.calls
+    assert awaited == [] and routed_over_link == 5, backend._coordinator.calls  # each route over the link
+
+    through_ray = RayBackend(RayBackendConfig(link_token=None, specs_refresh_s=60.0))  # no key: no route link
+    ray_gateway = Gateway(through_ray, GatewayConfig())
+
+    async def counted_through_ray():
+        await ray_gateway.model(MODEL)
+        await collect(through_ray, "one-call-ray-0", prompt(3790, 20), GREEDY)
+        through_ray._coordinator = CountingCoordinator(through_ray._coordinator)
+        for i in range(1, 4):
+            await ray_gateway.model(MODEL)
+            await collect(through_ray, f"one-call-ray-{i}", prompt(3790 + i, 20), GREEDY)
+
+    asyncio.run(counted_through_ray())
+    awaited = [m for m in through_ray._coordinator.calls if m not in ("prefill_done", "node_status")]
+    assert awaited == ["route"] * 3, through_ray._coordinator.calls
 
 
 class SlowModelSpecs(CountingCoordinator):
@@ -279,6 +299,7 @@ def test_a_node_sends_its_requests_outputs_coalesced_not_one_object_per_token(cl
     streams = backend._streams
     assert streams.direct_readers == 3  # one direct gateway link per node, not a Ray stream
     assert streams.direct_submissions == 12  # and every request submitted over it, not by a Ray call
+    assert backend._route_links.calls == 12  # each routed over the coordinator's link, not by a Ray call
     assert streams.outputs >= 12 * GREEDY.max_tokens
     # Four requests per node decode in the same steps: a message carries a step's outputs of all of them.
     assert streams.messages * 2 <= streams.outputs, (streams.messages, streams.outputs)

@@ -84,6 +84,7 @@ def test_ray_served_stream_matches_the_whole_answer_and_disconnects_free_blocks(
     info = httpx.get(url + "/v1/cluster").json()
     assert len(info["nodes"]) == 1 and info["model"] == model
     assert info["direct_gateway_links"] == 1  # the node's outputs came over its gateway link, not a Ray stream
+    assert info["route_link"] is True  # and the routes over the coordinator's link, not Ray calls
     # Latencies carry the serving node's label, and its counters are fresh right after the requests.
     node = info["nodes"][0]["node"]
     metrics = httpx.get(url + "/metrics").text

@@ -18,9 +18,9 @@ from node.serving.gateway_link import (
     gateway_link_key,
     open_gateway_link,
     read_messages,
-    write_frame,
 )
 from node.serving.link_auth import LinkRefused
+from node.serving.link_io import write_frame
 from node.serving.output_streams import StreamFailed, Subscribers
 from node.types import CompletionOutput, RequestOutput, SamplingParams
 

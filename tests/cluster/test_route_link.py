@@ -1,0 +1,107 @@
+"""The coordinator's route over a gateway's direct link, without Ray: a `Coordinator` behind its
+listener on an event loop, a gateway's `RouteLink` calling it. Pins that a call over the link is
+the coordinator's own `route` (its decision, its bookkeeping), that calls in flight together get
+their own answers, that the coordinator's errors come back as themselves, that a peer without
+the key is refused and counted, and that a link that ends fails its waiting calls."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from cluster.coordinator.coordinator import Coordinator
+from cluster.coordinator.route_link import RouteLink, RouteLinkServer, route_link_key
+from cluster.coordinator.router import NoNodeAvailable, RouteDecision
+from kvcache.hashing import block_hashes, root_hash
+from node.serving.link_auth import LinkRefused
+
+KEY = route_link_key("a-cluster-token-of-at-least-32-characters")
+BS = 16
+
+
+def hashes(seed: int) -> list[bytes]:
+    return block_hashes([seed * 7 + i for i in range(3 * BS)], BS, root_hash("fp", ""))
+
+
+def run(scenario):
+    """Run `scenario(coordinator, server)` with nodes "a" and "b" registered and the listener on loopback."""
+    async def main():
+        coordinator = Coordinator()
+        for node_id in ("a", "b"):
+            coordinator.register_node(node_id, {"model": "demo", "block_size": BS})
+        server = RouteLinkServer(KEY, coordinator, asyncio.get_running_loop(), "127.0.0.1")
+        server.start()
+        try:
+            return await asyncio.wait_for(scenario(coordinator, server), 20)
+        finally:
+            server.close()
+
+    return asyncio.run(main())
+
+
+def test_a_call_over_the_link_is_the_coordinators_own_route():
+    async def scenario(coordinator, server):
+        link = await RouteLink.open(server.address, KEY)
+        decision = await link.route("demo", hashes(1), 3 * BS, BS, "req-1", "round_robin", ("a",), "")
+        link.close()
+        return decision, coordinator.recent_decisions(1)[0], server.calls
+
+    decision, recorded, calls = run(scenario)
+    assert isinstance(decision, RouteDecision) and decision.node_id == "b"  # "a" excluded, as asked
+    assert (recorded["node_id"], recorded["request_id"]) == ("b", "req-1") and calls == 1
+
+
+def test_calls_in_flight_together_each_get_their_own_answer():
+    async def scenario(coordinator, server):
+        link = await RouteLink.open(server.address, KEY)
+        calls = [link.route("demo", hashes(i), 3 * BS, BS, f"req-{i}", "round_robin", (), "") for i in range(8)]
+        decisions = await asyncio.gather(*calls)
+        link.close()
+        return decisions, coordinator.recent_decisions(8)
+
+    decisions, recorded = run(scenario)
+    assert sorted(d.node_id for d in decisions) == ["a"] * 4 + ["b"] * 4
+    by_request = {r["request_id"]: r["node_id"] for r in recorded}
+    assert all(by_request[f"req-{i}"] == d.node_id for i, d in enumerate(decisions))
+
+
+def test_the_coordinators_error_comes_back_as_itself_and_the_link_stays():
+    async def scenario(coordinator, server):
+        link = await RouteLink.open(server.address, KEY)
+        with pytest.raises(NoNodeAvailable) as refused:
+            await link.route("no-such-model", hashes(2), 3 * BS, BS, "req-x", None, (), "")
+        decision = await link.route("demo", hashes(3), 3 * BS, BS, "req-y", None, (), "")
+        link.close()
+        return refused.value, decision
+
+    refused, decision = run(scenario)
+    assert refused.model == "no-such-model" and decision.node_id in ("a", "b")
+
+
+def test_a_gateway_without_the_key_is_refused_and_counted():
+    async def scenario(coordinator, server):
+        with pytest.raises(LinkRefused):
+            await RouteLink.open(server.address, route_link_key("another-cluster-token-of-32-characters"))
+        for _ in range(100):  # the listener counts it on its own thread
+            if server.refused:
+                break
+            await asyncio.sleep(0.02)
+        return server.refused, coordinator.recent_decisions(1)
+
+    refused, recorded = run(scenario)
+    assert refused == 1 and recorded == []
+
+
+def test_a_link_that_ends_fails_its_waiting_calls_and_says_it_is_closed():
+    async def scenario(coordinator, server):
+        link = await RouteLink.open(server.address, KEY)
+        await link.route("demo", hashes(4), 3 * BS, BS, "req-1", None, (), "")
+        server.close()  # no new connections; the open one is cut by the peer below
+        link._writer.transport.abort()
+        await asyncio.sleep(0.1)
+        with pytest.raises(ConnectionError):
+            await link.route("demo", hashes(5), 3 * BS, BS, "req-2", None, (), "")
+        return link.closed
+
+    assert run(scenario)
