@@ -40,8 +40,6 @@ log = logging.getLogger(__name__)
 MAGIC = b"ORRTLNK1"
 KEY_PURPOSE = "route-link-v1"
 NAME = "coordinator"  # what the listener proves it is
-HANDSHAKE_TIMEOUT_S = 5.0
-CONNECT_TIMEOUT_S = 2.0
 
 
 def route_link_key(secret: str | None, environ=None) -> bytes | None:
@@ -61,8 +59,6 @@ class RouteLinkServer(Listener):
 
     def _admit(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if not auth.answer_handshake(conn, self.key, NAME, MAGIC):
                 self.refused += 1
                 conn.close()
@@ -147,7 +143,7 @@ class RouteLink:
 
 
 def _connect(address: str, key: bytes) -> socket.socket:
-    sock = auth.dial(address, key, NAME, MAGIC, CONNECT_TIMEOUT_S, HANDSHAKE_TIMEOUT_S)
+    sock = auth.dial(address, key, NAME, MAGIC)
     sock.settimeout(None)
     return sock
 

@@ -50,7 +50,6 @@ class NodeStreams:
         self._key = key  # the nodes' gateway link key (node.serving.gateway_link); None: Ray streams only
         self.direct_readers = 0  # readers that got a direct link (each event loop's readers are its own)
         self.direct_submissions = 0  # requests submitted over a link
-        self._direct: set[str] = set()  # their names
         self._queues: dict[tuple[str, str], tuple[asyncio.Queue, str]] = {}  # -> (queue, its reader's name)
         self._answers: dict[tuple[str, str], tuple[asyncio.Future, str]] = {}  # submissions over a link, waiting
         self._readers: dict[str, _Reader] = {}
@@ -77,7 +76,7 @@ class NodeStreams:
     @property
     def direct_links(self) -> int:
         """Nodes whose outputs this gateway reads over a direct link now."""
-        return sum(1 for r in self._readers.values() if r.name in self._direct and not r.task.done())
+        return sum(1 for r in self._readers.values() if not r.task.done() and r.link.done() and r.link.result() is not None)
 
     async def submit(self, node_id: str, request_id: str, prompt: list[int], params) -> bool:
         """Submit an opened request over its node's gateway link: True once the engine took it; raises
@@ -168,7 +167,6 @@ class NodeStreams:
                 else:
                     reader, writer = await asyncio.open_connection(sock=sock)
                     self.direct_readers += 1
-                    self._direct.add(name)
                     return read_messages(reader), writer
         return _ray_messages(actor, name), None
 

@@ -43,8 +43,6 @@ log = logging.getLogger(__name__)
 
 MAGIC = b"ORGWLNK1"
 KEY_PURPOSE = "gateway-link-v1"
-HANDSHAKE_TIMEOUT_S = 5.0
-CONNECT_TIMEOUT_S = 2.0
 _MAX_REQUEST = 4096
 
 
@@ -86,8 +84,6 @@ class GatewayLinkServer(Listener):
     def _admit(self, conn: socket.socket) -> None:
         """Handshake and request on this thread, then hand the connection to the event loop."""
         try:
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if not auth.answer_handshake(conn, self.key, self.node_id, MAGIC):
                 self.refused += 1
                 conn.close()
@@ -170,7 +166,7 @@ def _read_receiver(conn: socket.socket) -> str:
 def open_gateway_link(address: str, key: bytes, node_id: str, receiver: str) -> socket.socket:
     """A blocking socket to `node_id` for `receiver`'s requests and outputs (run it in a thread); raises
     OSError or `link_auth.LinkRefused` when no link can be made."""
-    sock = auth.dial(address, key, node_id, MAGIC, CONNECT_TIMEOUT_S, HANDSHAKE_TIMEOUT_S)
+    sock = auth.dial(address, key, node_id, MAGIC)
     try:
         body = msgpack.packb({"receiver": receiver})
         sock.sendall(U32.pack(len(body)) + body)

@@ -116,9 +116,7 @@ class KVLinkServer(link_io.Listener):
                 log.info("KV link %s: connection ended: %s", self.node_id, exc)
 
     def _handshake(self, conn: socket.socket) -> bool:
-        conn.settimeout(self.config.handshake_timeout_s)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return auth.answer_handshake(conn, self.key, self.node_id)
+        return auth.answer_handshake(conn, self.key, self.node_id, timeout_s=self.config.handshake_timeout_s)
 
     def _reply(self, conn: socket.socket, request: dict) -> None:
         if "probe" in request:

@@ -62,9 +62,16 @@ class LinkRefused(ConnectionError):
     """The peer is not the orchard link we meant, does not hold our key, or is not the node we meant."""
 
 
-def answer_handshake(conn: socket.socket, key: bytes, node_id: str, magic: bytes = MAGIC) -> bool:
-    """The listener's side, on a blocking socket: whether the peer proved `key` (we then proved it
-    and named `node_id`)."""
+HANDSHAKE_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 2.0
+
+
+def answer_handshake(conn: socket.socket, key: bytes, node_id: str, magic: bytes = MAGIC,
+                     timeout_s: float = HANDSHAKE_TIMEOUT_S) -> bool:
+    """The listener's side, on a freshly accepted blocking socket (given `timeout_s` and no Nagle delay
+    here): whether the peer proved `key` (we then proved it and named `node_id`)."""
+    conn.settimeout(timeout_s)
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     nonce = new_nonce()
     conn.sendall(magic + nonce)
     answer = recv_exact(conn, NONCE_SIZE + PROOF_SIZE)
@@ -93,8 +100,8 @@ def open_handshake(sock: socket.socket, key: bytes, expected_node: str, address:
         raise LinkRefused(f"{address} does not hold the cluster's key")
 
 
-def dial(address: str, key: bytes, expected_node: str, magic: bytes = MAGIC, connect_timeout_s: float = 2.0,
-         handshake_timeout_s: float = 5.0) -> socket.socket:
+def dial(address: str, key: bytes, expected_node: str, magic: bytes = MAGIC, connect_timeout_s: float = CONNECT_TIMEOUT_S,
+         handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S) -> socket.socket:
     """A blocking connection to `expected_node` at "host:port" that has proved `key` both ways (run it in a
     thread); raises OSError or `LinkRefused`. Left with the handshake's timeout: the caller sets its own."""
     host, _, port = address.rpartition(":")
