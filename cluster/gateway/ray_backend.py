@@ -81,8 +81,8 @@ class RayBackendConfig:
     migration: MigrationPolicy = field(default_factory=MigrationPolicy)
     # How stale the gateway's list of served models may be (a new model shows up within this).
     specs_refresh_s: float = 1.0
-    # The cluster's secret for the nodes' direct gateway links; None: the Ray token in the environment
-    # (as the nodes take it). Without either, outputs come over Ray streams.
+    # The cluster's secret for the direct links (the nodes' gateway links, the coordinator's route link); None:
+    # the Ray token in the environment (as nodes and coordinator take it). Without either, Ray carries it all.
     link_token: str | None = None
 
 
