@@ -50,7 +50,7 @@ class Paths:
                         streams: NodeStreams | None = None) -> int:
         streams = streams or self.streams
         queue, receiver = streams.open("n", self.actor, request_id)
-        if not await streams.submit("n", request_id, tokens, params):  # over the link when there is one
+        if not await streams.submit("n", self.actor, request_id, tokens, params):  # over the link when there is one
             await self.actor.submit.remote(receiver, request_id, tokens, params)
         count = 0
         try:

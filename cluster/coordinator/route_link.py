@@ -26,12 +26,11 @@ import itertools
 import logging
 import socket
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
-import ray.exceptions as rex
-
 from cluster.coordinator.coordinator import Coordinator
-from cluster.coordinator.router import RouteDecision
+from cluster.coordinator.router import NoNodeAvailable, RouteDecision
 from node.serving import link_auth as auth
 from node.serving.link_io import Listener, read_frame, write_frame
 
@@ -55,7 +54,8 @@ class RouteLinkServer(Listener):
         super().__init__(host, 0, self._admit, "route-link")
         self.key, self.coordinator, self.loop = key, coordinator, loop
         self.refused = 0  # connections that did not prove the key
-        self.calls = 0
+        self.connections = 0  # connections that did
+        self.calls = 0  # calls answered, with a decision or an error
 
     def _admit(self, conn: socket.socket) -> None:
         try:
@@ -63,6 +63,7 @@ class RouteLinkServer(Listener):
                 self.refused += 1
                 conn.close()
                 return
+            self.connections += 1
             conn.setblocking(False)
             asyncio.run_coroutine_threadsafe(self._serve(conn), self.loop)
         except OSError as exc:
@@ -149,45 +150,76 @@ def _connect(address: str, key: bytes) -> socket.socket:
 
 
 class RouteLinks:
-    """A gateway's route link for the event loop it serves on: connected on first use, dropped when it
-    breaks, tried again `RETRY_S` after none could be made (Ray routes meanwhile)."""
+    """A gateway's route link for the event loop it serves on: opened once by the first call (calls that
+    come meanwhile wait for that opening, not open links of their own), dropped when it breaks, tried
+    again `RETRY_S` after none could be made (Ray routes meanwhile)."""
 
     RETRY_S = 10.0
+    NO_NODE_RETRY_S = 0.25  # how often a route the coordinator has no node for is asked again
 
     def __init__(self, key: bytes | None, address: Callable[[], Awaitable[str]]):
         self.key, self._address = key, address  # address(): the coordinator's `route_link`, "" without a key
-        self._current: tuple[asyncio.AbstractEventLoop, RouteLink | None, float] | None = None  # (loop, link, when)
+        self._current: tuple[asyncio.AbstractEventLoop, asyncio.Task, float] | None = None  # (loop, opening, when)
         self.calls = 0  # routes decided over a link
+        self.through_ray: Counter[str] = Counter()  # why a route was left to Ray: "no link", "link broke"
 
     @property
     def connected(self) -> bool:
-        return self._current is not None and self._current[1] is not None and not self._current[1].closed
+        link = self._opened()
+        return link is not None and not link.closed
 
-    async def route(self, *args) -> RouteDecision | None:
-        """The decision over the link; None when there is none, or it just broke (route through Ray)."""
-        link = await self._link()
-        if link is None:
+    async def route(self, *args, wait_s: float = 0.0) -> RouteDecision | None:
+        """The decision over the link; None when there is none, or it just broke (route through Ray).
+        While the coordinator has no node for the model (the moments before nodes re-register) the
+        call is asked again, for up to `wait_s`, before its NoNodeAvailable is raised."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            link = await self._link()
+            if link is None:
+                self.through_ray["no link"] += 1
+                return None
+            try:
+                decision = await link.route(*args)
+            except ConnectionError:
+                self.through_ray["link broke"] += 1
+                if self._opened() is link:
+                    self._current = None  # the coordinator restarted, or went: the next call connects again
+                return None
+            except NoNodeAvailable:
+                if loop.time() >= deadline:
+                    raise
+                await asyncio.sleep(self.NO_NODE_RETRY_S)
+                continue
+            self.calls += 1
+            return decision
+
+    def _opened(self) -> RouteLink | None:
+        """The link the last opening made, once it is made."""
+        if self._current is None or not self._current[1].done() or self._current[1].cancelled():
             return None
-        try:
-            decision = await link.route(*args)
-        except ConnectionError:
-            self._current = None  # the coordinator restarted, or went: the next call connects again
-            return None
-        self.calls += 1
-        return decision
+        return self._current[1].result()
 
     async def _link(self) -> RouteLink | None:
         loop, now = asyncio.get_running_loop(), time.monotonic()
-        if self._current is not None and self._current[0] is loop:
-            link, since = self._current[1:]
-            if link is not None and not link.closed or link is None and now - since < self.RETRY_S:
-                return link
-        link = None
-        if self.key is not None:
-            try:
-                address = await self._address()
-                link = await RouteLink.open(address, self.key) if address else None
-            except (rex.RayError, OSError, auth.LinkRefused) as exc:
-                log.warning("no route link to the coordinator (%s); routing through Ray", exc)
-        self._current = (loop, link, now)
-        return link
+        if self._current is None or self._current[0] is not loop or self._spent(now):
+            self._current = (loop, loop.create_task(self._open()), now)
+        return await asyncio.shield(self._current[1])  # a caller that leaves does not cancel the others' opening
+
+    def _spent(self, now: float) -> bool:
+        """Whether the current opening is over and its link broke, or none was made `RETRY_S` ago."""
+        opening, since = self._current[1:]
+        if not opening.done():
+            return False
+        link = self._opened()
+        return link.closed if link is not None else opening.cancelled() or now - since >= self.RETRY_S
+
+    async def _open(self) -> RouteLink | None:
+        if self.key is None:
+            return None
+        try:
+            address = await self._address()
+            return await RouteLink.open(address, self.key) if address else None
+        except Exception as exc:  # whatever kept the link from being made, Ray routes: it reports real trouble itself
+            log.warning("no route link to the coordinator (%r); routing through Ray", exc)
+            return None

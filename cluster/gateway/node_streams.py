@@ -34,11 +34,10 @@ class NodeLost(RuntimeError):
 
 @dataclass
 class _Reader:
-    """The task reading one node actor's stream, under its own receiver name."""
+    """The task reading one node actor's stream (one incarnation of the node), under its own receiver name."""
 
     task: asyncio.Task
     name: str
-    actor_id: object  # the incarnation it reads: a replaced actor keeps the node id, not this
     link: asyncio.Future  # its gateway link's writer once connected, None when it reads a Ray stream
 
 
@@ -52,23 +51,24 @@ class NodeStreams:
         self.direct_submissions = 0  # requests submitted over a link
         self._queues: dict[tuple[str, str], tuple[asyncio.Queue, str]] = {}  # -> (queue, its reader's name)
         self._answers: dict[tuple[str, str], tuple[asyncio.Future, str]] = {}  # submissions over a link, waiting
-        self._readers: dict[str, _Reader] = {}
+        self._readers: dict[tuple[str, object], _Reader] = {}  # (node id, actor id) -> its reader
         self._numbers = itertools.count()
         self.messages = 0  # messages received, for tests and stats: about one per engine step
         self.outputs = 0
 
     def open(self, node_id: str, actor, request_id: str) -> tuple[asyncio.Queue, str]:
         """The queue `request_id`'s outputs from `node_id` will arrive on, and the receiver name to
-        submit it under; starts reading the node if no reader runs for this actor (each reader its
-        own name, so a stream left behind by an ended event loop, or by the node's previous actor,
-        never takes another reader's outputs)."""
-        reader = self._readers.get(node_id)
-        if reader is None or reader.task.done() or reader.actor_id != actor._actor_id:
-            if reader is not None:
-                reader.task.cancel()  # it read an actor this node no longer has
+        submit it under; starts reading `actor` if no reader runs for it. Readers go by actor, not by
+        node: a request still holding the handle of a node's actor that died (the node's name now
+        another actor's) gets a reader of its own that fails alone, never ending the new actor's.
+        Each reader has its own name, so a stream left behind by an ended event loop, or by the node's
+        previous actor, never takes another reader's outputs."""
+        key = (node_id, actor._actor_id)
+        reader = self._readers.get(key)
+        if reader is None or reader.task.done():
             name, link = f"{self.receiver}-{next(self._numbers)}", asyncio.get_running_loop().create_future()
-            task = asyncio.get_running_loop().create_task(self._read(node_id, actor, name, link))
-            reader = self._readers[node_id] = _Reader(task, name, actor._actor_id, link)
+            task = asyncio.get_running_loop().create_task(self._read(key, actor, name, link))
+            reader = self._readers[key] = _Reader(task, name, link)
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[(node_id, request_id)] = (queue, reader.name)
         return queue, reader.name
@@ -78,11 +78,11 @@ class NodeStreams:
         """Nodes whose outputs this gateway reads over a direct link now."""
         return sum(1 for r in self._readers.values() if not r.task.done() and r.link.done() and r.link.result() is not None)
 
-    async def submit(self, node_id: str, request_id: str, prompt: list[int], params) -> bool:
-        """Submit an opened request over its node's gateway link: True once the engine took it; raises
-        what the node refused it with, or NodeLost. False when the node's reader has no link (the
+    async def submit(self, node_id: str, actor, request_id: str, prompt: list[int], params) -> bool:
+        """Submit a request opened on `actor` over its gateway link: True once the engine took it; raises
+        what the node refused it with, or NodeLost. False when the actor's reader has no link (the
         caller submits through Ray)."""
-        reader = self._readers.get(node_id)
+        reader = self._readers.get((node_id, actor._actor_id))
         writer = await asyncio.shield(reader.link) if reader is not None else None
         if writer is None:
             return False
@@ -108,7 +108,8 @@ class NodeStreams:
         for reader in self._readers.values():
             reader.task.cancel()
 
-    async def _read(self, node_id: str, actor, name: str, link: asyncio.Future) -> None:
+    async def _read(self, key: tuple[str, object], actor, name: str, link: asyncio.Future) -> None:
+        node_id = key[0]
         messages, writer, lost = None, None, NodeLost("the node's output stream ended")
         try:
             messages, writer = await self._messages(node_id, actor, name)
@@ -129,7 +130,7 @@ class NodeStreams:
                 await messages.aclose()
             if writer is not None:
                 writer.close()
-            self._end(node_id, name, lost)
+            self._end(key, name, lost)
         log.warning("output stream of node %s closed: %s", node_id, lost)
 
     def _route(self, node_id: str, name: str, item) -> None:
@@ -142,11 +143,12 @@ class NodeStreams:
         if waiting is not None and waiting[1] == name:
             waiting[0].put_nowait(item)
 
-    def _end(self, node_id: str, name: str, lost: NodeLost) -> None:
+    def _end(self, key: tuple[str, object], name: str, lost: NodeLost) -> None:
         """The reader `name` stopped: whoever waits on it, for outputs or for an answer, gets `lost`."""
-        reader = self._readers.get(node_id)
+        node_id = key[0]
+        reader = self._readers.get(key)
         if reader is not None and reader.name == name:
-            del self._readers[node_id]
+            del self._readers[key]
         for (node, _), (queue, reader_name) in list(self._queues.items()):
             if node == node_id and reader_name == name:
                 queue.put_nowait(lost)

@@ -234,7 +234,7 @@ class RayBackend:
                 actor = await self._actor(node_id)
                 queue, receiver = self._streams.open(node_id, actor, attempt_id)  # before submitting: no output is missed
                 try:
-                    if not await self._streams.submit(node_id, attempt_id, prompt, params):  # over the node's link, or
+                    if not await self._streams.submit(node_id, actor, attempt_id, prompt, params):  # over the node's link, or
                         await actor.submit.remote(receiver, attempt_id, prompt, params)  # through Ray
                 except asyncio.CancelledError:  # the client left while the submission was on its way
                     self._streams.close(node_id, attempt_id)
@@ -246,7 +246,8 @@ class RayBackend:
                 raise  # refused by the engine: the client's error, not a lost node
             except (ValueError, *NODE_LOST_ERRORS) as exc:  # ValueError: no actor by that name any more
                 self._streams.close(node_id, attempt_id)
-                self._actors.pop(node_id, None)
+                if self._actors.get(node_id) is actor:
+                    del self._actors[node_id]  # a handle another request already looked up again stays
                 if not cached or not await self._replaced(node_id, actor):
                     raise NodeLost(repr(exc)) from exc
         raise AssertionError("unreachable: the second pass raises or returns")
@@ -275,11 +276,9 @@ class RayBackend:
                 task.cancel()
 
     async def _route(self, *args) -> RouteDecision:
-        """The coordinator's `route`: over its link when there is one (a write and a read), else through Ray."""
-        try:
-            decision = await self._route_links.route(*args)
-        except NoNodeAvailable:
-            decision = None  # ridden out through Ray below, as `_ask` rides it out
+        """The coordinator's `route`: over its link when there is one (a write and a read), else through
+        Ray; either way a route with no node for it yet is asked again until `coordinator_wait_s`."""
+        decision = await self._route_links.route(*args, wait_s=self.config.coordinator_wait_s)
         return decision if decision is not None else await self._ask("route", *args)
 
     async def _ask(self, method: str, *args):

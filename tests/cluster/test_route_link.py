@@ -2,7 +2,9 @@
 listener on an event loop, a gateway's `RouteLink` calling it. Pins that a call over the link is
 the coordinator's own `route` (its decision, its bookkeeping), that calls in flight together get
 their own answers, that the coordinator's errors come back as themselves, that a peer without
-the key is refused and counted, and that a link that ends fails its waiting calls."""
+the key is refused and counted, and that a link that ends fails its waiting calls. A gateway's
+`RouteLinks`: calls that arrive together share one connection, and a route the coordinator has no
+node for yet is asked again over the link, not through Ray."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import asyncio
 import pytest
 
 from cluster.coordinator.coordinator import Coordinator
-from cluster.coordinator.route_link import RouteLink, RouteLinkServer, route_link_key
+from cluster.coordinator.route_link import RouteLink, RouteLinks, RouteLinkServer, route_link_key
 from cluster.coordinator.router import NoNodeAvailable, RouteDecision
 from kvcache.hashing import block_hashes, root_hash
 from node.serving.link_auth import LinkRefused
@@ -24,11 +26,11 @@ def hashes(seed: int) -> list[bytes]:
     return block_hashes([seed * 7 + i for i in range(3 * BS)], BS, root_hash("fp", ""))
 
 
-def run(scenario):
-    """Run `scenario(coordinator, server)` with nodes "a" and "b" registered and the listener on loopback."""
+def run(scenario, nodes=("a", "b")):
+    """Run `scenario(coordinator, server)` with `nodes` registered and the listener on loopback."""
     async def main():
         coordinator = Coordinator()
-        for node_id in ("a", "b"):
+        for node_id in nodes:
             coordinator.register_node(node_id, {"model": "demo", "block_size": BS})
         server = RouteLinkServer(KEY, coordinator, asyncio.get_running_loop(), "127.0.0.1")
         server.start()
@@ -105,3 +107,45 @@ def test_a_link_that_ends_fails_its_waiting_calls_and_says_it_is_closed():
         return link.closed
 
     assert run(scenario)
+
+
+def links_to(server) -> RouteLinks:
+    """A gateway's RouteLinks to `server`, counting how often it asked where the link is."""
+    async def address():
+        links.asked += 1
+        return server.address
+
+    links = RouteLinks(KEY, address)
+    links.asked = 0
+    return links
+
+
+def test_calls_that_arrive_together_share_one_connection():
+    async def scenario(coordinator, server):
+        links = links_to(server)
+        calls = [links.route("demo", hashes(i), 3 * BS, BS, f"req-{i}", "round_robin", (), "") for i in range(12)]
+        decisions = await asyncio.gather(*calls)
+        connections = server.connections
+        links._opened().close()
+        return decisions, links, connections
+
+    decisions, links, connections = run(scenario)
+    assert all(isinstance(d, RouteDecision) for d in decisions)
+    assert (links.calls, links.asked, connections, dict(links.through_ray)) == (12, 1, 1, {})
+
+
+def test_a_route_with_no_node_yet_is_asked_again_over_the_link_until_a_node_registers():
+    async def scenario(coordinator, server):
+        links = links_to(server)
+        asking = asyncio.ensure_future(links.route("demo", hashes(6), 3 * BS, BS, "req-early", None, (), "", wait_s=10))
+        await asyncio.sleep(0.6)  # asked twice or more meanwhile: no node serves "demo"
+        coordinator.register_node("late", {"model": "demo", "block_size": BS})
+        decision = await asyncio.wait_for(asking, 5)
+        with pytest.raises(NoNodeAvailable):  # and what no node ever serves fails once the wait is over
+            await links.route("nobody-serves-this", hashes(7), 3 * BS, BS, "req-never", None, (), "", wait_s=0.3)
+        links._opened().close()
+        return decision, links, server.calls
+
+    decision, links, served = run(scenario, nodes=())
+    assert decision.node_id == "late" and links.calls == 1 and dict(links.through_ray) == {}
+    assert served >= 4  # every refusal came back over the link
