@@ -4,6 +4,12 @@ MLX work is synchronous and heavy, so it must not run on the event loop. The eng
 thread owns the engine outright; coroutines talk to it only through a command queue
 (add, abort) and per-request asyncio queues fed with `call_soon_threadsafe`.
 A consumer that stops iterating (a client gone) aborts its request at once.
+
+A request can instead hand the engine thread an `OutputSink` (`start`): the thread then
+gives the sink each step's outputs itself, all of one sink's requests in one call, with no
+event loop between the step and the sink. A node's gateway link is such a sink: a loop woken
+for each step's outputs waited 5-8 ms for the engine thread's next step on two cores
+(docs/benchmarks.md, "Outputs sent by the engine thread").
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from typing import Protocol
 
 import mlx.core as mx
 
@@ -29,12 +36,46 @@ class EngineStepFailed(RuntimeError):
     """The engine raised inside a step; the requests it held were aborted."""
 
 
+class OutputSink(Protocol):
+    """Where the engine thread hands a request's fate; every method runs on the engine thread and
+    must not block it. One sink may serve many requests: a step's outputs of all of them come in
+    one `outputs` call."""
+
+    def accepted(self, request_id: str) -> None: ...
+
+    def refused(self, request_id: str, error: Exception) -> None: ...
+
+    def outputs(self, outputs: list[RequestOutput]) -> None: ...
+
+    def failed(self, request_id: str, error: Exception) -> None: ...
+
+
+class _LoopStream:
+    """`generate`'s sink: the request's asyncio queue and acceptance future, fed on their loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.queue, self.accepted_future = loop, asyncio.Queue(), loop.create_future()
+
+    def accepted(self, request_id: str) -> None:
+        self.loop.call_soon_threadsafe(_set_result, self.accepted_future, None)
+
+    def refused(self, request_id: str, error: Exception) -> None:
+        self.loop.call_soon_threadsafe(_set_exception, self.accepted_future, error)
+
+    def outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+    def failed(self, request_id: str, error: Exception) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, error)
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         evaluate_held_arrays(engine.model.model)  # the engine thread cannot evaluate this thread's lazy arrays
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, OutputSink] = {}  # request id -> its sink; only the engine thread changes it
         self._stopped = threading.Event()
         self._stats: dict = engine.stats()
         self._kv_listeners: list = []
@@ -70,18 +111,15 @@ class AsyncEngine:
 
         `on_accepted` runs once the engine has taken the request, before its first output:
         a caller that streams elsewhere can answer "accepted" without waiting for a token."""
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue = asyncio.Queue()
-        accepted: asyncio.Future = loop.create_future()
-        self._streams[request_id] = (loop, outputs)
-        self._commands.put(("add", request_id, list(prompt_token_ids), params or SamplingParams(), accepted, loop))
+        stream = _LoopStream(asyncio.get_running_loop())
+        self.start(request_id, prompt_token_ids, params, stream)
         finished = False
         try:
-            await accepted
+            await stream.accepted_future
             if on_accepted is not None:
                 on_accepted()
             while True:
-                out = await outputs.get()
+                out = await stream.queue.get()
                 if isinstance(out, Exception):
                     raise out
                 yield out
@@ -89,11 +127,18 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            self._streams.pop(request_id, None)
             if not finished:
                 self._commands.put(("abort", request_id))
 
+    def start(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None, sink: OutputSink) -> None:
+        """Queue a request whose acceptance, outputs and failure the engine thread hands to `sink`
+        (callable from any thread; nothing is awaited)."""
+        self._commands.put(("add", request_id, list(prompt_token_ids), params or SamplingParams(), sink))
+
     async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def abort_from_thread(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
     async def run_on_engine(self, fn):
@@ -159,8 +204,7 @@ class AsyncEngine:
                 continue
             # Stats first: whoever wakes on an output (a heartbeat after a finished request) reads them fresh.
             self._stats = self.engine.stats()
-            for out in outputs:
-                self._deliver(out)
+            self._deliver(outputs)
             events = self.engine.drain_kv_events()
             for listener in self._kv_listeners:
                 listener(events)
@@ -177,10 +221,9 @@ class AsyncEngine:
             log.exception("engine step failed again after aborting every request")
 
     def _deliver_error(self, request_id: str, exc: Exception) -> None:
-        stream = self._streams.get(request_id)
+        stream = self._streams.pop(request_id, None)
         if stream is not None:
-            loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, exc)
+            stream.failed(request_id, exc)
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -196,13 +239,14 @@ class AsyncEngine:
 
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":
-            _, request_id, prompt, params, accepted, loop = cmd
+            _, request_id, prompt, params, sink = cmd
             try:
                 self.engine.add_request(request_id, prompt, params)
             except Exception as exc:  # refused: hand the named error to the caller
-                loop.call_soon_threadsafe(_set_exception, accepted, exc)
+                sink.refused(request_id, exc)
                 return
-            loop.call_soon_threadsafe(_set_result, accepted, None)
+            self._streams[request_id] = sink
+            sink.accepted(request_id)
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])  # its final output comes with the next step
             self._stats = self.engine.stats()
@@ -224,11 +268,15 @@ class AsyncEngine:
         self._stats = self.engine.stats()
         settle(result, None)
 
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is not None:
-            loop, q = stream
-            loop.call_soon_threadsafe(q.put_nowait, out)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their sinks, one call per sink; a finished request's sink is let go."""
+        by_sink: dict[int, tuple[OutputSink, list[RequestOutput]]] = {}
+        for out in outputs:
+            sink = self._streams.pop(out.request_id, None) if out.finished else self._streams.get(out.request_id)
+            if sink is not None:
+                by_sink.setdefault(id(sink), (sink, []))[1].append(out)
+        for sink, outs in by_sink.values():
+            sink.outputs(outs)
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

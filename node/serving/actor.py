@@ -15,8 +15,8 @@ actor's event loop only moves requests in and outputs out. Two duties beyond ser
   On joining, a node probes the link to each peer so migration can be costed at all.
 
 A gateway's requests arrive and their outputs leave on its direct connection
-(`node.serving.gateway_link`) when the cluster has a secret, else through `submit` and the
-`outputs` Ray stream; both streams carry what `Subscribers` gathered.
+(`node.serving.gateway_link`, written by the engine thread) when the cluster has a secret,
+else through `submit` and the `outputs` Ray stream, which carries what `Subscribers` gathered.
 
 The node never imports `cluster`: the coordinator is found by the name and namespace the
 cluster side hands over in `NodeActorConfig`, and spoken to in plain dicts.
@@ -112,6 +112,7 @@ class NodeActor:
         self._next_seq = 0  # one past the last KV event handed to the coordinator
         self._queued_prompt_tokens = 0  # prompts accepted here whose prefill has not finished
         self._requests_total = 0
+        self._link_prefill: dict[str, int] = {}  # gateway link requests -> prompt tokens not yet prefilled
         self._heartbeat_task: asyncio.Task | None = None
         self._beat_soon = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None  # the actor's event loop, once started
@@ -183,6 +184,20 @@ class NodeActor:
         its other requests'; returns once the engine accepted it (raises what refused it)."""
         await self.subscribers.submit(receiver, request_id, lambda accepted: self.generate(request_id, prompt_token_ids, params, accepted))
 
+    def start_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, sink) -> None:
+        """A gateway link's request to the engine, its outputs to the link's sink (node.serving.gateway_link),
+        counted in the heartbeat's load as `generate` counts its own (`_link_progress` takes them off)."""
+        self._requests_total += 1
+        self._queued_prompt_tokens += len(prompt_token_ids)
+        self._link_prefill[request_id] = len(prompt_token_ids)
+        self.engine.start(request_id, prompt_token_ids, params, sink)
+
+    def _link_progress(self, started: list[str], ended: bool) -> None:
+        for request_id in started:
+            self._queued_prompt_tokens -= self._link_prefill.pop(request_id, 0)
+        if ended:
+            self._beat_soon.set()
+
     async def outputs(self, receiver: str) -> AsyncIterator[list]:
         """`receiver`'s outputs of every request it submitted, a list per message (call with
         `num_returns="streaming"`, one per receiver); closing it aborts them."""
@@ -250,7 +265,8 @@ class NodeActor:
         key = gateway_link_key(self.config.link_token)
         if key is not None and self.gateway_link is None:
             host = listen_config(self.config.link).host
-            self.gateway_link = GatewayLinkServer(key, self.node_id, self.subscribers, self.submit, self._loop, host)
+            self.gateway_link = GatewayLinkServer(key, self.node_id, self.start_request, self.engine.abort_from_thread,
+                                                  self._link_progress, self._loop, host)
             self.gateway_link.start()
 
     def _report(self, result: PullResult) -> dict:

@@ -7,15 +7,20 @@ Ray serializes, reports and fetches every call and item with Python work on both
 each is one pickle, one write and one read. Ray's `submit` and `outputs` stay for a gateway
 that cannot connect (no key, no address); aborts and everything else stay Ray calls.
 
+The engine thread writes the answers and each step's outputs itself (a `ReceiverSink`, the
+engine's `OutputSink` for one connection's requests, through a `FrameSender`): woken per step,
+the actor's event loop had the first output 5-8 ms after the step (docs/benchmarks.md,
+"Outputs sent by the engine thread"). Submissions are read on the event loop.
+
 The connection opens with `node.serving.link_auth`'s handshake under its own magic and key,
 so only a holder of the cluster's secret submits to a node or reads its outputs, and the
 gateway knows it reached the node it meant. Then, on the wire (u32 length before each):
 
     gateway -> node   msgpack {"receiver": name}: the name its requests go under, once
                       then pickles of ("submit", request_id, prompt_token_ids, SamplingParams)
-    node -> gateway   pickles of a list: what `Subscribers.outputs(name)` gathered (`RequestOutput`
-                      deltas, `StreamFailed`, and `Accepted` / `Refused` answering a submission),
-                      about one engine step's worth a message
+    node -> gateway   pickles of a list: `Accepted` / `Refused` answering a submission, or one engine
+                      step's outputs of the connection's requests (`RequestOutput` deltas), or a
+                      `StreamFailed` for a request whose step raised
 
 Pickle is what Ray itself sends between these processes; it is only ever read from a peer
 that proved the key. The gateway's end closing ends the stream, which aborts the receiver's
@@ -28,16 +33,18 @@ import asyncio
 import logging
 import pickle
 import socket
-from collections.abc import Awaitable, Callable
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgpack
 
 from node.errors import EngineError
 from node.serving import link_auth as auth
-from node.serving.link_io import U32, Listener, read_frame, recv_exact, write_frame
-from node.serving.output_streams import Subscribers
-from node.types import SamplingParams
+from node.serving.link_io import U32, FrameSender, Listener, read_frame, read_socket_frame, recv_exact
+from node.serving.output_streams import StreamFailed
+from node.serving.stream_delta import only_new
+from node.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +53,11 @@ KEY_PURPOSE = "gateway-link-v1"
 _MAX_REQUEST = 4096
 
 
-#: submit(receiver, request_id, prompt_token_ids, params): returns once the engine took it, raises what refused it
-Submit = Callable[[str, str, list, SamplingParams], Awaitable[None]]
+#: start(request_id, prompt_token_ids, params, sink): hand the request to the engine (node.async_engine.AsyncEngine.start)
+Start = Callable[[str, list, SamplingParams, "ReceiverSink"], None]
+#: progress(started, finished): on the event loop, the requests whose first output (or refusal) went
+#: out, and whether any ended: the node's heartbeat load follows them
+Progress = Callable[[list[str], bool], None]
 
 
 @dataclass(frozen=True)
@@ -70,16 +80,61 @@ def gateway_link_key(secret: str | None, environ=None) -> bytes | None:
     return auth.link_key(secret, environ, KEY_PURPOSE)
 
 
+class ReceiverSink:
+    """One connection's requests as the engine thread's `OutputSink`: each answer and each step's
+    outputs of all of them go out as one frame, written by the engine thread (deltas only)."""
+
+    def __init__(self, sender: FrameSender, loop: asyncio.AbstractEventLoop, progress: Progress):
+        self.sender, self.loop, self.progress = sender, loop, progress
+        self._lock = threading.Lock()
+        self._live: set[str] = set()  # submitted and not ended: aborted when the connection goes
+        self._started: set[str] = set()  # engine thread only: requests that sent their first output
+
+    def submitted(self, request_id: str) -> None:
+        with self._lock:
+            self._live.add(request_id)
+
+    def live(self) -> list[str]:
+        with self._lock:
+            return list(self._live)
+
+    def accepted(self, request_id: str) -> None:
+        self.sender.send([Accepted(request_id)])
+
+    def refused(self, request_id: str, error: Exception) -> None:
+        self.sender.send([Refused(request_id, _portable(error))])
+        self._ended([request_id], [request_id])
+
+    def outputs(self, outputs: list[RequestOutput]) -> None:
+        self.sender.send([only_new(out) for out in outputs])
+        first = [out.request_id for out in outputs if out.request_id not in self._started]
+        self._started.update(first)
+        self._ended(first, [out.request_id for out in outputs if out.finished])
+
+    def failed(self, request_id: str, error: Exception) -> None:
+        self.sender.send([StreamFailed(request_id, repr(error))])
+        self._ended([request_id] if request_id not in self._started else [], [request_id])
+
+    def _ended(self, first: list[str], ended: list[str]) -> None:
+        if ended:
+            with self._lock:
+                self._live.difference_update(ended)
+            self._started.difference_update(ended)
+        if first or ended:
+            self.loop.call_soon_threadsafe(self.progress, first, bool(ended))
+
+
 class GatewayLinkServer(Listener):
     """Gateways' connections: accepted and authenticated on threads (the handshake blocks), then
-    served from the actor's event loop, where the receivers' queues live."""
+    their submissions read on the actor's event loop and handed to the engine with the
+    connection's `ReceiverSink`."""
 
-    def __init__(self, key: bytes, node_id: str, subscribers: Subscribers, submit: Submit,
+    def __init__(self, key: bytes, node_id: str, start: Start, abort: Callable[[str], None], progress: Progress,
                  loop: asyncio.AbstractEventLoop, host: str):
         super().__init__(host, 0, self._admit, "gateway-link")
-        self.key, self.node_id, self.subscribers, self.submit, self.loop = key, node_id, subscribers, submit, loop
+        self.key, self.node_id, self.loop = key, node_id, loop
+        self.start_request, self.abort, self.progress = start, abort, progress
         self.refused = 0  # connections that did not prove the key
-        self._starting: set[asyncio.Task] = set()  # submissions waiting for the engine, held until answered
 
     def _admit(self, conn: socket.socket) -> None:
         """Handshake and request on this thread, then hand the connection to the event loop."""
@@ -90,48 +145,31 @@ class GatewayLinkServer(Listener):
                 return
             receiver = _read_receiver(conn)
             conn.setblocking(False)
-            asyncio.run_coroutine_threadsafe(self._stream(conn, receiver), self.loop)
+            asyncio.run_coroutine_threadsafe(self._serve(conn, receiver), self.loop)
         except (OSError, ValueError) as exc:
             log.info("gateway link %s: connection refused: %s", self.node_id, exc)
             conn.close()
 
-    async def _stream(self, conn: socket.socket, receiver: str) -> None:
-        reader, writer = await asyncio.open_connection(sock=conn)
-        requests = asyncio.get_running_loop().create_task(self._take_requests(reader, receiver, asyncio.current_task()))
-        try:
-            async for batch in self.subscribers.outputs(receiver):  # closing it aborts the receiver's requests
-                write_frame(writer, batch)
-                await writer.drain()
-        except ConnectionError as exc:
-            log.info("gateway link %s: receiver %s gone: %s", self.node_id, receiver, exc)
-        except Exception:  # nobody awaits this task: say what ended it
-            log.exception("gateway link %s: stream to receiver %s failed", self.node_id, receiver)
-        finally:
-            requests.cancel()
-            writer.close()
-
-    async def _take_requests(self, reader: asyncio.StreamReader, receiver: str, stream: asyncio.Task) -> None:
-        """Start each submission as it arrives; the gateway's end closing (or a malformed request) ends
-        the stream, and with it the receiver's requests."""
+    async def _serve(self, conn: socket.socket, receiver: str) -> None:
+        """Start each submission as it arrives; the gateway's end closing (or a malformed request) aborts
+        the connection's requests, as closing a Ray stream does."""
+        sink = ReceiverSink(FrameSender(conn, self.loop), self.loop, self.progress)
         try:
             while True:
-                request_id, prompt, params = _submission(await read_frame(reader))
-                task = asyncio.get_running_loop().create_task(self._start(receiver, request_id, prompt, params))
-                self._starting.add(task)
-                task.add_done_callback(self._starting.discard)
+                request_id, prompt, params = _submission(await read_socket_frame(self.loop, conn))
+                sink.submitted(request_id)
+                self.start_request(request_id, prompt, params, sink)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         except (ValueError, pickle.UnpicklingError) as exc:
             log.warning("gateway link %s: receiver %s sent a malformed request: %s", self.node_id, receiver, exc)
-        stream.cancel()
-
-    async def _start(self, receiver: str, request_id: str, prompt: list, params: SamplingParams) -> None:
-        try:
-            await self.submit(receiver, request_id, prompt, params)
-        except Exception as exc:  # the engine's refusal goes back to the gateway, which raises it
-            self.subscribers.send(receiver, Refused(request_id, _portable(exc)))
-        else:
-            self.subscribers.send(receiver, Accepted(request_id))
+        except Exception:  # nobody awaits this task: say what ended it
+            log.exception("gateway link %s: connection of receiver %s failed", self.node_id, receiver)
+        finally:
+            sink.sender.close()
+            conn.close()
+            for request_id in sink.live():
+                self.abort(request_id)
 
 
 def _portable(error: Exception) -> Exception:

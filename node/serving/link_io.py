@@ -40,8 +40,91 @@ async def read_frame(reader: asyncio.StreamReader) -> object:
 
 
 def write_frame(writer: asyncio.StreamWriter, item: object) -> None:
+    writer.write(frame(item))
+
+
+def frame(item: object) -> bytes:
     body = pickle.dumps(item, protocol=5)
-    writer.write(U32.pack(len(body)) + body)
+    return U32.pack(len(body)) + body
+
+
+async def read_socket_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> object:
+    """`read_frame` off a non-blocking socket owned by no transport (a `FrameSender`'s); raises
+    IncompleteReadError once the peer has closed."""
+    size = U32.unpack(await _sock_read_exactly(loop, sock, 4))[0]
+    if size > MAX_FRAME:
+        raise ValueError(f"a frame of {size} bytes")
+    return pickle.loads(await _sock_read_exactly(loop, sock, size))
+
+
+async def _sock_read_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytearray:
+    buffer = bytearray(n)
+    view, got = memoryview(buffer), 0
+    while got < n:
+        read = await loop.sock_recv_into(sock, view[got:])
+        if read == 0:
+            raise asyncio.IncompleteReadError(bytes(buffer[:got]), n)
+        got += read
+    return buffer
+
+
+class FrameSender:
+    """Frames onto a non-blocking socket from any thread, in order, never blocking the sender: what
+    the kernel takes at once goes at once, the rest waits here and the event loop writes it when
+    the socket can take more. An engine thread sends a step's outputs so without waking the loop.
+
+    The socket must belong to no asyncio transport (read it with `read_socket_frame`)."""
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop):
+        self._sock, self._loop, self._lock = sock, loop, threading.Lock()
+        self._backlog = bytearray()
+        self.closed = False
+
+    def send(self, item: object) -> bool:
+        """Queue `item`'s frame; False once the connection is closed or broken (nothing more goes)."""
+        data = frame(item)
+        with self._lock:
+            if self.closed:
+                return False
+            if self._backlog:
+                self._backlog += data
+                return True
+            try:
+                sent = self._sock.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                self.closed = True
+                return False
+            if sent < len(data):
+                self._backlog += memoryview(data)[sent:]
+                self._loop.call_soon_threadsafe(self._watch)
+            return True
+
+    def close(self) -> None:
+        """Send nothing more (on the loop's thread: it stops watching the socket)."""
+        with self._lock:
+            self.closed = True
+            self._backlog.clear()
+        self._loop.remove_writer(self._sock.fileno())
+
+    def _watch(self) -> None:
+        if not self.closed:
+            self._loop.add_writer(self._sock.fileno(), self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            sent = 0
+            try:
+                sent = 0 if self.closed else self._sock.send(self._backlog)
+            except BlockingIOError:
+                return
+            except OSError:
+                self.closed = True
+            del self._backlog[:sent]
+            if self._backlog and not self.closed:
+                return
+        self._loop.remove_writer(self._sock.fileno())
 
 
 class Listener:

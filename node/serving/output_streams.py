@@ -8,9 +8,9 @@ gathered as one list. The engine thread hands a whole step's outputs over at onc
 so a message carries about one step's outputs of all the receiver's requests.
 
 The receiver keys the outputs by `request_id`; a request that fails after it was
-accepted shows up as a `StreamFailed` in its place, and a submission made over a gateway
-link is answered on the same stream (`send`; node/serving/gateway_link.py). When a receiver's stream closes
-(the gateway went away), its requests are aborted.
+accepted shows up as a `StreamFailed` in its place. When a receiver's stream closes
+(the gateway went away), its requests are aborted. This is the Ray stream's side; a
+gateway's direct link is written by the engine thread (node/serving/gateway_link.py).
 """
 
 from __future__ import annotations
@@ -50,10 +50,6 @@ class Subscribers:
         self._pumps[request_id] = (receiver, task)
         task.add_done_callback(lambda _: self._pumps.pop(request_id, None))
         await accepted
-
-    def send(self, receiver: str, item) -> None:
-        """Put `item` on the receiver's stream beside its requests' outputs (an answer to a submission)."""
-        self._queue(receiver).put_nowait(item)
 
     async def outputs(self, receiver: str) -> AsyncIterator[list]:
         """Batches of the receiver's outputs, as they gather; closing it aborts the receiver's requests."""

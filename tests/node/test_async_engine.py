@@ -6,6 +6,7 @@ import asyncio
 import subprocess
 import sys
 import textwrap
+import threading
 
 import pytest
 
@@ -121,3 +122,49 @@ def test_calls_from_a_thread_run_in_order_settle_on_the_engine_thread_and_publis
     assert settled == [(0, None), (1, None), (None, "ValueError"), (3, None)]
     assert len(set(engine_thread)) == 1 and engine_thread[0] is not threading.current_thread()
     assert len(published) == 1  # the loop call published; the four thread calls did not
+
+
+class RecordingSink:
+    """An OutputSink noting what it was handed, and on which thread."""
+
+    def __init__(self):
+        self.calls, self.threads, self.done = [], set(), threading.Event()
+
+    def _note(self, *call):
+        self.threads.add(threading.current_thread().name)
+        self.calls.append(call)
+
+    def accepted(self, request_id):
+        self._note("accepted", request_id)
+
+    def refused(self, request_id, error):
+        self._note("refused", request_id, type(error).__name__)
+
+    def outputs(self, outputs):
+        self._note("outputs", [(o.request_id, o.outputs[0].token_ids_delta, o.finished) for o in outputs])
+        if sum(finished for c in self.calls if c[0] == "outputs" for _, _, finished in c[1]) == 2:
+            self.done.set()
+
+    def failed(self, request_id, error):
+        self._note("failed", request_id)
+
+
+def test_a_sinks_requests_get_each_step_in_one_call_on_the_engine_thread_with_the_offline_tokens(engine, demo_model_dir):
+    sink = RecordingSink()
+    engine.start("long", list(range(3, 3 + engine.max_model_len)), GREEDY, sink)  # refused: too long
+    engine.start("a", [5, 6, 7, 8], GREEDY, sink)
+    engine.start("b", [9, 10, 11], GREEDY, sink)
+    assert sink.done.wait(60)
+    assert sink.threads == {"orchard-engine"}  # no event loop between the step and the sink
+    assert sink.calls[:3] == [("refused", "long", "PromptTooLong"), ("accepted", "a"), ("accepted", "b")]
+    steps = [c[1] for c in sink.calls if c[0] == "outputs"]
+    assert all(len({rid for rid, _, _ in step}) == len(step) for step in steps)  # a request at most once a step
+    assert any(len(step) == 2 for step in steps)  # both requests' outputs of a step in one call
+    streamed = {rid: [t for step in steps for r, delta, _ in step if r == rid for t in delta] for rid in ("a", "b")}
+    offline = LLMEngine(EngineConfig(model=str(demo_model_dir), num_blocks=64))
+    offline.add_request("a", [5, 6, 7, 8], GREEDY)
+    offline.add_request("b", [9, 10, 11], GREEDY)
+    final = {}
+    while offline.has_unfinished:
+        final.update({o.request_id: o.outputs[0].token_ids for o in offline.step() if o.finished})
+    assert streamed == final

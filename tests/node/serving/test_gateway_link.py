@@ -1,12 +1,14 @@
-"""A gateway's direct link to a node, without Ray: the node's listener on an event loop with its
-`Subscribers`, a gateway's end speaking to it. Pins the handshake (wrong key, wrong node refused and
-counted, nothing subscribed), submissions answered (accepted, or refused with the engine's error),
-outputs arriving as the node gathered them, and the gateway leaving, or sending something that is
-not a submission, aborting its requests on the node."""
+"""A gateway's direct link to a node, without Ray: the node's listener on an event loop, an engine
+stand-in handing its sink answers and outputs from a thread of its own as the engine thread does, a
+gateway's end speaking to it. Pins the handshake (wrong key, wrong node refused and counted, nothing
+started), submissions answered (accepted, or refused with the engine's error), a step's outputs going
+out as one message of deltas, and the gateway leaving, or sending something that is not a
+submission, aborting its unfinished requests on the node."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -21,7 +23,7 @@ from node.serving.gateway_link import (
 )
 from node.serving.link_auth import LinkRefused
 from node.serving.link_io import write_frame
-from node.serving.output_streams import StreamFailed, Subscribers
+from node.serving.output_streams import StreamFailed
 from node.types import CompletionOutput, RequestOutput, SamplingParams
 
 KEY = gateway_link_key("a-cluster-token-of-at-least-32-characters")
@@ -41,29 +43,45 @@ class Unpicklable(Exception):
         raise TypeError("not this one")
 
 
-class Node:
-    """What the node actor hands the listener: its subscribers and a submit that runs `sources[request_id]`."""
+class Engine:
+    """What the node hands the listener, standing in for the engine thread: `start` plays the request's
+    script on a thread of its own (refusing long prompts and [0]); each script step is either a list
+    of outputs, handed to the sink as one step's, or an exception the step raised."""
 
     def __init__(self):
-        self.subscribers, self.sources, self.submitted = Subscribers(), {}, []
+        self.scripts, self.started, self.aborted, self.progress = {}, [], [], []
 
-    async def submit(self, receiver, request_id, prompt, params):
-        self.submitted.append((receiver, request_id, prompt, params))
+    def start(self, request_id, prompt, params, sink):
+        self.started.append((request_id, prompt, params))
+        threading.Thread(target=self._play, args=(request_id, prompt, sink)).start()
+
+    def _play(self, request_id, prompt, sink):
         if len(prompt) > 100:
-            raise PromptTooLong(len(prompt), 100)
+            return sink.refused(request_id, PromptTooLong(len(prompt), 100))
         if prompt == [0]:
-            raise Unpicklable("no way back")
-        await self.subscribers.submit(receiver, request_id, self.sources[request_id])
+            return sink.refused(request_id, Unpicklable("no way back"))
+        sink.accepted(request_id)
+        for step in self.scripts.get(request_id, []):
+            if isinstance(step, Exception):
+                return sink.failed(request_id, step)
+            sink.outputs(step)
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    def on_progress(self, started, ended):
+        self.progress.append((started, ended))
 
 
 def run(scenario):
-    """Run `scenario(server, node)` with node "a" listening on loopback in the same event loop."""
+    """Run `scenario(server, engine)` with node "a" listening on loopback in the same event loop."""
     async def main():
-        node = Node()
-        server = GatewayLinkServer(KEY, "a", node.subscribers, node.submit, asyncio.get_running_loop(), "127.0.0.1")
+        engine = Engine()
+        server = GatewayLinkServer(KEY, "a", engine.start, engine.abort, engine.on_progress, asyncio.get_running_loop(),
+                                   "127.0.0.1")
         server.start()
         try:
-            return await asyncio.wait_for(scenario(server, node), 20)
+            return await asyncio.wait_for(scenario(server, engine), 20)
         finally:
             server.close()
 
@@ -76,22 +94,6 @@ async def connect(server, receiver: str, key: bytes = KEY, node: str = "a"):
     return read_messages(reader), writer
 
 
-def source_of(outputs: list, released: asyncio.Event | None = None, ended: list | None = None):
-    """An engine stand-in: accepts, yields `outputs`, then (with `released`) waits for it."""
-    async def source(on_accepted):
-        on_accepted()
-        try:
-            for out in outputs:
-                yield out
-            if released is not None:
-                await released.wait()
-        finally:
-            if ended is not None:
-                ended.append(True)
-
-    return source
-
-
 async def until(messages, done) -> list:
     got = []
     async for batch in messages:
@@ -101,34 +103,59 @@ async def until(messages, done) -> list:
     raise AssertionError(f"the stream ended after {got}")
 
 
-def test_submissions_are_answered_and_their_outputs_follow_as_the_node_gathered_them():
-    async def scenario(server, node):
-        node.sources["r1"] = source_of([output("r1", 5), output("r1", 6), output("r1", 7, finished=True)])
-        node.sources["r2"] = source_of([output("r2", 9, finished=True)])
+def test_submissions_are_answered_and_their_outputs_follow_as_deltas_only():
+    async def scenario(server, engine):
+        engine.scripts["r1"] = [[output("r1", 5)], [output("r1", 6)], [output("r1", 7, finished=True)]]
+        engine.scripts["r2"] = [[output("r2", 9, finished=True)]]
         messages, writer = await connect(server, "gw-1")
         write_frame(writer, ("submit", "r1", [1, 2, 3], PARAMS))
         write_frame(writer, ("submit", "r2", [4], PARAMS))
         got = await until(messages, lambda got: sum(isinstance(o, RequestOutput) and o.finished for o in got) == 2
                           and sum(isinstance(o, Accepted) for o in got) == 2)
         writer.close()
-        return got, node.submitted
+        return got, engine.started
 
-    got, submitted = run(scenario)
-    assert submitted == [("gw-1", "r1", [1, 2, 3], PARAMS), ("gw-1", "r2", [4], PARAMS)]
+    got, started = run(scenario)
+    assert sorted(started) == [("r1", [1, 2, 3], PARAMS), ("r2", [4], PARAMS)]
     assert {o.request_id for o in got if isinstance(o, Accepted)} == {"r1", "r2"}
     by_request = {rid: [(o.outputs[0].token_ids_delta, o.outputs[0].text_delta) for o in got
                         if isinstance(o, RequestOutput) and o.request_id == rid] for rid in ("r1", "r2")}
     assert by_request == {"r1": [([5], "<5>"), ([6], "<6>"), ([7], "<7>")], "r2": [([9], "<9>")]}
+    assert all(o.prompt_token_ids == [] and o.outputs[0].token_ids == [] for o in got if isinstance(o, RequestOutput))
+
+
+def test_one_steps_outputs_of_a_connections_requests_go_out_as_one_message():
+    async def scenario(server, engine):
+        engine.scripts["r1"] = [[output("r1", 1), output("r2", 2, finished=True), output("r3", 3)]]
+        messages, writer = await connect(server, "gw-1")
+        write_frame(writer, ("submit", "r1", [1], PARAMS))
+        batches = []
+        async for batch in messages:
+            batches.append(batch)
+            if any(isinstance(o, RequestOutput) for o in batch):
+                break
+        for _ in range(100):  # the progress report runs on the loop after the step went out
+            if engine.progress:
+                break
+            await asyncio.sleep(0.02)
+        writer.close()
+        return batches, engine.progress
+
+    batches, progress = run(scenario)
+    assert [type(o) for o in batches[0]] == [Accepted]
+    assert [(o.request_id, o.outputs[0].token_ids_delta) for o in batches[1]] == [("r1", [1]), ("r2", [2]), ("r3", [3])]
+    assert progress == [(["r1", "r2", "r3"], True)]  # their first outputs went, and one of them ended
 
 
 def test_a_refused_submission_comes_back_with_the_engines_error_and_the_link_stays():
-    async def scenario(server, node):
-        node.sources["r1"] = source_of([output("r1", 4, finished=True)])
+    async def scenario(server, engine):
+        engine.scripts["r1"] = [[output("r1", 4, finished=True)]]
         messages, writer = await connect(server, "gw-1")
         write_frame(writer, ("submit", "long", list(range(101)), PARAMS))
         write_frame(writer, ("submit", "odd", [0], PARAMS))
         write_frame(writer, ("submit", "r1", [1], PARAMS))
-        got = await until(messages, lambda got: any(isinstance(o, RequestOutput) and o.finished for o in got))
+        got = await until(messages, lambda got: any(isinstance(o, RequestOutput) and o.finished for o in got)
+                          and sum(isinstance(o, Refused) for o in got) == 2)
         writer.close()
         return {o.request_id: o for o in got if isinstance(o, Refused)}
 
@@ -140,13 +167,8 @@ def test_a_refused_submission_comes_back_with_the_engines_error_and_the_link_sta
 
 
 def test_a_request_failing_after_it_was_accepted_arrives_as_stream_failed():
-    async def broken(on_accepted):
-        on_accepted()
-        yield output("r1", 1)
-        raise RuntimeError("step broke")
-
-    async def scenario(server, node):
-        node.sources["r1"] = broken
+    async def scenario(server, engine):
+        engine.scripts["r1"] = [[output("r1", 1)], RuntimeError("step broke")]
         messages, writer = await connect(server, "gw-1")
         write_frame(writer, ("submit", "r1", [1], PARAMS))
         got = await until(messages, lambda got: any(isinstance(o, StreamFailed) for o in got))
@@ -158,23 +180,22 @@ def test_a_request_failing_after_it_was_accepted_arrives_as_stream_failed():
     assert isinstance(got[1], StreamFailed) and got[1].request_id == "r1" and "step broke" in got[1].message
 
 
-def test_a_gateway_without_the_key_is_refused_counted_and_subscribes_to_nothing():
-    async def scenario(server, node):
+def test_a_gateway_without_the_key_is_refused_counted_and_starts_nothing():
+    async def scenario(server, engine):
         with pytest.raises(LinkRefused):
             await connect(server, "gw-x", key=gateway_link_key("another-cluster-token-of-32-characters"))
         for _ in range(100):  # the listener counts it on its own thread
             if server.refused:
                 break
             await asyncio.sleep(0.02)
-        return server.refused, node.subscribers
+        return server.refused, engine.started
 
-    refused, subscribers = run(scenario)
-    assert refused == 1
-    assert "gw-x" not in subscribers._queues
+    refused, started = run(scenario)
+    assert refused == 1 and started == []
 
 
 def test_a_gateway_reaching_another_node_than_it_meant_refuses_it():
-    async def scenario(server, node):
+    async def scenario(server, engine):
         with pytest.raises(LinkRefused, match="not node 'b'"):
             await connect(server, "gw-x", node="b")
 
@@ -182,24 +203,25 @@ def test_a_gateway_reaching_another_node_than_it_meant_refuses_it():
 
 
 @pytest.mark.parametrize("leaving", ["closes its end", "sends what is not a submission"])
-def test_the_gateway_leaving_aborts_its_requests_on_the_node(leaving):
-    async def scenario(server, node):
-        released, ended = asyncio.Event(), []
-        node.sources["r1"] = source_of([output("r1", 3)], released, ended)
+def test_the_gateway_leaving_aborts_its_unfinished_requests_on_the_node(leaving):
+    async def scenario(server, engine):
+        engine.scripts["r1"] = [[output("r1", 3)]]  # still running
+        engine.scripts["r2"] = [[output("r2", 4, finished=True)]]
         messages, writer = await connect(server, "gw-1")
         write_frame(writer, ("submit", "r1", [1], PARAMS))
-        first = await until(messages, lambda got: any(isinstance(o, RequestOutput) for o in got))
+        write_frame(writer, ("submit", "r2", [1], PARAMS))
+        first = await until(messages, lambda got: sum(isinstance(o, RequestOutput) for o in got) == 2)
         if leaving == "closes its end":
             await messages.aclose()
             writer.close()
         else:
             write_frame(writer, ("run", "print('hello')"))
         for _ in range(200):
-            if ended:
+            if engine.aborted:
                 break
             await asyncio.sleep(0.02)
-        return first, list(ended), released.is_set()  # a copy: leaving the loop cancels what is left
+        return first, engine.aborted
 
-    first, ended, released = run(scenario)
-    assert [o.outputs[0].token_ids_delta for o in first if isinstance(o, RequestOutput)] == [[3]]
-    assert ended == [True] and not released  # the request's source was closed, not finished
+    first, aborted = run(scenario)
+    assert sorted(o.outputs[0].token_ids_delta[0] for o in first if isinstance(o, RequestOutput)) == [3, 4]
+    assert aborted == ["r1"]  # the finished one is left alone

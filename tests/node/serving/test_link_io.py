@@ -1,11 +1,14 @@
 """A payload over a real socket pair as the KV link moves it: sent in checksummed batches, received
 in checksummed slices, read back whole; cut off, or damaged after its batch was checksummed,
-it is never read as blocks."""
+it is never read as blocks. Frames a gateway link's engine thread sends (`FrameSender`): never
+blocking it, in order, nothing after the peer left."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -105,3 +108,54 @@ def test_the_length_comes_first_and_the_checksum_last_in_their_own_places():
     whole = b"".join(b"".join(batch) for batch in sent)
     assert whole == link_io.U64.pack(size) + b"".join(bytes(p) for p in encode_pieces(GEOMETRY, blocks))
     assert sent[-1] == [whole[-16:]]  # the checksum, known once every batch went out
+
+
+def test_frames_sent_from_a_thread_while_the_peer_reads_nothing_never_block_it_and_arrive_in_order():
+    """A FrameSender's socket full (the peer not reading), frames from another thread wait in its backlog,
+    the sending thread going on at once; the event loop writes them out, in order, once the peer reads."""
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        sender = link_io.FrameSender(ours, loop)
+        frames = [bytes([i % 256]) * 200_000 for i in range(40)]  # 8 MB: far more than the socket buffers hold
+        longest = []
+
+        def engine_thread():
+            for item in frames:
+                started = time.perf_counter()
+                assert sender.send(item)
+                longest.append(time.perf_counter() - started)
+
+        await asyncio.to_thread(engine_thread)  # returns although the peer has read nothing yet
+        backlog_after_sending = len(sender._backlog)
+        theirs.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=theirs)
+        got = [await asyncio.wait_for(link_io.read_frame(reader), 10) for _ in frames]
+        for _ in range(100):  # the loop stops watching the socket once the backlog is out
+            if not sender._backlog:
+                break
+            await asyncio.sleep(0.01)
+        sender.close()
+        writer.close()
+        ours.close()
+        return frames, got, backlog_after_sending, max(longest), len(sender._backlog)
+
+    frames, got, backlog, longest, left = asyncio.run(scenario())
+    assert got == frames and backlog > 0 and left == 0
+    assert longest < 0.05  # a pickle and a copy into the backlog, never a wait for the peer
+
+
+def test_a_frame_sender_whose_peer_left_says_so_and_sends_nothing_more():
+    async def scenario():
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        sender = link_io.FrameSender(ours, asyncio.get_running_loop())
+        theirs.close()
+        results = [sender.send(b"x" * 100_000) for _ in range(3)]
+        sender.close()
+        ours.close()
+        return results, sender.send(b"y")
+
+    results, after_close = asyncio.run(scenario())
+    assert results[-1] is False and after_close is False
