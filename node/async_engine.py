@@ -223,7 +223,7 @@ class AsyncEngine:
     def _deliver_error(self, request_id: str, exc: Exception) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream.failed(request_id, exc)
+            _hand(stream.failed, request_id, exc)
 
     def _apply_commands(self, block: bool) -> None:
         try:
@@ -243,10 +243,10 @@ class AsyncEngine:
             try:
                 self.engine.add_request(request_id, prompt, params)
             except Exception as exc:  # refused: hand the named error to the caller
-                sink.refused(request_id, exc)
+                _hand(sink.refused, request_id, exc)
                 return
             self._streams[request_id] = sink
-            sink.accepted(request_id)
+            _hand(sink.accepted, request_id)
         elif cmd[0] == "abort":
             self.engine.abort(cmd[1])  # its final output comes with the next step
             self._stats = self.engine.stats()
@@ -276,7 +276,16 @@ class AsyncEngine:
             if sink is not None:
                 by_sink.setdefault(id(sink), (sink, []))[1].append(out)
         for sink, outs in by_sink.values():
-            sink.outputs(outs)
+            _hand(sink.outputs, outs)
+
+
+def _hand(method, *args) -> None:
+    """Call a sink's method on the engine thread; a sink that raises (its event loop closed, say)
+    loses what it was handed, and the engine goes on serving every other request."""
+    try:
+        method(*args)
+    except Exception:
+        log.exception("an output sink failed; the engine goes on")
 
 
 def _set_result(fut: asyncio.Future, value) -> None:

@@ -43,7 +43,6 @@ from cluster.gateway.served_models import RETRY_S, ServedModels
 from cluster.runtime.ray_cluster import node_actor_name
 from kvcache.hashing import block_hashes
 from node.async_engine import EngineStepFailed
-from node.errors import EngineError, InvalidSamplingParams
 from node.serving.gateway_link import gateway_link_key
 from node.serving.output_streams import StreamFailed
 from node.serving.stream_delta import Cumulative
@@ -227,29 +226,32 @@ class RayBackend:
 
     async def _submit(self, node_id, attempt_id, prompt, params) -> tuple[Any, asyncio.Queue]:
         """Submit to the node's actor: its handle and the queue the outputs arrive on. A cached
-        handle whose actor died is looked up again once, since a replacement takes the same name."""
-        actor = None
+        handle whose actor died is looked up again once, since a replacement takes the same name.
+        Only a lookup that finds no actor, or a Ray error that says the actor died, loses the node;
+        anything else the submission raises is the request's own (the engine's refusal)."""
         for cached in (node_id in self._actors, False):
             try:
                 actor = await self._actor(node_id)
-                queue, receiver = self._streams.open(node_id, actor, attempt_id)  # before submitting: no output is missed
-                try:
-                    if not await self._streams.submit(node_id, actor, attempt_id, prompt, params):  # over the node's link, or
-                        await actor.submit.remote(receiver, attempt_id, prompt, params)  # through Ray
-                except asyncio.CancelledError:  # the client left while the submission was on its way
-                    self._streams.close(node_id, attempt_id)
-                    _abort_on(actor, attempt_id)
-                    raise
+            except ValueError as exc:  # no actor by that name any more
+                raise NodeLost(repr(exc)) from exc
+            queue, receiver = self._streams.open(node_id, actor, attempt_id)  # before submitting: no output is missed
+            try:
+                if not await self._streams.submit(node_id, actor, attempt_id, prompt, params):  # over the node's link, or
+                    await actor.submit.remote(receiver, attempt_id, prompt, params)  # through Ray
                 return actor, queue
-            except (EngineError, InvalidSamplingParams):
+            except asyncio.CancelledError:  # the client left while the submission was on its way
                 self._streams.close(node_id, attempt_id)
-                raise  # refused by the engine: the client's error, not a lost node
-            except (ValueError, *NODE_LOST_ERRORS) as exc:  # ValueError: no actor by that name any more
+                _abort_on(actor, attempt_id)
+                raise
+            except NODE_LOST_ERRORS as exc:
                 self._streams.close(node_id, attempt_id)
                 if self._actors.get(node_id) is actor:
                     del self._actors[node_id]  # a handle another request already looked up again stays
                 if not cached or not await self._replaced(node_id, actor):
                     raise NodeLost(repr(exc)) from exc
+            except Exception:
+                self._streams.close(node_id, attempt_id)
+                raise
         raise AssertionError("unreachable: the second pass raises or returns")
 
     async def _replaced(self, node_id: str, actor) -> bool:

@@ -168,3 +168,18 @@ def test_a_sinks_requests_get_each_step_in_one_call_on_the_engine_thread_with_th
     while offline.has_unfinished:
         final.update({o.request_id: o.outputs[0].token_ids for o in offline.step() if o.finished})
     assert streamed == final
+
+
+class BrokenSink(RecordingSink):
+    """A sink whose `outputs` raises, as one whose event loop has closed does."""
+
+    def outputs(self, outputs):
+        raise RuntimeError("Event loop is closed")
+
+
+@pytest.mark.timeout(60)  # an engine thread that died with the sink would leave "after" waiting forever
+def test_a_sink_that_raises_loses_its_outputs_and_the_engine_serves_on(engine):
+    engine.start("doomed", [5, 6, 7], GREEDY, BrokenSink())
+    outs = asyncio.run(_collect(engine, "after", [5, 6, 7, 8]))
+    assert outs[-1].finished and len([t for o in outs for t in o.outputs[0].token_ids_delta]) == GREEDY.max_tokens
+    assert engine._thread.is_alive()
