@@ -150,10 +150,10 @@ class RecordingSink:
 
 
 def test_a_sinks_requests_get_each_step_in_one_call_on_the_engine_thread_with_the_offline_tokens(engine, demo_model_dir):
-    sink = RecordingSink()
-    engine.start("long", list(range(3, 3 + engine.max_model_len)), GREEDY, sink)  # refused: too long
-    engine.start("a", [5, 6, 7, 8], GREEDY, sink)
-    engine.start("b", [9, 10, 11], GREEDY, sink)
+    sink, params = RecordingSink(), SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    engine.start("long", list(range(3, 3 + engine.max_model_len)), params, sink)  # refused: too long
+    engine.start("a", [5, 6, 7, 8], params, sink)  # long enough that "b" joins its steps
+    engine.start("b", [9, 10, 11], params, sink)
     assert sink.done.wait(60)
     assert sink.threads == {"orchard-engine"}  # no event loop between the step and the sink
     assert sink.calls[:3] == [("refused", "long", "PromptTooLong"), ("accepted", "a"), ("accepted", "b")]
@@ -162,8 +162,8 @@ def test_a_sinks_requests_get_each_step_in_one_call_on_the_engine_thread_with_th
     assert any(len(step) == 2 for step in steps)  # both requests' outputs of a step in one call
     streamed = {rid: [t for step in steps for r, delta, _ in step if r == rid for t in delta] for rid in ("a", "b")}
     offline = LLMEngine(EngineConfig(model=str(demo_model_dir), num_blocks=64))
-    offline.add_request("a", [5, 6, 7, 8], GREEDY)
-    offline.add_request("b", [9, 10, 11], GREEDY)
+    offline.add_request("a", [5, 6, 7, 8], params)
+    offline.add_request("b", [9, 10, 11], params)
     final = {}
     while offline.has_unfinished:
         final.update({o.request_id: o.outputs[0].token_ids for o in offline.step() if o.finished})
