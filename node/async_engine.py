@@ -128,7 +128,7 @@ class AsyncEngine:
                     return
         finally:
             if not finished:
-                self._commands.put(("abort", request_id))
+                self.abort_from_thread(request_id)
 
     def start(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None, sink: OutputSink) -> None:
         """Queue a request whose acceptance, outputs and failure the engine thread hands to `sink`
@@ -136,9 +136,10 @@ class AsyncEngine:
         self._commands.put(("add", request_id, list(prompt_token_ids), params or SamplingParams(), sink))
 
     async def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self.abort_from_thread(request_id)
 
     def abort_from_thread(self, request_id: str) -> None:
+        """`abort` for a caller that is not a coroutine (any thread: nothing is awaited)."""
         self._commands.put(("abort", request_id))
 
     async def run_on_engine(self, fn):

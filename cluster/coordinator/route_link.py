@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from cluster.coordinator.coordinator import Coordinator
-from cluster.coordinator.router import NoNodeAvailable, RouteDecision
+from cluster.coordinator.router import RouteDecision
 from node.serving import link_auth as auth
 from node.serving.link_io import Listener, read_frame, write_frame
 
@@ -155,7 +155,6 @@ class RouteLinks:
     again `RETRY_S` after none could be made (Ray routes meanwhile)."""
 
     RETRY_S = 10.0
-    NO_NODE_RETRY_S = 0.25  # how often a route the coordinator has no node for is asked again
 
     def __init__(self, key: bytes | None, address: Callable[[], Awaitable[str]]):
         self.key, self._address = key, address  # address(): the coordinator's `route_link`, "" without a key
@@ -168,31 +167,22 @@ class RouteLinks:
         link = self._opened()
         return link is not None and not link.closed
 
-    async def route(self, *args, wait_s: float = 0.0) -> RouteDecision | None:
+    async def route(self, *args) -> RouteDecision | None:
         """The decision over the link; None when there is none, or it just broke (route through Ray).
-        While the coordinator has no node for the model (the moments before nodes re-register) the
-        call is asked again, for up to `wait_s`, before its NoNodeAvailable is raised."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
-        while True:
-            link = await self._link()
-            if link is None:
-                self.through_ray["no link"] += 1
-                return None
-            try:
-                decision = await link.route(*args)
-            except ConnectionError:
-                self.through_ray["link broke"] += 1
-                if self._opened() is link:
-                    self._current = None  # the coordinator restarted, or went: the next call connects again
-                return None
-            except NoNodeAvailable:
-                if loop.time() >= deadline:
-                    raise
-                await asyncio.sleep(self.NO_NODE_RETRY_S)
-                continue
-            self.calls += 1
-            return decision
+        The coordinator's errors (NoNodeAvailable) are raised as they come back."""
+        link = await self._link()
+        if link is None:
+            self.through_ray["no link"] += 1
+            return None
+        try:
+            decision = await link.route(*args)
+        except ConnectionError:
+            self.through_ray["link broke"] += 1
+            if self._opened() is link:
+                self._current = None  # the coordinator restarted, or went: the next call connects again
+            return None
+        self.calls += 1
+        return decision
 
     def _opened(self) -> RouteLink | None:
         """The link the last opening made, once it is made."""

@@ -25,9 +25,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 import ray.exceptions as rex
@@ -49,6 +49,7 @@ from node.serving.stream_delta import Cumulative
 from node.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: How long a scrape waits for a node's fresh counters before using its last heartbeat's.
 NODE_STATS_TIMEOUT_S = 1.0
@@ -61,6 +62,20 @@ NODE_LOST_ERRORS = (
     rex.NodeDiedError,
     rex.LocalRayletDiedError,
 )
+
+
+async def ride_out(call: Callable[[], Awaitable[T]], wait_s: float) -> T:
+    """`call()`, made again every `RETRY_S` while the coordinator restarts (RayActorError) or has no node
+    for the model yet (NoNodeAvailable: the moments before nodes re-register), for up to `wait_s`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while True:
+        try:
+            return await call()
+        except (rex.RayActorError, NoNodeAvailable):
+            if loop.time() >= deadline:
+                raise
+            await asyncio.sleep(RETRY_S)
 
 
 class ResumeImpossible(RuntimeError):
@@ -278,22 +293,17 @@ class RayBackend:
                 task.cancel()
 
     async def _route(self, *args) -> RouteDecision:
-        """The coordinator's `route`: over its link when there is one (a write and a read), else through
-        Ray; either way a route with no node for it yet is asked again until `coordinator_wait_s`."""
-        decision = await self._route_links.route(*args, wait_s=self.config.coordinator_wait_s)
-        return decision if decision is not None else await self._ask("route", *args)
+        """The coordinator's `route`, ridden out as `_ask` rides out its calls: each try over its link
+        when there is one (a write and a read), else through Ray."""
+        async def once() -> RouteDecision:
+            decision = await self._route_links.route(*args)
+            return decision if decision is not None else await self._coordinator.route.remote(*args)
+
+        return await ride_out(once, self.config.coordinator_wait_s)
 
     async def _ask(self, method: str, *args):
         """Call the coordinator, riding out its restart and the moments before nodes re-register."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.coordinator_wait_s
-        while True:
-            try:
-                return await getattr(self._coordinator, method).remote(*args)
-            except (rex.RayActorError, NoNodeAvailable):
-                if loop.time() >= deadline:
-                    raise
-                await asyncio.sleep(RETRY_S)
+        return await ride_out(lambda: getattr(self._coordinator, method).remote(*args), self.config.coordinator_wait_s)
 
     async def _node_is_dead(self, node_id: str) -> bool:
         try:

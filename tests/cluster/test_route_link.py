@@ -4,7 +4,8 @@ the coordinator's own `route` (its decision, its bookkeeping), that calls in fli
 their own answers, that the coordinator's errors come back as themselves, that a peer without
 the key is refused and counted, and that a link that ends fails its waiting calls. A gateway's
 `RouteLinks`: calls that arrive together share one connection, and a route the coordinator has no
-node for yet is asked again over the link, not through Ray."""
+node for yet, ridden out as the gateway rides it out (`ray_backend.ride_out`), is asked again over the
+link, not through Ray."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from cluster.coordinator.coordinator import Coordinator
 from cluster.coordinator.route_link import RouteLink, RouteLinks, RouteLinkServer, route_link_key
 from cluster.coordinator.router import NoNodeAvailable, RouteDecision
+from cluster.gateway.ray_backend import ride_out
 from kvcache.hashing import block_hashes, root_hash
 from node.serving.link_auth import LinkRefused
 
@@ -137,7 +139,7 @@ def test_calls_that_arrive_together_share_one_connection():
 def test_a_route_with_no_node_yet_is_asked_again_over_the_link_until_a_node_registers():
     async def scenario(coordinator, server):
         links = links_to(server)
-        asking = asyncio.ensure_future(links.route("demo", hashes(6), 3 * BS, BS, "req-early", None, (), "", wait_s=10))
+        asking = asyncio.ensure_future(ride_out(lambda: links.route("demo", hashes(6), 3 * BS, BS, "req-early", None, (), ""), 10))
         for _ in range(400):  # refused twice over the link meanwhile: no node serves "demo" yet
             if server.calls >= 2:
                 break
@@ -145,7 +147,7 @@ def test_a_route_with_no_node_yet_is_asked_again_over_the_link_until_a_node_regi
         coordinator.register_node("late", {"model": "demo", "block_size": BS})
         decision = await asyncio.wait_for(asking, 5)
         with pytest.raises(NoNodeAvailable):  # and what no node ever serves fails once the wait is over
-            await links.route("nobody-serves-this", hashes(7), 3 * BS, BS, "req-never", None, (), "", wait_s=0.3)
+            await ride_out(lambda: links.route("nobody-serves-this", hashes(7), 3 * BS, BS, "req-never", None, (), ""), 0.3)
         links._opened().close()
         return decision, links, server.calls
 
