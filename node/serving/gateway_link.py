@@ -17,7 +17,7 @@ The connection opens with `node.serving.link_auth`'s handshake under its own mag
 so only a holder of the cluster's secret submits to a node or reads its outputs, and the
 gateway knows it reached the node it meant. Then, on the wire (u32 length before each):
 
-    gateway -> node   msgpack {"receiver": name}: the name its requests go under, once
+    gateway -> node   msgpack {"receiver": name}: the gateway reader's name (the node's logs say it), once
                       then pickles of ("submit", request_id, prompt_token_ids, SamplingParams)
     node -> gateway   pickles of a list: `Accepted` / `Refused` answering a submission, or one engine
                       step's outputs of the connection's requests (`RequestOutput` deltas), or a

@@ -33,10 +33,7 @@ MAX_FRAME = 256 << 20  # a reader refuses a length past this: a broken stream, n
 
 async def read_frame(reader: asyncio.StreamReader) -> object:
     """One pickled frame off an authenticated link (raises IncompleteReadError once the peer has closed)."""
-    size = U32.unpack(await reader.readexactly(4))[0]
-    if size > MAX_FRAME:
-        raise ValueError(f"a frame of {size} bytes")
-    return pickle.loads(await reader.readexactly(size))
+    return await _frame_from(reader.readexactly)
 
 
 def write_frame(writer: asyncio.StreamWriter, item: object) -> None:
@@ -51,10 +48,14 @@ def frame(item: object) -> bytes:
 async def read_socket_frame(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> object:
     """`read_frame` off a non-blocking socket owned by no transport (a `FrameSender`'s); raises
     IncompleteReadError once the peer has closed."""
-    size = U32.unpack(await _sock_read_exactly(loop, sock, 4))[0]
+    return await _frame_from(lambda n: _sock_read_exactly(loop, sock, n))
+
+
+async def _frame_from(read_exactly) -> object:
+    size = U32.unpack(await read_exactly(4))[0]
     if size > MAX_FRAME:
         raise ValueError(f"a frame of {size} bytes")
-    return pickle.loads(await _sock_read_exactly(loop, sock, size))
+    return pickle.loads(await read_exactly(size))
 
 
 async def _sock_read_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytearray:
