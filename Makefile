@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+CPU_KERNEL := kernels/cpu/.built
 OPENBLAS = $(shell $(PY) -m node.openblas 2>/dev/null)
 export RAY_USAGE_STATS_ENABLED := 0
 export PYTHONHASHSEED := 0
@@ -12,22 +13,26 @@ export PYTHONHASHSEED := 0
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -e '.[test,bench,cpu-kernel]'
 	touch $(STAMP)
 
-venv: $(STAMP)
+# The CPU attention extension; without a compiler the CPU attends on the reference backend.
+$(CPU_KERNEL): $(STAMP) kernels/cpu/CMakeLists.txt $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h)
+	$(PY) -m kernels.cpu.build && touch $@ || echo "CPU attention extension not built"
 
-lint: $(STAMP)
+venv: $(STAMP) $(CPU_KERNEL)
+
+lint: venv
 	$(PY) -m ruff check .
 
 test: lint
 	LD_PRELOAD=$(OPENBLAS) $(PY) -m pytest tests -q
 
-test-fast: $(STAMP)
+test-fast: venv
 	LD_PRELOAD=$(OPENBLAS) $(PY) -m pytest tests -q -m "not slow"
 
-serve: $(STAMP)
+serve: venv
 	$(VENV)/bin/orchard serve $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info $(CPU_KERNEL) kernels/cpu/_paged_cpu*

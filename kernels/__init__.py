@@ -6,8 +6,9 @@ only), `paged_prefill_attention` (the varlen pair in one call), `write_kv`,
 `available_backends`, `default_backend`. Every attention entry takes a layer's sliding
 `window`, `sinks` and `softcap` (kernels/variants.py) per call, so one plan serves layers
 that differ. Backends are
-"reference" (pure MLX ops, everywhere), "metal" (Apple GPUs) and "cuda" (MLX on NVIDIA);
-pick one with `backend=` or the ORCHARD_ATTENTION_BACKEND environment variable.
+"reference" (pure MLX ops, everywhere), "metal" (Apple GPUs), "cuda" (MLX on NVIDIA) and "cpu"
+(MLX on the CPU, decode rows read from the pool in place by an extension built with `make`,
+kernels/cpu); pick one with `backend=` or the ORCHARD_ATTENTION_BACKEND environment variable.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from kernels import reference
-from kernels.backends import ENV_VAR, available_backends, default_backend, resolve_backend
+from kernels.backends import ENV_VAR, HOST_PLANNED, available_backends, default_backend, resolve_backend
 from kernels.dispatch import backend_for_head_dims, check_head_dims, checked_decode_metadata, decode_function, varlen_function
 from kernels.errors import (
     BackendUnavailable,
@@ -30,6 +31,7 @@ from kernels.variants import LayerAttention, layer_attention
 
 __all__ = [
     "ENV_VAR",
+    "HOST_PLANNED",
     "BackendUnavailable",
     "InvalidAttentionMetadata",
     "KernelError",

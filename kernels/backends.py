@@ -1,4 +1,5 @@
-"""Which attention backend runs: Metal on a Mac, CUDA where MLX drives an NVIDIA GPU, else the reference.
+"""Which attention backend runs: Metal on a Mac, CUDA where MLX drives an NVIDIA GPU, the CPU kernel
+where MLX runs on the CPU and it is built (kernels/cpu), else the reference.
 
 An argument beats the environment variable, which beats the device's default, so a test
 or a benchmark can pin a backend without touching the engine. Only names here: the plan and
@@ -14,7 +15,11 @@ import mlx.core as mx
 from kernels.errors import BackendUnavailable, UnknownBackend
 
 ENV_VAR = "ORCHARD_ATTENTION_BACKEND"
-BACKENDS = ("reference", "metal", "cuda")
+BACKENDS = ("reference", "metal", "cuda", "cpu")
+#: Backends planned on the host, step by step, from MLX ops and pieces (kernels/reference.py): any
+#: value head dim, no compiled launch plan, no traced decode graphs. "cpu" runs the reference's
+#: pieces but for the decode rows, which its kernel reads from the pool in place.
+HOST_PLANNED = ("reference", "cpu")
 
 
 def metal_available() -> bool:
@@ -25,10 +30,17 @@ def cuda_available() -> bool:
     return hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
+def cpu_kernel_available() -> bool:
+    """The CPU extension is built and MLX computes on the CPU by default (no GPU to prefer)."""
+    from kernels.cpu import loaded
+
+    return loaded() and mx.default_device() == mx.cpu
+
+
 def available_backends() -> list[str]:
     """Backends that can run here, best first; "reference" is always last and always present."""
-    found = [name for name, ok in (("metal", metal_available()), ("cuda", cuda_available())) if ok]
-    return found + ["reference"]
+    checks = (("metal", metal_available), ("cuda", cuda_available), ("cpu", cpu_kernel_available))
+    return [name for name, ok in checks if ok()] + ["reference"]
 
 
 def default_backend() -> str:

@@ -1,10 +1,10 @@
 """The implementation behind a resolved backend (kernels.backends names which one runs).
 
-The decode function of "reference", "metal" or "cuda", the varlen kernels of the compiled
-two, and the checks of decode metadata; kernel modules load only when asked for.
-The compiled kernels keep one head dim for queries, keys, values and outputs; a model whose
+The decode function of "reference", "metal", "cuda" or "cpu", the varlen functions of the last
+three, and the checks of decode metadata; kernel modules load only when asked for.
+The GPU kernels keep one head dim for queries, keys, values and outputs; a model whose
 values are of another width than its keys (DeepSeek-V2) runs on the reference, chosen once for
-the model (`backend_for_head_dims`), and the compiled entries refuse such caches.
+the model (`backend_for_head_dims`), and the GPU entries refuse such caches.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import mlx.core as mx
 import numpy as np
 
 from kernels import reference
-from kernels.backends import resolve_backend
+from kernels.backends import HOST_PLANNED, resolve_backend
 from kernels.errors import UnsupportedAttentionShape
 from kernels.reference import DecodeFn
 
@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 def head_dims_reason(backend: str, key_head_dim: int, value_head_dim: int) -> str | None:
     """Why `backend` cannot attend over keys and values of these head dims, or None."""
-    if backend != "reference" and key_head_dim != value_head_dim:
+    if backend not in HOST_PLANNED and key_head_dim != value_head_dim:
         return (f"the {backend} kernels keep one head dim for keys and values, and these are "
                 f"{key_head_dim} and {value_head_dim} wide")
     return None
@@ -58,15 +58,23 @@ def decode_function(name: str) -> DecodeFn:
         from kernels import cuda
 
         return cuda.paged_decode
+    if name == "cpu":
+        from kernels import cpu
+
+        return cpu.paged_decode
     return _reference_decode
 
 
 def varlen_function(name: str):
-    """The compiled varlen kernels of "metal" or "cuda": call(queries, key_cache, value_cache, plan, scale, layer)."""
+    """The varlen path of "metal", "cuda" or "cpu": call(queries, key_cache, value_cache, plan, scale, layer)."""
     if name == "metal":
         from kernels import metal
 
         return metal.paged_varlen
+    if name == "cpu":
+        from kernels import cpu
+
+        return cpu.paged_varlen
     from kernels import cuda
 
     return cuda.paged_varlen

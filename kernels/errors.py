@@ -12,7 +12,7 @@ class InvalidAttentionMetadata(KernelError, ValueError):
 
 
 class UnknownBackend(KernelError, ValueError):
-    """A backend name that is none of "reference", "metal", "cuda"."""
+    """A backend name that is none of "reference", "metal", "cuda", "cpu"."""
 
 
 class BackendUnavailable(KernelError, RuntimeError):

@@ -180,6 +180,17 @@ class DecodeGroupPiece:
 
 
 @dataclass(frozen=True)
+class DecodeRowsPiece:
+    """Every decode row of a step, unpadded, for a backend whose kernel reads the pool through the
+    block tables itself (kernels/cpu): no rows to gather, no lengths to group, and one piece
+    serves every window, which the kernel applies."""
+
+    query_rows: mx.array  # int32 [n]: packed query row of each decode row
+    block_tables: mx.array  # int32 [n, max_blocks]
+    context_lens: mx.array  # int32 [n]
+
+
+@dataclass(frozen=True)
 class ChunkPiece:
     """A prefill chunk: the last q_len positions of one sequence, causal over its context (or its window)."""
 
@@ -193,7 +204,7 @@ class ChunkPiece:
 class ReferenceLayout:
     """Pieces of a step for one window, in the order their outputs are concatenated."""
 
-    pieces: tuple  # DecodeGroupPiece and ChunkPiece
+    pieces: tuple  # DecodeGroupPiece (or one DecodeRowsPiece) and ChunkPiece
     inverse: mx.array | None  # packed row -> row of the concatenation; None when the order is already packed
 
 
@@ -203,6 +214,7 @@ class ReferencePlan:
 
     The full-context layout is made with the plan; a window's layout (fewer keys per piece) is
     made by the first layer that asks for it and kept for the step's other layers of that window.
+    With `rows_in_place` the decode rows are one `DecodeRowsPiece` for a kernel that reads the pool.
     """
 
     starts: np.ndarray
@@ -210,6 +222,7 @@ class ReferencePlan:
     block_tables: np.ndarray
     block_size: int
     num_kv_heads: int
+    rows_in_place: bool = False
     layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
     def layout(self, window: int | None) -> ReferenceLayout:
@@ -225,10 +238,11 @@ class ReferencePlan:
 
 
 def plan_reference(
-    starts: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray, block_size: int, num_kv_heads: int
+    starts: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray, block_size: int, num_kv_heads: int,
+    rows_in_place: bool = False,
 ) -> ReferencePlan:
     """The step's host metadata, with its full-context layout made now."""
-    plan = ReferencePlan(starts, context_lens, block_tables, block_size, num_kv_heads)
+    plan = ReferencePlan(starts, context_lens, block_tables, block_size, num_kv_heads, rows_in_place)
     plan.layout(None)
     return plan
 
@@ -239,7 +253,11 @@ def _layout(plan: ReferencePlan, window: int | None) -> ReferenceLayout:
     q_lens = np.diff(starts)
     decode_seqs = np.nonzero(q_lens == 1)[0]
     pieces, order = [], []
-    if decode_seqs.size:
+    if decode_seqs.size and plan.rows_in_place:
+        pieces.append(DecodeRowsPiece(mx.array(starts[decode_seqs].astype(np.int32)),
+                                      mx.array(block_tables[decode_seqs]), mx.array(context_lens[decode_seqs])))
+        order.append(starts[decode_seqs])
+    elif decode_seqs.size:
         lengths = context_lens[decode_seqs]
         for group in length_groups(lengths - window_starts(lengths, window)):
             seqs = decode_seqs[group]
@@ -286,18 +304,22 @@ def _inverse(order: np.ndarray) -> mx.array | None:
 
 def paged_varlen_reference(
     queries: mx.array, key_cache: mx.array, value_cache: mx.array, plan: ReferencePlan, scale: float,
-    layer: LayerAttention = PLAIN,
+    layer: LayerAttention = PLAIN, run_piece: Callable | None = None,
 ) -> mx.array:
-    """Run a step's pieces for this layer's window (gather + SDPA each) and put their rows back in packed order."""
+    """Run a step's pieces for this layer's window (gather + SDPA each, or `run_piece`, which takes
+    `run_piece_here`'s arguments) and put their rows back in packed order."""
     layout = plan.layout(layer.window)
     if not layout.pieces:
         return mx.zeros((*queries.shape[:2], value_cache.shape[3]), dtype=queries.dtype)
-    outputs = [_run_piece(piece, queries, key_cache, value_cache, scale, layer) for piece in layout.pieces]
+    run = run_piece or run_piece_here
+    outputs = [run(piece, queries, key_cache, value_cache, scale, layer) for piece in layout.pieces]
     out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
     return out if layout.inverse is None else mx.take(out, layout.inverse, axis=0)
 
 
-def _run_piece(piece, queries: mx.array, key_cache: mx.array, value_cache: mx.array, scale: float, layer: LayerAttention) -> mx.array:
+def run_piece_here(piece, queries: mx.array, key_cache: mx.array, value_cache: mx.array, scale: float,
+                   layer: LayerAttention) -> mx.array:
+    """One decode group or chunk through gather + SDPA, its rows in the piece's order."""
     keys = gather_rows(key_cache, piece.kv_rows)
     values = gather_rows(value_cache, piece.kv_rows)
     if isinstance(piece, DecodeGroupPiece):

@@ -118,9 +118,13 @@ def openblas_in_use() -> bool:
 
 
 def cpu_rows() -> list[Row]:
-    problem = Problem(batch=4, num_heads=32, num_kv_heads=8, head_dim=128, context=2048, dtype="float32")
+    """The reference and, where it is built, the CPU kernel (kernels/cpu): a 7B-like layer at 2,048 tokens,
+    and the demo model's layer at a serve load's batch and context (32 x 192)."""
+    problems = [(Problem(batch=4, num_heads=32, num_kv_heads=8, head_dim=128, context=2048, dtype="float32"), 3),
+                (Problem(batch=32, num_heads=4, num_kv_heads=2, head_dim=64, context=192, dtype="float32"), 50)]
+    backends = [name for name in ("reference", "cpu") if name in kernels.available_backends()]
     with mx.stream(mx.cpu):
-        return [measure(problem, "reference", "cpu", iters=3, copy_tb=None)]
+        return [measure(problem, backend, "cpu", iters=iters, copy_tb=None) for problem, iters in problems for backend in backends]
 
 
 def cuda_rows(copy_tb: float) -> list[Row]:

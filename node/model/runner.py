@@ -193,7 +193,7 @@ class StepContext:
         if step.state_slots is not None:
             context.states = StateStep.build(step.state_slots, starts)
         if num_heads is None and context.decode_only:  # no step plan: the decode entry plans per layer
-            on_device = backend != "reference"
+            on_device = backend not in kernels.HOST_PLANNED
             context.decode_tables = mx.array(tables) if on_device else tables
             context.decode_lens = mx.array(lengths) if on_device else lengths
         elif num_heads is not None:
@@ -351,7 +351,7 @@ class ModelRunner:
         if min(self._slots) < 0 and states is None:
             raise ValueError("a model with recurrent-state layers needs a state pool")
         if compiled_decode is None:  # a compiled graph carries no state pool yet
-            compiled_decode = self.attention_backend != "reference" and states is None
+            compiled_decode = self.attention_backend not in kernels.HOST_PLANNED and states is None
         self.compiled_decode = shared_compiled_decode(self._stack, self.attention_backend, self._num_layers,
                                                       self._decode_context, self._run) if compiled_decode else None
 

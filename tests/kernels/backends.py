@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.backends import cuda_available, metal_available
+from kernels.backends import cpu_kernel_available, cuda_available, metal_available
 
 REFERENCE = pytest.param("reference", id="reference")
+CPU = pytest.param(
+    "cpu",
+    id="cpu",
+    marks=[pytest.mark.skipif(not cpu_kernel_available(),
+                              reason="the CPU attention extension is not built here (python -m kernels.cpu.build)")],
+)
 METAL = pytest.param(
     "metal",
     id="metal",
@@ -17,4 +23,6 @@ CUDA = pytest.param(
     id="cuda",
     marks=[pytest.mark.cuda, pytest.mark.skipif(not cuda_available(), reason="MLX has no CUDA device here")],
 )
-ALL_BACKENDS = [REFERENCE, METAL, CUDA]
+ALL_BACKENDS = [REFERENCE, CPU, METAL, CUDA]
+#: the backends that take values of another head dim than keys
+HOST_PLANNED = [REFERENCE, CPU]

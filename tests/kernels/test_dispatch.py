@@ -19,16 +19,19 @@ def test_default_is_the_first_available_backend_without_override(monkeypatch):
     assert kernels.default_backend() == kernels.available_backends()[0]
 
 
-def test_default_on_a_machine_without_gpu_is_reference(monkeypatch):
+@pytest.mark.parametrize("cpu_kernel,expected", [(False, "reference"), (True, "cpu")])
+def test_default_on_a_machine_without_gpu_is_the_cpu_kernel_where_built(monkeypatch, cpu_kernel, expected):
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
     monkeypatch.setattr(backends, "metal_available", lambda: False)
     monkeypatch.setattr(backends, "cuda_available", lambda: False)
-    assert kernels.default_backend() == "reference"
+    monkeypatch.setattr(backends, "cpu_kernel_available", lambda: cpu_kernel)
+    assert kernels.default_backend() == expected
 
 
 @pytest.mark.parametrize("metal,cuda,expected", [(True, False, "metal"), (False, True, "cuda")])
 def test_default_prefers_the_device_kernel(monkeypatch, metal, cuda, expected):
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    monkeypatch.setattr(backends, "cpu_kernel_available", lambda: True)
     monkeypatch.setattr(backends, "metal_available", lambda: metal)
     monkeypatch.setattr(backends, "cuda_available", lambda: cuda)
     assert kernels.default_backend() == expected

@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import kernels
 from node.engine import EngineConfig, LLMEngine, build_step_input
 from node.model.compiled_decode import BATCH_BUCKETS, batch_bucket, buckets_up_to, width_bucket
 from node.model.runner import ModelRunner
@@ -37,9 +38,13 @@ def test_buckets_hold_their_rows_and_grow_slowly():
     assert BATCH_BUCKETS == tuple(sorted(BATCH_BUCKETS))
 
 
-def test_compiled_decode_is_off_on_the_reference_backend_by_default(model_dirs):
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_compiled_decode_is_off_on_the_host_planned_backends_by_default(model_dirs, monkeypatch, backend):
+    if backend not in kernels.available_backends():
+        pytest.skip(f"the {backend} backend is not available here")
+    monkeypatch.setenv(kernels.ENV_VAR, backend)
     engine = LLMEngine(EngineConfig(model=str(model_dirs["demo"]), num_blocks=64))
-    assert engine.runner.attention_backend == "reference"
+    assert engine.runner.attention_backend == backend
     assert engine.runner.compiled_decode is None
 
 

@@ -1,0 +1,88 @@
+"""The CPU kernel (kernels/cpu): built where a compiler is, its rows split across threads exactly as one
+thread computes them, shapes that do not fit refused, and tables it cannot trust never read outside the pool.
+Its agreement with the float64 oracle over every layer variant is in the shared grids (tests/kernels/backends.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import kernels
+from kernels import cpu
+from kernels.variants import layer_attention
+from tests.kernels.paged_case import Rules, assert_close, make_paged_case, oracle_decode, random_stored
+
+needs_kernel = pytest.mark.skipif(not cpu.loaded(), reason="the CPU attention extension is not built here")
+
+
+def test_the_extension_is_built_where_a_compiler_and_nanobind_are():
+    """`make` builds it (kernels/cpu/build.py); a toolchain present but no module means that step broke."""
+    toolchain = shutil.which("cmake") and shutil.which("c++") and importlib.util.find_spec("nanobind")
+    if not (sys.platform == "linux" and toolchain):
+        pytest.skip("no C++ toolchain or nanobind here: the CPU attends on the reference backend")
+    assert cpu.loaded(), "the toolchain is here but kernels/cpu/_paged_cpu is not: run `make venv`"
+    if mx.default_device() == mx.cpu:
+        assert kernels.default_backend() in ("cpu", kernels.resolve_backend(None))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rules", [Rules(), Rules(window=100), Rules(sinks=np.linspace(-1.0, 1.0, 8))],
+                         ids=["plain", "window", "sinks"])
+def test_rows_split_across_threads_match_the_oracle(rules):
+    """Enough keys that the call is cut across the worker threads (kParallelWork), lengths uneven."""
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(1, 700, size=24).astype(np.int32)
+    case = make_paged_case(rng, lengths, 2, 64, 16, "float32")
+    queries = random_stored(rng, (24, 8, 64), "float32")
+    out = kernels.paged_attention(queries, case.key_cache, case.value_cache, case.block_tables, case.context_lens,
+                                  scale=0.125, backend="cpu", **rules.kwargs())
+    assert_close(out, oracle_decode(case, queries, 0.125, rules), "float32")
+
+
+@needs_kernel
+def test_packed_rows_are_answered_in_the_order_asked():
+    """`query_rows` picks rows of the packed queries; the answer keeps the order of the pick."""
+    rng = np.random.default_rng(3)
+    case = make_paged_case(rng, [40, 9, 77], 2, 64, 16, "float32")
+    queries = random_stored(rng, (3, 4, 64), "float32")
+    packed = mx.concatenate([mx.zeros((5, 4, 64)), queries[2:3], mx.zeros((2, 4, 64)), queries[0:1], queries[1:2]])
+    rows = mx.array([5, 8, 9], dtype=mx.int32)
+    tables, lengths = mx.array(case.block_tables[[2, 0, 1]]), mx.array(case.context_lens[[2, 0, 1]])
+    out = cpu.decode_rows(packed, rows, case.key_cache, case.value_cache, tables, lengths, 0.125)
+    expected = oracle_decode(case, queries, 0.125)
+    assert_close(out, expected[[2, 0, 1]], "float32")
+
+
+@needs_kernel
+def test_shapes_that_do_not_fit_are_a_value_error():
+    rng = np.random.default_rng(1)
+    case = make_paged_case(rng, [20, 30], 2, 64, 16, "float32")
+    queries = random_stored(rng, (2, 4, 64), "float32")
+    rows, tables, lengths = mx.arange(2, dtype=mx.int32), mx.array(case.block_tables), mx.array(case.context_lens)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu.decode_rows(queries, rows, case.key_cache, case.value_cache[:, :8], tables, lengths, 0.125)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu.decode_rows(queries[:, :3], rows, case.key_cache, case.value_cache, tables, lengths, 0.125)
+    with pytest.raises(ValueError, match="sinks"):
+        cpu.decode_rows(queries, rows, case.key_cache, case.value_cache, tables, lengths, 0.125,
+                        layer_attention(None, None, mx.zeros((3,))))
+
+
+@needs_kernel
+def test_tables_naming_blocks_outside_the_pool_read_the_null_block_instead():
+    """Device-array metadata is checked by shape only (no host read per step); a block id outside
+    the pool, or a length past the table, must still never make the kernel read outside it."""
+    rng = np.random.default_rng(5)
+    case = make_paged_case(rng, [32, 32], 2, 64, 16, "float32")
+    pool_keys = mx.ones(case.key_cache.shape)
+    queries = random_stored(rng, (2, 4, 64), "float32")
+    tables = np.array(case.block_tables)
+    tables[0, 0], tables[1, 1] = 10**6, -5
+    lengths = mx.array([32, 10**6], dtype=mx.int32)
+    out = kernels.paged_attention(queries, pool_keys, pool_keys, mx.array(tables), lengths, scale=0.125, backend="cpu")
+    assert np.allclose(np.array(out), 1.0)  # every slot it read holds ones: it read the pool, nothing else
