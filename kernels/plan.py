@@ -3,7 +3,7 @@
 A step's metadata (query offsets, context lengths, block tables) is the same for every
 layer, so everything derived from it is built here once per step: for the compiled
 backends the varlen kernel's work list and tile shape, as device arrays; for the reference
-backend its length groups and pool rows (for "cpu" the same, but its decode rows in one piece). A layer then only launches: no host checks, no
+backend its length groups and pool rows (for "cpu", every query row in one piece its kernel reads the pool for). A layer then only launches: no host checks, no
 reads of device arrays back to the host.
 
 Work decomposition of the compiled kernel (see kernels/source.py): each chunk's new

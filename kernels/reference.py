@@ -180,14 +180,14 @@ class DecodeGroupPiece:
 
 
 @dataclass(frozen=True)
-class DecodeRowsPiece:
-    """Every decode row of a step, unpadded, for a backend whose kernel reads the pool through the
-    block tables itself (kernels/cpu): no rows to gather, no lengths to group, and one piece
-    serves every window, which the kernel applies."""
+class RowsPiece:
+    """Query rows a kernel answers by reading the pool itself (kernels/cpu), unpadded: each row its
+    packed query, its sequence's block table and the keys it sees (its own position + 1), so a prefill
+    chunk's rows are causal by their lengths alone. One piece serves every window: the kernel applies it."""
 
-    query_rows: mx.array  # int32 [n]: packed query row of each decode row
-    block_tables: mx.array  # int32 [n, max_blocks]
-    context_lens: mx.array  # int32 [n]
+    query_rows: mx.array  # int32 [n]: packed query row of each row
+    block_tables: mx.array  # int32 [n, max_blocks]: its sequence's table
+    context_lens: mx.array  # int32 [n]: keys before it and itself
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ class ChunkPiece:
 class ReferenceLayout:
     """Pieces of a step for one window, in the order their outputs are concatenated."""
 
-    pieces: tuple  # DecodeGroupPiece (or one DecodeRowsPiece) and ChunkPiece
+    pieces: tuple  # DecodeGroupPiece, ChunkPiece, and one RowsPiece where a kernel reads the pool itself
     inverse: mx.array | None  # packed row -> row of the concatenation; None when the order is already packed
 
 
@@ -214,7 +214,8 @@ class ReferencePlan:
 
     The full-context layout is made with the plan; a window's layout (fewer keys per piece) is
     made by the first layer that asks for it and kept for the step's other layers of that window.
-    With `rows_in_place` the decode rows are one `DecodeRowsPiece` for a kernel that reads the pool.
+    With `rows_in_place`, every query row of the step is one `RowsPiece`, for a kernel that reads the
+    pool itself (kernels/cpu), in packed order.
     """
 
     starts: np.ndarray
@@ -248,16 +249,15 @@ def plan_reference(
 
 
 def _layout(plan: ReferencePlan, window: int | None) -> ReferenceLayout:
-    """Length groups for the q_len == 1 rows, one piece per longer chunk, and the permutation back."""
+    """Length groups for the q_len == 1 rows, one piece per longer chunk, and the permutation back; or,
+    with `rows_in_place`, every row in one `RowsPiece`."""
     starts, context_lens, block_tables = plan.starts, plan.context_lens, plan.block_tables
     q_lens = np.diff(starts)
+    if plan.rows_in_place:
+        return ReferenceLayout((_rows_piece(plan, q_lens),) if q_lens.size else (), None)
     decode_seqs = np.nonzero(q_lens == 1)[0]
     pieces, order = [], []
-    if decode_seqs.size and plan.rows_in_place:
-        pieces.append(DecodeRowsPiece(mx.array(starts[decode_seqs].astype(np.int32)),
-                                      mx.array(block_tables[decode_seqs]), mx.array(context_lens[decode_seqs])))
-        order.append(starts[decode_seqs])
-    elif decode_seqs.size:
+    if decode_seqs.size:
         lengths = context_lens[decode_seqs]
         for group in length_groups(lengths - window_starts(lengths, window)):
             seqs = decode_seqs[group]
@@ -267,6 +267,15 @@ def _layout(plan: ReferencePlan, window: int | None) -> ReferenceLayout:
         pieces.append(_chunk_piece(int(starts[seq]), int(q_lens[seq]), block_tables[seq:seq + 1], int(context_lens[seq]), plan, window))
         order.append(np.arange(starts[seq], starts[seq + 1]))
     return ReferenceLayout(tuple(pieces), _inverse(np.concatenate(order)) if order else None)
+
+
+def _rows_piece(plan: ReferencePlan, q_lens: np.ndarray) -> RowsPiece:
+    """Every query row in packed order, with its sequence's table and its own length."""
+    seq_of_row = np.repeat(np.arange(q_lens.size), q_lens)
+    offsets = np.arange(int(plan.starts[-1])) - np.repeat(plan.starts[:-1], q_lens)
+    lengths = (plan.context_lens[seq_of_row] - q_lens[seq_of_row] + 1 + offsets).astype(np.int32)
+    rows = np.arange(int(plan.starts[-1]), dtype=np.int32)
+    return RowsPiece(mx.array(rows), mx.array(plan.block_tables[seq_of_row]), mx.array(lengths))
 
 
 def _decode_piece(query_rows, block_tables, context_lens, plan: ReferencePlan, window: int | None) -> DecodeGroupPiece:
@@ -304,22 +313,18 @@ def _inverse(order: np.ndarray) -> mx.array | None:
 
 def paged_varlen_reference(
     queries: mx.array, key_cache: mx.array, value_cache: mx.array, plan: ReferencePlan, scale: float,
-    layer: LayerAttention = PLAIN, run_piece: Callable | None = None,
+    layer: LayerAttention = PLAIN,
 ) -> mx.array:
-    """Run a step's pieces for this layer's window (gather + SDPA each, or `run_piece`, which takes
-    `run_piece_here`'s arguments) and put their rows back in packed order."""
+    """Run a step's pieces for this layer's window (gather + SDPA each) and put their rows back in packed order."""
     layout = plan.layout(layer.window)
     if not layout.pieces:
         return mx.zeros((*queries.shape[:2], value_cache.shape[3]), dtype=queries.dtype)
-    run = run_piece or run_piece_here
-    outputs = [run(piece, queries, key_cache, value_cache, scale, layer) for piece in layout.pieces]
+    outputs = [_run_piece(piece, queries, key_cache, value_cache, scale, layer) for piece in layout.pieces]
     out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=0)
     return out if layout.inverse is None else mx.take(out, layout.inverse, axis=0)
 
 
-def run_piece_here(piece, queries: mx.array, key_cache: mx.array, value_cache: mx.array, scale: float,
-                   layer: LayerAttention) -> mx.array:
-    """One decode group or chunk through gather + SDPA, its rows in the piece's order."""
+def _run_piece(piece, queries: mx.array, key_cache: mx.array, value_cache: mx.array, scale: float, layer: LayerAttention) -> mx.array:
     keys = gather_rows(key_cache, piece.kv_rows)
     values = gather_rows(value_cache, piece.kv_rows)
     if isinstance(piece, DecodeGroupPiece):

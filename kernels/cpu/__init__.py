@@ -4,13 +4,16 @@ On MLX's CPU build the reference backend gathers each decode row's context out o
 into a padded copy and runs SDPA over it: three passes over the KV bytes where a contiguous
 cache needs one, and the larger part of a decode step (docs/benchmarks.md, "What bounds the
 CPU ratio"). MLX's Python API offers custom kernels for Metal and CUDA only; a CPU kernel
-is a C++ primitive (`paged_decode.cpp`, an `eval_cpu` over the pool's memory), compiled
+is a C++ primitive (`paged_rows.cpp`, an `eval_cpu` over the pool's memory), compiled
 against the installed MLX by `python -m kernels.cpu.build`, which `make` runs. Where it was
 not built (no compiler, or a Mac, whose GPU backend serves instead), `loaded()` is False and
 the "cpu" backend is unavailable: the reference serves the CPU as before.
 
-Only decode rows (one query per sequence) run here: they are memory-bound and are read in one
-pass. A step's prefill chunks keep the reference's gather + SDPA, whose matmuls go through BLAS.
+A whole step runs here in one call a layer: decode rows and the rows of prefill chunks alike, each
+row reading its context once, a chunk's rows causal by their own lengths (`reference.RowsPiece`).
+Rows of one chunk read the same keys again, from cache; against the reference's gather + SDPA (whose
+CPU path builds every chunk's full score matrix) it measured faster at every chunk tried, up to
+1,024 x 1,024 and 256 x 2,048 (docs/benchmarks.md, "CPU kernel").
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from kernels import reference
 from kernels.variants import PLAIN, LayerAttention
 
 try:
@@ -32,11 +34,11 @@ def loaded() -> bool:
     return _paged_cpu is not None
 
 
-def decode_rows(queries: mx.array, query_rows: mx.array, key_cache: mx.array, value_cache: mx.array,
+def attend_rows(queries: mx.array, query_rows: mx.array, key_cache: mx.array, value_cache: mx.array,
                 block_tables: mx.array, context_lens: mx.array, scale: float, layer: LayerAttention = PLAIN) -> mx.array:
-    """Rows `query_rows` of packed `queries` [N, Hq, D], each over its paged context (the layer's window
-    of it); [n, Hq, Dv] in the queries' dtype, softmax in float32."""
-    return _paged_cpu.paged_decode(
+    """Rows `query_rows` of packed `queries` [N, Hq, D], row i over the first `context_lens[i]` positions of
+    its table (the layer's window of them); [n, Hq, Dv] in the queries' dtype, softmax in float32."""
+    return _paged_cpu.paged_rows(
         queries, query_rows, key_cache, value_cache, block_tables, context_lens, layer.sinks,
         scale=float(scale), window=layer.window_or_zero, softcap=0.0 if layer.softcap is None else float(layer.softcap),
         stream=mx.cpu,
@@ -47,20 +49,16 @@ def paged_decode(queries, key_cache, value_cache, block_tables, context_lens, sc
                  layer: LayerAttention = PLAIN) -> mx.array:
     """`kernels.paged_attention` on this backend: one row per sequence, metadata on the host or as arrays."""
     rows = mx.arange(queries.shape[0], dtype=mx.int32)
-    return decode_rows(queries, rows, key_cache, value_cache, _int32(block_tables), _int32(context_lens), scale, layer)
+    return attend_rows(queries, rows, key_cache, value_cache, _int32(block_tables), _int32(context_lens), scale, layer)
 
 
 def paged_varlen(queries, key_cache, value_cache, plan, scale: float, layer: LayerAttention = PLAIN) -> mx.array:
-    """A step through the reference's pieces, its decode rows (one `DecodeRowsPiece`) through the kernel."""
-    out = reference.paged_varlen_reference(queries, key_cache, value_cache, plan.reference, scale, layer, _run_piece)
-    return out if out.dtype == queries.dtype else out.astype(queries.dtype)
-
-
-def _run_piece(piece, queries, key_cache, value_cache, scale: float, layer: LayerAttention) -> mx.array:
-    if isinstance(piece, reference.DecodeRowsPiece):
-        return decode_rows(queries, piece.query_rows, key_cache, value_cache, piece.block_tables, piece.context_lens,
-                           scale, layer)
-    return reference.run_piece_here(piece, queries, key_cache, value_cache, scale, layer)
+    """A whole step, every row (the plan's one `reference.RowsPiece`, in packed order), in one call."""
+    pieces = plan.reference.layout(None).pieces
+    if not pieces:
+        return mx.zeros((*queries.shape[:2], value_cache.shape[3]), dtype=queries.dtype)
+    (rows,) = pieces
+    return attend_rows(queries, rows.query_rows, key_cache, value_cache, rows.block_tables, rows.context_lens, scale, layer)
 
 
 def _int32(values) -> mx.array:

@@ -3,14 +3,14 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/variant.h>
 
-#include "paged_decode.h"
+#include "paged_rows.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
 
 NB_MODULE(_paged_cpu, m) {
-  m.doc() = "Paged decode attention on the CPU, reading the KV pool in place";
-  m.def("paged_decode", &orchard::paged_decode, "queries"_a, "query_rows"_a, "key_cache"_a, "value_cache"_a,
+  m.doc() = "Paged attention on the CPU, row by row, reading the KV pool in place";
+  m.def("paged_rows", &orchard::paged_rows, "queries"_a, "query_rows"_a, "key_cache"_a, "value_cache"_a,
         "block_tables"_a, "context_lens"_a, "sinks"_a = nb::none(), nb::kw_only(), "scale"_a, "window"_a = 0,
         "softcap"_a = 0.0f, "stream"_a = nb::none(),
         "Rows `query_rows` of `queries` [N, Hq, D] over their paged contexts; [n, Hq, Dv] in the queries' dtype.");

@@ -53,7 +53,7 @@ def test_packed_rows_are_answered_in_the_order_asked():
     packed = mx.concatenate([mx.zeros((5, 4, 64)), queries[2:3], mx.zeros((2, 4, 64)), queries[0:1], queries[1:2]])
     rows = mx.array([5, 8, 9], dtype=mx.int32)
     tables, lengths = mx.array(case.block_tables[[2, 0, 1]]), mx.array(case.context_lens[[2, 0, 1]])
-    out = cpu.decode_rows(packed, rows, case.key_cache, case.value_cache, tables, lengths, 0.125)
+    out = cpu.attend_rows(packed, rows, case.key_cache, case.value_cache, tables, lengths, 0.125)
     expected = oracle_decode(case, queries, 0.125)
     assert_close(out, expected[[2, 0, 1]], "float32")
 
@@ -65,11 +65,11 @@ def test_shapes_that_do_not_fit_are_a_value_error():
     queries = random_stored(rng, (2, 4, 64), "float32")
     rows, tables, lengths = mx.arange(2, dtype=mx.int32), mx.array(case.block_tables), mx.array(case.context_lens)
     with pytest.raises(ValueError, match="do not fit"):
-        cpu.decode_rows(queries, rows, case.key_cache, case.value_cache[:, :8], tables, lengths, 0.125)
+        cpu.attend_rows(queries, rows, case.key_cache, case.value_cache[:, :8], tables, lengths, 0.125)
     with pytest.raises(ValueError, match="do not fit"):
-        cpu.decode_rows(queries[:, :3], rows, case.key_cache, case.value_cache, tables, lengths, 0.125)
+        cpu.attend_rows(queries[:, :3], rows, case.key_cache, case.value_cache, tables, lengths, 0.125)
     with pytest.raises(ValueError, match="sinks"):
-        cpu.decode_rows(queries, rows, case.key_cache, case.value_cache, tables, lengths, 0.125,
+        cpu.attend_rows(queries, rows, case.key_cache, case.value_cache, tables, lengths, 0.125,
                         layer_attention(None, None, mx.zeros((3,))))
 
 

@@ -1,11 +1,12 @@
-// Paged decode attention on the CPU, reading K and V from the pool in place.
+// Paged attention on the CPU, row by row, reading K and V from the pool in place.
 //
 // MLX's reference path gathers a step's context out of the pool into a padded copy and
 // then runs SDPA over the copy: three passes over the KV bytes. This primitive makes one:
-// for each decode row and KV head it reads the row's keys block by block through its
-// block table, scores them against the group's query heads (GQA: each key is read once
-// for all of them), and reads the values once to sum them. Softmax in float32, with the
-// layer's window, attention sinks and soft cap, as kernels/variants.py defines them.
+// each query row (a decode row, or one position of a prefill chunk, causal by its own
+// length) reads its keys block by block through its block table, scores them against all
+// its query heads (GQA: a key is read once for its group), and reads the values once to sum
+// them. Softmax in float32, with the layer's window, attention sinks and soft cap, as
+// kernels/variants.py defines them.
 
 #include <pthread.h>
 
@@ -27,14 +28,14 @@
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 
-#include "paged_decode.h"
+#include "paged_rows.h"
 
 namespace orchard {
 
 namespace {
 
 struct Dims {
-  int rows;          // decode rows answered
+  int rows;          // query rows answered
   int num_heads;     // query heads
   int num_kv_heads;
   int head_dim;      // keys and queries
@@ -91,7 +92,7 @@ inline void for_each_token(const Dims& dm, const int32_t* table, int first, int 
 
 // Threads that split a call's rows with the thread MLX runs it on. MLX's CPU backend runs a
 // stream's primitives on one thread and the engine's other work is mostly waiting for them, so
-// the other cores are idle while a decode step attends. Made on first use; a forked child
+// the other cores are idle while a step attends. Made on first use; a forked child
 // (multiprocessing) makes its own, since the parent's threads do not exist in it.
 class Workers {
  public:
@@ -193,10 +194,10 @@ std::vector<int> split_rows(const int32_t* lengths, int rows, int parts, int win
 //: keys (positions x query heads) below which a call runs on its own thread: waking a worker costs more
 constexpr long kParallelWork = 8192;
 
-// One decode row, all its heads: the keys of a position (every KV head's) lie together in the
+// One query row, all its heads: the keys of a position (every KV head's) lie together in the
 // pool, so each is read once, in order, a block at a time; then the values the same way.
 template <typename Q, typename KV, typename O>
-void decode_row(const Dims& dm, const Q* q_row, const KV* keys, const KV* values, const int32_t* table, int length,
+void attend_row(const Dims& dm, const Q* q_row, const KV* keys, const KV* values, const int32_t* table, int length,
                 const float* sinks, O* out_row, std::vector<float>& scores, std::vector<float>& work) {
   const int heads = dm.num_heads;
   const int group = heads / dm.num_kv_heads;
@@ -271,7 +272,7 @@ void run(const Dims& dm, const mx::array& queries, const mx::array& rows, const 
       std::vector<float> scores, work;
       for (int i = begin; i < end; ++i) {
         const int length = std::clamp(ln[i], 1, capacity);
-        decode_row<Q, KV, Q>(dm, q + static_cast<size_t>(r[i]) * q_stride, k, v,
+        attend_row<Q, KV, Q>(dm, q + static_cast<size_t>(r[i]) * q_stride, k, v,
                              tb + static_cast<size_t>(i) * dm.max_blocks, length, sk, o + i * o_stride, scores, work);
       }
     };
@@ -300,15 +301,15 @@ void run_kv(const Dims& dm, const std::vector<mx::array>& in, mx::array& out, mx
     case mx::bfloat16:
       return run<Q, mx::bfloat16_t>(dm, in[0], in[1], in[2], in[3], in[4], in[5], in[6], out, stream);
     default:
-      throw std::invalid_argument("orchard paged decode: KV of an unsupported dtype");
+      throw std::invalid_argument("orchard paged rows: KV of an unsupported dtype");
   }
 }
 
 }  // namespace
 
-class PagedDecode : public mx::UnaryPrimitive {
+class PagedRows : public mx::UnaryPrimitive {
  public:
-  PagedDecode(mx::Stream stream, Dims dims) : mx::UnaryPrimitive(stream), dims_(dims) {}
+  PagedRows(mx::Stream stream, Dims dims) : mx::UnaryPrimitive(stream), dims_(dims) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) override {
     switch (inputs[0].dtype()) {
@@ -319,20 +320,20 @@ class PagedDecode : public mx::UnaryPrimitive {
       case mx::bfloat16:
         return run_kv<mx::bfloat16_t>(dims_, inputs, out, stream());
       default:
-        throw std::invalid_argument("orchard paged decode: queries of an unsupported dtype");
+        throw std::invalid_argument("orchard paged rows: queries of an unsupported dtype");
     }
   }
 
   void eval_gpu(const std::vector<mx::array>&, mx::array&) override {
-    throw std::runtime_error("orchard paged decode runs on the CPU only");
+    throw std::runtime_error("orchard paged rows runs on the CPU only");
   }
 
   const char* name() const override {
-    return "OrchardPagedDecode";
+    return "OrchardPagedRows";
   }
 
   bool is_equivalent(const mx::Primitive& other) const override {
-    const auto& o = static_cast<const PagedDecode&>(other);
+    const auto& o = static_cast<const PagedRows&>(other);
     return dims_.scale == o.dims_.scale && dims_.window == o.dims_.window && dims_.softcap == o.dims_.softcap &&
            dims_.has_sinks == o.dims_.has_sinks && dims_.rows == o.dims_.rows;
   }
@@ -341,17 +342,17 @@ class PagedDecode : public mx::UnaryPrimitive {
   Dims dims_;
 };
 
-mx::array paged_decode(const mx::array& queries, const mx::array& query_rows, const mx::array& key_cache,
-                       const mx::array& value_cache, const mx::array& block_tables, const mx::array& context_lens,
-                       const std::optional<mx::array>& sinks, float scale, int window, float softcap,
-                       mx::StreamOrDevice s) {
+mx::array paged_rows(const mx::array& queries, const mx::array& query_rows, const mx::array& key_cache,
+                     const mx::array& value_cache, const mx::array& block_tables, const mx::array& context_lens,
+                     const std::optional<mx::array>& sinks, float scale, int window, float softcap,
+                     mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) {
-    throw std::invalid_argument("orchard paged decode runs on the CPU stream only");
+    throw std::invalid_argument("orchard paged rows runs on the CPU stream only");
   }
   if (queries.ndim() != 3 || key_cache.ndim() != 4 || value_cache.ndim() != 4 || block_tables.ndim() != 2 ||
       query_rows.ndim() != 1 || context_lens.ndim() != 1) {
-    throw std::invalid_argument("orchard paged decode: queries [N, Hq, D], rows [n], caches [blocks, block_size, Hkv, D], "
+    throw std::invalid_argument("orchard paged rows: queries [N, Hq, D], rows [n], caches [blocks, block_size, Hkv, D], "
                                 "tables [n, max_blocks], lengths [n]");
   }
   Dims dm{};
@@ -371,10 +372,10 @@ mx::array paged_decode(const mx::array& queries, const mx::array& query_rows, co
       value_cache.shape(0) != dm.num_blocks ||
       value_cache.shape(1) != dm.block_size || value_cache.shape(2) != dm.num_kv_heads ||
       block_tables.shape(0) != dm.rows || context_lens.shape(0) != dm.rows || key_cache.dtype() != value_cache.dtype()) {
-    throw std::invalid_argument("orchard paged decode: shapes or dtypes do not fit together");
+    throw std::invalid_argument("orchard paged rows: shapes or dtypes do not fit together");
   }
   if (dm.has_sinks && (sinks->ndim() != 1 || sinks->shape(0) != dm.num_heads)) {
-    throw std::invalid_argument("orchard paged decode: sinks must be [num_heads]");
+    throw std::invalid_argument("orchard paged rows: sinks must be [num_heads]");
   }
   auto sink_values = dm.has_sinks ? mx::astype(*sinks, mx::float32, stream) : mx::zeros({1}, mx::float32, stream);
   std::vector<mx::array> inputs = {
@@ -386,7 +387,7 @@ mx::array paged_decode(const mx::array& queries, const mx::array& query_rows, co
       mx::contiguous(mx::astype(context_lens, mx::int32, stream), false, stream),
       mx::contiguous(sink_values, false, stream),
   };
-  return mx::array({dm.rows, dm.num_heads, dm.value_dim}, queries.dtype(), std::make_shared<PagedDecode>(stream, dm),
+  return mx::array({dm.rows, dm.num_heads, dm.value_dim}, queries.dtype(), std::make_shared<PagedRows>(stream, dm),
                    std::move(inputs));
 }
 
