@@ -8,8 +8,6 @@
 // them. Softmax in float32, with the layer's window, attention sinks and soft cap, as
 // kernels/variants.py defines them.
 
-#include <pthread.h>
-
 #include <algorithm>
 #include <cmath>
 #include <condition_variable>
@@ -92,16 +90,12 @@ inline void for_each_token(const Dims& dm, const int32_t* table, int first, int 
 
 // Threads that split a call's rows with the thread MLX runs it on. MLX's CPU backend runs a
 // stream's primitives on one thread and the engine's other work is mostly waiting for them, so
-// the other cores are idle while a step attends. Made on first use; a forked child
-// (multiprocessing) makes its own, since the parent's threads do not exist in it.
+// the other cores are idle while a step attends. Made on first use, kept for the process.
 class Workers {
  public:
   static Workers& shared() {
-    static bool registered = [] {
-      pthread_atfork(nullptr, nullptr, [] { instance_ = nullptr; });  // the old one is left, never freed
-      return true;
-    }();
-    (void)registered;
+    static std::mutex making;  // two CPU streams may ask first at once
+    std::lock_guard<std::mutex> lock(making);
     if (instance_ == nullptr) {
       const unsigned cores = std::max(1u, std::min(std::thread::hardware_concurrency(), 8u));
       instance_ = new Workers(static_cast<int>(cores));  // lives as long as the process
