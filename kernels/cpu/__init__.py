@@ -14,6 +14,10 @@ row reading its context once, a chunk's rows causal by their own lengths (`refer
 Rows of one chunk read the same keys again, from cache; against the reference's gather + SDPA (whose
 CPU path builds every chunk's full score matrix) it measured faster at every chunk tried, up to
 1,024 x 1,024 and 256 x 2,048 (docs/benchmarks.md, "CPU kernel").
+
+Rows are split across as many threads as the machine has cores (at most 8), the thread MLX runs
+the call on among them; ORCHARD_CPU_ATTENTION_THREADS, read once a process, sets another number.
+How rows are split never changes what a row computes.
 """
 
 from __future__ import annotations

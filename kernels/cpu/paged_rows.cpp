@@ -12,6 +12,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <mutex>
 #include <optional>
@@ -97,8 +98,11 @@ class Workers {
     static std::mutex making;  // two CPU streams may ask first at once
     std::lock_guard<std::mutex> lock(making);
     if (instance_ == nullptr) {
-      const unsigned cores = std::max(1u, std::min(std::thread::hardware_concurrency(), 8u));
-      instance_ = new Workers(static_cast<int>(cores));  // lives as long as the process
+      int threads = static_cast<int>(std::max(1u, std::min(std::thread::hardware_concurrency(), 8u)));
+      if (const char* asked = std::getenv("ORCHARD_CPU_ATTENTION_THREADS")) {
+        threads = std::clamp(std::atoi(asked), 1, 64);
+      }
+      instance_ = new Workers(threads);  // lives as long as the process
     }
     return *instance_;
   }

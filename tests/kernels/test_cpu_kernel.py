@@ -5,7 +5,9 @@ Its agreement with the float64 oracle over every layer variant is in the shared 
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -91,3 +93,26 @@ def test_tables_naming_blocks_outside_the_pool_read_the_null_block_instead():
     lengths = mx.array([32, 10**6], dtype=mx.int32)
     out = kernels.paged_attention(queries, pool_keys, pool_keys, mx.array(tables), lengths, scale=0.125, backend="cpu")
     assert np.allclose(np.array(out), 1.0)  # every slot it read holds ones: it read the pool, nothing else
+
+
+@needs_kernel
+def test_one_thread_computes_exactly_what_the_split_computes(tmp_path):
+    """ORCHARD_CPU_ATTENTION_THREADS=1 in a process of its own (the threads are made once a process)."""
+    script = f"""
+import numpy as np, mlx.core as mx
+from kernels import cpu
+rng = np.random.default_rng(2)
+keys = mx.array(rng.standard_normal((400, 16, 2, 64)).astype(np.float32))
+queries = mx.array(rng.standard_normal((48, 4, 64)).astype(np.float32))
+tables = mx.array(rng.permutation(np.arange(1, 400))[:384].reshape(48, 8).astype(np.int32))
+lengths = mx.array(rng.integers(1, 129, size=48).astype(np.int32))
+out = cpu.attend_rows(queries, mx.arange(48, dtype=mx.int32), keys, keys, tables, lengths, 0.125)
+np.save({str(tmp_path)!r} + "/" + __import__("os").environ.get("ORCHARD_CPU_ATTENTION_THREADS", "all") + ".npy", np.array(out))
+"""
+    for threads in ("1", None):
+        env = {k: v for k, v in os.environ.items() if k != "ORCHARD_CPU_ATTENTION_THREADS"}
+        if threads:
+            env["ORCHARD_CPU_ATTENTION_THREADS"] = threads
+        subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=REPO, timeout=120)
+    one, split = np.load(tmp_path / "1.npy"), np.load(tmp_path / "all.npy")
+    assert np.isfinite(one).all() and np.array_equal(one, split)
