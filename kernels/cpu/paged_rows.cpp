@@ -35,6 +35,7 @@ namespace {
 
 struct Dims {
   int rows;          // query rows answered
+  int num_queries;   // packed queries the rows pick from
   int num_heads;     // query heads
   int num_kv_heads;
   int head_dim;      // keys and queries
@@ -174,11 +175,11 @@ class Workers {
 };
 
 // Rows cut into `parts` runs of about equal work (keys read), in order.
-std::vector<int> split_rows(const int32_t* lengths, int rows, int parts, int window) {
+std::vector<int> split_rows(const int32_t* lengths, int rows, int parts, int window, int capacity) {
   std::vector<long> work(rows + 1, 0);
   for (int i = 0; i < rows; ++i) {
-    const long seen = window > 0 ? std::min(lengths[i], window) : lengths[i];
-    work[i + 1] = work[i] + std::max(seen, 1L);
+    const int length = std::clamp(lengths[i], 1, capacity);
+    work[i + 1] = work[i] + (window > 0 ? std::min(length, window) : length);
   }
   std::vector<int> bounds(parts + 1, rows);
   bounds[0] = 0;
@@ -189,7 +190,7 @@ std::vector<int> split_rows(const int32_t* lengths, int rows, int parts, int win
   return bounds;
 }
 
-//: keys (positions x query heads) below which a call runs on its own thread: waking a worker costs more
+// Keys (positions x query heads) below which a call runs on its own thread: waking a worker costs more
 constexpr long kParallelWork = 8192;
 
 // One query row, all its heads: the keys of a position (every KV head's) lie together in the
@@ -269,8 +270,11 @@ void run(const Dims& dm, const mx::array& queries, const mx::array& rows, const 
     auto rows_from = [&](int begin, int end) {
       std::vector<float> scores, work;
       for (int i = begin; i < end; ++i) {
+        // Lengths and query rows clamped, as block ids are: metadata that arrives as arrays is checked by
+        // shape only, and must still never make the kernel read outside its inputs.
         const int length = std::clamp(ln[i], 1, capacity);
-        attend_row<Q, KV, Q>(dm, q + static_cast<size_t>(r[i]) * q_stride, k, v,
+        const size_t query = static_cast<size_t>(std::clamp(r[i], 0, std::max(dm.num_queries - 1, 0)));
+        attend_row<Q, KV, Q>(dm, q + query * q_stride, k, v,
                              tb + static_cast<size_t>(i) * dm.max_blocks, length, sk, o + i * o_stride, scores, work);
       }
     };
@@ -284,7 +288,7 @@ void run(const Dims& dm, const mx::array& queries, const mx::array& rows, const 
       rows_from(0, dm.rows);
       return;
     }
-    const std::vector<int> bounds = split_rows(ln, dm.rows, parts, dm.window);
+    const std::vector<int> bounds = split_rows(ln, dm.rows, parts, dm.window, capacity);
     workers.run(parts, [&](int part) { rows_from(bounds[part], bounds[part + 1]); });
   });
 }
@@ -355,6 +359,7 @@ mx::array paged_rows(const mx::array& queries, const mx::array& query_rows, cons
   }
   Dims dm{};
   dm.rows = query_rows.shape(0);
+  dm.num_queries = queries.shape(0);
   dm.num_heads = queries.shape(1);
   dm.num_kv_heads = key_cache.shape(2);
   dm.head_dim = key_cache.shape(3);
@@ -371,6 +376,9 @@ mx::array paged_rows(const mx::array& queries, const mx::array& query_rows, cons
       value_cache.shape(1) != dm.block_size || value_cache.shape(2) != dm.num_kv_heads ||
       block_tables.shape(0) != dm.rows || context_lens.shape(0) != dm.rows || key_cache.dtype() != value_cache.dtype()) {
     throw std::invalid_argument("orchard paged rows: shapes or dtypes do not fit together");
+  }
+  if (dm.rows > 0 && dm.num_queries == 0) {
+    throw std::invalid_argument("orchard paged rows: rows asked of no queries");
   }
   if (dm.has_sinks && (sinks->ndim() != 1 || sinks->shape(0) != dm.num_heads)) {
     throw std::invalid_argument("orchard paged rows: sinks must be [num_heads]");

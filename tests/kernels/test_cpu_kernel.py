@@ -75,15 +75,18 @@ def test_shapes_that_do_not_fit_are_a_value_error():
         cpu.attend_rows(queries, rows, case.key_cache, case.value_cache[:, :8], tables, lengths, 0.125)
     with pytest.raises(ValueError, match="do not fit"):
         cpu.attend_rows(queries[:, :3], rows, case.key_cache, case.value_cache, tables, lengths, 0.125)
+    with pytest.raises(ValueError, match="no queries"):
+        cpu.attend_rows(queries[:0], rows, case.key_cache, case.value_cache, tables, lengths, 0.125)
     with pytest.raises(ValueError, match="sinks"):
         cpu.attend_rows(queries, rows, case.key_cache, case.value_cache, tables, lengths, 0.125,
                         layer_attention(None, None, mx.zeros((3,))))
 
 
 @needs_kernel
-def test_tables_naming_blocks_outside_the_pool_read_the_null_block_instead():
+def test_metadata_outside_the_pool_or_the_queries_is_clamped_into_them():
     """Device-array metadata is checked by shape only (no host read per step); a block id outside
-    the pool, or a length past the table, must still never make the kernel read outside it."""
+    the pool (read as the null block), a length past the table or a query row past the queries
+    must still never make the kernel read outside its inputs."""
     rng = np.random.default_rng(5)
     case = make_paged_case(rng, [32, 32], 2, 64, 16, "float32")
     pool_keys = mx.ones(case.key_cache.shape)
@@ -93,6 +96,9 @@ def test_tables_naming_blocks_outside_the_pool_read_the_null_block_instead():
     lengths = mx.array([32, 10**6], dtype=mx.int32)
     out = kernels.paged_attention(queries, pool_keys, pool_keys, mx.array(tables), lengths, scale=0.125, backend="cpu")
     assert np.allclose(np.array(out), 1.0)  # every slot it read holds ones: it read the pool, nothing else
+    rows = mx.array([7, -3], dtype=mx.int32)  # rows past the packed queries are clamped to them
+    out = cpu.attend_rows(queries, rows, pool_keys, pool_keys, mx.array(tables), lengths, 0.125)
+    assert out.shape == (2, 4, 64) and np.allclose(np.array(out), 1.0)
 
 
 @needs_kernel
