@@ -103,6 +103,16 @@ def test_the_engines_and_the_coordinator_run_at_default_priority_not_rays_worker
     assert [_niceness(actor) for actor in actors] == [0] * len(actors)
 
 
+def test_node_actors_attend_on_the_backend_this_machine_defaults_to(cluster):
+    """Node actors are processes of their own: the CPU kernel (kernels/cpu) must load in them too, not only here."""
+    import kernels
+
+    _, nodes = cluster
+    backends = [ray.get(ray.get_actor(node_actor_name(node_id), namespace="orchard").__ray_call__.remote(
+        lambda actor: actor.engine.engine.runner.attention_backend)) for node_id in nodes]
+    assert backends == [kernels.default_backend()] * len(nodes)
+
+
 def test_second_request_with_a_prefix_goes_to_the_node_holding_it(cluster):
     backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN))
     shared = prompt(1000, 64)  # four full blocks
