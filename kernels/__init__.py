@@ -7,7 +7,7 @@ only), `paged_prefill_attention` (the varlen pair in one call), `write_kv`,
 `window`, `sinks` and `softcap` (kernels/variants.py) per call, so one plan serves layers
 that differ. Backends are
 "reference" (pure MLX ops, everywhere), "metal" (Apple GPUs), "cuda" (MLX on NVIDIA) and "cpu"
-(MLX on the CPU, decode rows read from the pool in place by an extension built with `make`,
+(MLX on the CPU, every query row read from the pool in place by an extension built with `make`,
 kernels/cpu); pick one with `backend=` or the ORCHARD_ATTENTION_BACKEND environment variable.
 """
 

@@ -16,9 +16,8 @@ from kernels.errors import BackendUnavailable, UnknownBackend
 
 ENV_VAR = "ORCHARD_ATTENTION_BACKEND"
 BACKENDS = ("reference", "metal", "cuda", "cpu")
-#: Backends planned on the host, step by step, from MLX ops and pieces (kernels/reference.py): any
-#: value head dim, no compiled launch plan, no traced decode graphs. "cpu" runs the reference's
-#: pieces but for the decode rows, which its kernel reads from the pool in place.
+#: Backends planned on the host, step by step, as MLX ops (the reference's gathers and SDPA, or the CPU
+#: kernel's one primitive): any value head dim, no compiled launch plan, no traced decode graphs.
 HOST_PLANNED = ("reference", "cpu")
 
 

@@ -3,7 +3,8 @@
 A step's metadata (query offsets, context lengths, block tables) is the same for every
 layer, so everything derived from it is built here once per step: for the compiled
 backends the varlen kernel's work list and tile shape, as device arrays; for the reference
-backend its length groups and pool rows (for "cpu", every query row in one piece its kernel reads the pool for). A layer then only launches: no host checks, no
+backend its length groups and pool rows; for the CPU kernel each query row's table and length
+(kernels/cpu). A layer then only launches: no host checks, no
 reads of device arrays back to the host.
 
 Work decomposition of the compiled kernel (see kernels/source.py): each chunk's new
@@ -25,8 +26,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from kernels import mma_source, reference, source
-from kernels.backends import HOST_PLANNED, resolve_backend
+from kernels import cpu, mma_source, reference, source
+from kernels.backends import resolve_backend
 from kernels.errors import InvalidAttentionMetadata, UnsupportedAttentionShape
 from kernels.launch import DecodePlan, KernelTuning, decode_dims, plan_decode
 from kernels.variants import LayerAttention, LayerInputs, layer_inputs
@@ -146,7 +147,8 @@ class VarlenPlan:
     block_size: int
     block_tables: mx.array
     kernel: KernelPlan | None  # compiled backends
-    reference: reference.ReferencePlan | None  # the host-planned backends, "reference" and "cpu"
+    reference: reference.ReferencePlan | None  # the reference backend
+    rows: cpu.RowsPlan | None = None  # the CPU kernel: every query row with its table and length
 
     def layer_inputs(self, scale: float, layer: LayerAttention) -> LayerInputs:
         """A layer's scale, window, soft cap and sinks as device arrays, made once per distinct value."""
@@ -180,9 +182,10 @@ def plan_varlen(
     name = resolve_backend(backend)
     common = dict(backend=name, total_q=int(starts[-1]), num_heads=num_heads, num_kv_heads=num_kv_heads,
                   head_dim=head_dim, block_size=block_size, block_tables=mx.array(tables))
-    if name in HOST_PLANNED:
-        host = reference.plan_reference(starts, lengths, tables, block_size, num_kv_heads, rows_in_place=name == "cpu")
-        return VarlenPlan(**common, kernel=None, reference=host)
+    if name == "cpu":
+        return VarlenPlan(**common, kernel=None, reference=None, rows=cpu.plan_rows(starts, lengths, tables))
+    if name == "reference":
+        return VarlenPlan(**common, kernel=None, reference=reference.plan_reference(starts, lengths, tables, block_size, num_kv_heads))
     kernel = plan_kernel(name, starts, lengths, tables, num_heads, num_kv_heads, head_dim, tuning or VarlenTuning())
     return VarlenPlan(**common, kernel=kernel, reference=None)
 

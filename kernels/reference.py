@@ -180,17 +180,6 @@ class DecodeGroupPiece:
 
 
 @dataclass(frozen=True)
-class RowsPiece:
-    """Query rows a kernel answers by reading the pool itself (kernels/cpu), unpadded: each row its
-    packed query, its sequence's block table and the keys it sees (its own position + 1), so a prefill
-    chunk's rows are causal by their lengths alone. One piece serves every window: the kernel applies it."""
-
-    query_rows: mx.array  # int32 [n]: packed query row of each row
-    block_tables: mx.array  # int32 [n, max_blocks]: its sequence's table
-    context_lens: mx.array  # int32 [n]: keys before it and itself
-
-
-@dataclass(frozen=True)
 class ChunkPiece:
     """A prefill chunk: the last q_len positions of one sequence, causal over its context (or its window)."""
 
@@ -204,7 +193,7 @@ class ChunkPiece:
 class ReferenceLayout:
     """Pieces of a step for one window, in the order their outputs are concatenated."""
 
-    pieces: tuple  # DecodeGroupPiece, ChunkPiece, and one RowsPiece where a kernel reads the pool itself
+    pieces: tuple  # DecodeGroupPiece and ChunkPiece
     inverse: mx.array | None  # packed row -> row of the concatenation; None when the order is already packed
 
 
@@ -214,8 +203,6 @@ class ReferencePlan:
 
     The full-context layout is made with the plan; a window's layout (fewer keys per piece) is
     made by the first layer that asks for it and kept for the step's other layers of that window.
-    With `rows_in_place`, every query row of the step is one `RowsPiece`, for a kernel that reads the
-    pool itself (kernels/cpu), in packed order.
     """
 
     starts: np.ndarray
@@ -223,7 +210,6 @@ class ReferencePlan:
     block_tables: np.ndarray
     block_size: int
     num_kv_heads: int
-    rows_in_place: bool = False
     layouts: dict = field(default_factory=dict, compare=False, repr=False)
 
     def layout(self, window: int | None) -> ReferenceLayout:
@@ -239,22 +225,18 @@ class ReferencePlan:
 
 
 def plan_reference(
-    starts: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray, block_size: int, num_kv_heads: int,
-    rows_in_place: bool = False,
+    starts: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray, block_size: int, num_kv_heads: int
 ) -> ReferencePlan:
     """The step's host metadata, with its full-context layout made now."""
-    plan = ReferencePlan(starts, context_lens, block_tables, block_size, num_kv_heads, rows_in_place)
+    plan = ReferencePlan(starts, context_lens, block_tables, block_size, num_kv_heads)
     plan.layout(None)
     return plan
 
 
 def _layout(plan: ReferencePlan, window: int | None) -> ReferenceLayout:
-    """Length groups for the q_len == 1 rows, one piece per longer chunk, and the permutation back; or,
-    with `rows_in_place`, every row in one `RowsPiece`."""
+    """Length groups for the q_len == 1 rows, one piece per longer chunk, and the permutation back."""
     starts, context_lens, block_tables = plan.starts, plan.context_lens, plan.block_tables
     q_lens = np.diff(starts)
-    if plan.rows_in_place:
-        return ReferenceLayout((_rows_piece(plan, q_lens),) if q_lens.size else (), None)
     decode_seqs = np.nonzero(q_lens == 1)[0]
     pieces, order = [], []
     if decode_seqs.size:
@@ -267,15 +249,6 @@ def _layout(plan: ReferencePlan, window: int | None) -> ReferenceLayout:
         pieces.append(_chunk_piece(int(starts[seq]), int(q_lens[seq]), block_tables[seq:seq + 1], int(context_lens[seq]), plan, window))
         order.append(np.arange(starts[seq], starts[seq + 1]))
     return ReferenceLayout(tuple(pieces), _inverse(np.concatenate(order)) if order else None)
-
-
-def _rows_piece(plan: ReferencePlan, q_lens: np.ndarray) -> RowsPiece:
-    """Every query row in packed order, with its sequence's table and its own length."""
-    seq_of_row = np.repeat(np.arange(q_lens.size), q_lens)
-    offsets = np.arange(int(plan.starts[-1])) - np.repeat(plan.starts[:-1], q_lens)
-    lengths = (plan.context_lens[seq_of_row] - q_lens[seq_of_row] + 1 + offsets).astype(np.int32)
-    rows = np.arange(int(plan.starts[-1]), dtype=np.int32)
-    return RowsPiece(mx.array(rows), mx.array(plan.block_tables[seq_of_row]), mx.array(lengths))
 
 
 def _decode_piece(query_rows, block_tables, context_lens, plan: ReferencePlan, window: int | None) -> DecodeGroupPiece:

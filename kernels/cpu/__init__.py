@@ -10,7 +10,7 @@ not built (no compiler, or a Mac, whose GPU backend serves instead), `loaded()` 
 the "cpu" backend is unavailable: the reference serves the CPU as before.
 
 A whole step runs here in one call a layer: decode rows and the rows of prefill chunks alike, each
-row reading its context once, a chunk's rows causal by their own lengths (`reference.RowsPiece`).
+row reading its context once, a chunk's rows causal by their own lengths (`RowsPlan`).
 Rows of one chunk read the same keys again, from cache; against the reference's gather + SDPA (whose
 CPU path builds every chunk's full score matrix) it measured faster at every chunk tried, up to
 1,024 x 1,024 and 256 x 2,048 (docs/benchmarks.md, "CPU kernel").
@@ -22,6 +22,8 @@ How rows are split never changes what a row computes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import mlx.core as mx
 import numpy as np
 
@@ -31,6 +33,27 @@ try:
     from kernels.cpu import _paged_cpu
 except ImportError:  # not built here
     _paged_cpu = None
+
+
+@dataclass(frozen=True)
+class RowsPlan:
+    """A step's query rows as the kernel reads them, made once a step for every layer: each row its
+    sequence's block table and the keys it sees (its own position + 1), so a prefill chunk's rows
+    are causal by their lengths alone; windows are the kernel's, per layer."""
+
+    query_rows: mx.array  # int32 [total_q]: 0..total_q-1, the packed order
+    block_tables: mx.array  # int32 [total_q, max_blocks]
+    context_lens: mx.array  # int32 [total_q]
+
+
+def plan_rows(starts: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray) -> RowsPlan:
+    """`RowsPlan` of a step's checked host metadata (kernels/plan.py checks it)."""
+    q_lens = np.diff(starts)
+    total = int(starts[-1])
+    seq_of_row = np.repeat(np.arange(q_lens.size), q_lens)
+    offsets = np.arange(total) - np.repeat(starts[:-1], q_lens)
+    lengths = (context_lens[seq_of_row] - q_lens[seq_of_row] + 1 + offsets).astype(np.int32)
+    return RowsPlan(mx.arange(total, dtype=mx.int32), mx.array(block_tables[seq_of_row]), mx.array(lengths))
 
 
 def loaded() -> bool:
@@ -57,11 +80,8 @@ def paged_decode(queries, key_cache, value_cache, block_tables, context_lens, sc
 
 
 def paged_varlen(queries, key_cache, value_cache, plan, scale: float, layer: LayerAttention = PLAIN) -> mx.array:
-    """A whole step, every row (the plan's one `reference.RowsPiece`, in packed order), in one call."""
-    pieces = plan.reference.layout(None).pieces
-    if not pieces:
-        return mx.zeros((*queries.shape[:2], value_cache.shape[3]), dtype=queries.dtype)
-    (rows,) = pieces
+    """A whole step, every row of `plan.rows` (packed order), in one call."""
+    rows = plan.rows
     return attend_rows(queries, rows.query_rows, key_cache, value_cache, rows.block_tables, rows.context_lens, scale, layer)
 
 

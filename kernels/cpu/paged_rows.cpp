@@ -253,16 +253,19 @@ void attend_row(const Dims& dm, const Q* q_row, const KV* keys, const KV* values
 
 template <typename Q, typename KV>
 void run(const Dims& dm, const mx::array& queries, const mx::array& rows, const mx::array& keys,
-         const mx::array& values, const mx::array& tables, const mx::array& lengths, const mx::array& sinks,
+         const mx::array& values, const mx::array& tables, const mx::array& lengths, const mx::array* sinks,
          mx::array& out, mx::Stream stream) {
   out.set_data(mx::allocator::malloc(out.nbytes()));
   auto& encoder = mx::cpu::get_command_encoder(stream);
-  for (const auto* a : {&queries, &rows, &keys, &values, &tables, &lengths, &sinks}) {
+  for (const auto* a : {&queries, &rows, &keys, &values, &tables, &lengths}) {
     encoder.set_input_array(*a);
+  }
+  if (sinks != nullptr) {
+    encoder.set_input_array(*sinks);
   }
   encoder.set_output_array(out);
   encoder.dispatch([dm, q = queries.data<Q>(), r = rows.data<int32_t>(), k = keys.data<KV>(), v = values.data<KV>(),
-                    tb = tables.data<int32_t>(), ln = lengths.data<int32_t>(), sk = sinks.data<float>(),
+                    tb = tables.data<int32_t>(), ln = lengths.data<int32_t>(), sk = sinks ? sinks->data<float>() : nullptr,
                     o = out.data<Q>()]() {
     const size_t q_stride = static_cast<size_t>(dm.num_heads) * dm.head_dim;
     const size_t o_stride = static_cast<size_t>(dm.num_heads) * dm.value_dim;
@@ -295,13 +298,14 @@ void run(const Dims& dm, const mx::array& queries, const mx::array& rows, const 
 
 template <typename Q>
 void run_kv(const Dims& dm, const std::vector<mx::array>& in, mx::array& out, mx::Stream stream) {
+  const mx::array* sinks = in.size() > 6 ? &in[6] : nullptr;  // only a layer with sinks passes them
   switch (in[2].dtype()) {
     case mx::float32:
-      return run<Q, float>(dm, in[0], in[1], in[2], in[3], in[4], in[5], in[6], out, stream);
+      return run<Q, float>(dm, in[0], in[1], in[2], in[3], in[4], in[5], sinks, out, stream);
     case mx::float16:
-      return run<Q, mx::float16_t>(dm, in[0], in[1], in[2], in[3], in[4], in[5], in[6], out, stream);
+      return run<Q, mx::float16_t>(dm, in[0], in[1], in[2], in[3], in[4], in[5], sinks, out, stream);
     case mx::bfloat16:
-      return run<Q, mx::bfloat16_t>(dm, in[0], in[1], in[2], in[3], in[4], in[5], in[6], out, stream);
+      return run<Q, mx::bfloat16_t>(dm, in[0], in[1], in[2], in[3], in[4], in[5], sinks, out, stream);
     default:
       throw std::invalid_argument("orchard paged rows: KV of an unsupported dtype");
   }
@@ -383,16 +387,21 @@ mx::array paged_rows(const mx::array& queries, const mx::array& query_rows, cons
   if (dm.has_sinks && (sinks->ndim() != 1 || sinks->shape(0) != dm.num_heads)) {
     throw std::invalid_argument("orchard paged rows: sinks must be [num_heads]");
   }
-  auto sink_values = dm.has_sinks ? mx::astype(*sinks, mx::float32, stream) : mx::zeros({1}, mx::float32, stream);
-  std::vector<mx::array> inputs = {
-      mx::contiguous(queries, false, stream),
-      mx::contiguous(mx::astype(query_rows, mx::int32, stream), false, stream),
-      mx::contiguous(key_cache, false, stream),
-      mx::contiguous(value_cache, false, stream),
-      mx::contiguous(mx::astype(block_tables, mx::int32, stream), false, stream),
-      mx::contiguous(mx::astype(context_lens, mx::int32, stream), false, stream),
-      mx::contiguous(sink_values, false, stream),
+  // A step's metadata reaches every layer as the same evaluated int32 arrays: taken as they are, so a
+  // layer's call adds one node to the graph, not one per input.
+  auto as_is = [&](const mx::array& a, mx::Dtype dtype) {
+    if (a.dtype() == dtype && a.is_available() && a.flags().row_contiguous) {
+      return a;
+    }
+    return mx::contiguous(mx::astype(a, dtype, stream), false, stream);
   };
+  std::vector<mx::array> inputs = {
+      as_is(queries, queries.dtype()),         as_is(query_rows, mx::int32),  as_is(key_cache, key_cache.dtype()),
+      as_is(value_cache, value_cache.dtype()), as_is(block_tables, mx::int32), as_is(context_lens, mx::int32),
+  };
+  if (dm.has_sinks) {
+    inputs.push_back(as_is(*sinks, mx::float32));
+  }
   return mx::array({dm.rows, dm.num_heads, dm.value_dim}, queries.dtype(), std::make_shared<PagedRows>(stream, dm),
                    std::move(inputs));
 }
