@@ -3,8 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-CPU_KERNEL := kernels/cpu/.built
-OPENBLAS = $(shell $(PY) -m node.openblas 2>/dev/null)
+CPU_KERNEL := orchard/kernels/cpu/.built
+OPENBLAS = $(shell $(PY) -m orchard.node.openblas 2>/dev/null)
 export RAY_USAGE_STATS_ENABLED := 0
 export PYTHONHASHSEED := 0
 
@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # The CPU attention extension; without a compiler the CPU attends on the reference backend.
-$(CPU_KERNEL): $(STAMP) kernels/cpu/CMakeLists.txt $(wildcard kernels/cpu/*.cpp kernels/cpu/*.h)
-	$(PY) -m kernels.cpu.build && touch $@ || echo "CPU attention extension not built"
+$(CPU_KERNEL): $(STAMP) orchard/kernels/cpu/CMakeLists.txt $(wildcard orchard/kernels/cpu/*.cpp orchard/kernels/cpu/*.h)
+	$(PY) -m orchard.kernels.cpu.build && touch $@ || echo "CPU attention extension not built"
 
 venv: $(STAMP) $(CPU_KERNEL)
 
@@ -35,4 +35,4 @@ serve: venv
 	$(VENV)/bin/orchard serve $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info $(CPU_KERNEL) kernels/cpu/_paged_cpu*
+	rm -rf $(VENV) build *.egg-info $(CPU_KERNEL) orchard/kernels/cpu/_paged_cpu*

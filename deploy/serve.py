@@ -30,7 +30,7 @@ DEFAULT_PLACE_EVERY_S = 5.0
 
 def parser() -> argparse.ArgumentParser:
     """`orchard serve`'s own options (so the two never disagree), attached by default."""
-    from cluster.cli import serve
+    from orchard.cluster.cli import serve
 
     holder = argparse.ArgumentParser(add_help=False)
     sub = holder.add_subparsers()
@@ -48,9 +48,9 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from cluster.cli import serve, serve_options
-    from cluster.runtime.ray_access import UnauthenticatedRay, check_driver_has_token
-    from node.openblas import reexec_with_openblas
+    from orchard.cluster.cli import serve, serve_options
+    from orchard.cluster.runtime.ray_access import UnauthenticatedRay, check_driver_has_token
+    from orchard.node.openblas import reexec_with_openblas
 
     args = parser().parse_args(argv)
     if args.no_ray:
@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve_with_placer(args, keys: frozenset[str]) -> int:
-    from cluster.cli import serve, serve_options
-    from cluster.runtime.placement import Placer
+    from orchard.cluster.cli import serve, serve_options
+    from orchard.cluster.runtime.placement import Placer
 
     started = serve.start_backend(args)
     placer = Placer(serve_options.engine_config(args), args.place_every)

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Fetch uPlot from the npm registry (`npm pack`), check the tarball's sha256, and copy its
-# minified script, stylesheet and licence into cluster/gateway/static/ (see VENDORED.md there).
+# minified script, stylesheet and licence into orchard/cluster/gateway/static/ (see VENDORED.md there).
 set -euo pipefail
 VERSION=1.6.32
 SHA256=4b8a8191e425658e3ea8c8c1314b0fc679c861ee3a1af2b20c7b16ba50b5133d
 cd "$(dirname "$0")/.."
-dest=cluster/gateway/static
+dest=orchard/cluster/gateway/static
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 (cd "$tmp" && npm pack --silent "uplot@$VERSION" >/dev/null)

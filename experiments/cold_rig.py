@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from experiments.common import drop_file_cache
-from kvcache import CacheConfig, KVCache
-from kvcache.geometry import KVGeometry
+from orchard.kvcache import CacheConfig, KVCache
+from orchard.kvcache.geometry import KVGeometry
 
 
 @dataclass

@@ -18,8 +18,8 @@ import mlx.core as mx
 import numpy as np
 
 from experiments.decode_step_profile import decoding_engine
-from node.engine import build_step_input
-from node.model.random_weights import random_llama
+from orchard.node.engine import build_step_input
+from orchard.node.model.random_weights import random_llama
 
 
 def census(*outputs) -> collections.Counter:

@@ -13,11 +13,11 @@ import time
 import mlx.core as mx
 import numpy as np
 
-import kernels
-from node.engine import EngineConfig, LLMEngine, build_step_input
-from node.model import runner as model_runner
-from node.model.random_weights import random_llama
-from node.types import SamplingParams
+from orchard import kernels
+from orchard.node.engine import EngineConfig, LLMEngine, build_step_input
+from orchard.node.model import runner as model_runner
+from orchard.node.model.random_weights import random_llama
+from orchard.node.types import SamplingParams
 
 
 def _median_ms(fn, steps: int) -> float:
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cprofile", type=int, default=0, metavar="N", help="also print the host functions taking most time over N whole steps")
     args = ap.parse_args(argv)
     if args.model:
-        from node.model.loader import load_model
+        from orchard.node.model.loader import load_model
 
         loaded = load_model(args.model)
     else:

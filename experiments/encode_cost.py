@@ -79,7 +79,7 @@ def primitive_costs(chain: int) -> dict[str, float]:
 def decode_steps(shape: str, batch: int, steps: int, layers: int | None = None) -> dict[str, float]:
     """Median ms of the engine's whole decode step and of mlx-lm's decode step on one random model."""
     from experiments.decode_step_profile import _median_ms, decoding_engine, mlx_lm_step
-    from node.model.random_weights import random_llama
+    from orchard.node.model.random_weights import random_llama
 
     loaded = random_llama(shape, num_layers=layers)
     engine = decoding_engine(loaded, batch, 128, 4.0)

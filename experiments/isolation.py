@@ -24,8 +24,8 @@ import numpy as np
 import xxhash
 
 from experiments.common import markdown_table, print_header, save_results
-from kvcache import CacheConfig, KVCache, MemoryBudget, QuotaExceeded
-from kvcache.geometry import KVGeometry
+from orchard.kvcache import CacheConfig, KVCache, MemoryBudget, QuotaExceeded
+from orchard.kvcache.geometry import KVGeometry
 
 BLOCK = 16
 

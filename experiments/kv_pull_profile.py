@@ -1,7 +1,7 @@
 """Where a direct KV pull spends its time: two processes, no Ray, stage by stage.
 
 The source runs in a child process (its own GIL, as a node actor has), holding a prefix
-seeded by import; the target, in this process, pulls it over `node.serving.kv_link` as a node
+seeded by import; the target, in this process, pulls it over `orchard.node.serving.kv_link` as a node
 actor's `pull_blocks` does. Each stage is timed by wrapping the function that does it, in
 both processes, and summed over a pull (stages on different threads overlap, so they add up
 to more than the pull's wall time; the one nearest the wall time bounds the pull):
@@ -10,7 +10,7 @@ to more than the pull's wall time; the one nearest the wall time bounds the pull
     target: recv (socket to buffer + checksum), decode (check + parse), import (pool write, engine thread)
 
 Raw TCP over the same loopback, plain sockets, is measured in the same run. With `--link`
-the two processes are two hosts of the namespace rig (`cluster.bench.netns`, needs root),
+the two processes are two hosts of the namespace rig (`orchard.cluster.bench.netns`, needs root),
 over a veth shaped to 1 or 10 Gbit/s or unshaped, and raw TCP goes through the same veths.
 
     python -m experiments.kv_pull_profile [--size large] [--tokens 8192] [--repeats 3] [--chunk-mib 4]
@@ -66,10 +66,10 @@ class Stages:
 
 
 def _engine(size: str, num_blocks: int):
-    from node.async_engine import AsyncEngine
-    from node.engine import EngineConfig, LLMEngine
-    from node.model.demo import default_demo_model_path
-    from node.serving.actor import freeze_loaded_objects
+    from orchard.node.async_engine import AsyncEngine
+    from orchard.node.engine import EngineConfig, LLMEngine
+    from orchard.node.model.demo import default_demo_model_path
+    from orchard.node.serving.actor import freeze_loaded_objects
 
     config = EngineConfig(model=str(default_demo_model_path(size)), block_size=16, num_blocks=num_blocks,
                           max_num_seqs=4, max_num_batched_tokens=512)
@@ -79,10 +79,10 @@ def _engine(size: str, num_blocks: int):
 
 
 def _path(name: str, engine, chunk_mib: int = 4, host: str = "127.0.0.1"):
-    from node.serving import link_auth
-    from node.serving.direct_path import DirectPath
-    from node.serving.kv_link import KVLinkConfig
-    from node.serving.migration import BlockMover
+    from orchard.node.serving import link_auth
+    from orchard.node.serving.direct_path import DirectPath
+    from orchard.node.serving.kv_link import KVLinkConfig
+    from orchard.node.serving.migration import BlockMover
 
     config = KVLinkConfig(chunk_bytes=chunk_mib << 20, host=host)
     path = DirectPath(BlockMover(engine), name, link_auth.link_key(KEY_SECRET), config)
@@ -91,8 +91,8 @@ def _path(name: str, engine, chunk_mib: int = 4, host: str = "127.0.0.1"):
 
 
 def _instrument(stages: Stages, side: str) -> None:
-    from kvcache import cache, wire_transit
-    from node.serving import kv_link, link_io
+    from orchard.kvcache import cache, wire_transit
+    from orchard.node.serving import kv_link, link_io
 
     if side == "source":
         stages.wrap(cache.KVCache, "pin_export", "pin")
@@ -106,7 +106,7 @@ def _instrument(stages: Stages, side: str) -> None:
 
 def _seed(path, tokens_len: int, seed: int) -> list[bytes]:
     """A fresh prefix in the source's pool, imported from made-up KV under its true hashes."""
-    from cluster.bench.netns_node import seed_kv
+    from orchard.cluster.bench.netns_node import seed_kv
 
     tokens = [(seed * 7919 + j * 13 + (j * j) % 97) % 1500 + 20 for j in range(tokens_len)]
     return seed_kv(path.mover.engine.engine.kv, tokens, seed)
@@ -116,7 +116,7 @@ def _source_main(conn, size: str, num_blocks: int, switch_s: float, where: tuple
     """The source node: answers "seed" (a fresh prefix), "stages" (and clears them), "stop".
     `where`: (namespace, address) of its host in the rig, entered before any socket is made."""
     if where is not None:
-        from cluster.bench.netns import enter
+        from orchard.cluster.bench.netns import enter
 
         enter(where[0])
     sys.setswitchinterval(switch_s)
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.link is None:
         return _profile(args, None)
-    from cluster.bench.netns import LINKS, NetLab
+    from orchard.cluster.bench.netns import LINKS, NetLab
 
     with tempfile.TemporaryDirectory(prefix="orchard-profile-") as workdir, NetLab(Path(workdir)) as lab:
         lab.build({"a": "2", "b": "3"})
@@ -171,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
 def _profile(args, lab) -> int:
     """The run, on loopback (`lab` None) or from host a to host b of the rig: this process, the
     target, moves into b's namespace before it makes a socket or a thread."""
-    from cluster.bench.migration import tcp_throughput
+    from orchard.cluster.bench.migration import tcp_throughput
 
     if lab is not None:
-        from cluster.bench.netns import enter
+        from orchard.cluster.bench.netns import enter
 
         enter(lab.ns("b"))
 
@@ -200,7 +200,7 @@ def _profile(args, lab) -> int:
     ours.recv()
     stages.take()
     if lab is not None:
-        from cluster.bench import netns
+        from orchard.cluster.bench import netns
 
         tcp_Bps = netns.tcp_throughput(lab, "a", "b", 64 << 20)
     else:

@@ -7,7 +7,7 @@ step of B sequences at a given context, every metadata read and conversion the e
 does, through the real objects:
 
 1. bookkeeping: `KVCache.can_append` + `ensure_slots` + `commit` + `block_table` per sequence;
-2. packing: `node.model.runner.pack_step` (positions, slot mapping, padded tables);
+2. packing: `orchard.node.model.runner.pack_step` (positions, slot mapping, padded tables);
 3. upload: `mx.array` of positions, slot mapping and tables (what `StepContext.build` does);
 4. read-back of an evaluated MLX table: a copy (`np.array`) against a zero-copy view
    (`np.asarray(memoryview(a))`), which is what a scheduler could use on UMA.
@@ -26,9 +26,9 @@ import mlx.core as mx
 import numpy as np
 
 from experiments.common import markdown_table, median_time, new_figure, print_header, save_figure, save_results
-from kvcache import CacheConfig, KVCache
-from kvcache.geometry import KVGeometry
-from node.model.runner import SequenceChunk, pack_step
+from orchard.kvcache import CacheConfig, KVCache
+from orchard.kvcache.geometry import KVGeometry
+from orchard.node.model.runner import SequenceChunk, pack_step
 
 #: Bookkeeping does not depend on the KV shape, so the pool is as small as a pool can be.
 TINY = KVGeometry("exp/metadata", num_layers=1, num_kv_heads=1, head_dim=8, block_size=16, dtype="float16")
@@ -85,9 +85,9 @@ def time_step_parts(batch: int, context: int, steps: int) -> dict:
 
 def engine_overhead(batch: int, prompt: int, steps: int) -> dict:
     """Share of engine step time outside the forward pass, demo model, `batch` decoding sequences."""
-    from node.engine import EngineConfig, LLMEngine
-    from node.model.demo import default_demo_model_path
-    from node.types import SamplingParams
+    from orchard.node.engine import EngineConfig, LLMEngine
+    from orchard.node.model.demo import default_demo_model_path
+    from orchard.node.types import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(default_demo_model_path("large")), num_blocks=batch * (prompt + steps + 40) // 16 + 8,
                                     max_num_seqs=batch, max_num_batched_tokens=batch * prompt))

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvcache.geometry import KVGeometry
+from orchard.kvcache.geometry import KVGeometry
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,9 @@ PUBLIC_SHAPES = (
     ModelShape("Llama-3.1-8B", 32, 8, 128, source="huggingface.co/meta-llama/Llama-3.1-8B/blob/main/config.json"),
     ModelShape("Llama-3.1-70B", 80, 8, 128, source="huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json"),
 )
-#: The bundled "large" demo model (node/model/demo.py), float32 like its weights.
-DEMO_LARGE = ModelShape("orchard-demo-large", 8, 4, 64, dtype="float32", source="node/model/demo.py LARGE_DEMO_CONFIG")
-DEMO_SMALL = ModelShape("orchard-demo-small", 4, 2, 64, dtype="float32", source="node/model/demo.py DEMO_CONFIG")
+#: The bundled "large" demo model (orchard/node/model/demo.py), float32 like its weights.
+DEMO_LARGE = ModelShape("orchard-demo-large", 8, 4, 64, dtype="float32", source="orchard/node/model/demo.py LARGE_DEMO_CONFIG")
+DEMO_SMALL = ModelShape("orchard-demo-small", 4, 2, 64, dtype="float32", source="orchard/node/model/demo.py DEMO_CONFIG")
 DEMO_SHAPES = {"large": DEMO_LARGE, "small": DEMO_SMALL}
 
 
@@ -50,7 +50,7 @@ def load_demo(size: str = "large"):
     """The bundled demo model through mlx-lm's own loader (written to the user cache once)."""
     from mlx_lm import load
 
-    from node.model.demo import default_demo_model_path
+    from orchard.node.model.demo import default_demo_model_path
 
     model, _ = load(str(default_demo_model_path(size)))
     return model

@@ -5,7 +5,7 @@ recomputing costs a prefill of its tokens. This script measures, here:
 
 - plain-socket TCP throughput over loopback (the software ceiling of this machine's
   stack; a real link is slower, so link rates are also tabulated at nominal speeds);
-- `kvcache.wire` encode and decode per block, and `KVCache.import_blocks` per block;
+- `orchard.kvcache.wire` encode and decode per block, and `KVCache.import_blocks` per block;
 - the demo model's prefill time per block (recompute);
 
 and from them the break-even: the prefill rate (tokens/s) below which moving wins on a
@@ -25,9 +25,9 @@ import numpy as np
 
 from experiments.common import best_time, gigabytes_per_s, markdown_table, print_header, save_results
 from experiments.models import DEMO_LARGE, PUBLIC_SHAPES, load_demo, prefill_seconds
-from kvcache import CacheConfig, KVCache
-from kvcache.hashing import block_hashes, root_hash
-from kvcache.wire import KVBlockData, decode_blocks, encode_blocks
+from orchard.kvcache import CacheConfig, KVCache
+from orchard.kvcache.hashing import block_hashes, root_hash
+from orchard.kvcache.wire import KVBlockData, decode_blocks, encode_blocks
 
 #: Nominal signalling rates; IP over these links delivers less.
 LINKS_GB_S = {"1 GbE": 0.125, "10 GbE": 1.25, "Thunderbolt 4 (40 Gb/s nominal)": 5.0,

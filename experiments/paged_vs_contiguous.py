@@ -22,10 +22,10 @@ import argparse
 import mlx.core as mx
 import numpy as np
 
-import kernels
 from experiments.common import markdown_table, median_time, print_header, save_results
 from experiments.models import DEMO_LARGE
-from kvcache import BlockManager, OutOfBlocks, root_hash
+from orchard import kernels
+from orchard.kvcache import BlockManager, OutOfBlocks, root_hash
 
 MAX_LEN = 2048
 GROWTH_STEP = 256  # mlx_lm.models.cache.KVCache.step

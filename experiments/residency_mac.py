@@ -27,8 +27,8 @@ import mlx.core as mx
 import numpy as np
 
 from experiments.common import markdown_table, print_header, save_results
-from kvcache.geometry import KVGeometry
-from kvcache.pool import KVPool
+from orchard.kvcache.geometry import KVGeometry
+from orchard.kvcache.pool import KVPool
 
 GEOMETRY = KVGeometry("exp/residency", num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
 WIRED_POLICIES = ("no wired limit", "wired once to final size", "wired raised per step")

@@ -17,13 +17,13 @@ from collections import defaultdict
 import mlx.core as mx
 import numpy as np
 
-import kernels
-import node.engine as engine_module
-from cluster.bench.engine import SCENARIOS, run_engine, warm_up_workload
-from node import sampling
-from node.engine import EngineConfig, LLMEngine
-from node.model import runner as model_runner
-from node.model.random_weights import random_llama
+import orchard.node.engine as engine_module
+from orchard import kernels
+from orchard.cluster.bench.engine import SCENARIOS, run_engine, warm_up_workload
+from orchard.node import sampling
+from orchard.node.engine import EngineConfig, LLMEngine
+from orchard.node.model import runner as model_runner
+from orchard.node.model.random_weights import random_llama
 
 
 class PhaseTimers:

@@ -16,9 +16,9 @@ import mlx.core as mx
 import numpy as np
 
 from experiments.decode_step_profile import decoding_engine
-from node import engine as engine_module
-from node import sampling
-from node.model.random_weights import random_llama, random_model, shape_config
+from orchard.node import engine as engine_module
+from orchard.node import sampling
+from orchard.node.model.random_weights import random_llama, random_model, shape_config
 
 #: the clock phases are timed by: wall time, or the engine thread's own CPU time (`--clock
 #: thread`), which other processes on a shared machine do not inflate

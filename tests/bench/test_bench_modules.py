@@ -1,4 +1,4 @@
-"""The benchmarks live in cluster/bench: every `orchard bench` subcommand reaches its module, and the
+"""The benchmarks live in orchard/cluster/bench: every `orchard bench` subcommand reaches its module, and the
 libraries they measure (kvcache, kernels, node) import none of them."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli.bench import DELEGATED
-from cluster.cli.main import main
+from orchard.cluster.cli.bench import DELEGATED
+from orchard.cluster.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("name", sorted(DELEGATED))
 def test_every_delegated_subcommand_names_a_cluster_bench_module_with_main(name):
     module_name, _ = DELEGATED[name]
-    assert module_name.startswith("cluster.bench.")
+    assert module_name.startswith("orchard.cluster.bench.")
     assert callable(importlib.import_module(module_name).main)
 
 
@@ -42,16 +42,16 @@ def _imported_modules(path: Path):
 def test_libraries_import_nothing_from_the_cluster(package):
     offenders = sorted(
         f"{path.relative_to(ROOT)}: {module}"
-        for path in (ROOT / package).rglob("*.py")
+        for path in (ROOT / "orchard" / package).rglob("*.py")
         for module in _imported_modules(path)
-        if module == "cluster" or module.startswith("cluster.")
+        if module == "orchard.cluster" or module.startswith("orchard.cluster.")
     )
     assert not offenders
 
 
 def test_the_serve_comparison_without_ray_compares_the_no_ray_server():
     """A host without Ray (the accelerator) measures `orchard serve --no-ray` against mlx_lm.server."""
-    from cluster.bench import gateway
+    from orchard.cluster.bench import gateway
 
     cfg = gateway.parse_args(["--no-ray"])[0]
     assert not cfg.ray and cfg.peer
@@ -69,7 +69,7 @@ def test_the_gateway_bench_peer_is_mlx_lm_server_with_a_listen_backlog_of_128():
     import subprocess
     import sys
 
-    from cluster.bench import gateway
+    from orchard.cluster.bench import gateway
 
     launcher = gateway.PEER_LAUNCHER.replace("from mlx_lm.server import main; main()",
                                              "print(socketserver.TCPServer.request_queue_size)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from cluster.bench.kernel_timing import seconds_per_call, seconds_per_call_in_turn
+from orchard.cluster.bench.kernel_timing import seconds_per_call, seconds_per_call_in_turn
 
 
 def test_samples_alternate_which_function_goes_first_and_each_gets_its_own_median():

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.coordinator.coordinator import Coordinator, CoordinatorConfig
-from cluster.coordinator.membership import MembershipConfig, NodeInfo
-from cluster.coordinator.prefix_index import PrefixIndex
-from cluster.coordinator.router import NoNodeAvailable, RouterConfig
-from kvcache.events import MEMORY, EventLog, PackedEvents
-from kvcache.hashing import block_hashes, root_hash
+from orchard.cluster.coordinator.coordinator import Coordinator, CoordinatorConfig
+from orchard.cluster.coordinator.membership import MembershipConfig, NodeInfo
+from orchard.cluster.coordinator.prefix_index import PrefixIndex
+from orchard.cluster.coordinator.router import NoNodeAvailable, RouterConfig
+from orchard.kvcache.events import MEMORY, EventLog, PackedEvents
+from orchard.kvcache.hashing import block_hashes, root_hash
 
 BS = 4
 ROOT = root_hash("demo")

@@ -9,8 +9,8 @@ import subprocess
 
 import pytest
 
-from cluster.discovery import cluster_token as ct
-from cluster.discovery.adverts import (
+from orchard.cluster.discovery import cluster_token as ct
+from orchard.cluster.discovery.adverts import (
     SIGNED_KEYS,
     Advertisement,
     AdvertVerifier,
@@ -22,7 +22,7 @@ from cluster.discovery.adverts import (
     StaleAdvert,
     signed_txt,
 )
-from node.serving.agent import (
+from orchard.node.serving.agent import (
     LABEL_CHIP,
     LABEL_DEVICE,
     LABEL_MEMORY,
@@ -158,7 +158,7 @@ def test_rejected_advert_does_not_move_the_replay_mark():
 @pytest.mark.parametrize("ts", ["nan", "inf", "soon"])
 def test_non_numeric_or_infinite_timestamp_is_malformed(ts):
     fields = advert().txt_fields() | {"ts": ts}
-    from cluster.discovery.adverts import signature
+    from orchard.cluster.discovery.adverts import signature
 
     txt = {**fields, "sig": signature(fields, KEY)}
     with pytest.raises(MalformedField):
@@ -422,7 +422,7 @@ def test_real_process_is_stopped_with_its_group(tmp_path):
 
 
 def test_stopping_refuses_a_group_that_is_not_a_child_session():
-    from node.serving.agent import stop_process_group
+    from orchard.node.serving.agent import stop_process_group
 
     class NotOurs:
         pid = 0
@@ -432,7 +432,7 @@ def test_stopping_refuses_a_group_that_is_not_a_child_session():
 
 
 def test_stopping_waits_for_grandchildren_and_kills_those_that_ignore_sigterm(tmp_path):
-    from node.serving.agent import _group_alive, stop_process_group
+    from orchard.node.serving.agent import _group_alive, stop_process_group
 
     child = subprocess.Popen(["bash", "-c", "trap '' TERM; sleep 30 & wait"], start_new_session=True)
     import time
@@ -445,14 +445,14 @@ def test_stopping_waits_for_grandchildren_and_kills_those_that_ignore_sigterm(tm
 
 # ---- `orchard head` pieces ----------------------------------------------------------
 def _head_args(*argv: str):
-    from cluster.cli.main import build_parser
+    from orchard.cluster.cli.main import build_parser
 
     return build_parser().parse_args(["head", *argv])
 
 
 def test_head_defaults_to_loopback_and_then_does_not_advertise(caplog):
-    from cluster.cli.head import config_from_args
-    from cluster.runtime.head import Head
+    from orchard.cluster.cli.head import config_from_args
+    from orchard.cluster.runtime.head import Head
 
     config = config_from_args(_head_args())
     assert (config.bind, config.ray_address, config.loopback) == ("127.0.0.1", "127.0.0.1:6379", True)
@@ -463,7 +463,7 @@ def test_head_defaults_to_loopback_and_then_does_not_advertise(caplog):
 
 
 def test_head_refuses_a_lan_bind_without_api_key_before_starting_ray(config_dir, capsys, monkeypatch):
-    from cluster.cli import head
+    from orchard.cluster.cli import head
 
     monkeypatch.delenv("ORCHARD_API_KEYS", raising=False)
     monkeypatch.setattr(head.Head, "run", lambda *a: pytest.fail("Ray must not start"))
@@ -473,8 +473,8 @@ def test_head_refuses_a_lan_bind_without_api_key_before_starting_ray(config_dir,
 
 
 def test_head_ray_command_binds_as_asked_and_offers_orchard_node():
-    from cluster.cli.head import config_from_args
-    from cluster.runtime.head import ray_head_command
+    from orchard.cluster.cli.head import config_from_args
+    from orchard.cluster.runtime.head import ray_head_command
 
     cmd = ray_head_command(config_from_args(_head_args("--bind", "10.213.0.2", "--ray-port", "6380", "--num-cpus",
                                                        "1", "--ray-only")), ray="ray")
@@ -487,7 +487,7 @@ def test_head_ray_command_binds_as_asked_and_offers_orchard_node():
 
 
 def test_serve_child_gets_the_head_address_and_only_the_options_set():
-    from cluster.cli.head import config_from_args, serve_argv
+    from orchard.cluster.cli.head import config_from_args, serve_argv
 
     args = _head_args("--bind", "10.213.0.2", "--port", "8100", "--api-key", "k1", "--api-key", "k2",
                       "--max-num-seqs", "4")
@@ -500,7 +500,7 @@ def test_serve_child_gets_the_head_address_and_only_the_options_set():
 def test_stale_ray_address_file_is_removed_only_when_nothing_listens(tmp_path):
     import socket
 
-    from cluster.runtime.head import HeadConfig, clear_stale_ray_address
+    from orchard.cluster.runtime.head import HeadConfig, clear_stale_ray_address
 
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
@@ -518,7 +518,7 @@ def test_stale_ray_address_file_is_removed_only_when_nothing_listens(tmp_path):
 
 
 def test_join_labels_and_static_head_address():
-    from cluster.cli.join import parse_labels, static_head_address
+    from orchard.cluster.cli.join import parse_labels, static_head_address
 
     assert parse_labels(["orchard/rack=a", "x=y=z"]) == {"orchard/rack": "a", "x": "y=z"}
     with pytest.raises(ValueError, match="KEY=VALUE"):
@@ -528,7 +528,7 @@ def test_join_labels_and_static_head_address():
 
 
 def test_browser_logs_each_rejection_once_per_instance_and_reason(caplog):
-    from cluster.discovery.adverts import AdvertBrowser
+    from orchard.cluster.discovery.adverts import AdvertBrowser
 
     class Info:
         def __init__(self, properties):

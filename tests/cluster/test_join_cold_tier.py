@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.cli.join import agent_config
-from cluster.cli.main import build_parser
-from node.engine import EngineConfig
-from node.serving.actor import local_engine_config
-from node.serving.agent import COLD_TIER_DIR_ENV, COLD_TIER_GB_ENV, ray_environment
+from orchard.cluster.cli.join import agent_config
+from orchard.cluster.cli.main import build_parser
+from orchard.node.engine import EngineConfig
+from orchard.node.serving.actor import local_engine_config
+from orchard.node.serving.agent import COLD_TIER_DIR_ENV, COLD_TIER_GB_ENV, ray_environment
 
 HEAD_ENGINE = EngineConfig(max_model_len=256, num_blocks=64, max_num_seqs=4)
 
@@ -39,7 +39,7 @@ def test_a_non_positive_size_is_refused():
 
 
 def test_the_joined_nodes_engine_uses_its_local_cold_tier_as_a_private_file(tmp_path):
-    from node.async_engine import AsyncEngine
+    from orchard.node.async_engine import AsyncEngine
 
     cold = tmp_path / "cold"
     env = ray_environment(None, base={}, config=agent_config(join_args("--cold-tier", str(cold), "--cold-tier-gb", "0.01")))

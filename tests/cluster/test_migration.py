@@ -14,17 +14,17 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cluster.coordinator.coordinator import CoordinatorConfig  # noqa: E402
-from cluster.coordinator.membership import MembershipConfig  # noqa: E402
-from cluster.gateway.metrics import GatewayMetrics  # noqa: E402
-from cluster.gateway.ray_backend import RayBackend  # noqa: E402
-from cluster.runtime.ray_cluster import LocalCluster, ensure_coordinator, node_actor_config, start_node_actor  # noqa: E402
-from kvcache.geometry import KVGeometry  # noqa: E402
-from kvcache.hashing import block_hashes, root_hash  # noqa: E402
-from kvcache.wire import decode_blocks, encode_blocks  # noqa: E402
-from node.engine import EngineConfig  # noqa: E402
-from node.model.loader import load_model  # noqa: E402
-from node.types import SamplingParams  # noqa: E402
+from orchard.cluster.coordinator.coordinator import CoordinatorConfig  # noqa: E402
+from orchard.cluster.coordinator.membership import MembershipConfig  # noqa: E402
+from orchard.cluster.gateway.metrics import GatewayMetrics  # noqa: E402
+from orchard.cluster.gateway.ray_backend import RayBackend  # noqa: E402
+from orchard.cluster.runtime.ray_cluster import LocalCluster, ensure_coordinator, node_actor_config, start_node_actor  # noqa: E402
+from orchard.kvcache.geometry import KVGeometry  # noqa: E402
+from orchard.kvcache.hashing import block_hashes, root_hash  # noqa: E402
+from orchard.kvcache.wire import decode_blocks, encode_blocks  # noqa: E402
+from orchard.node.engine import EngineConfig  # noqa: E402
+from orchard.node.model.loader import load_model  # noqa: E402
+from orchard.node.types import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,7 @@ def hashes_of(tokens: list[int]) -> list[bytes]:
 
 def generate_on(actor, request_id: str, tokens: list[int]) -> tuple[list[int], int]:
     """Greedy tokens and prefix-cache hit tokens of one request run on `actor` itself."""
-    from node.serving.stream_delta import Cumulative
+    from orchard.node.serving.stream_delta import Cumulative
 
     rebuild, last = Cumulative(tokens), None
     for ref in actor.generate.options(num_returns="streaming").remote(request_id, tokens, GREEDY):
@@ -198,7 +198,7 @@ def test_draining_a_node_moves_its_used_prefix_to_the_other(cluster):
 def test_a_node_streams_only_what_is_new_so_bytes_per_token_stay_bounded(cluster):
     import pickle
 
-    from node.serving.stream_delta import Cumulative
+    from orchard.node.serving.stream_delta import Cumulative
 
     tokens = prompt(77, 300)
     params = SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True)
@@ -225,8 +225,8 @@ def test_nodes_listen_where_ray_reaches_them_and_the_coordinator_knows_where(clu
 
 
 def test_a_node_refuses_and_counts_a_connection_without_the_cluster_key(cluster):
-    from node.serving.kv_link import KVLinkConfig, connect
-    from node.serving.link_auth import LinkRefused, link_key
+    from orchard.node.serving.kv_link import KVLinkConfig, connect
+    from orchard.node.serving.link_auth import LinkRefused, link_key
 
     before = ray.get(cluster["a"].stats.remote())["kv_link_refused"]
     with pytest.raises(LinkRefused):

@@ -9,18 +9,18 @@ from dataclasses import replace
 
 import pytest
 
-from cluster.coordinator.coordinator import Coordinator, CoordinatorConfig
-from cluster.coordinator.link_cost import LinkCostFit, MigrationOverhead
-from cluster.coordinator.membership import NodeLoad
-from cluster.coordinator.replication import NodeLoadView, ReplicationConfig, ReplicationPlanner
-from cluster.coordinator.router import MigrationPlan, Router
-from cluster.gateway.block_pull import MigrationPolicy, migration_hashes, pull_for_request
-from kvcache.events import PackedEvents
-from kvcache.wire import decode_blocks, encode_blocks
-from node.async_engine import AsyncEngine
-from node.engine import EngineConfig, LLMEngine
-from node.serving.migration import BlockMover, MigrationConfig, chunked, probe_payload
-from node.types import SamplingParams
+from orchard.cluster.coordinator.coordinator import Coordinator, CoordinatorConfig
+from orchard.cluster.coordinator.link_cost import LinkCostFit, MigrationOverhead
+from orchard.cluster.coordinator.membership import NodeLoad
+from orchard.cluster.coordinator.replication import NodeLoadView, ReplicationConfig, ReplicationPlanner
+from orchard.cluster.coordinator.router import MigrationPlan, Router
+from orchard.cluster.gateway.block_pull import MigrationPolicy, migration_hashes, pull_for_request
+from orchard.kvcache.events import PackedEvents
+from orchard.kvcache.wire import decode_blocks, encode_blocks
+from orchard.node.async_engine import AsyncEngine
+from orchard.node.engine import EngineConfig, LLMEngine
+from orchard.node.serving.migration import BlockMover, MigrationConfig, chunked, probe_payload
+from orchard.node.types import SamplingParams
 
 BS = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

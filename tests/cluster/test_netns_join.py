@@ -1,6 +1,6 @@
 """Several "hosts" on one machine: Linux network namespaces on a private bridge.
 
-The test builds its own network with `cluster.bench.netns`: a switch namespace holding a
+The test builds its own network with `orchard.cluster.bench.netns`: a switch namespace holding a
 bridge, and one namespace per host (head, node, rogue) wired to it by a veth pair,
 addressed in 10.213.0.0/24 (unshaped).
 Nothing is routed anywhere else and nothing touches the machine's own namespace; every
@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.bench.netns import NetLab, unavailable
-from cluster.bench.netns import stop as _stop
+from orchard.cluster.bench.netns import NetLab, unavailable
+from orchard.cluster.bench.netns import stop as _stop
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +82,7 @@ def _env(config_dir: Path, **extra: str) -> dict[str, str]:
 
 
 def _orchard(*args: str) -> list[str]:
-    return [PYTHON, "-m", "cluster.cli", *args]
+    return [PYTHON, "-m", "orchard.cluster.cli", *args]
 
 
 def _head_argv(tmp: Path) -> list[str]:
@@ -119,7 +119,7 @@ def _log(lab: NetLab, name: str) -> str:
 
 
 def test_node_joins_by_itself_ignores_a_rogue_rejoins_a_restarted_head_and_leaves(lab, tmp_path):
-    from cluster.discovery import cluster_token as ct
+    from orchard.cluster.discovery import cluster_token as ct
 
     head_cfg, node_cfg, rogue_cfg = (tmp_path / f"{r}-cfg" for r in ("head", "node", "rogue"))
 
@@ -201,8 +201,8 @@ _WRONG_TOKEN_CLIENT = textwrap.dedent("""
 # A stranger: advertises cluster "netns" with its own token; records anyone who connects.
 _ROGUE = textwrap.dedent("""
     import socket, sys, threading, time
-    from cluster.discovery import cluster_token as ct
-    from cluster.discovery.adverts import Advertisement, Advertiser
+    from orchard.cluster.discovery import cluster_token as ct
+    from orchard.cluster.discovery.adverts import Advertisement, Advertiser
     address, contacts = sys.argv[1], sys.argv[2]
     advert = Advertisement("netns", f"{address}:6379", f"http://{address}:8000", "0.1.0", "badbadbadbad", time.time())
     Advertiser(advert, ct.advert_key(ct.new_token()), address, refresh_s=2).start()
@@ -275,7 +275,7 @@ def _row(nodes: list[dict], ray_node_id: str) -> dict | None:
 
 
 def test_orchard_head_and_join_make_one_serving_cluster(lab, tmp_path):
-    from cluster.discovery import cluster_token as ct
+    from orchard.cluster.discovery import cluster_token as ct
 
     head_cfg, node_cfg = tmp_path / "head-cfg", tmp_path / "node-cfg"
     rogue = lab.start("rogue", [PYTHON, "-c", _ROGUE, HOSTS["rogue"], str(tmp_path / "rogue-contacts")],

@@ -1,13 +1,13 @@
 """The coordinator's link fit and migrate-or-recompute choice over a link shaped to 1 Gbit/s.
 
-Two hosts in network namespaces on a private bridge (`cluster.bench.netns`), each host's
+Two hosts in network namespaces on a private bridge (`orchard.cluster.bench.netns`), each host's
 egress held to 1 Gbit/s by a token bucket; a node process with the small demo model in
-each (`cluster.bench.netns_node`), pulling over the direct KV path across the veths. The
+each (`orchard.cluster.bench.netns_node`), pulling over the direct KV path across the veths. The
 coordinator is the plain class, fed what the nodes would send it. Every namespace, qdisc
 and process is removed afterwards, whatever happened. Needs root; skipped otherwise.
 
 The router's choices are pinned at the prefill rates of a CPU node with OpenBLAS preloaded
-(`LD_PRELOAD=$(python -m node.openblas)`, as the project runs its tests and benches):
+(`LD_PRELOAD=$(python -m orchard.node.openblas)`, as the project runs its tests and benches):
 without it this machine's prefill was about 6x slower (2,048 tokens estimated at 2.5 s
 against 0.34-0.46 s), a one-block pull then beats recomputing the block, and the router
 rightly migrates it, so that test is skipped there.
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.bench.migration_netns import HOSTS, Pair
-from cluster.bench.netns import LINKS, NetLab, unavailable
+from orchard.cluster.bench.migration_netns import HOSTS, Pair
+from orchard.cluster.bench.netns import LINKS, NetLab, unavailable
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def pair(tmp_path):
 
 
 def test_link_fit_measures_the_shaped_rate_and_the_router_recomputes_a_short_prefix_and_migrates_a_long_one(pair):
-    from node.openblas import openblas_in_use
+    from orchard.node.openblas import openblas_in_use
 
     if not openblas_in_use():
         pytest.skip("the pinned choices assume OpenBLAS's prefill rates (module docstring)")
@@ -71,7 +71,7 @@ def test_link_fit_measures_the_shaped_rate_and_the_router_recomputes_a_short_pre
 def test_a_shaped_link_carries_tcp_at_its_rate_and_close_removes_every_namespace(tmp_path):
     import subprocess
 
-    from cluster.bench.netns import tcp_throughput
+    from orchard.cluster.bench.netns import tcp_throughput
 
     reason = unavailable()
     if reason:

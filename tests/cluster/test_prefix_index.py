@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.coordinator.prefix_index import PrefixIndex, UnknownTier
-from kvcache.events import DISK, MEMORY, BlockRemoved, BlockStored, EventLog
-from kvcache.hashing import block_hashes, root_hash
+from orchard.cluster.coordinator.prefix_index import PrefixIndex, UnknownTier
+from orchard.kvcache.events import DISK, MEMORY, BlockRemoved, BlockStored, EventLog
+from orchard.kvcache.hashing import block_hashes, root_hash
 
 BS = 4
 

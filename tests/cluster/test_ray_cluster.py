@@ -13,18 +13,18 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cluster.coordinator.coordinator import CoordinatorConfig  # noqa: E402
-from cluster.coordinator.membership import MembershipConfig  # noqa: E402
-from cluster.gateway.ray_backend import RayBackend, RayBackendConfig  # noqa: E402
-from cluster.runtime.ray_cluster import (  # noqa: E402
+from orchard.cluster.coordinator.coordinator import CoordinatorConfig  # noqa: E402
+from orchard.cluster.coordinator.membership import MembershipConfig  # noqa: E402
+from orchard.cluster.gateway.ray_backend import RayBackend, RayBackendConfig  # noqa: E402
+from orchard.cluster.runtime.ray_cluster import (  # noqa: E402
     LocalCluster,
     ensure_coordinator,
     node_actor_config,
     node_actor_name,
     start_node_actor,
 )
-from node.engine import EngineConfig  # noqa: E402
-from node.types import SamplingParams  # noqa: E402
+from orchard.node.engine import EngineConfig  # noqa: E402
+from orchard.node.types import SamplingParams  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -104,8 +104,8 @@ def test_the_engines_and_the_coordinator_run_at_default_priority_not_rays_worker
 
 
 def test_node_actors_attend_on_the_backend_this_machine_defaults_to(cluster):
-    """Node actors are processes of their own: the CPU kernel (kernels/cpu) must load in them too, not only here."""
-    import kernels
+    """Node actors are processes of their own: the CPU kernel (orchard/kernels/cpu) must load in them too, not only here."""
+    from orchard import kernels
 
     _, nodes = cluster
     backends = [ray.get(ray.get_actor(node_actor_name(node_id), namespace="orchard").__ray_call__.remote(
@@ -119,7 +119,7 @@ def test_second_request_with_a_prefix_goes_to_the_node_holding_it(cluster):
     asyncio.run(collect(backend, "first", shared + [5, 6, 7], GREEDY))
     first = ray.get(coordinator().recent_decisions.remote(1))[0]
     holder = first["node_id"]
-    from kvcache.hashing import block_hashes, root_hash
+    from orchard.kvcache.hashing import block_hashes, root_hash
 
     spec = ray.get(coordinator().model_specs.remote())[MODEL]
     hashes = block_hashes(shared, BLOCK, root_hash(spec["fingerprint"], spec["cache_salt"]))
@@ -159,7 +159,7 @@ class CountingCoordinator:
 
 
 def test_route_is_the_one_coordinator_call_a_request_waits_for(cluster):
-    from cluster.gateway.state import Gateway, GatewayConfig
+    from orchard.cluster.gateway.state import Gateway, GatewayConfig
 
     backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN, specs_refresh_s=60.0))
     gateway = Gateway(backend, GatewayConfig())
@@ -220,7 +220,7 @@ class SlowModelSpecs(CountingCoordinator):
 
 
 def test_a_stale_model_list_is_refreshed_behind_requests_not_before_them(cluster):
-    from cluster.gateway.state import Gateway, GatewayConfig
+    from orchard.cluster.gateway.state import Gateway, GatewayConfig
 
     backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN, specs_refresh_s=0.0))  # stale at every request
     gateway = Gateway(backend, GatewayConfig())
@@ -288,7 +288,7 @@ def test_a_request_is_reported_prefilled_after_its_first_output_however_it_ends(
 
 
 def test_a_scrape_right_after_a_request_counts_it_on_the_node_that_served_it(cluster):
-    from cluster.gateway.metrics import GatewayMetrics
+    from orchard.cluster.gateway.metrics import GatewayMetrics
 
     backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN))
     before = {n["node"]: n for n in asyncio.run(backend.cluster_info())["nodes"]}
@@ -317,7 +317,7 @@ def test_a_node_sends_its_requests_outputs_coalesced_not_one_object_per_token(cl
 
 @pytest.mark.parametrize("link_token", [LINK_TOKEN, None], ids=["over the gateway link", "through Ray"])
 def test_a_request_the_node_refuses_raises_the_engines_error_and_loses_no_node(cluster, link_token):
-    from node.errors import PromptTooLong
+    from orchard.node.errors import PromptTooLong
 
     backend = RayBackend(RayBackendConfig(link_token=link_token, policy="round_robin"))
     limit = ray.get(ray.get_actor(node_actor_name("head"), namespace="orchard").info.remote())["max_model_len"]
@@ -371,7 +371,7 @@ def test_restarted_coordinator_rebuilds_the_index_from_node_snapshots(cluster):
     asyncio.run(collect(backend, "before-restart", shared + [1], GREEDY))
     holder = ray.get(coordinator().recent_decisions.remote(1))[0]["node_id"]
     spec = ray.get(coordinator().model_specs.remote())[MODEL]
-    from kvcache.hashing import block_hashes, root_hash
+    from orchard.kvcache.hashing import block_hashes, root_hash
 
     hashes = block_hashes(shared, BLOCK, root_hash(spec["fingerprint"], spec["cache_salt"]))
     assert wait_for(lambda: ray.get(coordinator().match.remote(hashes)).get(holder) == 3)
@@ -493,8 +493,8 @@ def test_penalised_greedy_and_seeded_streams_continue_exactly_after_their_node_d
 
 
 def test_a_stream_with_n_choices_that_loses_its_node_ends_with_an_error_not_repeated_text(cluster):
-    from cluster.gateway.errors import as_api_error
-    from cluster.gateway.ray_backend import ResumeImpossible
+    from orchard.cluster.gateway.errors import as_api_error
+    from orchard.cluster.gateway.ray_backend import ResumeImpossible
 
     victim = _fresh_victim(cluster, "w1-choices")
     backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN, policy="round_robin", stall_check_s=0.5))

@@ -13,12 +13,12 @@ import asyncio
 
 import pytest
 
-from cluster.coordinator.coordinator import Coordinator
-from cluster.coordinator.route_link import RouteLink, RouteLinks, RouteLinkServer, route_link_key
-from cluster.coordinator.router import NoNodeAvailable, RouteDecision
-from cluster.gateway.ray_backend import ride_out
-from kvcache.hashing import block_hashes, root_hash
-from node.serving.link_auth import LinkRefused
+from orchard.cluster.coordinator.coordinator import Coordinator
+from orchard.cluster.coordinator.route_link import RouteLink, RouteLinks, RouteLinkServer, route_link_key
+from orchard.cluster.coordinator.router import NoNodeAvailable, RouteDecision
+from orchard.cluster.gateway.ray_backend import ride_out
+from orchard.kvcache.hashing import block_hashes, root_hash
+from orchard.node.serving.link_auth import LinkRefused
 
 KEY = route_link_key("a-cluster-token-of-at-least-32-characters")
 BS = 16

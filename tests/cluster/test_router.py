@@ -6,8 +6,8 @@ import collections
 
 import pytest
 
-from cluster.coordinator.membership import Membership, NodeInfo, NodeLoad
-from cluster.coordinator.router import NoNodeAvailable, Router, RouterConfig, RouteRequest, UnknownPolicy, ties
+from orchard.cluster.coordinator.membership import Membership, NodeInfo, NodeLoad
+from orchard.cluster.coordinator.router import NoNodeAvailable, Router, RouterConfig, RouteRequest, UnknownPolicy, ties
 
 BS = 16
 

@@ -39,7 +39,7 @@ def test_status_at_an_address_nobody_listens_on_fails_at_once(tmp_path):
 
 
 def test_node_ids_are_printed_whole_on_a_narrow_terminal(monkeypatch, capsys):
-    from cluster.cli.status import print_table
+    from orchard.cluster.cli.status import print_table
 
     monkeypatch.setenv("COLUMNS", "80")
     node_id = "node-" + "f3a9" * 14  # as long as a Ray node id

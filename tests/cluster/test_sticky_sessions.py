@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.coordinator import router as router_module
-from cluster.coordinator.membership import Membership, NodeInfo, NodeLoad
-from cluster.coordinator.router import Router, RouteRequest
+from orchard.cluster.coordinator import router as router_module
+from orchard.cluster.coordinator.membership import Membership, NodeInfo, NodeLoad
+from orchard.cluster.coordinator.router import Router, RouteRequest
 
 BS = 16
 

@@ -7,10 +7,10 @@ import asyncio
 import pytest
 from fastapi.testclient import TestClient
 
-from cluster.gateway.app import create_app
-from cluster.gateway.dashboard import gateway_totals, recent_decisions
-from cluster.gateway.metrics import GatewayMetrics
-from cluster.gateway.state import GatewayConfig
+from orchard.cluster.gateway.app import create_app
+from orchard.cluster.gateway.dashboard import gateway_totals, recent_decisions
+from orchard.cluster.gateway.metrics import GatewayMetrics
+from orchard.cluster.gateway.state import GatewayConfig
 
 KEY = "dash-key-0123456789"
 DECISIONS = [

@@ -8,13 +8,13 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 
-from cluster.gateway.app import create_app
-from cluster.gateway.history import History, quantile
-from cluster.gateway.metrics import GatewayMetrics
-from cluster.gateway.state import GatewayConfig
+from orchard.cluster.gateway.app import create_app
+from orchard.cluster.gateway.history import History, quantile
+from orchard.cluster.gateway.metrics import GatewayMetrics
+from orchard.cluster.gateway.state import GatewayConfig
 from tests.dashboard.test_dashboard_routes import ScriptedBackend
 
-STATIC = Path(__file__).resolve().parents[2] / "cluster" / "gateway" / "static"
+STATIC = Path(__file__).resolve().parents[2] / "orchard" / "cluster" / "gateway" / "static"
 
 
 def node(name: str, generated: int, hits: int, queries: int, used: int = 2, total: int = 8) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 
-from node.serving.agent import stop_process_group
+from orchard.node.serving.agent import stop_process_group
 
 RAY = Path(sys.executable).with_name("ray")
 

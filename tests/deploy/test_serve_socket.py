@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from cluster.cli.serve import bind
+from orchard.cluster.cli.serve import bind
 
 
 def test_connections_accepted_on_the_serve_socket_have_nodelay():

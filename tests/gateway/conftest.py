@@ -6,9 +6,9 @@ import httpx
 import openai
 import pytest
 
-from cluster.gateway.app import create_app
-from cluster.gateway.backend import LocalBackend
-from cluster.gateway.state import GatewayConfig
+from orchard.cluster.gateway.app import create_app
+from orchard.cluster.gateway.backend import LocalBackend
+from orchard.cluster.gateway.state import GatewayConfig
 from tests.gateway.live_server import LiveServer
 
 API_KEY = "test-key-0123456789"
@@ -16,8 +16,8 @@ API_KEY = "test-key-0123456789"
 
 def _engine():
     """The real engine on the bundled demo model, small enough for two shared cores."""
-    from node.async_engine import AsyncEngine
-    from node.engine import EngineConfig
+    from orchard.node.async_engine import AsyncEngine
+    from orchard.node.engine import EngineConfig
 
     return AsyncEngine.from_config(EngineConfig(max_model_len=256, num_blocks=512, max_num_seqs=64))
 

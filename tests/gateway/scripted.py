@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from mlx_lm.utils import load_tokenizer
 
-from cluster.gateway.backend import ModelInfo
-from node.detokenizer import IncrementalDetokenizer
-from node.model.demo import default_demo_model_path
-from node.types import CompletionOutput, RequestOutput
+from orchard.cluster.gateway.backend import ModelInfo
+from orchard.node.detokenizer import IncrementalDetokenizer
+from orchard.node.model.demo import default_demo_model_path
+from orchard.node.types import CompletionOutput, RequestOutput
 
 MODEL = "scripted"
 
@@ -21,7 +21,7 @@ def demo_tokenizer(chat_template: str | None = None):
     """A private copy of the demo tokenizer (the shared engine's is left as it is)."""
     tokenizer = load_tokenizer(default_demo_model_path())
     if chat_template is not None:
-        from cluster.cli.serving_logs import apply_chat_template
+        from orchard.cluster.cli.serving_logs import apply_chat_template
 
         apply_chat_template(tokenizer, chat_template)
     return tokenizer

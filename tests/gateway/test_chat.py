@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.gateway.chat_template import build_chat_prompt
+from orchard.cluster.gateway.chat_template import build_chat_prompt
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "name a fruit"}]
 

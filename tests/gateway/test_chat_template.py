@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.gateway.chat_template import CHATML_END, ChatTemplateError, build_chat_prompt, render_chatml
+from orchard.cluster.gateway.chat_template import CHATML_END, ChatTemplateError, build_chat_prompt, render_chatml
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 

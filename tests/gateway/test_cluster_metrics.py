@@ -6,10 +6,10 @@ import asyncio
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.gateway.backend import ModelInfo
-from cluster.gateway.jobs import Generation, Job
-from cluster.gateway.metrics import GatewayMetrics
-from node.types import CompletionOutput, RequestOutput, SamplingParams
+from orchard.cluster.gateway.backend import ModelInfo
+from orchard.cluster.gateway.jobs import Generation, Job
+from orchard.cluster.gateway.metrics import GatewayMetrics
+from orchard.node.types import CompletionOutput, RequestOutput, SamplingParams
 
 
 def snapshot(generated: int, decisions: list[dict] | None = None, model: str = "m") -> dict:

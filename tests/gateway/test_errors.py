@@ -8,8 +8,8 @@ import threading
 import httpx
 import pytest
 
-from cluster.gateway.app import create_app
-from cluster.gateway.state import GatewayConfig
+from orchard.cluster.gateway.app import create_app
+from orchard.cluster.gateway.state import GatewayConfig
 from tests.gateway.conftest import API_KEY, KeepEngine, serve
 from tests.gateway.live_server import LiveServer
 
@@ -198,7 +198,7 @@ def test_an_integer_still_counts_where_a_float_is_asked_for(client, model_name):
 
 @pytest.mark.parametrize("key", ["Zq9-tiny", "fifteen-chars-x"])
 def test_api_keys_shorter_than_16_characters_are_refused_at_start(engine, key):
-    from cluster.gateway.guard import WeakApiKey
+    from orchard.cluster.gateway.guard import WeakApiKey
 
     with pytest.raises(WeakApiKey, match="shorter than 16 characters") as refused:
         create_app(KeepEngine(engine), GatewayConfig(api_keys=frozenset({key, API_KEY})))
@@ -206,14 +206,14 @@ def test_api_keys_shorter_than_16_characters_are_refused_at_start(engine, key):
 
 
 def test_head_refuses_a_short_api_key_with_a_clear_message(capsys):
-    from cluster.cli.main import main
+    from orchard.cluster.cli.main import main
 
     assert main(["head", "--bind", "127.0.0.1", "--no-advertise", "--api-key", "abc123"]) == 2
     assert "shorter than 16 characters" in capsys.readouterr().err
 
 
 def test_serve_refuses_a_short_api_key_before_starting_anything(capsys):
-    from cluster.cli.main import main
+    from orchard.cluster.cli.main import main
 
     assert main(["serve", "--no-ray", "--port", "0", "--api-key", "abc123"]) == 2
     assert "shorter than 16 characters" in capsys.readouterr().err

@@ -23,8 +23,8 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 @pytest.fixture(scope="module")
 def client():
     """The shared engine's context is too short for a tools listing in the demo tokenizer's tokens."""
-    from node.async_engine import AsyncEngine
-    from node.engine import EngineConfig
+    from orchard.node.async_engine import AsyncEngine
+    from orchard.node.engine import EngineConfig
 
     engine = AsyncEngine.from_config(EngineConfig(max_model_len=1024, num_blocks=256, max_num_seqs=8))
     try:

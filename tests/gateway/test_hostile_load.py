@@ -101,8 +101,8 @@ class GatedBackend:
 
 
 def test_max_queue_is_exact_under_a_burst_and_refusals_say_when_to_retry(engine, model_name):
-    from cluster.gateway.app import create_app
-    from cluster.gateway.state import GatewayConfig
+    from orchard.cluster.gateway.app import create_app
+    from orchard.cluster.gateway.state import GatewayConfig
     from tests.gateway.conftest import KeepEngine
     from tests.gateway.live_server import LiveServer
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import anthropic
 import pytest
 
-from cluster.gateway.app import create_app
-from cluster.gateway.state import GatewayConfig
+from orchard.cluster.gateway.app import create_app
+from orchard.cluster.gateway.state import GatewayConfig
 from tests.gateway.live_server import LiveServer
 from tests.gateway.scripted import MODEL, ScriptedBackend, demo_tokenizer
 from tests.gateway.test_tool_calling import CALL, THINKING_TEMPLATE

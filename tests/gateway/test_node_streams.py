@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import ray.exceptions as rex
 
-from cluster.gateway.node_streams import NodeLost, NodeStreams, next_item
-from node.types import CompletionOutput, RequestOutput
+from orchard.cluster.gateway.node_streams import NodeLost, NodeStreams, next_item
+from orchard.node.types import CompletionOutput, RequestOutput
 
 
 class StandInActor:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.coordinator.router import NoNodeAvailable
-from cluster.gateway.app import create_app
-from cluster.gateway.state import GatewayConfig
+from orchard.cluster.coordinator.router import NoNodeAvailable
+from orchard.cluster.gateway.app import create_app
+from orchard.cluster.gateway.state import GatewayConfig
 from tests.gateway.conftest import API_KEY, KeepEngine
 from tests.gateway.live_server import LiveServer
 

@@ -26,8 +26,8 @@ AGENT_APIS = "^/v1/(messages|responses)"
 @pytest.fixture(scope="module")
 def short_context_server():
     """A short context bounds every generated request's work, so the fuzz run stays fast."""
-    from node.async_engine import AsyncEngine
-    from node.engine import EngineConfig
+    from orchard.node.async_engine import AsyncEngine
+    from orchard.node.engine import EngineConfig
 
     engine = AsyncEngine.from_config(EngineConfig(max_model_len=48, num_blocks=512, max_num_seqs=64))
     try:

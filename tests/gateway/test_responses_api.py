@@ -8,9 +8,9 @@ import json
 import openai
 import pytest
 
-from cluster.gateway.app import create_app
-from cluster.gateway.responses_api import ResponseStore
-from cluster.gateway.state import GatewayConfig
+from orchard.cluster.gateway.app import create_app
+from orchard.cluster.gateway.responses_api import ResponseStore
+from orchard.cluster.gateway.state import GatewayConfig
 from tests.gateway.live_server import LiveServer
 from tests.gateway.scripted import MODEL, ScriptedBackend, demo_tokenizer
 from tests.gateway.test_tool_calling import CALL, THINKING_TEMPLATE

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from cluster.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from cluster.gateway.serving import sampling_params
-from node.types import SamplingParams
+from orchard.cluster.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from orchard.cluster.gateway.serving import sampling_params
+from orchard.node.types import SamplingParams
 
 
 def test_defaults_follow_openai():

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster.cli.serve_options import InsecureBind, api_keys, check_bind, is_loopback
+from orchard.cluster.cli.serve_options import InsecureBind, api_keys, check_bind, is_loopback
 
 ORCHARD = Path(sys.executable).with_name("orchard")
 

@@ -22,7 +22,7 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from node.model.demo import write_demo_model
+from orchard.node.model.demo import write_demo_model
 from tests.node.tiny_models import write_quantized_model, write_tiny_model
 
 ORCHARD = Path(sys.executable).with_name("orchard")

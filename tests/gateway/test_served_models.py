@@ -8,7 +8,7 @@ import time
 import pytest
 import ray.exceptions as rex
 
-from cluster.gateway.served_models import ServedModels, UnknownModel
+from orchard.cluster.gateway.served_models import ServedModels, UnknownModel
 
 SPEC = {"block_size": 16, "fingerprint": "f" * 16, "max_model_len": 512, "vocab_size": 100, "model_path": "/nowhere"}
 

@@ -1,5 +1,5 @@
 """Which conversation a request continues, as the SDKs send it, reaches the backend's routing
-(cluster/gateway/sessions.py): X-Session-Id, prompt_cache_key, user, Anthropic metadata.user_id."""
+(orchard/cluster/gateway/sessions.py): X-Session-Id, prompt_cache_key, user, Anthropic metadata.user_id."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import anthropic
 import openai
 import pytest
 
-from cluster.gateway.app import create_app
-from cluster.gateway.state import GatewayConfig
+from orchard.cluster.gateway.app import create_app
+from orchard.cluster.gateway.state import GatewayConfig
 from tests.gateway.live_server import LiveServer
 from tests.gateway.scripted import MODEL, ScriptedBackend, demo_tokenizer
 

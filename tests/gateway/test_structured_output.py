@@ -18,7 +18,7 @@ import jsonschema
 import openai
 import pytest
 
-from cluster.gateway.structured import closed_objects
+from orchard.cluster.gateway.structured import closed_objects
 
 ORCHARD = Path(sys.executable).with_name("orchard")
 

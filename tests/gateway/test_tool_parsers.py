@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from cluster.gateway.chat_output import AnswerReader, AnswerStream, ChatFormat
-from cluster.gateway.reasoning import detect_reasoning
-from cluster.gateway.tool_parsers import detect, parser_named
-from cluster.gateway.tool_parsers.json_scan import Malformed, value_end
+from orchard.cluster.gateway.chat_output import AnswerReader, AnswerStream, ChatFormat
+from orchard.cluster.gateway.reasoning import detect_reasoning
+from orchard.cluster.gateway.tool_parsers import detect, parser_named
+from orchard.cluster.gateway.tool_parsers.json_scan import Malformed, value_end
 
 WEATHER = {"city": "Paris", "days": [1, 2], "note": "a \"quoted\" } brace"}
 W = json.dumps(WEATHER)
@@ -135,7 +135,7 @@ def test_unknown_parser_names_are_refused_with_the_choices():
 
 @pytest.mark.parametrize("step", [1, 5, 1000])
 def test_forced_calls_are_read_unwrapped(step):
-    from cluster.gateway.tool_parsers.forced import NamedCallParser, RequiredCallsParser
+    from orchard.cluster.gateway.tool_parsers.forced import NamedCallParser, RequiredCallsParser
 
     named = AnswerReader(ChatFormat("hermes", "qwen3"), True, "<think>", None, NamedCallParser("get_weather"))
     assert _stream(named, W, step) == ("", [("get_weather", WEATHER)])
@@ -147,8 +147,8 @@ def test_forced_calls_are_read_unwrapped(step):
 def test_parsers_that_read_special_tokens_get_them_and_not_the_end_of_turn():
     """Mistral's and harmony's markers are special tokens, which the engine's text drops: they
     read the answer decoded from its ids with them, less the stop tokens."""
-    from cluster.gateway.chat_output import AnswerText
-    from node.types import CompletionOutput
+    from orchard.cluster.gateway.chat_output import AnswerText
+    from orchard.node.types import CompletionOutput
     from tests.gateway.scripted import demo_tokenizer
 
     tokenizer = demo_tokenizer()

@@ -34,6 +34,6 @@ def test_bad_input_is_refused_in_the_apis_shape(http, model_name):
 
 
 def test_version_names_the_package(http):
-    from cluster.discovery.adverts import orchard_version
+    from orchard.cluster.discovery.adverts import orchard_version
 
     assert http.get("/version").json() == {"version": orchard_version()}

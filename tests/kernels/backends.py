@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kernels.backends import cpu_kernel_available, cuda_available, metal_available
+from orchard.kernels.backends import cpu_kernel_available, cuda_available, metal_available
 
 REFERENCE = pytest.param("reference", id="reference")
 CPU = pytest.param(
     "cpu",
     id="cpu",
     marks=[pytest.mark.skipif(not cpu_kernel_available(),
-                              reason="the CPU attention extension is not built here (python -m kernels.cpu.build)")],
+                              reason="the CPU attention extension is not built here (python -m orchard.kernels.cpu.build)")],
 )
 METAL = pytest.param(
     "metal",

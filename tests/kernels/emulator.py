@@ -1,4 +1,4 @@
-"""Run the shared kernel body (kernels/source.py) on the CPU: one std::thread per GPU thread.
+"""Run the shared kernel body (orchard/kernels/source.py) on the CPU: one std::thread per GPU thread.
 
 A third dialect for the same text: shared memory becomes function statics, barriers are
 std::barrier, a warp shuffle is a store / barrier / load through an exchange buffer. It
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from kernels import source
-from kernels.source import NO_SINK
-from kernels.variants import LOG2E
+from orchard.kernels import source
+from orchard.kernels.source import NO_SINK
+from orchard.kernels.variants import LOG2E
 from tests.kernels.paged_case import PLAIN, Rules
 
 COMPILER = shutil.which("g++")
@@ -163,7 +163,7 @@ def _ptr(array: np.ndarray):
 
 
 def layer_arrays(rules: Rules, num_heads: int) -> tuple[np.ndarray, np.ndarray]:
-    """(window, sinks) inputs as kernels/variants.py makes them: 0 for no window, base-2 sinks or NO_SINK."""
+    """(window, sinks) inputs as orchard/kernels/variants.py makes them: 0 for no window, base-2 sinks or NO_SINK."""
     window = np.array([rules.window or 0], dtype=np.int32)
     sinks = np.full(num_heads, NO_SINK) if rules.sinks is None else rules.sinks.astype(np.float32) * LOG2E
     return window, np.ascontiguousarray(sinks, dtype=np.float32)
@@ -175,7 +175,7 @@ def scale_array(scale: float, rules: Rules) -> np.ndarray:
 
 def run_decode(library: ctypes.CDLL, constants: dict, queries, key_cache, value_cache, block_tables, context_lens,
                scale: float, num_partitions: int, rules: Rules = PLAIN) -> np.ndarray:
-    """Launch like kernels/launch.py does: grid (partitions, kv heads x tiles, seqs)."""
+    """Launch like orchard/kernels/launch.py does: grid (partitions, kv heads x tiles, seqs)."""
     num_seqs, num_heads, head_dim = queries.shape
     arrays = [np.ascontiguousarray(a, dtype=d) for a, d in (
         (queries, np.float32), (key_cache, np.float32), (value_cache, np.float32),
@@ -245,7 +245,7 @@ extern "C" void run_varlen_merge(const float* part_out, const float* part_max, c
 
 
 def varlen_constants(plan) -> dict:
-    """Template constants of a compiled-backend plan, as kernels/varlen.py passes them for a float32 pool."""
+    """Template constants of a compiled-backend plan, as orchard/kernels/varlen.py passes them for a float32 pool."""
     shape = plan.kernel.shape
     return dict(
         HEAD_DIM=plan.head_dim, BLOCK_SIZE=plan.block_size, NUM_KV_HEADS=plan.num_kv_heads,
@@ -255,7 +255,7 @@ def varlen_constants(plan) -> dict:
 
 
 def decode_constants(plan) -> dict:
-    """Template constants of the decode kernel that serves a plan's decode rows, as kernels/launch.py passes them."""
+    """Template constants of the decode kernel that serves a plan's decode rows, as orchard/kernels/launch.py passes them."""
     rows = plan.kernel.decode
     return dict(
         HEAD_DIM=plan.head_dim, BLOCK_SIZE=plan.block_size, NUM_KV_HEADS=plan.num_kv_heads,
@@ -266,7 +266,7 @@ def decode_constants(plan) -> dict:
 
 def run_varlen(library: ctypes.CDLL, plan, queries, key_cache, value_cache, block_tables, scale: float,
                workdir: Path | None = None, rules: Rules = PLAIN) -> np.ndarray:
-    """Launch like kernels/varlen.py does: one threadgroup per (unit, head tile), the merge of split rows,
+    """Launch like orchard/kernels/varlen.py does: one threadgroup per (unit, head tile), the merge of split rows,
     then the decode kernel for the decode rows."""
     work, shape = plan.kernel.work, plan.kernel.shape
     total_q, num_heads, head_dim = queries.shape

@@ -1,4 +1,4 @@
-"""Run the tensor-core varlen body (kernels/mma_source.py) on the CPU emulator, in bfloat16.
+"""Run the tensor-core varlen body (orchard/kernels/mma_source.py) on the CPU emulator, in bfloat16.
 
 The emulator's threads stand in for a warp's lanes; `mma.sync` becomes a warp-wide
 exchange: every lane posts its A, B and C fragment registers, each lane rebuilds the
@@ -13,7 +13,7 @@ import ctypes
 
 import numpy as np
 
-from kernels import mma_decode_source, mma_source, source
+from orchard.kernels import mma_decode_source, mma_source, source
 from tests.kernels import emulator
 from tests.kernels.paged_case import PLAIN, Rules
 
@@ -167,7 +167,7 @@ extern "C" void run_varlen_merge(const float* part_out, const float* part_max, c
 
 
 def mma_constants(plan) -> dict:
-    """Template constants as kernels/varlen.py passes them to the tensor-core body."""
+    """Template constants as orchard/kernels/varlen.py passes them to the tensor-core body."""
     shape = plan.kernel.shape
     return dict(
         HEAD_DIM=plan.head_dim, BLOCK_SIZE=plan.block_size, NUM_KV_HEADS=plan.num_kv_heads,
@@ -271,7 +271,7 @@ extern "C" void run_split({args}, float* part_out, float* part_max, float* part_
 
 def run_mma_decode(library: ctypes.CDLL, constants: dict, queries, key_cache, value_cache, block_tables, context_lens,
                    scale: float, num_partitions: int, rules: Rules = PLAIN) -> np.ndarray:
-    """Launch as kernels/launch.py does (grid: partitions, KV heads, sequences), bfloat16 storage."""
+    """Launch as orchard/kernels/launch.py does (grid: partitions, KV heads, sequences), bfloat16 storage."""
     num_seqs, num_heads, head_dim = queries.shape
     halves = [to_bf16_bits(a) for a in (queries, key_cache, value_cache)]
     ints = [np.ascontiguousarray(block_tables, dtype=np.int32), np.ascontiguousarray(context_lens, dtype=np.int32)]

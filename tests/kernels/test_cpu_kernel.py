@@ -1,4 +1,4 @@
-"""The CPU kernel (kernels/cpu): built where a compiler is, its rows split across threads exactly as one
+"""The CPU kernel (orchard/kernels/cpu): built where a compiler is, its rows split across threads exactly as one
 thread computes them, shapes that do not fit refused, and tables it cannot trust never read outside the pool.
 Its agreement with the float64 oracle over every layer variant is in the shared grids (tests/kernels/backends.py)."""
 
@@ -15,9 +15,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import kernels
-from kernels import cpu
-from kernels.variants import layer_attention
+from orchard import kernels
+from orchard.kernels import cpu
+from orchard.kernels.variants import layer_attention
 from tests.kernels.paged_case import Rules, assert_close, make_paged_case, oracle_decode, random_stored
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,12 +26,12 @@ needs_kernel = pytest.mark.skipif(not cpu.loaded(), reason="the CPU attention ex
 
 def test_make_builds_the_extension_where_a_compiler_is(monkeypatch):
     """In the environment `make` installs (.venv/.installed), with CMake and a C++ compiler at hand, the
-    extension must be there: `make` builds it (kernels/cpu/build.py), so its absence means that step broke."""
+    extension must be there: `make` builds it (orchard/kernels/cpu/build.py), so its absence means that step broke."""
     made_here = Path(sys.prefix).resolve() == (REPO / ".venv").resolve() and (REPO / ".venv" / ".installed").exists()
     toolchain = shutil.which("cmake") and shutil.which("c++") and importlib.util.find_spec("nanobind")
     if not (made_here and toolchain):
         pytest.skip("not the environment `make` installs, or no C++ toolchain: nothing says the extension was built")
-    assert cpu.loaded(), "the toolchain is here but kernels/cpu/_paged_cpu is not: run `make venv`"
+    assert cpu.loaded(), "the toolchain is here but orchard/kernels/cpu/_paged_cpu is not: run `make venv`"
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
     if mx.default_device() == mx.cpu:
         assert kernels.default_backend() == "cpu"
@@ -106,7 +106,7 @@ def test_one_thread_computes_exactly_what_the_split_computes(tmp_path):
     """ORCHARD_CPU_ATTENTION_THREADS=1 in a process of its own (the threads are made once a process)."""
     script = f"""
 import numpy as np, mlx.core as mx
-from kernels import cpu
+from orchard.kernels import cpu
 rng = np.random.default_rng(2)
 keys = mx.array(rng.standard_normal((400, 16, 2, 64)).astype(np.float32))
 queries = mx.array(rng.standard_normal((48, 4, 64)).astype(np.float32))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import launch, mma_decode_source, mma_source, source
+from orchard.kernels import launch, mma_decode_source, mma_source, source
 
 nvidia = pytest.importorskip("nvidia", reason="the NVIDIA compiler packages of the test extra are not installed")
 ROOTS = [Path(p) for p in nvidia.__path__]
@@ -57,7 +57,7 @@ def kernel_text(header: str, body: str, dtype: str, constants: tuple) -> str:
             f"template __global__ void orchard_varlen<{t}, {', '.join(map(str, constants))}>({args});\n")
 
 
-#: (dtype, HEAD_DIM, BLOCK_SIZE, NUM_KV_HEADS, GROUP, HEADS_PER_TILE, Q_TOKENS, KV_TILE, NUM_THREADS) as kernels/varlen.py passes them
+#: (dtype, HEAD_DIM, BLOCK_SIZE, NUM_KV_HEADS, GROUP, HEADS_PER_TILE, Q_TOKENS, KV_TILE, NUM_THREADS) as orchard/kernels/varlen.py passes them
 MMA_SHAPES = [("float16", 128, 16, 8, 4, 4, 16, 32, 128, 0, 0, 0), ("bfloat16", 64, 16, 8, 4, 4, 16, 64, 128, 0, 1, 1),
               ("float16", 64, 32, 8, 1, 1, 64, 64, 128, 0, 0, 0), ("bfloat16", 128, 16, 8, 4, 4, 16, 32, 128, 1, 1, 1)]
 
@@ -98,7 +98,7 @@ def test_simt_varlen_body_compiles_for_sm90(tmp_path, dtype):
     assert done.returncode == 0, done.stderr
 
 
-#: pointer type of each kernel input and output, by name (kernels/source.py's lists)
+#: pointer type of each kernel input and output, by name (orchard/kernels/source.py's lists)
 POINTERS = {"queries": "const T*", "key_cache": "const T*", "value_cache": "const T*", "block_tables": "const int*",
             "context_lens": "const int*", "units": "const int*", "split_rows": "const int*", "scale": "const float*",
             "dims": "const int*", "window": "const int*", "sinks": "const float*", "part_out": "float*",

@@ -6,8 +6,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import kernels
-from kernels import backends
+from orchard import kernels
+from orchard.kernels import backends
 
 
 def test_reference_is_always_available_and_last():

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kernels import launch, source
-from kernels.errors import UnsupportedAttentionShape
+from orchard.kernels import launch, source
+from orchard.kernels.errors import UnsupportedAttentionShape
 from tests.kernels import emulator
 from tests.kernels.paged_case import make_paged_case, oracle_decode, random_stored, to_float64
 

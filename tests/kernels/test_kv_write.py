@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import kernels
+from orchard import kernels
 
 
 def test_rows_land_at_their_slots_and_nothing_else_changes():

@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import kernels
-from kernels import backends, launch
+from orchard import kernels
+from orchard.kernels import backends, launch
 from tests.kernels import emulator
 from tests.kernels.backends import ALL_BACKENDS
 from tests.kernels.paged_case import Rules, assert_close, make_paged_case, oracle_decode, oracle_prefill, random_stored, to_float64
@@ -128,7 +128,7 @@ def test_rules_that_make_no_sense_are_refused_with_a_named_error(rng, kwargs, me
 def test_windows_reach_the_compiled_kernels_at_run_time_not_as_variants(rng, monkeypatch):
     import mlx.core as mx
 
-    from kernels.varlen import PagedVarlenKernels
+    from orchard.kernels.varlen import PagedVarlenKernels
 
     compiled, windows = [], set()
 
@@ -160,7 +160,7 @@ def test_windows_reach_the_compiled_kernels_at_run_time_not_as_variants(rng, mon
 def test_device_inputs_are_made_once_per_distinct_value_within_a_step(rng):
     import mlx.core as mx
 
-    from kernels.variants import LayerInputCache
+    from orchard.kernels.variants import LayerInputCache
 
     inputs = LayerInputCache(num_heads=4)
     sinks = mx.array([0.5, -1.0, 2.0, 0.0])

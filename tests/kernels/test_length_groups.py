@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from kernels.reference import length_groups
+from orchard.kernels.reference import length_groups
 
 
 def test_groups_partition_the_batch_and_bound_padding():

@@ -1,4 +1,4 @@
-"""The tensor-core decode loop (kernels/mma_decode_source.py): where it runs, and its text on the CPU emulator.
+"""The tensor-core decode loop (orchard/kernels/mma_decode_source.py): where it runs, and its text on the CPU emulator.
 
 The emulator runs the CUDA text with `mma.sync` emulated from the PTX fragment layouts in
 bfloat16 (tests/kernels/mma_emulator.py), so the fragment permutations, the lane broadcasts
@@ -12,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kernels import launch, mma_decode_source, source
+from orchard.kernels import launch, mma_decode_source, source
 from tests.kernels import emulator
 from tests.kernels.paged_case import PLAIN, Rules, assert_close, make_paged_case, oracle_decode, random_stored, to_float64
 

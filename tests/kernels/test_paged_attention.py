@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import kernels
+from orchard import kernels
 from tests.kernels.backends import ALL_BACKENDS
 from tests.kernels.paged_case import assert_close, make_paged_case, oracle_decode, oracle_prefill, random_stored
 
@@ -105,6 +105,6 @@ def test_metadata_as_lists_and_mx_arrays_give_the_same_output(rng, backend):
         *args, mx.array(case.block_tables), mx.array(case.context_lens), scale=0.1, backend=backend
     )
     # On the reference backend host lists take the length-grouped path and device arrays the on-device
-    # decode over the tables' whole width (kernels/dispatch.py): the sums run over different masked
+    # decode over the tables' whole width (orchard/kernels/dispatch.py): the sums run over different masked
     # lengths, so they may differ in their last bit.
     np.testing.assert_allclose(np.array(from_lists), np.array(from_mx), rtol=1e-5, atol=1e-6)

@@ -8,10 +8,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import kernels
-from kernels.dispatch import backend_for_head_dims, check_head_dims, head_dims_reason
-from kernels.reference import paged_decode_on_device
-from kernels.variants import layer_attention
+from orchard import kernels
+from orchard.kernels.dispatch import backend_for_head_dims, check_head_dims, head_dims_reason
+from orchard.kernels.reference import paged_decode_on_device
+from orchard.kernels.variants import layer_attention
 from tests.kernels.backends import HOST_PLANNED
 from tests.kernels.paged_case import Rules, assert_close, make_paged_case, oracle_decode, oracle_prefill, random_stored
 

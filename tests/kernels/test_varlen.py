@@ -16,9 +16,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import kernels
-from kernels import backends, mma_source, source
-from kernels import plan as varlen_plan
+from orchard import kernels
+from orchard.kernels import backends, mma_source, source
+from orchard.kernels import plan as varlen_plan
 from tests.kernels import emulator
 from tests.kernels.backends import ALL_BACKENDS, CUDA
 from tests.kernels.paged_case import PagedCase, assert_close, make_paged_case, oracle_prefill, random_stored, to_float64
@@ -391,7 +391,7 @@ class EmulatedCompiler:
 
 
 def test_launcher_runs_plan_and_merge_through_the_emulated_kernel(emulator_dir, monkeypatch, rng):
-    from kernels.varlen import PagedVarlenKernels
+    from orchard.kernels.varlen import PagedVarlenKernels
 
     monkeypatch.setattr(backends, "metal_available", lambda: True)
     # Both chunks reach past one 64-token partition, so they split and the merge kernel runs.

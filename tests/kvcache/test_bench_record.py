@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.bench import kvcache as bench
+from orchard.cluster.bench import kvcache as bench
 
 QUICK = ["--sequences", "20", "--cold-blocks", "2", "--no-recompute"]
 

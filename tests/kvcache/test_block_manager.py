@@ -6,11 +6,11 @@ Every manager a test builds must end with no block in use (checked on teardown).
 
 import pytest
 
-from kvcache.block_manager import BlockManager, DuplicateSequence
-from kvcache.errors import OutOfBlocks, UnknownSequence
-from kvcache.events import DISK, MEMORY, BlockRemoved, BlockStored
-from kvcache.hashing import block_hashes, root_hash
-from kvcache.stats import contiguous_waste, paged_waste
+from orchard.kvcache.block_manager import BlockManager, DuplicateSequence
+from orchard.kvcache.errors import OutOfBlocks, UnknownSequence
+from orchard.kvcache.events import DISK, MEMORY, BlockRemoved, BlockStored
+from orchard.kvcache.hashing import block_hashes, root_hash
+from orchard.kvcache.stats import contiguous_waste, paged_waste
 
 BS = 4
 ROOT = root_hash("tiny-llama")

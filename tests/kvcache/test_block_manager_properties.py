@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvcache.block_manager import BlockManager
-from kvcache.errors import OutOfBlocks
-from kvcache.hashing import root_hash
+from orchard.kvcache.block_manager import BlockManager
+from orchard.kvcache.errors import OutOfBlocks
+from orchard.kvcache.hashing import root_hash
 
 BS = 2
 NUM_BLOCKS = 10
@@ -236,11 +236,11 @@ import tempfile  # noqa: E402
 import numpy as np  # noqa: E402
 import xxhash  # noqa: E402
 
-from kvcache.cache import KVCache  # noqa: E402
-from kvcache.cold_tier import SlotLayout  # noqa: E402
-from kvcache.config import CacheConfig  # noqa: E402
-from kvcache.geometry import KVGeometry  # noqa: E402
-from kvcache.wire import decode_blocks  # noqa: E402
+from orchard.kvcache.cache import KVCache  # noqa: E402
+from orchard.kvcache.cold_tier import SlotLayout  # noqa: E402
+from orchard.kvcache.config import CacheConfig  # noqa: E402
+from orchard.kvcache.geometry import KVGeometry  # noqa: E402
+from orchard.kvcache.wire import decode_blocks  # noqa: E402
 
 GEOMETRY = KVGeometry("prop-model", num_layers=1, num_kv_heads=1, head_dim=2, block_size=BS, dtype="float32")
 COLD_SLOTS = 6

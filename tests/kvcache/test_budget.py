@@ -4,10 +4,10 @@ from dataclasses import dataclass
 
 import pytest
 
-import kvcache.budget as budget_module
-from kvcache.budget import MemoryBudget, num_blocks_for
-from kvcache.errors import QuotaExceeded
-from kvcache.geometry import KVGeometry
+import orchard.kvcache.budget as budget_module
+from orchard.kvcache.budget import MemoryBudget, num_blocks_for
+from orchard.kvcache.errors import QuotaExceeded
+from orchard.kvcache.geometry import KVGeometry
 
 GIB = 1 << 30
 
@@ -144,7 +144,7 @@ def test_two_models_sized_from_one_budget_each_fit_their_quota():
 
 
 def test_sizes_a_pool_from_the_real_cache_config():
-    from kvcache.config import CacheConfig
+    from orchard.kvcache.config import CacheConfig
 
     assert num_blocks_for(GEOMETRY, CacheConfig(block_size=4, num_blocks=9)) == 9
     assert num_blocks_for(GEOMETRY, CacheConfig(block_size=4, kv_memory_gb=1 / 1024)) == 2048

@@ -7,14 +7,14 @@ engine would, straight into the pool, from seeded random numbers, and compared b
 import numpy as np
 import pytest
 
-from kvcache.budget import MemoryBudget
-from kvcache.cache import KVCache
-from kvcache.cold_tier import SlotLayout
-from kvcache.config import CacheConfig, InvalidCacheConfig
-from kvcache.errors import IncompatibleKVPayload, OutOfBlocks, QuotaExceeded
-from kvcache.events import DISK, MEMORY, BlockRemoved, BlockStored
-from kvcache.geometry import KVGeometry
-from kvcache.wire import KVBlockData, decode_blocks, encode_blocks
+from orchard.kvcache.budget import MemoryBudget
+from orchard.kvcache.cache import KVCache
+from orchard.kvcache.cold_tier import SlotLayout
+from orchard.kvcache.config import CacheConfig, InvalidCacheConfig
+from orchard.kvcache.errors import IncompatibleKVPayload, OutOfBlocks, QuotaExceeded
+from orchard.kvcache.events import DISK, MEMORY, BlockRemoved, BlockStored
+from orchard.kvcache.geometry import KVGeometry
+from orchard.kvcache.wire import KVBlockData, decode_blocks, encode_blocks
 
 BS = 4
 

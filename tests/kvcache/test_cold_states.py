@@ -1,13 +1,13 @@
-"""kvcache.cold_states: state snapshots in fixed mmap slots, exact bytes, LRU, reopened by a restart."""
+"""orchard.kvcache.cold_states: state snapshots in fixed mmap slots, exact bytes, LRU, reopened by a restart."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvcache.cold_states import ColdStates
-from kvcache.errors import ColdTierError
-from kvcache.geometry import StateArray, StateGeometry
+from orchard.kvcache.cold_states import ColdStates
+from orchard.kvcache.errors import ColdTierError
+from orchard.kvcache.geometry import StateArray, StateGeometry
 
 GEOMETRY = StateGeometry(((StateArray((3, 8), "bfloat16"), StateArray((2, 4, 4), "float32")),
                           (StateArray((3, 8), "bfloat16"), StateArray((2, 4, 4), "float32"))))

@@ -8,9 +8,9 @@ import shutil
 import numpy as np
 import pytest
 
-from kvcache.cold_tier import HEADER_REGION, ColdTier, SlotLayout, cold_file_path
-from kvcache.errors import ColdTierError
-from kvcache.geometry import KVGeometry
+from orchard.kvcache.cold_tier import HEADER_REGION, ColdTier, SlotLayout, cold_file_path
+from orchard.kvcache.errors import ColdTierError
+from orchard.kvcache.geometry import KVGeometry
 
 TINY = KVGeometry("tiny-model", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
 #: Blocks of 32 KiB, so a slot spans whole pages that MADV_DONTNEED really releases.
@@ -174,7 +174,7 @@ def test_a_file_written_for_another_model_is_ignored(tmp_path, caplog):
     with ColdTier(tmp_path, other, capacity_for(TINY, 2)) as foreign:
         spill(foreign, 1)
     shutil.copy(cold_file_path(tmp_path, other), cold_file_path(tmp_path, TINY))
-    with caplog.at_level(logging.WARNING, logger="kvcache.cold_tier"):
+    with caplog.at_level(logging.WARNING, logger="orchard.kvcache.cold_tier"):
         tier = ColdTier(tmp_path, TINY, capacity_for(TINY, 2))
     with tier:
         assert len(tier) == 0 and tier.get(key(1)) is None
@@ -188,7 +188,7 @@ def test_the_same_model_with_another_dtype_starts_empty_and_another_capacity_is_
     with ColdTier(tmp_path, TINY, capacity_for(TINY, 2)) as tier:
         spill(tier, 1)
     bf16 = dataclasses.replace(TINY, dtype="bfloat16")
-    with caplog.at_level(logging.INFO, logger="kvcache.cold_tier"):
+    with caplog.at_level(logging.INFO, logger="orchard.kvcache.cold_tier"):
         with ColdTier(tmp_path, bf16, capacity_for(bf16, 2)) as tier:
             assert len(tier) == 0
             spill(tier, 2)
@@ -205,7 +205,7 @@ def test_a_corrupted_header_is_ignored_and_replaced(tmp_path, caplog):
     raw = bytearray(path.read_bytes())
     raw[40] ^= 0xFF
     path.write_bytes(bytes(raw))
-    with caplog.at_level(logging.WARNING, logger="kvcache.cold_tier"):
+    with caplog.at_level(logging.WARNING, logger="orchard.kvcache.cold_tier"):
         with ColdTier(tmp_path, TINY, capacity_for(TINY, 2)) as tier:
             assert len(tier) == 0 and tier.get(key(1)) is None
     assert "header checksum mismatch" in caplog.text
@@ -213,7 +213,7 @@ def test_a_corrupted_header_is_ignored_and_replaced(tmp_path, caplog):
 
 def test_a_file_that_is_not_a_cold_tier_is_ignored(tmp_path, caplog):
     cold_file_path(tmp_path, TINY).write_bytes(b"some other program's data" * 100)
-    with caplog.at_level(logging.WARNING, logger="kvcache.cold_tier"):
+    with caplog.at_level(logging.WARNING, logger="orchard.kvcache.cold_tier"):
         with ColdTier(tmp_path, TINY, capacity_for(TINY, 2)) as tier:
             assert len(tier) == 0
             spill(tier, 1)

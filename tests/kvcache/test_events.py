@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pickle
 
-from kvcache.events import DISK, EventLog, PackedEvents
+from orchard.kvcache.events import DISK, EventLog, PackedEvents
 
 
 def test_packed_events_unpack_to_equal_events_of_every_kind_in_order():

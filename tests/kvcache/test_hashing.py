@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 
-from kvcache.hashing import block_hashes, hash_block, root_hash
+from orchard.kvcache.hashing import block_hashes, hash_block, root_hash
 
 ROOT = root_hash("tiny-llama")
 
@@ -54,7 +54,7 @@ def test_extra_bytes_change_the_hash():
 
 def _hashes_in_subprocess(seed: str) -> str:
     code = (
-        "from kvcache.hashing import block_hashes, root_hash;"
+        "from orchard.kvcache.hashing import block_hashes, root_hash;"
         "print(b''.join(block_hashes(list(range(40)), 16, root_hash('tiny-llama', 's'))).hex())"
     )
     env = {**os.environ, "PYTHONHASHSEED": seed}

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from kvcache.geometry import KVGeometry
-from kvcache.pool import KVPool
+from orchard.kvcache.geometry import KVGeometry
+from orchard.kvcache.pool import KVPool
 
 DTYPES = ["float32", "float16", "bfloat16"]
 
@@ -156,7 +156,7 @@ def test_a_strided_run_of_blocks_lands_in_consecutive_and_scattered_ids_alike(id
         k = flat[at : at + per_block].view(np.float32).reshape(keys[:, j].shape)
         v = flat[at + per_block : at + 2 * per_block].view(np.float32).reshape(keys[:, j].shape)
         views.append((k, v))
-    from kvcache.pool import _as_run
+    from orchard.kvcache.pool import _as_run
 
     assert _as_run([k for k, _ in views]) is not None  # the strided path, not block by block
     pool.write_block_arrays(ids, [k for k, _ in views], [v for _, v in views])

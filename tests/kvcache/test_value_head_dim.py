@@ -7,13 +7,13 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvcache.cold_tier import ColdTier, SlotLayout
-from kvcache.errors import IncompatibleKVPayload
-from kvcache.geometry import KVGeometry
-from kvcache.hashing import block_hashes, root_hash
-from kvcache.pool import KVPool
-from kvcache.wire import KVBlockData, decode_blocks, encode_blocks
-from kvcache.wire_stream import BlockPieces, decode_views
+from orchard.kvcache.cold_tier import ColdTier, SlotLayout
+from orchard.kvcache.errors import IncompatibleKVPayload
+from orchard.kvcache.geometry import KVGeometry
+from orchard.kvcache.hashing import block_hashes, root_hash
+from orchard.kvcache.pool import KVPool
+from orchard.kvcache.wire import KVBlockData, decode_blocks, encode_blocks
+from orchard.kvcache.wire_stream import BlockPieces, decode_views
 from tests.kvcache.wire_pieces import encode_pieces
 
 ONE_WIDTH = KVGeometry("tiny-model", num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")

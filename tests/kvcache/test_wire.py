@@ -6,10 +6,10 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
-from kvcache.geometry import KVGeometry
-from kvcache.hashing import block_hashes, root_hash
-from kvcache.wire import KNOWN_VERSIONS, KVBlockData, decode_blocks, encode_blocks
+from orchard.kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
+from orchard.kvcache.geometry import KVGeometry
+from orchard.kvcache.hashing import block_hashes, root_hash
+from orchard.kvcache.wire import KNOWN_VERSIONS, KVBlockData, decode_blocks, encode_blocks
 
 DTYPES = ["float32", "float16", "bfloat16"]
 

@@ -8,15 +8,15 @@ import numpy as np
 import pytest
 import xxhash
 
-from kvcache.block_transfer import BlockTransfer
-from kvcache.cache import KVCache
-from kvcache.config import CacheConfig
-from kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
-from kvcache.geometry import KVGeometry
-from kvcache.hashing import hash_block, hash_block_rows, root_hash
-from kvcache.wire import BlockRun, KVBlockData, decode_blocks
-from kvcache.wire_batch import record_layout, write_headers
-from kvcache.wire_stream import BlockPieces, _block_header, decode_views
+from orchard.kvcache.block_transfer import BlockTransfer
+from orchard.kvcache.cache import KVCache
+from orchard.kvcache.config import CacheConfig
+from orchard.kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
+from orchard.kvcache.geometry import KVGeometry
+from orchard.kvcache.hashing import hash_block, hash_block_rows, root_hash
+from orchard.kvcache.wire import BlockRun, KVBlockData, decode_blocks
+from orchard.kvcache.wire_batch import record_layout, write_headers
+from orchard.kvcache.wire_stream import BlockPieces, _block_header, decode_views
 from tests.kvcache.wire_pieces import encode_pieces
 
 GEOMETRY = KVGeometry("fp", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")

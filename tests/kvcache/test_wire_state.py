@@ -9,9 +9,9 @@ import msgpack
 import numpy as np
 import pytest
 
-from kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
-from kvcache.geometry import StateArray, StateGeometry
-from kvcache.wire import (
+from orchard.kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
+from orchard.kvcache.geometry import StateArray, StateGeometry
+from orchard.kvcache.wire import (
     FORMAT_VERSION,
     STATE_FORMAT_VERSION,
     StateSnapshotData,
@@ -19,7 +19,7 @@ from kvcache.wire import (
     decode_payload,
     encode_blocks,
 )
-from kvcache.wire_stream import decode_payload_views, decode_views
+from orchard.kvcache.wire_stream import decode_payload_views, decode_views
 from tests.kvcache.test_wire import make_blocks, tiny_geometry
 from tests.kvcache.test_wire_stream import as_pieces
 from tests.kvcache.wire_pieces import encode_pieces

@@ -1,4 +1,4 @@
-"""The wire format written as pieces and read as views is the very format `kvcache.wire` defines."""
+"""The wire format written as pieces and read as views is the very format `orchard.kvcache.wire` defines."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
-from kvcache.geometry import KVGeometry
-from kvcache.hashing import hash_block, root_hash
-from kvcache.wire import KVBlockData, decode_blocks, encode_blocks
-from kvcache.wire_stream import BlockPieces, decode_views
+from orchard.kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
+from orchard.kvcache.geometry import KVGeometry
+from orchard.kvcache.hashing import hash_block, root_hash
+from orchard.kvcache.wire import KVBlockData, decode_blocks, encode_blocks
+from orchard.kvcache.wire_stream import BlockPieces, decode_views
 from tests.kvcache.wire_pieces import encode_pieces
 
 GEOMETRY = KVGeometry("fp", num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype="float16")
@@ -44,7 +44,7 @@ def test_pieces_are_a_payload_decode_blocks_reads_as_the_same_blocks():
 
 
 def test_full_blocks_lie_equally_spaced_so_a_pool_takes_them_as_one_strided_run():
-    from kvcache.pool import _as_run
+    from orchard.kvcache.pool import _as_run
 
     data = blocks()[:-1]  # token ids of 1 to 3 bytes in msgpack's narrowest forms; all full
     views = decode_views(bytearray(b"".join(bytes(p) for p in encode_pieces(GEOMETRY, as_pieces(data)))), GEOMETRY)

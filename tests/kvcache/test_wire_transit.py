@@ -8,9 +8,9 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
-from kvcache.wire_stream import decode_views, payload_pieces
-from kvcache.wire_transit import IncomingPayload, OutgoingPayload
+from orchard.kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
+from orchard.kvcache.wire_stream import decode_views, payload_pieces
+from orchard.kvcache.wire_transit import IncomingPayload, OutgoingPayload
 from tests.kvcache.test_wire_stream import GEOMETRY, as_pieces, blocks
 from tests.kvcache.wire_pieces import encode_pieces
 

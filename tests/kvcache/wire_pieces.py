@@ -1,11 +1,11 @@
 """A whole payload as pieces, its checksum taken here, apart from the product's transit code: the bytes
-the link's sender (`kvcache.wire_transit.OutgoingPayload`) must put on the wire, and that readers must read."""
+the link's sender (`orchard.kvcache.wire_transit.OutgoingPayload`) must put on the wire, and that readers must read."""
 
 from __future__ import annotations
 
 import xxhash
 
-from kvcache.wire_stream import payload_pieces
+from orchard.kvcache.wire_stream import payload_pieces
 
 
 def encode_pieces(geometry, blocks, state=None) -> list:

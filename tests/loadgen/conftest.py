@@ -8,6 +8,6 @@ import pytest
 @pytest.fixture(scope="session")
 def demo_model_path():
     """The project's demo model (written once into the user's cache)."""
-    from node.model.demo import default_demo_model_path
+    from orchard.node.model.demo import default_demo_model_path
 
     return default_demo_model_path("small")

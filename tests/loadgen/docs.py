@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from cluster.bench.loadgen.client import EndpointConfig
-from cluster.bench.loadgen.config import ServeBenchConfig
-from cluster.bench.loadgen.datasets import DatasetConfig
-from cluster.bench.loadgen.metrics import SLO
-from cluster.bench.loadgen.prompts import WordPrompts
-from cluster.bench.loadgen.report import result_document
-from cluster.bench.loadgen.runner import LoadConfig, RunResult
+from orchard.cluster.bench.loadgen.client import EndpointConfig
+from orchard.cluster.bench.loadgen.config import ServeBenchConfig
+from orchard.cluster.bench.loadgen.datasets import DatasetConfig
+from orchard.cluster.bench.loadgen.metrics import SLO
+from orchard.cluster.bench.loadgen.prompts import WordPrompts
+from orchard.cluster.bench.loadgen.report import result_document
+from orchard.cluster.bench.loadgen.runner import LoadConfig, RunResult
 from tests.loadgen.records import record
 
 

@@ -11,7 +11,7 @@ import time
 
 import httpx
 
-from node.openblas import find_openblas
+from orchard.node.openblas import find_openblas
 
 
 def free_port() -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cluster.bench.loadgen.client import RequestRecord
+from orchard.cluster.bench.loadgen.client import RequestRecord
 
 
 def record(ttft=0.1, itl=(0.02, 0.02), out=None, error=None, prompt_tokens=10, start=0.0, conv=0, turn=0):

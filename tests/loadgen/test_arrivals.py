@@ -3,7 +3,7 @@ import statistics
 
 import pytest
 
-from cluster.bench.loadgen.arrivals import first_offsets
+from orchard.cluster.bench.loadgen.arrivals import first_offsets
 
 
 def test_poisson_gaps_have_mean_one_over_rate():

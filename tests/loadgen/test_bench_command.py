@@ -3,8 +3,8 @@ import types
 
 import pytest
 
-from cluster.cli.bench import DELEGATED, serve_config
-from cluster.cli.main import build_parser, main
+from orchard.cluster.cli.bench import DELEGATED, serve_config
+from orchard.cluster.cli.main import build_parser, main
 
 
 def test_delegated_bench_gets_every_argument_including_help(monkeypatch):

@@ -6,13 +6,13 @@ import json
 import httpx
 from rich.console import Console
 
-from cluster.bench.loadgen.benchmark import resolve_model, run_bench_async
-from cluster.bench.loadgen.client import EndpointConfig
-from cluster.bench.loadgen.config import ServeBenchConfig
-from cluster.bench.loadgen.datasets import DatasetConfig
-from cluster.bench.loadgen.prompts import LengthRange
-from cluster.bench.loadgen.report import print_summary
-from cluster.bench.loadgen.runner import LoadConfig
+from orchard.cluster.bench.loadgen.benchmark import resolve_model, run_bench_async
+from orchard.cluster.bench.loadgen.client import EndpointConfig
+from orchard.cluster.bench.loadgen.config import ServeBenchConfig
+from orchard.cluster.bench.loadgen.datasets import DatasetConfig
+from orchard.cluster.bench.loadgen.prompts import LengthRange
+from orchard.cluster.bench.loadgen.report import print_summary
+from orchard.cluster.bench.loadgen.runner import LoadConfig
 
 
 def scripted_server(models=("served-model",), tokens_per_reply=3):

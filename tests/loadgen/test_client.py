@@ -6,9 +6,9 @@ import json
 import httpx
 import pytest
 
-from cluster.bench.loadgen.client import EndpointConfig, Outgoing, StreamClient
-from cluster.bench.loadgen.datasets import Conversation, Turn
-from cluster.bench.loadgen.runner import LoadConfig, run_load
+from orchard.cluster.bench.loadgen.client import EndpointConfig, Outgoing, StreamClient
+from orchard.cluster.bench.loadgen.datasets import Conversation, Turn
+from orchard.cluster.bench.loadgen.runner import LoadConfig, run_load
 
 
 def sse(*events, done=True) -> bytes:

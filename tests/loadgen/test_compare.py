@@ -2,9 +2,9 @@ import json
 
 import pytest
 
-from cluster.bench.loadgen.compare import compare_documents
-from cluster.bench.loadgen.report import write_json
-from cluster.cli.main import main
+from orchard.cluster.bench.loadgen.compare import compare_documents
+from orchard.cluster.bench.loadgen.report import write_json
+from orchard.cluster.cli.main import main
 from tests.loadgen.docs import document
 
 

@@ -3,8 +3,8 @@ import random
 
 import pytest
 
-from cluster.bench.loadgen.datasets import DatasetConfig, UnknownDataset, conversations
-from cluster.bench.loadgen.prompts import LengthRange, TokenizerPrompts, WordPrompts, WordTablePrompts
+from orchard.cluster.bench.loadgen.datasets import DatasetConfig, UnknownDataset, conversations
+from orchard.cluster.bench.loadgen.prompts import LengthRange, TokenizerPrompts, WordPrompts, WordTablePrompts
 
 
 @pytest.fixture(scope="module")

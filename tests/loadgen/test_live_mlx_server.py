@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from cluster.cli.main import main
+from orchard.cluster.cli.main import main
 from tests.loadgen.live_server import mlx_lm_server
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -77,8 +77,8 @@ def test_multi_turn_sweep_grows_context_and_plots_throughput(server, demo_model_
 
 
 def _prompts(model, n, input_len, output_len):
-    from cluster.bench.loadgen.datasets import DatasetConfig, conversations
-    from cluster.bench.loadgen.prompts import LengthRange, TokenizerPrompts
+    from orchard.cluster.bench.loadgen.datasets import DatasetConfig, conversations
+    from orchard.cluster.bench.loadgen.prompts import LengthRange, TokenizerPrompts
 
     cfg = DatasetConfig("random", LengthRange(input_len), LengthRange(output_len))
     return [c.turns[0].text for c in conversations(cfg, TokenizerPrompts(str(model)), n)]

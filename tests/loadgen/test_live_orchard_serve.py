@@ -11,8 +11,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster.cli.main import main
-from node.openblas import find_openblas
+from orchard.cluster.cli.main import main
+from orchard.node.openblas import find_openblas
 from tests.loadgen.live_server import free_port, stop, wait_healthy
 
 
@@ -31,7 +31,7 @@ def counter(base: str, name: str, **labels: str) -> float:
 def orchard_process(demo_model_path, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("orchard_serve") / "serve.log"
-    cmd = [sys.executable, "-m", "cluster.cli", "serve", "--model", str(demo_model_path),
+    cmd = [sys.executable, "-m", "orchard.cluster.cli", "serve", "--model", str(demo_model_path),
            "--host", "127.0.0.1", "--port", str(port), "--no-ray"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -97,8 +97,8 @@ def test_served_word_table_agrees_with_the_servers_tokenize(orchard):
     import asyncio
     import random
 
-    from cluster.bench.loadgen.client import EndpointConfig
-    from cluster.bench.loadgen.served_tokenizer import served_word_table
+    from orchard.cluster.bench.loadgen.client import EndpointConfig
+    from orchard.cluster.bench.loadgen.served_tokenizer import served_word_table
 
     model = httpx.get(orchard + "/v1/models", timeout=10).json()["data"][0]["id"]
 

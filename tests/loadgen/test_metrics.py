@@ -1,6 +1,6 @@
 import pytest
 
-from cluster.bench.loadgen.metrics import SLO, BadSLO, Distribution, summarize
+from orchard.cluster.bench.loadgen.metrics import SLO, BadSLO, Distribution, summarize
 from tests.loadgen.records import record
 
 

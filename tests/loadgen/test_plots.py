@@ -1,4 +1,4 @@
-from cluster.bench.loadgen.plots import latency_samples, write_plots
+from orchard.cluster.bench.loadgen.plots import latency_samples, write_plots
 from tests.loadgen.docs import document
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

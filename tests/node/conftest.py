@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from node.model.demo import write_demo_model
+from orchard.node.model.demo import write_demo_model
 from tests.node.tiny_models import write_tiny_model
 
 

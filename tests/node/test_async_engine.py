@@ -10,10 +10,10 @@ import threading
 
 import pytest
 
-from node.async_engine import AsyncEngine, EngineStepFailed
-from node.engine import EngineConfig, LLMEngine
-from node.errors import PromptTooLong
-from node.types import SamplingParams
+from orchard.node.async_engine import AsyncEngine, EngineStepFailed
+from orchard.node.engine import EngineConfig, LLMEngine
+from orchard.node.errors import PromptTooLong
+from orchard.node.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -82,9 +82,9 @@ def test_process_exits_cleanly_without_an_explicit_shutdown(demo_model_dir):
     script = textwrap.dedent(
         f"""
         import asyncio
-        from node.async_engine import AsyncEngine
-        from node.engine import EngineConfig
-        from node.types import SamplingParams
+        from orchard.node.async_engine import AsyncEngine
+        from orchard.node.engine import EngineConfig
+        from orchard.node.types import SamplingParams
         eng = AsyncEngine.from_config(EngineConfig(model={str(demo_model_dir)!r}, num_blocks=32))
         async def main():
             async for _ in eng.generate("a", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4)):

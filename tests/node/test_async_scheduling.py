@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from node.engine import EngineConfig, LLMEngine
-from node.sampling import DeviceSample
-from node.sequence import PENDING_TOKEN
-from node.types import SamplingParams
+from orchard.node.engine import EngineConfig, LLMEngine
+from orchard.node.sampling import DeviceSample
+from orchard.node.sequence import PENDING_TOKEN
+from orchard.node.types import SamplingParams
 from tests.node.test_engine import _assert_no_leak, _prompts
 
 MIXED_PARAMS = [
@@ -122,7 +122,7 @@ def test_temperatures_below_1e_5_decode_greedily(model_dirs):
 
 
 def test_the_first_steps_of_a_node_do_not_set_its_rates():
-    from node.rates import WARMUP_STEPS, NodeRates
+    from orchard.node.rates import WARMUP_STEPS, NodeRates
 
     rates = NodeRates.new()
     for _ in range(WARMUP_STEPS):
@@ -133,7 +133,7 @@ def test_the_first_steps_of_a_node_do_not_set_its_rates():
 
 
 def test_a_step_line_separates_a_steps_fixed_cost_from_what_each_token_adds():
-    from node.rates import WARMUP_STEPS, NodeRates
+    from orchard.node.rates import WARMUP_STEPS, NodeRates
 
     rates = NodeRates.new()
     for _ in range(WARMUP_STEPS):
@@ -151,7 +151,7 @@ def test_steps_settled_on_the_settle_thread_are_freed_on_the_engine_thread(model
     import threading
     import weakref
 
-    from node import engine as engine_module
+    from orchard.node import engine as engine_module
 
     freed_on: list[str] = []
     real_launch = engine_module.LLMEngine._launch

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import kernels
-from kernels import cpu
-from node.engine import EngineConfig, LLMEngine
-from node.types import SamplingParams
+from orchard import kernels
+from orchard.kernels import cpu
+from orchard.node.engine import EngineConfig, LLMEngine
+from orchard.node.types import SamplingParams
 
 pytestmark = pytest.mark.skipif(not cpu.loaded(), reason="the CPU attention extension is not built here")
 

@@ -9,8 +9,8 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from node.engine import EngineConfig, LLMEngine
-from node.types import SamplingParams
+from orchard.node.engine import EngineConfig, LLMEngine
+from orchard.node.types import SamplingParams
 
 MAX_TOKENS = 12
 

@@ -14,8 +14,8 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 
-from node.engine import EngineConfig, LLMEngine
-from node.types import SamplingParams
+from orchard.node.engine import EngineConfig, LLMEngine
+from orchard.node.types import SamplingParams
 from tests.node.tiny_models import write_quantized_model, write_tiny_model
 
 FAMILIES = ["llama3", "qwen2", "qwen3_moe", "qwen2_moe", "gemma", "phi3", "olmo2", "glm4", "starcoder2", "hunyuan",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import types
 
-from node.detokenizer import IncrementalDetokenizer, fast_decoder
-from node.model.loader import load_model
+from orchard.node.detokenizer import IncrementalDetokenizer, fast_decoder
+from orchard.node.model.loader import load_model
 
 
 def test_fast_decoder_gives_the_wrappers_text_on_every_prefix_of_a_sentence():

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from node.engine import EngineConfig, LLMEngine
-from node.types import SamplingParams
+from orchard.node.engine import EngineConfig, LLMEngine
+from orchard.node.types import SamplingParams
 from tests.node.test_families import assert_matches_mlx_lm, prompts, reference, run
 from tests.node.tiny_models import HYBRID_CONFIGS, write_tiny_model
 

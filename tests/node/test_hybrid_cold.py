@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from mlx_lm import load
 
-from kvcache.events import STATE, BlockRemoved, BlockStored
-from node.engine import EngineConfig, LLMEngine
+from orchard.kvcache.events import STATE, BlockRemoved, BlockStored
+from orchard.node.engine import EngineConfig, LLMEngine
 from tests.node.test_families import assert_matches_mlx_lm, prompts, run
 from tests.node.tiny_models import write_tiny_model
 

@@ -16,17 +16,17 @@ import numpy as np
 import pytest
 from mlx_lm import load
 
-from kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
-from kvcache.events import MEMORY, STATE, BlockStored
-from kvcache.geometry import StateArray, StateGeometry
-from kvcache.wire import StateSnapshotData, decode_payload, encode_blocks
-from node.async_engine import AsyncEngine
-from node.engine import EngineConfig, LLMEngine
-from node.serving import link_auth as auth
-from node.serving.direct_path import DirectPath
-from node.serving.kv_link import KVLinkConfig
-from node.serving.migration import BlockMover, MigrationConfig
-from node.types import SamplingParams
+from orchard.kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
+from orchard.kvcache.events import MEMORY, STATE, BlockStored
+from orchard.kvcache.geometry import StateArray, StateGeometry
+from orchard.kvcache.wire import StateSnapshotData, decode_payload, encode_blocks
+from orchard.node.async_engine import AsyncEngine
+from orchard.node.engine import EngineConfig, LLMEngine
+from orchard.node.serving import link_auth as auth
+from orchard.node.serving.direct_path import DirectPath
+from orchard.node.serving.kv_link import KVLinkConfig
+from orchard.node.serving.migration import BlockMover, MigrationConfig
+from orchard.node.types import SamplingParams
 from tests.node.test_families import MAX_TOKENS, assert_matches_mlx_lm, prompts, reference, run
 from tests.node.test_hybrid import state_after_prefill
 from tests.node.tiny_models import HYBRID_CONFIGS, write_tiny_model

@@ -1,6 +1,6 @@
 """The environment the CLI restarts itself with: OpenBLAS preloaded, one BLAS thread unless told otherwise."""
 
-from node.openblas import blas_environment
+from orchard.node.openblas import blas_environment
 
 LIB = "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0"
 

@@ -12,11 +12,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from node.constraint import Constraint, UnsupportedConstraint
-from node.engine import EngineConfig, LLMEngine
-from node.errors import InvalidSamplingParams
-from node.structured import apply_bitmask
-from node.types import SamplingParams
+from orchard.node.constraint import Constraint, UnsupportedConstraint
+from orchard.node.engine import EngineConfig, LLMEngine
+from orchard.node.errors import InvalidSamplingParams
+from orchard.node.structured import apply_bitmask
+from orchard.node.types import SamplingParams
 from tests.node.test_engine import _assert_no_leak
 
 PERSON = {

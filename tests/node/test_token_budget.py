@@ -5,10 +5,10 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from cluster.cli.main import build_parser
-from cluster.cli.serve_options import engine_config
-from node import engine as engine_module
-from node.engine import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET, EngineConfig
+from orchard.cluster.cli.main import build_parser
+from orchard.cluster.cli.serve_options import engine_config
+from orchard.node import engine as engine_module
+from orchard.node.engine import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET, EngineConfig
 
 
 @pytest.fixture(params=[(mx.cpu, CPU_TOKEN_BUDGET), (mx.gpu, GPU_TOKEN_BUDGET)], ids=["cpu", "gpu"])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from node.model.random_weights import write_random_checkpoint
+from orchard.node.model.random_weights import write_random_checkpoint
 
 #: parameters mlx-lm's classes build as zeros and checkpoints train: gpt-oss's attention sinks
 TRAINED_FROM_ZERO = ("self_attn.sinks",)

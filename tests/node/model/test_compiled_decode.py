@@ -13,12 +13,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import kernels
-from node.engine import EngineConfig, LLMEngine, build_step_input
-from node.model.compiled_decode import BATCH_BUCKETS, batch_bucket, buckets_up_to, width_bucket
-from node.model.runner import ModelRunner
-from node.scheduler import ScheduledChunk
-from node.types import SamplingParams
+from orchard import kernels
+from orchard.node.engine import EngineConfig, LLMEngine, build_step_input
+from orchard.node.model.compiled_decode import BATCH_BUCKETS, batch_bucket, buckets_up_to, width_bucket
+from orchard.node.model.runner import ModelRunner
+from orchard.node.scheduler import ScheduledChunk
+from orchard.node.types import SamplingParams
 from tests.node.test_async_scheduling import MIXED_PARAMS, _run_all
 from tests.node.test_engine import _assert_no_leak, _prompts
 from tests.node.tiny_models import write_tiny_model

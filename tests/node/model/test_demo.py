@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from node.model import demo
-from node.model.demo import DEMO_CONFIG, LARGE_DEMO_CONFIG, UnknownDemoSize, write_demo_model
+from orchard.node.model import demo
+from orchard.node.model.demo import DEMO_CONFIG, LARGE_DEMO_CONFIG, UnknownDemoSize, write_demo_model
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -31,7 +31,7 @@ def demo_path(tmp_path_factory) -> Path:
 def test_two_writes_in_separate_processes_give_identical_bytes(demo_path, tmp_path):
     # A fresh interpreter has other hash seeds and thread timings: the bytes must not care.
     other = tmp_path / "again"
-    code = f"from node.model.demo import write_demo_model; write_demo_model({str(other)!r})"
+    code = f"from orchard.node.model.demo import write_demo_model; write_demo_model({str(other)!r})"
     subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, check=True, timeout=120)
     assert _digests(other) == _digests(demo_path)
 

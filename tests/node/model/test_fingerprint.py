@@ -9,8 +9,8 @@ import struct
 import numpy as np
 import pytest
 
-from node.model.fingerprint import model_fingerprint
-from node.model.loader import load_model
+from orchard.node.model.fingerprint import model_fingerprint
+from orchard.node.model.loader import load_model
 
 EDGE = 1 << 20  # what a sampled fingerprint would read from each end of a weight file
 

@@ -14,10 +14,10 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from node.model.fused_layers import fuse_stack
-from node.model.layers import text_stack
-from node.model.loader import load_model
-from node.model.runner import ModelRunner, SequenceChunk, pack_step
+from orchard.node.model.fused_layers import fuse_stack
+from orchard.node.model.layers import text_stack
+from orchard.node.model.loader import load_model
+from orchard.node.model.runner import ModelRunner, SequenceChunk, pack_step
 from tests.node.model.test_runner import BLOCK_SIZE, make_pool, scattered_tables
 from tests.node.tiny_models import write_quantized_model, write_tiny_model
 

@@ -1,4 +1,4 @@
-"""The patches that bring Gemma 2 and Ministral 3 under the engine's seams (node/model/layer_patches.py).
+"""The patches that bring Gemma 2 and Ministral 3 under the engine's seams (orchard/node/model/layer_patches.py).
 
 Their engine-level exactness against mlx-lm is tests/node/test_families.py; these pin what
 each patch claims on its own.
@@ -10,8 +10,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from node.model.layer_patches import calls_attention, install_layer_patches
-from node.model.positions import PackedPositions
+from orchard.node.model.layer_patches import calls_attention, install_layer_patches
+from orchard.node.model.positions import PackedPositions
 from tests.node.tiny_models import TINY_CONFIGS
 
 

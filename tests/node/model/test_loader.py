@@ -11,10 +11,10 @@ import types
 import mlx.core as mx
 import pytest
 
-from node.model.capability import architecture_reason
-from node.model.demo import write_demo_model
-from node.model.fingerprint import model_fingerprint
-from node.model.loader import (
+from orchard.node.model.capability import architecture_reason
+from orchard.node.model.demo import write_demo_model
+from orchard.node.model.fingerprint import model_fingerprint
+from orchard.node.model.loader import (
     DEMO_MODEL_NAME,
     ModelNotFound,
     UnsupportedModel,
@@ -174,7 +174,7 @@ def test_a_bfloat16_quantized_checkpoint_keeps_its_kv_in_bfloat16(demo_path, tmp
 def test_each_layer_s_window_is_read_from_the_caches_the_model_makes(tiny, windows):
     from mlx_lm.utils import _get_classes
 
-    from node.model.capability import layer_windows
+    from orchard.node.model.capability import layer_windows
 
     config = full_config(tiny)
     model_class, args_class = _get_classes(config)

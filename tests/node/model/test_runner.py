@@ -10,10 +10,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from node.model.demo import write_demo_model
-from node.model.loader import load_model
-from node.model.positions import PositionalRoPE
-from node.model.runner import (
+from orchard.node.model.demo import write_demo_model
+from orchard.node.model.loader import load_model
+from orchard.node.model.positions import PositionalRoPE
+from orchard.node.model.runner import (
     InvalidStep,
     ModelRunner,
     SequenceChunk,
@@ -47,7 +47,7 @@ class Pool:
 def make_pool(loaded):
     geometry = loaded.geometry(BLOCK_SIZE)
     try:
-        from kvcache.pool import KVPool
+        from orchard.kvcache.pool import KVPool
     except ImportError:
         return Pool(geometry, NUM_BLOCKS)
     return KVPool(geometry, NUM_BLOCKS)
@@ -227,7 +227,7 @@ def test_a_model_whose_values_are_narrower_than_its_keys_attends_on_the_referenc
 
 
 def test_a_decode_step_packs_as_the_general_packer_packs_it():
-    from node.model.runner import pack_decode
+    from orchard.node.model.runner import pack_decode
 
     tables = [[3, 9, 4], [7], [12, 5]]
     positions = [40, 3, 17]

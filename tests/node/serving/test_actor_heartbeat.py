@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from node.serving.actor import NodeActor, NodeActorConfig
+from orchard.node.serving.actor import NodeActor, NodeActorConfig
 
 
 class _Coordinator:

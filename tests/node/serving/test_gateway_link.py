@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
-from node.errors import EngineError, PromptTooLong
-from node.serving.gateway_link import (
+from orchard.node.errors import EngineError, PromptTooLong
+from orchard.node.serving.gateway_link import (
     Accepted,
     GatewayLinkServer,
     Refused,
@@ -21,10 +21,10 @@ from node.serving.gateway_link import (
     open_gateway_link,
     read_messages,
 )
-from node.serving.link_auth import LinkRefused
-from node.serving.link_io import write_frame
-from node.serving.output_streams import StreamFailed
-from node.types import CompletionOutput, RequestOutput, SamplingParams
+from orchard.node.serving.link_auth import LinkRefused
+from orchard.node.serving.link_io import write_frame
+from orchard.node.serving.output_streams import StreamFailed
+from orchard.node.types import CompletionOutput, RequestOutput, SamplingParams
 
 KEY = gateway_link_key("a-cluster-token-of-at-least-32-characters")
 PARAMS = SamplingParams(max_tokens=3, temperature=0.0)

@@ -6,7 +6,7 @@ import sys
 import mlx.core as mx
 import pytest
 
-from node.serving.hardware import describe_machine
+from orchard.node.serving.hardware import describe_machine
 
 
 @pytest.mark.skipif(mx.metal.is_available(), reason="on a Mac the chip comes from MLX's device info")

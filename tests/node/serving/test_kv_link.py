@@ -11,17 +11,17 @@ from dataclasses import replace
 
 import pytest
 
-from kvcache.events import BlockStored
-from kvcache.hashing import BlockHash
-from node.async_engine import AsyncEngine
-from node.engine import EngineConfig, LLMEngine
-from node.serving import link_auth as auth
-from node.serving import link_io
-from node.serving.direct_path import DirectPath
-from node.serving.kv_link import KVLinkConfig, connect
-from node.serving.link_auth import LinkRefused
-from node.serving.migration import BlockMover
-from node.types import SamplingParams
+from orchard.kvcache.events import BlockStored
+from orchard.kvcache.hashing import BlockHash
+from orchard.node.async_engine import AsyncEngine
+from orchard.node.engine import EngineConfig, LLMEngine
+from orchard.node.serving import link_auth as auth
+from orchard.node.serving import link_io
+from orchard.node.serving.direct_path import DirectPath
+from orchard.node.serving.kv_link import KVLinkConfig, connect
+from orchard.node.serving.link_auth import LinkRefused
+from orchard.node.serving.migration import BlockMover
+from orchard.node.types import SamplingParams
 
 BS = 16
 KEY = auth.link_key("a-cluster-token-of-at-least-32-characters")
@@ -253,7 +253,7 @@ def wait_until(predicate, timeout: float = 5.0) -> bool:
 
 
 def test_a_node_actors_link_listens_at_its_ray_node_address_by_default(monkeypatch):
-    from node.serving import actor
+    from orchard.node.serving import actor
 
     assert actor.NodeActorConfig("n", "c", "ns").link.host == actor.RAY_NODE_HOST
     monkeypatch.setattr(actor.ray.util, "get_node_ip_address", lambda: "10.1.2.3")
@@ -272,7 +272,7 @@ def test_a_silent_peer_times_out_under_the_kernels_timeout_of_an_authenticated_c
 
 
 def test_a_small_pull_asks_for_smaller_chunks_so_its_stages_overlap():
-    from node.serving.direct_path import MIN_CHUNK_BYTES, chunk_size
+    from orchard.node.serving.direct_path import MIN_CHUNK_BYTES, chunk_size
 
     mib = 1 << 20
     assert chunk_size(128 * mib, 4 * mib) == 4 * mib  # a large pull: the configured size

@@ -12,11 +12,11 @@ import threading
 import numpy as np
 import pytest
 
-from kvcache.errors import CorruptKVPayload
-from kvcache.geometry import KVGeometry
-from kvcache.hashing import hash_block, root_hash
-from kvcache.wire_stream import BlockPieces, decode_views, payload_pieces
-from node.serving import link_io
+from orchard.kvcache.errors import CorruptKVPayload
+from orchard.kvcache.geometry import KVGeometry
+from orchard.kvcache.hashing import hash_block, root_hash
+from orchard.kvcache.wire_stream import BlockPieces, decode_views, payload_pieces
+from orchard.node.serving import link_io
 from tests.kvcache.wire_pieces import encode_pieces
 
 # 12 KiB a block: a payload of 100 blocks spans several batches and landing slices once they are shrunk

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from node.serving.output_streams import StreamFailed, Subscribers
-from node.types import CompletionOutput, RequestOutput
+from orchard.node.serving.output_streams import StreamFailed, Subscribers
+from orchard.node.types import CompletionOutput, RequestOutput
 
 
 def output(request_id: str, token: int, finished: bool = False) -> RequestOutput:

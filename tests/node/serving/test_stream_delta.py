@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pickle
 
-from node.engine import EngineConfig, LLMEngine
-from node.serving.stream_delta import Cumulative, only_new
-from node.types import SamplingParams
+from orchard.node.engine import EngineConfig, LLMEngine
+from orchard.node.serving.stream_delta import Cumulative, only_new
+from orchard.node.types import SamplingParams
 
 
 def test_rebuilt_outputs_equal_the_engines_and_weigh_what_is_new(demo_model_dir):

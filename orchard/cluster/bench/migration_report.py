@@ -1,0 +1,66 @@
+"""What `orchard bench migration` prints: a case of the migrate-or-recompute comparison, the pull table and the router's record.
+
+Shared by the loopback bench (orchard/cluster/bench/migration.py) and the namespace one (orchard/cluster/bench/migration_netns.py).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+
+@dataclass
+class Case:
+    model: str
+    tokens: int
+    migrate_ttft_s: float
+    recompute_ttft_s: float
+    router_migrates: bool
+    est_transfer_s: float | None
+    est_recompute_s: float | None = None  # the prefix's tokens at b's marginal prefill cost (else its average)
+
+    @property
+    def router_was_right(self) -> bool:
+        return self.router_migrates == (self.migrate_ttft_s < self.recompute_ttft_s)
+
+
+def router_estimates(latency_s: float, bytes_per_s: float | None, bytes_per_block: int, target_row: dict,
+                     blocks: int, block_size: int) -> tuple[float | None, float | None]:
+    """The router's two prices of `blocks` the target lacks (`Router._plan_migration`): pulling them
+    over the link, and recomputing their tokens at the target's marginal prefill cost (its average
+    cost per token until it has reported one); None where the rate is not known yet."""
+    transfer = latency_s + blocks * bytes_per_block / bytes_per_s if bytes_per_s else None
+    per_token = target_row.get("prefill_marginal_tokens_per_s") or target_row.get("prefill_tokens_per_s")
+    return transfer, (blocks * block_size / per_token if per_token else None)
+
+
+def print_report(tcp: list[float], rows, cases: list[Case], openblas: bool, where: str) -> None:
+    """The loopback bench's report: raw TCP, the pull table against it, then the router's cases."""
+    gb = 1e9
+    tcp_Bps = statistics.median(tcp)
+    print(f"KV migration, {where}; OpenBLAS preloaded: {openblas}")
+    print(f"raw TCP, plain sockets, one stream: {tcp_Bps / gb:.3f} GB/s, the median of "
+          + ", ".join(f"{v / gb:.3f}" for v in tcp) + " (before the nodes, then after each model's pulls)")
+    print()
+    print(f"{'model':<12}{'prefix':>7}{'MiB':>7}{'direct pull GB/s':>17}{'% TCP':>7}{'median':>8}{'% TCP':>7}"
+          f"{'Ray pull GB/s':>14}{'% TCP':>7}{'object store only':>18}{'% TCP':>7}")
+    for row in rows:
+        cells = [row["direct_Bps"], row["direct_median_Bps"], row["ray_Bps"], row["transfer_Bps"]]
+        widths = (17, 8, 14, 18)
+        print(f"{'demo-' + row['size']:<12}{row['tokens']:>7}{row['bytes'] / 2**20:>7.1f}"
+              + "".join(f"{v / gb:>{w}.2f}{100 * v / tcp_Bps:>6.0f}%" for v, w in zip(cells, widths)))
+    print()
+    print_cases(cases)
+
+
+def print_cases(cases: list[Case]) -> None:
+    print(f"{'model':<12}{'prefix':>7}{'TTFT migr s':>12}{'TTFT recomp s':>14}{'est migr s':>11}{'est recomp s':>13}"
+          f"{'faster':>10}{'router':>10}{'right':>7}")
+    for c in cases:
+        faster = "migrate" if c.migrate_ttft_s < c.recompute_ttft_s else "recompute"
+        choice = "migrate" if c.router_migrates else "recompute"
+        estimates = [f"{v:.3f}" if v is not None else "-" for v in (c.est_transfer_s, c.est_recompute_s)]
+        print(f"{c.model:<12}{c.tokens:>7}{c.migrate_ttft_s:>12.3f}{c.recompute_ttft_s:>14.3f}{estimates[0]:>11}"
+              f"{estimates[1]:>13}{faster:>10}{choice:>10}{'yes' if c.router_was_right else 'no':>7}")
+    right = sum(c.router_was_right for c in cases)
+    print(f"router's migrate-or-recompute choice was the faster one in {right} of {len(cases)} cases")

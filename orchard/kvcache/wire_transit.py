@@ -1,0 +1,88 @@
+"""A payload checksummed while it moves, not in a pass of its own.
+
+A link's chunk is a few MiB: checksummed whole before sending and again once received, each
+pass reads every byte from memory that the socket's copy reads again (the pool on the way
+out, the receive buffer on the way in). Checksumming a slice of a few hundred KiB just before
+it is sent, or just after it landed, finds those bytes in the CPU's cache for the other of
+the two reads. The bytes and the check are the wire format's (`orchard.kvcache.wire`): the xxh3_128 of
+every byte before the last 16, which are that checksum, compared before anything is parsed.
+
+    outgoing = OutgoingPayload(payload_pieces(geometry, blocks))
+    for batch in outgoing.batches(max_bytes, max_pieces): send(batch)   # checksummed as handed out
+    send(outgoing.checksum())
+
+    incoming = IncomingPayload(buffer[:size])
+    recv_into(incoming.data[a:b]); incoming.landed(b)                   # checksummed as it lands
+    payload = incoming.decode(geometry)                                  # refused unless it matches
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import xxhash
+
+from orchard.kvcache.errors import CorruptKVPayload
+from orchard.kvcache.geometry import KVGeometry, StateGeometry
+from orchard.kvcache.wire import CHECKSUM_SIZE, KVPayload
+from orchard.kvcache.wire_stream import Piece, read_payload_views
+
+
+class OutgoingPayload:
+    """A payload's pieces (`orchard.kvcache.wire_stream.payload_pieces`: all but the checksum), handed out
+    in batches, each checksummed just before it goes; `checksum()` is the payload's last piece."""
+
+    def __init__(self, pieces: Sequence[Piece]):
+        self.pieces = pieces
+        self.size = sum(map(len, pieces)) + CHECKSUM_SIZE  # the whole payload's, checksum included
+        self._digest = xxhash.xxh3_128()
+        self._handed_out = 0
+
+    def batches(self, max_bytes: int, max_pieces: int) -> Iterator[list[Piece]]:
+        """Consecutive runs of the pieces, each at most `max_pieces` and, past its first piece,
+        `max_bytes`; each is checksummed when handed out, so send it before asking for the next."""
+        i, n = 0, len(self.pieces)
+        while i < n:
+            batch, nbytes = [self.pieces[i]], len(self.pieces[i])
+            i += 1
+            while i < n and len(batch) < max_pieces and nbytes + len(self.pieces[i]) <= max_bytes:
+                batch.append(self.pieces[i])
+                nbytes += len(self.pieces[i])
+                i += 1
+            for piece in batch:
+                self._digest.update(piece)
+            self._handed_out = i
+            yield batch
+
+    def checksum(self) -> bytes:
+        """The payload's last 16 bytes, once every piece was handed out."""
+        if self._handed_out != len(self.pieces):
+            raise RuntimeError("a payload's checksum is known once all its pieces were handed out")
+        return self._digest.digest()
+
+
+class IncomingPayload:
+    """A payload received into `buffer` (its exact size, from the link's framing), checksummed as
+    its bytes land; `decode` compares that checksum before it parses anything. The checksum is of
+    the bytes as they landed: nothing may write the buffer between landing and decoding."""
+
+    def __init__(self, buffer):
+        self.data = memoryview(buffer).cast("B")
+        self._digest = xxhash.xxh3_128()
+        self._landed = 0
+
+    def landed(self, end: int) -> None:
+        """The bytes up to `end` have landed (those before it did already): checksum the new ones."""
+        if not self._landed <= end <= len(self.data):
+            raise ValueError(f"bytes land in order within the payload: {self._landed} landed, then up to {end}")
+        covered = max(0, len(self.data) - CHECKSUM_SIZE)  # the checksum does not cover itself
+        if self._landed < covered:
+            self._digest.update(self.data[self._landed : min(end, covered)])
+        self._landed = end
+
+    def decode(self, expected: KVGeometry, expected_state: StateGeometry | None = None) -> KVPayload:
+        """The payload's blocks (and state) as views into the buffer, as
+        `orchard.kvcache.wire_stream.decode_payload_views` reads them; refused unless every byte landed."""
+        if self._landed != len(self.data):
+            raise CorruptKVPayload(f"KV payload ends after {self._landed} of its {len(self.data)} bytes")
+        return read_payload_views(self.data, self._digest.digest(), expected, expected_state)

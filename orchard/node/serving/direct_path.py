@@ -1,0 +1,219 @@
+"""A node's two ends of the direct KV path: its listener, and pulls that use a peer's.
+
+`DirectPath.pull` answers None when no direct path can be made (no key, no address known
+for the source, nothing listening there, a handshake refused): the caller then pulls
+through Ray. Once the source has started replying, whatever goes wrong is a failed pull
+like any other (counted; the blocks imported so far are whole and verified; the request
+recomputes the rest), never a second try over Ray.
+
+A connection whose reply ended whole is kept for the next pull from the same source (one
+per source, for half the listener's idle timeout): a pull of a few MiB otherwise spends as
+long connecting and proving the key as moving its bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Future
+
+from orchard.kvcache.hashing import BlockHash
+from orchard.kvcache.wire import KVPayload
+from orchard.node.serving.kv_link import KVLinkConfig, KVLinkServer, LinkStream, connect
+from orchard.node.serving.link_auth import LinkRefused
+from orchard.node.serving.migration import BlockMover, PullResult, local_prefix
+
+log = logging.getLogger(__name__)
+
+#: Where a node's listener is: the coordinator's answer for a node id, "host:port" or None.
+Resolve = Callable[[str], Awaitable[str | None]]
+
+
+class DirectPath:
+    def __init__(self, mover: BlockMover, node_id: str, key: bytes | None, config: KVLinkConfig | None = None):
+        self.mover, self.node_id, self.key = mover, node_id, key
+        self.config = config or KVLinkConfig()
+        self.server: KVLinkServer | None = None
+        self._addresses: dict[str, str] = {}
+        self._buffers: list[bytearray] = []  # receive buffers kept across pulls: no page faults on the next
+        self._idle: dict[str, tuple[socket.socket, float]] = {}  # per source: a connection and when it was left
+
+    @property
+    def address(self) -> str | None:
+        return self.server.address if self.server is not None else None
+
+    @property
+    def refused(self) -> int:
+        """Connections to our listener that did not prove the key."""
+        return self.server.counters.refused if self.server is not None else 0
+
+    def start(self) -> str | None:
+        """Listen (only when a key is set); returns "host:port" or None."""
+        if self.key is None or self.server is not None:
+            return self.address
+        self.server = KVLinkServer(self.key, self.node_id, self.mover.geometry, self._export, self._release, self.config)
+        address = self.server.start()
+        self.server.prepare_probes(self.mover.probe_sizes())
+        return address
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for sock, _ in self._idle.values():
+            sock.close()
+        self._idle.clear()
+
+    async def pull(self, source_id: str, hashes: Sequence[BlockHash], resolve: Resolve) -> PullResult | None:
+        """Pull the blocks of `hashes` this node lacks from `source_id`'s listener, or None (see above)."""
+        started = time.perf_counter()  # the fixed cost a pull pays counts from here: lookup, hops, handshake
+        address = await self._address(source_id, resolve)
+        if address is None or self.key is None:
+            return None
+        hashes = [BlockHash(bytes(h)) for h in hashes]
+        engine = self.mover.engine
+        local = await engine.run_on_engine(lambda e: local_prefix(e.kv, hashes))
+        result = PullResult(source_id, requested=len(hashes), local=local, via="direct")
+        if local == len(hashes):
+            return result
+        sock = self._kept(source_id) or await self._connect(source_id, address)
+        return None if sock is None else await self._receive(source_id, sock, hashes[local:], result, started)
+
+    async def probe(self, source_id: str, nbytes: int, resolve: Resolve) -> tuple[int, float] | None:
+        """(bytes, seconds) of fetching and verifying a probe payload over the direct path, or None."""
+        started = time.perf_counter()
+        address = await self._address(source_id, resolve)
+        sock = None if address is None or self.key is None else await self._connect(source_id, address)
+        if sock is None:
+            return None
+        stream = LinkStream(sock, [bytearray()], self.mover.geometry)
+        received = 0
+        try:
+            stream.start([], 0, probe_bytes=nbytes)
+            async for buffer, size, _ in stream.chunks():
+                received += size
+                stream.done(buffer)
+        finally:
+            stream.close()
+        return received, time.perf_counter() - started
+
+    async def _connect(self, source_id: str, address: str):
+        try:
+            return await asyncio.to_thread(connect, address, self.key, source_id, self.config)
+        except (OSError, LinkRefused) as exc:
+            log.info("node %s: no direct KV path to %s at %s (%s); using Ray", self.node_id, source_id, address, exc)
+            self._addresses.pop(source_id, None)
+            return None
+
+    def _kept(self, source_id: str) -> socket.socket | None:
+        """The connection the last pull from `source_id` left, if still open and fresh."""
+        sock, left = self._idle.pop(source_id, (None, 0.0))
+        if sock is None:
+            return None
+        if time.monotonic() - left < self.config.io_timeout_s / 2 and _open(sock):
+            return sock
+        sock.close()
+        return None
+
+    async def _receive(self, source_id: str, sock, wanted: list[BlockHash], result: PullResult,
+                       started: float) -> PullResult:
+        buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(4)]  # arriving, queued, importing
+        importer = _ChunkImporter(self.mover.engine, result)
+        stream = importer.stream = LinkStream(sock, buffers, self.mover.geometry, sink=importer,
+                                              state_geometry=self.mover.state_geometry)
+        try:
+            stream.start(wanted, chunk_size(len(wanted) * self.mover.geometry.bytes_per_block, self.config.chunk_bytes))
+            try:
+                async for _ in stream.chunks():
+                    pass
+            finally:
+                await self.mover.engine.run_on_engine(lambda e: None)  # calls run in order: every import queued has run
+            if importer.error is not None:
+                raise importer.error
+            result.seconds = time.perf_counter() - started
+        except Exception as exc:  # a refused payload, or the source went away mid-reply
+            self.mover._failed(result, importer.error or exc)
+        finally:
+            kept = stream.release()
+            if kept is not None:
+                self._idle[source_id] = (kept, time.monotonic())
+            self._buffers.extend(stream.buffers)
+        self.mover.counters.migrated_blocks += result.imported
+        self.mover.counters.migrated_bytes += result.bytes
+        return result
+
+    async def _address(self, source_id: str, resolve: Resolve) -> str | None:
+        if source_id not in self._addresses:
+            try:
+                address = await resolve(source_id)
+            except Exception as exc:  # the coordinator away: Ray still works
+                log.info("node %s: no KV link address for %s: %s", self.node_id, source_id, exc)
+                return None
+            if not address:
+                return None
+            self._addresses[source_id] = address
+        return self._addresses[source_id]
+
+    def _export(self, hashes: list[BlockHash]):  # a link thread
+        return self._on_engine(lambda e: e.kv.pin_export(hashes))
+
+    def _release(self, pinned) -> None:  # a link thread
+        self._on_engine(lambda e: e.kv.unpin_export(pinned))
+
+    def _on_engine(self, fn):
+        """`fn(engine)` on the engine thread, waited for on the calling (link) thread: no event loop
+        in between, so a pull's source side does not wait for a busy actor's loop to wake."""
+        done: Future = Future()
+        self.mover.engine.call_from_thread(
+            fn, lambda result, exc: done.set_result(result) if exc is None else done.set_exception(exc))
+        return done.result(self.config.io_timeout_s)
+
+
+#: A pull is cut into at least this many chunks where `MIN_CHUNK_BYTES` allows: one chunk's
+#: encode, checks and pool write are not overlapped with anything (the pipeline filling and
+#: draining), so they should be a small part of the pull.
+CHUNKS_PER_PULL = 8
+MIN_CHUNK_BYTES = 1 << 20
+
+
+def chunk_size(pull_bytes: int, largest: int) -> int:
+    """The chunk size a pull of `pull_bytes` asks for: `largest`, or less for a small pull."""
+    return min(largest, max(MIN_CHUNK_BYTES, pull_bytes // CHUNKS_PER_PULL))
+
+
+def _open(sock: socket.socket) -> bool:
+    """Whether a kept connection is still open with nothing unread (the peer may have closed it)."""
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return True  # nothing to read: open and idle
+    except OSError:
+        return False
+    return False  # closed by the peer (b""), or bytes nobody asked for
+
+
+class _ChunkImporter:
+    """Imports each verified chunk on the engine thread, queued straight from the receive thread
+    (`AsyncEngine.call_from_thread`), so no chunk waits for the event loop to wake; the first
+    refused chunk stops the rest and ends the stream."""
+
+    def __init__(self, engine, result: PullResult):
+        self.engine, self.result = engine, result
+        self.stream: LinkStream | None = None
+        self.error: Exception | None = None
+
+    def __call__(self, buffer: bytearray, size: int, payload: KVPayload) -> None:  # receive thread
+        self.result.bytes += size
+        self.engine.call_from_thread(lambda e: self._import(e, payload), lambda n, exc: self._settle(buffer, n, exc))
+
+    def _import(self, engine, payload: KVPayload) -> int:
+        return 0 if self.error is not None else engine.kv.import_decoded(payload.blocks, payload.state)
+
+    def _settle(self, buffer: bytearray, imported: int | None, exc: Exception | None) -> None:  # engine thread
+        if exc is not None and self.error is None:
+            self.error = exc
+            self.stream.close()  # nothing more of this reply is wanted
+        self.result.imported += imported or 0
+        self.stream.done(buffer)

@@ -1,0 +1,265 @@
+"""The direct KV data path between two nodes: a listener on each, a client in each pull.
+
+Ray's object store moves a payload at a fifth of what the link carries, and needs the
+payload as one bytes object on both sides; this link sends a pull's blocks over one TCP
+connection, straight from the pool's arrays, into buffers the target keeps for the next
+pull. On the wire (after `orchard.node.serving.link_auth`'s handshake):
+
+    request   u32 length, msgpack {"hashes": [bytes, ...], "chunk_bytes": int}
+              or {"probe": nbytes}: a well-formed payload of blocks no model uses (`orchard.node.serving.migration.probe_payload`)
+    reply     per chunk: u64 length, then one `orchard.kvcache.wire` payload (checksummed); u64 0 ends it
+              (a hybrid model's run is one chunk: its blocks are worth importing only with the
+              recurrent state after the last of them, which travels in the same payload)
+
+Each chunk is a whole payload, so the target verifies and imports chunk i on its engine
+thread while chunk i+1 arrives, and the source lays out chunk i+1 while the kernel still
+sends what it took of chunk i from the socket's buffer: the slowest stage sets the rate.
+A source that holds fewer blocks than asked sends fewer.
+
+Threads with blocking sockets, not asyncio streams: Python 3.11's transports join the
+buffers of `writelines` into one (a copy of every byte), and a thread's `sendmsg` and
+`recv_into` release the GIL, so the actor's event loop stays free to serve while bytes move.
+How bytes move on a connection (the kernel's timeouts, a chunk checksummed slice by slice as
+it is sent and as it lands): `orchard.node.serving.link_io`. The receive thread also verifies each
+chunk: the kernel's receive buffer keeps filling meanwhile, and a second thread would only
+add a GIL hand-off per chunk.
+Anything that fails before the reply starts (no address, refused, wrong node) means "no
+direct path": the caller falls back to Ray. Nothing listens unless a key is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import msgpack
+
+from orchard.kvcache.errors import KVCacheError
+from orchard.kvcache.hashing import BlockHash
+from orchard.kvcache.wire import KVPayload, StateSnapshotData
+from orchard.kvcache.wire_stream import payload_pieces
+from orchard.node.serving import link_auth as auth
+from orchard.node.serving import link_io
+from orchard.node.serving.link_io import U32, U64, data_mode, eof, grow_send_buffer, recv_exact
+from orchard.node.serving.migration import probe_payload
+
+log = logging.getLogger(__name__)
+
+_MAX_REQUEST = 64 << 20
+
+
+@dataclass(frozen=True)
+class KVLinkConfig:
+    host: str = "127.0.0.1"  # the address to listen on; beyond loopback only when the cluster binds there
+    port: int = 0
+    chunk_bytes: int = 4 << 20  # small enough that a pull has several chunks to overlap
+    handshake_timeout_s: float = 5.0
+    io_timeout_s: float = 30.0
+    connect_timeout_s: float = 2.0
+    # The sender's socket buffer (the kernel caps it: net.core.wmem_max on Linux, kern.ipc.maxsockbuf
+    # on macOS): two chunks queued in the kernel keep the link busy while the next is encoded. The
+    # receive side is left to the kernel's autotuning, which setting SO_RCVBUF would switch off.
+    send_buffer_bytes: int | None = 8 << 20
+
+
+@dataclass
+class LinkCounters:
+    accepted: int = 0  # connections that proved the key
+    refused: int = 0  # connections that did not
+    sent_bytes: int = 0
+
+
+#: Takes a verified chunk (buffer, size, `orchard.kvcache.wire.KVPayload`) on the receive thread; gives the
+#: buffer back with `done`.
+ChunkSink = Callable[[bytearray, int, KVPayload], None]
+#: The source's side of a pull, blocking the link's thread while its engine thread runs it:
+#: pin and describe the run (its blocks and, for a hybrid model, the state after them), release it.
+Exporter = Callable[[list[BlockHash]], tuple[object, list, StateSnapshotData | None]]
+Releaser = Callable[[object], None]
+
+
+class KVLinkServer(link_io.Listener):
+    """Accepts authenticated connections and streams the blocks they ask for."""
+
+    def __init__(self, key: bytes, node_id: str, geometry, export: Exporter, release: Releaser,
+                 config: KVLinkConfig | None = None):
+        self.config = config or KVLinkConfig()
+        super().__init__(self.config.host, self.config.port, self._serve, "kv-link")
+        self.key, self.node_id, self.geometry = key, node_id, geometry
+        self._export, self._release = export, release
+        self.counters = LinkCounters()
+        self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-link-encode")  # probes, made ahead
+        self._probes: dict[int, bytes] = {}
+
+    def close(self) -> None:
+        super().close()
+        self._encoder.shutdown(wait=False)
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                if not self._handshake(conn):
+                    self.counters.refused += 1
+                    return
+                self.counters.accepted += 1
+                data_mode(conn, self.config.io_timeout_s)
+                grow_send_buffer(conn, self.config.send_buffer_bytes)
+                while (request := _read_request(conn)) is not None:
+                    self._reply(conn, request)
+            except (OSError, ValueError) as exc:
+                log.info("KV link %s: connection ended: %s", self.node_id, exc)
+
+    def _handshake(self, conn: socket.socket) -> bool:
+        return auth.answer_handshake(conn, self.key, self.node_id, timeout_s=self.config.handshake_timeout_s)
+
+    def _reply(self, conn: socket.socket, request: dict) -> None:
+        if "probe" in request:
+            payload = self._probe(min(int(request["probe"]), 64 << 20))
+            conn.sendall(U64.pack(len(payload)) + payload + U64.pack(0))
+            return
+        hashes = [BlockHash(bytes(h)) for h in request["hashes"]]
+        per_chunk = max(1, int(request.get("chunk_bytes", self.config.chunk_bytes)) // self.geometry.bytes_per_block)
+        handle, blocks, state = self._export(hashes)
+        try:
+            for run in reply_runs(blocks, state, per_chunk):  # the next chunk's pieces are made while the
+                pieces = payload_pieces(self.geometry, *run)  # kernel still sends what it took of the last
+                self.counters.sent_bytes += link_io.send_payload(conn, pieces)
+            conn.sendall(U64.pack(0))
+        finally:
+            self._release(handle)
+
+    def prepare_probes(self, sizes) -> None:
+        """Encode probe payloads ahead (in the background), so a probe times the link, not the encoder."""
+        for nbytes in sizes:
+            self._encoder.submit(self._probe, nbytes)
+
+    def _probe(self, nbytes: int) -> bytes:
+        if nbytes not in self._probes:
+            self._probes[nbytes] = probe_payload(self.geometry, nbytes)
+        return self._probes[nbytes]
+
+
+def reply_runs(blocks: list, state: StateSnapshotData | None, per_chunk: int) -> list[tuple[list, StateSnapshotData | None]]:
+    """The reply's chunks as (blocks, state): `per_chunk` blocks each, or for a hybrid model the
+    whole run with its state, since a chunk without the state after it could not be imported."""
+    if state is not None:
+        return [(blocks, state)]
+    return [(blocks[i : i + per_chunk], None) for i in range(0, len(blocks), per_chunk)]
+
+
+# ---- the client -----------------------------------------------------------------------
+
+
+class LinkStream:
+    """One pull's connection: chunks arrive on a thread into reused buffers, the caller awaits them."""
+
+    def __init__(self, sock: socket.socket, buffers: list[bytearray], geometry, sink: ChunkSink | None = None,
+                 state_geometry=None):
+        """`state_geometry`: a hybrid model's state pool geometry, which each chunk's state must have."""
+        self.sock, self.geometry, self._sink = sock, geometry, sink
+        self.state_geometry = state_geometry
+        self._free: queue.SimpleQueue = queue.SimpleQueue()  # the receive thread blocks on it
+        self._ready: asyncio.Queue = asyncio.Queue()
+        self._loop = asyncio.get_running_loop()
+        for buffer in buffers:
+            self._free.put(buffer)
+        self.buffers = buffers
+        self.ended = False  # the reply's end marker arrived: the connection can serve another pull
+        self._thread: threading.Thread | None = None
+
+    def start(self, hashes: Sequence[bytes], chunk_bytes: int, probe_bytes: int = 0) -> None:
+        """Ask for the blocks of `hashes` (or, with `probe_bytes`, a probe payload of about that size)."""
+        ask = {"probe": probe_bytes} if probe_bytes else {"hashes": [bytes(h) for h in hashes], "chunk_bytes": chunk_bytes}
+        request = msgpack.packb(ask, use_bin_type=True)
+        self.sock.sendall(U32.pack(len(request)) + request)
+        self._thread = threading.Thread(target=self._receive, name="kv-link-recv", daemon=True)
+        self._thread.start()
+
+    async def chunks(self):
+        """Yields (buffer, size, payload) until the reply ends, the payload verified and decoded as
+        views into `buffer`; give the buffer back with `done` once it is imported. With a sink,
+        the receive thread hands each chunk to it instead, and this only ends or raises."""
+        while True:
+            item = await self._ready.get()
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def done(self, buffer: bytearray) -> None:
+        self._free.put(buffer)
+
+    def close(self) -> None:
+        """End the pull and the connection; wakes a receiver waiting for a buffer."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+        self._free.put(None)
+
+    def release(self) -> socket.socket | None:
+        """The connection, for the next pull, once the reply ended whole; else close it and None."""
+        if not self.ended:
+            self.close()
+            return None
+        if self._thread is not None:
+            self._thread.join(1.0)  # past the end marker: the thread is returning
+        return self.sock
+
+    def _receive(self) -> None:
+        """Socket to buffers, each chunk verified and decoded here before it is handed over."""
+        try:
+            while (size := U64.unpack(recv_exact(self.sock, 8) or eof())[0]) != 0:
+                buffer = self._free.get()
+                if buffer is None:
+                    return
+                if len(buffer) < size:  # a new one (views of the old may live on), kept across pulls
+                    self.buffers[self.buffers.index(buffer)] = buffer = bytearray(size)
+                incoming = link_io.receive_payload(self.sock, memoryview(buffer)[:size]) or eof()
+                chunk = (buffer, size, incoming.decode(self.geometry, self.state_geometry))
+                self._sink(*chunk) if self._sink is not None else self._put(chunk)
+            self.ended = True
+            self._put(None)
+        except KVCacheError as exc:  # a refused payload is raised to the caller as is
+            self._put(exc)
+        except Exception as exc:  # noqa: BLE001 - whatever stops the thread must reach the caller
+            self._put(exc if isinstance(exc, OSError) else ConnectionError(f"{type(exc).__name__}: {exc}"))
+
+    def _put(self, item) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._ready.put_nowait, item)
+        except RuntimeError:  # the loop is gone
+            pass
+
+
+def connect(address: str, key: bytes, expected_node: str, config: KVLinkConfig) -> socket.socket:
+    """An authenticated connection to `expected_node`'s listener (blocking: run it in a thread)."""
+    sock = auth.dial(address, key, expected_node, auth.MAGIC, config.connect_timeout_s, config.handshake_timeout_s)
+    try:
+        data_mode(sock, config.io_timeout_s)
+        return sock
+    except BaseException:
+        sock.close()
+        raise
+
+
+def _read_request(conn: socket.socket) -> dict | None:
+    header = recv_exact(conn, 4)
+    if header is None:
+        return None
+    size = U32.unpack(header)[0]
+    if size > _MAX_REQUEST:
+        raise ValueError(f"request of {size} bytes")
+    body = recv_exact(conn, size)
+    request = msgpack.unpackb(body or b"", raw=False) if body is not None else None
+    if not isinstance(request, dict) or not (isinstance(request.get("hashes"), list) or isinstance(request.get("probe"), int)):
+        raise ValueError("malformed request")
+    return request
