@@ -216,7 +216,7 @@ def test_half_precision_models_get_a_pool_of_their_dtype_and_matching_logits(dty
 
 def test_a_model_whose_values_are_narrower_than_its_keys_attends_on_the_reference(demo_path, tmp_path, monkeypatch):
     """Chosen once for the model, wherever a compiled backend would be the default."""
-    import kernels.backends
+    from orchard import kernels
 
     monkeypatch.setattr(kernels.backends, "available_backends", lambda: ["cuda", "reference"])
     split = load_model(str(write_tiny_model(tmp_path / "deepseek_v2", "deepseek_v2", demo_path)))
