@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
@@ -47,6 +47,17 @@ def device_token_budget() -> int:
     return GPU_TOKEN_BUDGET if mx.default_device().type == mx.DeviceType.gpu else CPU_TOKEN_BUDGET
 
 
+def device_overlaps_steps() -> bool:
+    """Whether overlapped steps (`async_scheduling`) pay on the device MLX computes on.
+
+    On a GPU the host builds step N+1 while the device runs step N. On the CPU the host is the
+    device: launching step N+1 computes it before step N's outputs are handed back, so overlap
+    hides nothing and delays every output by one step (the first token of a lone request by
+    3-4 ms on the demo model; docs/benchmarks.md, "Step by step on the CPU").
+    """
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
 @dataclass
 class EngineConfig:
     model: str | None = None  # local path or hub id; None = the bundled demo model
@@ -64,7 +75,9 @@ class EngineConfig:
     cache_salt: str | None = None
     enable_prefix_caching: bool = True  # False: no prompt reuses another's blocks (vLLM's flag)
     seed: int = 0
-    async_scheduling: bool = True  # overlap host work for step N+1 with the device's step N
+    # Overlap host work for step N+1 with the device's step N; None: where that pays (a GPU,
+    # `device_overlaps_steps`), step by step on the CPU.
+    async_scheduling: bool | None = None
     # Decode-only steps replayed from compiled graphs (node.model.compiled_decode); None: where the
     # attention runs a compiled kernel (Metal, CUDA), not on the reference backend.
     compiled_decode: bool | None = None
@@ -77,10 +90,18 @@ class EngineConfig:
     warm_up_context: int = 4096
 
     def __post_init__(self):
-        if self.max_num_batched_tokens is None:
-            self.max_num_batched_tokens = device_token_budget()
         if self.preemption not in ("auto", "swap", "recompute"):
             raise ValueError(f"preemption must be auto, swap or recompute, got {self.preemption!r}")
+
+    def for_device(self) -> EngineConfig:
+        """This config with what it leaves to the device filled in for the one MLX computes on in
+        this process. The engine calls it where it runs: a config made on a Ray head serves nodes
+        whose devices may differ from the head's."""
+        return replace(
+            self,
+            max_num_batched_tokens=device_token_budget() if self.max_num_batched_tokens is None else self.max_num_batched_tokens,
+            async_scheduling=device_overlaps_steps() if self.async_scheduling is None else self.async_scheduling,
+        )
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(
@@ -132,7 +153,7 @@ class _StepCounters:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None):
-        self.config = config or EngineConfig()
+        self.config = (config or EngineConfig()).for_device()
         self.model = loaded or load_model(self.config.model)
         self.tokenizer = self.model.tokenizer
         geometry = self.model.geometry(self.config.block_size, self.config.dtype)

@@ -104,8 +104,10 @@ def test_serve_with_ray_answers_with_mlx_lm_greedy_tokens(family, checkpoints, t
 
 @pytest.mark.timeout(240)
 def test_serve_with_compiled_decode_answers_with_mlx_lm_greedy_tokens(checkpoints, tmp_path):
-    """Decode graphs are traced and replayed in the engine's own thread, on Llama 3's rope."""
-    with served(checkpoints["llama3"], tmp_path / "serve.log", "--no-ray", "--compiled-decode", "on") as (url, model):
+    """Decode graphs are traced and replayed in the engine's own thread, on Llama 3's rope, with steps
+    overlapped: the flags a GPU defaults to, asked for on this CPU."""
+    with served(checkpoints["llama3"], tmp_path / "serve.log", "--no-ray", "--compiled-decode", "on",
+                "--async-scheduling") as (url, model):
         completion = greedy_completion(url, model)
     assert_is_mlx_lm_greedy(completion, checkpoints["llama3"])
 

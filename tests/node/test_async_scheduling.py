@@ -66,7 +66,7 @@ def test_a_settle_thread_settles_while_the_next_step_is_queued(model_dirs, monke
     """The previous step's settling runs on the settle thread, its tokens read there."""
     import threading
 
-    engine = LLMEngine(EngineConfig(model=str(model_dirs["demo"]), num_blocks=64, settle_in_thread=True))
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["demo"]), num_blocks=64, async_scheduling=True, settle_in_thread=True))
     readers: list[str] = []
     real_resolve = DeviceSample.resolve
     monkeypatch.setattr(DeviceSample, "resolve", lambda self: readers.append(threading.current_thread().name) or real_resolve(self))
@@ -162,7 +162,7 @@ def test_steps_settled_on_the_settle_thread_are_freed_on_the_engine_thread(model
         return flight
 
     monkeypatch.setattr(engine_module.LLMEngine, "_launch", launch)
-    engine = LLMEngine(EngineConfig(model=str(model_dirs["demo"]), num_blocks=64, settle_in_thread=True))
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["demo"]), num_blocks=64, async_scheduling=True, settle_in_thread=True))
     # The settle thread keeps each step it settled until it settles the next, then drops it: the
     # late last reference the engine must outlast (a thread pool's work item is released late too).
     real_settle, held = engine._settle, []
@@ -193,7 +193,7 @@ def test_closing_an_engine_ends_its_settle_thread(model_dirs):
         return {t for t in threading.enumerate() if t.name.startswith("orchard-settle")}
 
     before = settle_threads()
-    engine = LLMEngine(EngineConfig(model=str(model_dirs["demo"]), num_blocks=64, settle_in_thread=True))
+    engine = LLMEngine(EngineConfig(model=str(model_dirs["demo"]), num_blocks=64, async_scheduling=True, settle_in_thread=True))
     engine.add_request("a", list(range(3, 20)), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     while engine.has_unfinished:
         engine.step()

@@ -249,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-memory-gb", type=float, default=4.0, help="KV pool of the throughput scenarios")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine token budget per step (default: the device's)")
     ap.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)")
-    ap.add_argument("--no-async-scheduling", action="store_true", help="step by step: no overlap of host work with the device")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="overlap host work with the device (default: the engine's, on a GPU only)")
     ap.add_argument("--compiled-decode", default="auto", choices=("auto", "on", "off"),
                     help="decode-only steps from compiled graphs (auto: where attention runs a compiled kernel)")
     ap.add_argument("--only", default="burst,poisson,prefix,prefill,decode,capacity,overhead")
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     def engine(**kw) -> LLMEngine:
         flags = {"max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size}
         overrides = {key: value for key, value in flags.items() if value}  # unset: the engine's own default
-        overlap = not args.no_async_scheduling
+        overlap = args.async_scheduling
         compiled = {"on": True, "off": False}.get(args.compiled_decode)
         config = {"max_num_seqs": args.num_requests, "async_scheduling": overlap, "compiled_decode": compiled, **overrides, **kw}
         eng = LLMEngine(EngineConfig(**config), loaded=loaded)

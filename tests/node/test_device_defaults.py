@@ -1,0 +1,56 @@
+"""What the engine leaves to the device (the step token budget, overlapped steps) follows the device
+the engine computes on, unless the user names it (EngineConfig, `orchard serve`)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from orchard.cluster.cli.main import build_parser
+from orchard.cluster.cli.serve_options import engine_config
+from orchard.node import engine as engine_module
+from orchard.node.engine import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET, EngineConfig, LLMEngine
+from orchard.node.types import SamplingParams
+
+
+@pytest.fixture(params=[(mx.cpu, CPU_TOKEN_BUDGET, False), (mx.gpu, GPU_TOKEN_BUDGET, True)], ids=["cpu", "gpu"])
+def device(request, monkeypatch):
+    """(the budget, whether steps overlap) expected for the device MLX is said to compute on, whatever this
+    machine has."""
+    kind, budget, overlap = request.param
+    monkeypatch.setattr(engine_module.mx, "default_device", lambda: mx.Device(kind))
+    return budget, overlap
+
+
+def test_the_budget_and_the_overlap_are_the_devices_unless_named(device):
+    assert (EngineConfig().for_device().max_num_batched_tokens, EngineConfig().for_device().async_scheduling) == device
+    named = EngineConfig(max_num_batched_tokens=96, async_scheduling=not device[1]).for_device()
+    assert (named.max_num_batched_tokens, named.async_scheduling) == (96, not device[1])
+
+
+def test_serve_leaves_them_to_the_device_the_engine_runs_on_unless_a_flag_names_them(device):
+    """The config `serve` makes travels to node actors: the node's device decides, not the head's."""
+    parser = build_parser()
+    left = engine_config(parser.parse_args(["serve"]))
+    assert (left.max_num_batched_tokens, left.async_scheduling) == (None, None)
+    assert (left.for_device().max_num_batched_tokens, left.for_device().async_scheduling) == device
+    named = engine_config(parser.parse_args(["serve", "--max-num-batched-tokens", "2048", "--no-async-scheduling"]))
+    assert (named.for_device().max_num_batched_tokens, named.for_device().async_scheduling) == (2048, False)
+    assert engine_config(parser.parse_args(["serve", "--async-scheduling"])).for_device().async_scheduling is True
+
+
+def _calls_until_first_token(engine: LLMEngine) -> int:
+    engine.add_request("a", list(range(3, 40)), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    calls = 0
+    while True:
+        calls += 1
+        if any(out.outputs and out.outputs[0].token_ids_delta for out in engine.step()):
+            return calls
+
+
+def test_on_the_cpu_a_token_comes_out_of_the_step_that_computed_it(model_dirs):
+    """Overlapped, the step that computes a token returns it only after the next step was computed too."""
+    config = dict(model=str(model_dirs["demo"]), num_blocks=64)
+    assert mx.default_device().type == mx.DeviceType.cpu
+    assert _calls_until_first_token(LLMEngine(EngineConfig(**config))) == 1
+    assert _calls_until_first_token(LLMEngine(EngineConfig(**config, async_scheduling=True))) == 2
