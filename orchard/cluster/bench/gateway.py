@@ -61,6 +61,7 @@ class GatewayBenchConfig:
     peer: bool = True  # also measure mlx_lm.server
     ray: bool = True  # also measure `orchard serve` over Ray (False: only `--no-ray`, for a host without Ray)
     compiled_decode: str = "auto"  # `orchard serve --compiled-decode`, also for the engine called directly
+    async_scheduling: bool | None = None  # `orchard serve --[no-]async-scheduling`, likewise; None: the device's
     start_timeout_s: float = 600.0
     seed: int = 0
 
@@ -91,7 +92,8 @@ def engine_config(cfg: GatewayBenchConfig):
     from orchard.node.engine import EngineConfig
 
     return EngineConfig(model=cfg.model, max_model_len=cfg.max_model_len, kv_memory_gb=cfg.kv_memory_gb,
-                        max_num_seqs=cfg.max_num_seqs, compiled_decode={"on": True, "off": False}.get(cfg.compiled_decode))
+                        max_num_seqs=cfg.max_num_seqs, compiled_decode={"on": True, "off": False}.get(cfg.compiled_decode),
+                        async_scheduling=cfg.async_scheduling)
 
 
 async def _engine_ttft(engine, prompts: list[list[int]]) -> list[float]:
@@ -222,6 +224,8 @@ def orchard_server(cfg: GatewayBenchConfig, ray: bool = True) -> ServerProcess:
            "--compiled-decode", cfg.compiled_decode]
     if not ray:
         cmd.append("--no-ray")
+    if cfg.async_scheduling is not None:
+        cmd.append("--async-scheduling" if cfg.async_scheduling else "--no-async-scheduling")
     if cfg.model:
         cmd += ["--model", cfg.model]
     return ServerProcess("orchard serve" + ("" if ray else " --no-ray"), cmd, port, "/health", cfg.start_timeout_s)
@@ -367,13 +371,15 @@ def parse_args(argv: list[str] | None) -> tuple[GatewayBenchConfig, str | None]:
     p.add_argument("--no-ray", action="store_true", help="only `orchard serve --no-ray` (a host without Ray)")
     p.add_argument("--compiled-decode", default=d.compiled_decode, choices=("auto", "on", "off"),
                    help="orchard's decode graphs (`orchard serve --compiled-decode`)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="orchard's overlapped steps (`orchard serve --async-scheduling`; default: the device's)")
     p.add_argument("--json", metavar="PATH", help="also write the full result here")
     a = p.parse_args(argv)
     cfg = GatewayBenchConfig(
         model=a.model, ttft_samples=a.ttft_samples, ttft_prompt_tokens=a.ttft_prompt_tokens, clients=a.clients,
         requests=a.requests, warmup_requests=a.warmup_requests, input_tokens=a.input_tokens, output_tokens=a.output_tokens,
         max_model_len=a.max_model_len, kv_memory_gb=a.kv_memory, max_num_seqs=max(d.max_num_seqs, a.clients),
-        peer=not a.no_peer, ray=not a.no_ray, compiled_decode=a.compiled_decode,
+        peer=not a.no_peer, ray=not a.no_ray, compiled_decode=a.compiled_decode, async_scheduling=a.async_scheduling,
     )
     return cfg, a.json
 
