@@ -51,9 +51,10 @@ def device_overlaps_steps() -> bool:
     """Whether overlapped steps (`async_scheduling`) pay on the device MLX computes on.
 
     On a GPU the host builds step N+1 while the device runs step N. On the CPU the host is the
-    device: launching step N+1 computes it before step N's outputs are handed back, so overlap
-    hides nothing and delays every output by one step (the first token of a lone request by
-    3-4 ms on the demo model; docs/benchmarks.md, "Step by step on the CPU").
+    device: launching step N+1 computes most of it before step N's outputs are handed back, so
+    every output comes a step later (a lone request's first token 2-5 ms later on the demo model,
+    a loaded server's 30 % later) for no throughput measured (docs/benchmarks.md, "Step by step on
+    the CPU").
     """
     return mx.default_device().type == mx.DeviceType.gpu
 
