@@ -371,13 +371,15 @@ class LLMEngine:
         return flight
 
     def _snapshot_states(self, chunks: list[ScheduledChunk]) -> None:
-        """A hybrid model's state at each block boundary a chunk just reached: stored now when
-        the tokens up to there are known (prompt chunks), else when the sequence finishes."""
+        """A hybrid model's state at each block boundary a chunk just reached: stored now within the
+        prompt (its tokens are known), else only the last one, when the sequence finishes. Storing
+        every boundary of an answer would crowd the prompts' snapshots out of the pool, whether or
+        not the answer's tokens are known yet (step by step they are)."""
         for chunk in chunks:
             seq = chunk.seq
             if seq.num_computed % self.config.block_size == 0:
                 self.kv.capture_state(seq.seq_id, seq.num_computed)
-                if not seq.num_unresolved:
+                if seq.num_computed <= seq.num_prompt_tokens and not seq.num_unresolved:
                     self.kv.publish_state(seq.seq_id, seq.token_ids)
 
     def _device_tokens(self, chunks: list[ScheduledChunk], step: StepInput) -> mx.array | None:

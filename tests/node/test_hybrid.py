@@ -121,9 +121,10 @@ def test_a_restored_state_equals_the_prefilled_one_bit_for_bit(hybrid):
             assert np.array_equal(a, b)
 
 
-def test_snapshots_go_with_their_blocks_and_no_block_leaves(hybrid):
+@pytest.mark.parametrize("overlap", [False, True], ids=["step-by-step", "overlapped"])
+def test_snapshots_go_with_their_blocks_and_no_block_leaves(hybrid, overlap):
     folder, _ = hybrid
-    engine = LLMEngine(EngineConfig(model=str(folder), num_blocks=12, block_size=4))
+    engine = LLMEngine(EngineConfig(model=str(folder), num_blocks=12, block_size=4, async_scheduling=overlap))
     vocab = engine.model.vocab_size
     run(engine, prompts(vocab, [13], offset=2), prefix="a")
     assert len(engine.kv.snapshots) == 2  # the prompt's last full block, the answer's last boundary
