@@ -53,8 +53,8 @@ def device_overlaps_steps() -> bool:
     On a GPU the host builds step N+1 while the device runs step N. On the CPU the host is the
     device: launching step N+1 computes most of it before step N's outputs are handed back, so
     every output comes a step later (on the demo model a lone request's first token 2-5 ms later,
-    a loaded server's first tokens a third later) for no throughput measured (docs/benchmarks.md, "Step by step on
-    the CPU").
+    a loaded server's first tokens a third later) for no throughput measured
+    (docs/benchmarks.md, "Step by step on the CPU").
     """
     return mx.default_device().type == mx.DeviceType.gpu
 

@@ -23,7 +23,8 @@ def device(request, monkeypatch):
 
 
 def test_the_budget_and_the_overlap_are_the_devices_unless_named(device):
-    assert (EngineConfig().for_device().max_num_batched_tokens, EngineConfig().for_device().async_scheduling) == device
+    filled = EngineConfig().for_device()
+    assert (filled.max_num_batched_tokens, filled.async_scheduling) == device
     named = EngineConfig(max_num_batched_tokens=96, async_scheduling=not device[1]).for_device()
     assert (named.max_num_batched_tokens, named.async_scheduling) == (96, not device[1])
 
