@@ -1,4 +1,5 @@
-"""Paged attention on the CPU that reads the KV pool in place: an MLX extension in C++.
+"""CPU kernels as an MLX extension in C++: paged attention that reads the KV pool in place,
+and the MLP's gated activation (`swiglu`, at the end of this module).
 
 On MLX's CPU build the reference backend gathers each decode row's context out of the pool
 into a padded copy and runs SDPA over it: three passes over the KV bytes where a contiguous
@@ -87,3 +88,17 @@ def paged_varlen(queries, key_cache, value_cache, plan, scale: float, layer: Lay
 
 def _int32(values) -> mx.array:
     return values.astype(mx.int32) if isinstance(values, mx.array) else mx.array(np.asarray(values, dtype=np.int32))
+
+
+def swiglu_available(dtype: mx.Dtype) -> bool:
+    """Whether `swiglu` serves activations of `dtype` here (float32, where the extension is built)."""
+    return _paged_cpu is not None and dtype == mx.float32
+
+
+def swiglu(gate_up: mx.array, intermediate: int) -> mx.array:
+    """silu(gate) * up of `gate_up` [rows, 2 * intermediate] (the gate's columns first), float32.
+
+    MLX's x86 CPU build computes a sigmoid one element at a time through a software `fma`: about 2 ms
+    for 160 rows of 512 on the 2-core VM, a fifth of a small model's step. This is the same
+    arithmetic, vectorized, equal to mlx-lm's `swiglu` bit for bit (activations.cpp)."""
+    return _paged_cpu.swiglu(gate_up, intermediate, stream=mx.cpu)

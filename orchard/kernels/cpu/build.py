@@ -21,6 +21,7 @@ BUILD = REPO / "build" / "cpu-attention"
 
 def build(build_dir: Path = BUILD) -> Path:
     """Configure and compile; returns the built module's path (raises CalledProcessError on failure)."""
+    _forget_other_source(build_dir)
     build_dir.mkdir(parents=True, exist_ok=True)
     configure = ["cmake", "-S", str(HERE), "-B", str(build_dir), f"-DPython_EXECUTABLE={sys.executable}",
                  "-DCMAKE_BUILD_TYPE=Release"]
@@ -32,6 +33,18 @@ def build(build_dir: Path = BUILD) -> Path:
     if not built:
         raise FileNotFoundError(f"no _paged_cpu module in {build_dir}")
     return built[0]
+
+
+def _forget_other_source(build_dir: Path) -> None:
+    """Remove a build folder CMake configured for another source folder (a checkout moved or
+    restructured): CMake refuses to reuse it, and the CPU would quietly keep the reference."""
+    cache = build_dir / "CMakeCache.txt"
+    if not cache.exists():
+        return
+    for line in cache.read_text(errors="replace").splitlines():
+        if line.startswith("CMAKE_HOME_DIRECTORY:") and Path(line.split("=", 1)[1]).resolve() != HERE:
+            shutil.rmtree(build_dir)
+            return
 
 
 def install(module: Path) -> Path:

@@ -27,6 +27,7 @@
 #include "mlx/primitives.h"
 #include "mlx/utils.h"
 
+#include "mlx_exp.h"
 #include "paged_rows.h"
 
 namespace orchard {
@@ -226,12 +227,14 @@ void attend_row(const Dims& dm, const Q* q_row, const KV* keys, const KV* values
       }
     }
     float top = dm.has_sinks ? sinks[head] : -INFINITY;
+#pragma omp simd reduction(max : top)
     for (size_t t = 0; t < seen; ++t) {
       top = std::max(top, s[t]);
     }
-    float sum = dm.has_sinks ? std::exp(sinks[head] - top) : 0.f;
+    float sum = dm.has_sinks ? mlx_exp(sinks[head] - top) : 0.f;
+#pragma omp simd reduction(+ : sum)
     for (size_t t = 0; t < seen; ++t) {
-      s[t] = std::exp(s[t] - top);
+      s[t] = mlx_exp(s[t] - top);
       sum += s[t];
     }
     denominators[head] = sum;

@@ -21,12 +21,14 @@ with one, runs through mlx-lm's own `__call__`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu  # mlx-lm's own compiled activation
 
+from orchard.kernels import cpu as cpu_kernels
 from orchard.node.model.layers import attention_of
 
 #: mlx-lm modules whose decoder stack and layers are wired as here (Mistral loads as Llama)
@@ -120,6 +122,7 @@ class FusedLayer:
     gate_up: Projection
     intermediate: int
     down: Projection
+    activation: Callable[[mx.array, int], mx.array]  # silu(gate) * up of the gate_up rows
 
     def __call__(self, x: mx.array, cache) -> mx.array:
         rows = x.shape[0]
@@ -136,13 +139,26 @@ class FusedLayer:
         out = cache.attend_packed(queries, self.scale)
         h = x + self.o(out.reshape(rows, -1))
         gate_up = self.gate_up(self.post_norm(h))
-        return h + self.down(swiglu(gate_up[:, : self.intermediate], gate_up[:, self.intermediate :]))
+        return h + self.down(self.activation(gate_up, self.intermediate))
+
+
+def _mlx_lm_swiglu(gate_up: mx.array, intermediate: int) -> mx.array:
+    return swiglu(gate_up[:, :intermediate], gate_up[:, intermediate:])
+
+
+def _activation_for(gate_up: Projection) -> Callable[[mx.array, int], mx.array]:
+    """The SwiGLU a layer runs, chosen once where the stack is fused: the CPU kernel's (the same
+    bits, vectorized) for float32 activations on the CPU, mlx-lm's compiled one elsewhere."""
+    dtype = gate_up.weight_t.dtype if gate_up.weight_t is not None else None
+    on_cpu = mx.default_device() == mx.cpu
+    return cpu_kernels.swiglu if on_cpu and dtype is not None and cpu_kernels.swiglu_available(dtype) else _mlx_lm_swiglu
 
 
 def _fuse_layer(layer) -> FusedLayer:
     """The fused form of an `_eligible` layer. Called once per layer: fusing turns the modules'
     weights into views of the stacked ones."""
     attention, mlp = attention_of(layer), layer.mlp
+    gate_up = _stacked([mlp.gate_proj, mlp.up_proj])
     return FusedLayer(
         input_norm=layer.input_layernorm,
         post_norm=layer.post_attention_layernorm,
@@ -155,9 +171,10 @@ def _fuse_layer(layer) -> FusedLayer:
         head_dim=attention.q_proj["weight"].shape[0] // attention.n_heads,  # rows = outputs, quantized or not
         scale=attention.scale,
         o=_single(attention.o_proj),
-        gate_up=_stacked([mlp.gate_proj, mlp.up_proj]),
+        gate_up=gate_up,
         intermediate=mlp.gate_proj["weight"].shape[0],
         down=_single(mlp.down_proj),
+        activation=_activation_for(gate_up),
     )
 
 

@@ -14,6 +14,8 @@ import pytest
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
+from orchard.kernels import cpu as cpu_kernels
+from orchard.node.model import fused_layers
 from orchard.node.model.fused_layers import fuse_stack
 from orchard.node.model.layers import text_stack
 from orchard.node.model.loader import load_model
@@ -105,3 +107,12 @@ def test_quantized_projections_fuse_and_a_mixed_layer_does_not(tmp_path, demo_mo
     layer = text_stack(mixed).layers[1].self_attn
     layer.k_proj = nn.QuantizedLinear.from_linear(layer.k_proj, group_size=32, bits=4)
     assert fuse_stack(text_stack(mixed)) is None
+
+
+@pytest.mark.skipif(not cpu_kernels.loaded() or mx.default_device() != mx.cpu, reason="no CPU kernels extension here")
+def test_a_float32_model_fused_on_the_cpu_runs_the_kernels_swiglu_and_a_bfloat16_one_mlx_lms(demo_model_dir):
+    model, _ = load(str(demo_model_dir))  # the demo model is float32
+    assert {layer.activation for layer in fuse_stack(text_stack(model)).layers} == {cpu_kernels.swiglu}
+    half, _ = load(str(demo_model_dir))
+    half.set_dtype(mx.bfloat16)
+    assert {layer.activation for layer in fuse_stack(text_stack(half)).layers} == {fused_layers._mlx_lm_swiglu}

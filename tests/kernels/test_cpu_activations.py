@@ -1,0 +1,70 @@
+"""The CPU kernels' SwiGLU (orchard/kernels/cpu/activations.cpp): mlx-lm's own `swiglu`, bit for bit, over every
+float a gate can hold that matters (the exp's clamps, NaN, infinities, signed zeros), refusing what it cannot
+compute. tests/node/model/test_fused_layers.py checks which models run it."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.activations import swiglu as mlx_lm_swiglu
+
+from orchard.kernels import cpu
+
+needs_kernel = pytest.mark.skipif(not cpu.loaded(), reason="the CPU kernels extension is not built here")
+on_cpu = pytest.mark.skipif(mx.default_device() != mx.cpu, reason="MLX computes on a GPU here")
+
+
+def same_bits(a: mx.array, b: mx.array) -> np.ndarray:
+    x, y = np.array(a), np.array(b)
+    return (x.view(np.uint32) == y.view(np.uint32)) | (np.isnan(x) & np.isnan(y))
+
+
+def gates_that_matter() -> np.ndarray:
+    """Every 2^-14-th float in [-100, 100] (both sides of the exp's +-88 clamps, every rounding of its
+    floor(x + 0.5)), the floats right around the clamps and zero, NaN and both infinities."""
+    sweep = np.arange(-100.0, 100.0, 2.0**-14, dtype=np.float32)
+    edges = [np.nextafter(np.float32(v), np.float32(d)) for v in (88.0, -88.0, 0.0) for d in (-np.inf, np.inf)]
+    special = np.array([np.nan, np.inf, -np.inf, 88.0, -88.0, 0.0, -0.0, 1e-38, -1e-38, 3.4e38, -3.4e38], np.float32)
+    return np.concatenate([sweep, np.array(edges, np.float32), special])
+
+
+@needs_kernel
+@on_cpu
+@pytest.mark.parametrize("width", [1, 7, 512])
+def test_the_kernel_equals_mlx_lms_swiglu_bit_for_bit(width):
+    gates = gates_that_matter()
+    gates = np.pad(gates, (0, (-gates.size) % width)).reshape(-1, width)
+    ups = np.random.default_rng(width).normal(size=gates.shape).astype(np.float32) * 3
+    gate, up = mx.array(gates), mx.array(ups)
+    ours = cpu.swiglu(mx.concatenate([gate, up], axis=1), width)
+    theirs = mlx_lm_swiglu(gate, up)
+    assert ours.shape == theirs.shape and ours.dtype == mx.float32
+    assert same_bits(ours, theirs).all(), f"{int((~same_bits(ours, theirs)).sum())} floats differ"
+
+
+@needs_kernel
+@on_cpu
+def test_a_strided_input_is_read_as_its_values_not_its_memory():
+    rows = mx.random.normal((2 * 16, 16), key=mx.random.key(3))
+    gate_up = rows.T  # a transposed view: [16, 32], columns in memory
+    ours = cpu.swiglu(gate_up, 16)
+    assert same_bits(ours, mlx_lm_swiglu(gate_up[:, :16], gate_up[:, 16:])).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("make", [
+    lambda: (mx.zeros((4, 8), dtype=mx.bfloat16), 4),  # float32 only
+    lambda: (mx.zeros((4, 8)), 3),  # not two halves
+    lambda: (mx.zeros((2, 4, 8)), 4),  # not [rows, 2 * intermediate]
+    lambda: (mx.zeros((4, 8)), 0),
+], ids=["bfloat16", "odd-split", "three-dims", "zero-width"])
+def test_what_it_cannot_compute_is_refused_by_name(make):
+    gate_up, width = make()
+    with pytest.raises(ValueError, match="orchard swiglu"):
+        cpu.swiglu(gate_up, width)
+
+
+def test_swiglu_is_offered_for_float32_only():
+    assert not cpu.swiglu_available(mx.bfloat16) and not cpu.swiglu_available(mx.float16)
+    assert cpu.swiglu_available(mx.float32) == cpu.loaded()
