@@ -1,5 +1,5 @@
 """CPU kernels as an MLX extension in C++: paged attention that reads the KV pool in place,
-and the MLP's gated activation (`swiglu`, at the end of this module).
+and two elementwise ops of a layer, bit for bit MLX's (`swiglu`, `rotate_rows`, at the end).
 
 On MLX's CPU build the reference backend gathers each decode row's context out of the pool
 into a padded copy and runs SDPA over it: three passes over the KV bytes where a contiguous
@@ -100,5 +100,11 @@ def swiglu(gate_up: mx.array, intermediate: int) -> mx.array:
 
     MLX's x86 CPU build computes a sigmoid one element at a time through a software `fma`: about 2 ms
     for 160 rows of 512 on the 2-core VM, a fifth of a small model's step. This is the same
-    arithmetic, vectorized, equal to mlx-lm's `swiglu` bit for bit (activations.cpp)."""
+    arithmetic, vectorized, equal to mlx-lm's `swiglu` bit for bit (elementwise.cpp)."""
     return _paged_cpu.swiglu(gate_up, intermediate, stream=mx.cpu)
+
+
+def rotate_rows(x: mx.array, cos: mx.array, sin: mx.array) -> mx.array:
+    """`[x1 * cos - x2 * sin, x2 * cos + x1 * sin]` of float32 `x` [T, ..., D] by tables [T, D / 2]: what
+    `mx.fast.rope` computes on the CPU once its tables are made, in one pass (elementwise.cpp)."""
+    return _paged_cpu.rotate_rows(x, cos, sin, stream=mx.cpu)

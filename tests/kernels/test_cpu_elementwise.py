@@ -1,6 +1,7 @@
-"""The CPU kernels' SwiGLU (orchard/kernels/cpu/activations.cpp): mlx-lm's own `swiglu`, bit for bit, over every
-float a gate can hold that matters (the exp's clamps, NaN, infinities, signed zeros), refusing what it cannot
-compute. tests/node/model/test_fused_layers.py checks which models run it."""
+"""The CPU kernels' elementwise ops (orchard/kernels/cpu/elementwise.cpp), each bit for bit what MLX computes:
+SwiGLU as mlx-lm's own `swiglu` over every float a gate can hold that matters (the exp's clamps, NaN, infinities,
+signed zeros); the rotation as `mx.fast.rope` once its tables are made; both refusing what they cannot compute.
+tests/node/model/test_fused_layers.py and test_positions.py check which models run them."""
 
 from __future__ import annotations
 
@@ -50,6 +51,36 @@ def test_a_strided_input_is_read_as_its_values_not_its_memory():
     gate_up = rows.T  # a transposed view: [16, 32], columns in memory
     ours = cpu.swiglu(gate_up, 16)
     assert same_bits(ours, mlx_lm_swiglu(gate_up[:, :16], gate_up[:, 16:])).all()
+
+
+@needs_kernel
+@needs_kernel
+@on_cpu
+@pytest.mark.parametrize("heads, width", [(4, 64), (2, 64), (8, 128), (1, 2)])
+def test_the_rotation_equals_mx_fast_rope_bit_for_bit_given_the_ropes_own_tables(heads, width):
+    rows, half = 37, width // 2
+    positions = mx.array(np.random.default_rng(width).integers(0, 100_000, rows).astype(np.int32))
+    x = mx.random.normal((rows, heads, 1, width), key=mx.random.key(heads)) * 5
+    probe = mx.concatenate([mx.ones((rows, 1, 1, half)), mx.zeros((rows, 1, 1, half))], axis=-1)
+    tables = mx.fast.rope(probe, width, traditional=False, base=500_000.0, scale=1.0, offset=positions)
+    cos, sin = tables.reshape(rows, width)[:, :half], tables.reshape(rows, width)[:, half:]
+    ours = cpu.rotate_rows(x, cos, sin)
+    theirs = mx.fast.rope(x, width, traditional=False, base=500_000.0, scale=1.0, offset=positions)
+    assert ours.shape == x.shape
+    assert same_bits(ours, theirs).all(), f"{int((~same_bits(ours, theirs)).sum())} floats differ"
+
+
+@needs_kernel
+@pytest.mark.parametrize("make", [
+    lambda: (mx.zeros((4, 2, 8), dtype=mx.bfloat16), mx.zeros((4, 4)), mx.zeros((4, 4))),  # float32 only
+    lambda: (mx.zeros((4, 2, 7)), mx.zeros((4, 3)), mx.zeros((4, 3))),  # an odd width has no halves
+    lambda: (mx.zeros((4, 2, 8)), mx.zeros((3, 4)), mx.zeros((3, 4))),  # tables of other rows
+    lambda: (mx.zeros((4, 2, 8)), mx.zeros((4, 4)), mx.zeros((4, 2))),  # sin not as cos
+    lambda: (mx.zeros((8,)), mx.zeros((4, 4)), mx.zeros((4, 4))),  # no rows
+], ids=["bfloat16", "odd-width", "other-rows", "sin-shape", "one-dim"])
+def test_a_rotation_it_cannot_compute_is_refused_by_name(make):
+    with pytest.raises(ValueError, match="orchard rotate_rows"):
+        cpu.rotate_rows(*make())
 
 
 @needs_kernel
