@@ -3,8 +3,10 @@
 import argparse
 
 import numpy as np
+import pytest
 
-from experiments import isolation, paged_vs_contiguous, ssd_streaming
+from experiments import cpu_elementwise, isolation, paged_vs_contiguous, ssd_streaming
+from orchard.kernels import cpu as cpu_kernels
 from experiments.models import PUBLIC_SHAPES
 
 
@@ -32,3 +34,13 @@ def test_storm_in_one_model_leaves_the_other_models_blocks_but_a_shared_pool_los
     shared = isolation.shared(args)
     assert shared["b_before"]["hit_tokens"] == 4 * 64
     assert shared["b_after"]["hit_tokens"] == 0
+
+
+@pytest.mark.skipif(not cpu_kernels.loaded(), reason="the CPU kernels extension is not built here")
+def test_the_elementwise_experiment_times_ops_that_agree_bit_for_bit():
+    import mlx.core as mx
+
+    with mx.stream(mx.cpu):
+        row = cpu_elementwise.measure(rows=8, repeats=2)
+    assert row["swiglu same bits"] and row["rope same bits"]
+    assert all(row[k] > 0 for k in row if k.endswith(" ms"))

@@ -1,10 +1,11 @@
 // A layer's elementwise work on the CPU in one pass each, bit for bit what MLX's CPU ops compute.
 //
 // SwiGLU. MLX's x86 CPU build runs its unary ops one element at a time, and its `exp` (a
-// polynomial of six fused multiply-adds) calls the C library's `fma`, which a build for baseline
-// x86-64 runs in software: a sigmoid takes ~20 ns an element, and mlx-lm's SwiGLU was a fifth of a
-// small model's decode step on the CPU (docs/benchmarks.md, "serve"). This loop is the same
-// arithmetic in the same order -- the same polynomial, `fma` exactly rounded in hardware, rewritten
+// polynomial of six fused multiply-adds) calls the C library's `fmaf` for each of them: the wheel's
+// libmlx.so is built for baseline x86-64 and holds no FMA instruction (it imports `fmaf`). A sigmoid
+// takes ~20 ns an element, and mlx-lm's SwiGLU was a fifth of a small model's decode step on the CPU
+// (docs/benchmarks.md, "serve"). This loop is the same arithmetic in the same order -- the same
+// polynomial, `fma` exactly rounded in hardware, rewritten
 // only where no result can change (mlx_exp.h) -- vectorized.
 //
 // Rotary embedding. On the CPU `mx.fast.rope` is composed of MLX ops: per call it computes the
