@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from experiments import cpu_elementwise, isolation, paged_vs_contiguous, ssd_streaming
-from orchard.kernels import cpu as cpu_kernels
 from experiments.models import PUBLIC_SHAPES
+from orchard.kernels import cpu as cpu_kernels
 
 
 def test_llama8b_shape_holds_128_kib_of_kv_per_token():
