@@ -77,7 +77,9 @@ def test_the_rotation_equals_mx_fast_rope_bit_for_bit_given_the_ropes_own_tables
     lambda: (mx.zeros((4, 2, 8)), mx.zeros((3, 4)), mx.zeros((3, 4))),  # tables of other rows
     lambda: (mx.zeros((4, 2, 8)), mx.zeros((4, 4)), mx.zeros((4, 2))),  # sin not as cos
     lambda: (mx.zeros((8,)), mx.zeros((4, 4)), mx.zeros((4, 4))),  # no rows
-], ids=["bfloat16", "odd-width", "other-rows", "sin-shape", "one-dim"])
+    lambda: (mx.zeros((4, 2, 0)), mx.zeros((4, 0)), mx.zeros((4, 0))),  # nothing to rotate
+    lambda: (mx.zeros((1, 2, 2)), mx.array(1.0), mx.array(1.0)),  # tables without rows
+], ids=["bfloat16", "odd-width", "other-rows", "sin-shape", "one-dim", "zero-width", "scalar-tables"])
 def test_a_rotation_it_cannot_compute_is_refused_by_name(make):
     with pytest.raises(ValueError, match="orchard rotate_rows"):
         cpu.rotate_rows(*make())

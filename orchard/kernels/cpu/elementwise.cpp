@@ -167,8 +167,9 @@ mx::array rotate_rows(const mx::array& x, const mx::array& cos, const mx::array&
   }
   const int rows = x.ndim() >= 2 ? x.shape(0) : -1;
   const int width = x.ndim() >= 2 ? x.shape(-1) : 0;
-  if (rows < 0 || width % 2 != 0 || cos.size() != static_cast<size_t>(rows) * (width / 2) ||
-      sin.size() != cos.size() || cos.shape(0) != rows || sin.shape(0) != rows) {
+  if (rows < 0 || width <= 0 || width % 2 != 0 || cos.ndim() < 1 || sin.ndim() < 1 ||
+      cos.size() != static_cast<size_t>(rows) * (width / 2) || sin.size() != cos.size() || cos.shape(0) != rows ||
+      sin.shape(0) != rows) {
     throw std::invalid_argument("orchard rotate_rows: x [T, ..., D] with D even, cos and sin [T, D / 2]");
   }
   return mx::array(x.shape(), mx::float32, std::make_shared<RotateRows>(stream),
