@@ -12,13 +12,16 @@ from __future__ import annotations
 import argparse
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.activations import swiglu
 
 from experiments.common import markdown_table, median_time, print_header, save_results
 from orchard.kernels import cpu
+from orchard.node.model.positions import PackedPositions
 
 INTERMEDIATE, HEADS, KV_HEADS, WIDTH, BASE = 512, 4, 2, 64, 10_000.0
+ROPE = nn.RoPE(WIDTH, traditional=False, base=BASE)
 
 
 def ms(fn, repeats: int) -> float:
@@ -30,14 +33,12 @@ def same_bits(a: mx.array, b: mx.array) -> bool:
 
 
 def rope(x: mx.array, positions: mx.array) -> mx.array:
-    return mx.fast.rope(x, WIDTH, traditional=False, base=BASE, scale=1.0, offset=positions)
+    return ROPE(x, offset=positions)
 
 
 def tables(positions: mx.array) -> tuple[mx.array, mx.array]:
-    rows, half = positions.shape[0], WIDTH // 2
-    probe = mx.concatenate([mx.ones((rows, 1, 1, half)), mx.zeros((rows, 1, 1, half))], axis=-1)
-    both = rope(probe, positions).reshape(rows, WIDTH)
-    return both[:, :half], both[:, half:]
+    """A step's tables as the engine makes them (a new step's `PackedPositions` each call)."""
+    return PackedPositions(positions).rotation(ROPE, "rope")
 
 
 def measure(rows: int, repeats: int) -> dict:

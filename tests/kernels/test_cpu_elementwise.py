@@ -54,7 +54,6 @@ def test_a_strided_input_is_read_as_its_values_not_its_memory():
 
 
 @needs_kernel
-@needs_kernel
 @on_cpu
 @pytest.mark.parametrize("heads, width", [(4, 64), (2, 64), (8, 128), (1, 2)])
 def test_the_rotation_equals_mx_fast_rope_bit_for_bit_given_the_ropes_own_tables(heads, width):
@@ -98,6 +97,6 @@ def test_what_it_cannot_compute_is_refused_by_name(make):
         cpu.swiglu(gate_up, width)
 
 
-def test_swiglu_is_offered_for_float32_only():
-    assert not cpu.swiglu_available(mx.bfloat16) and not cpu.swiglu_available(mx.float16)
-    assert cpu.swiglu_available(mx.float32) == cpu.loaded()
+def test_the_elementwise_ops_are_offered_for_float32_on_the_cpu_only():
+    assert cpu.ELEMENTWISE_DTYPE == mx.float32
+    assert cpu.elementwise_serve_here() == (cpu.loaded() and mx.default_device() == mx.cpu)

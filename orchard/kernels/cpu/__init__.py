@@ -90,9 +90,14 @@ def _int32(values) -> mx.array:
     return values.astype(mx.int32) if isinstance(values, mx.array) else mx.array(np.asarray(values, dtype=np.int32))
 
 
-def swiglu_available(dtype: mx.Dtype) -> bool:
-    """Whether `swiglu` serves activations of `dtype` here (float32, where the extension is built)."""
-    return _paged_cpu is not None and dtype == mx.float32
+#: the dtype the elementwise ops compute in: they reproduce MLX's CPU rounding for float32 only
+ELEMENTWISE_DTYPE = mx.float32
+
+
+def elementwise_serve_here() -> bool:
+    """Whether `swiglu` and `rotate_rows` serve this process: the extension is built and MLX computes
+    on the CPU. Asked once where a model is wired for its device, not per layer call."""
+    return _paged_cpu is not None and mx.default_device() == mx.cpu
 
 
 def swiglu(gate_up: mx.array, intermediate: int) -> mx.array:
@@ -100,8 +105,7 @@ def swiglu(gate_up: mx.array, intermediate: int) -> mx.array:
 
     MLX's x86 CPU build computes a sigmoid one element at a time, calling the C library's `fmaf` six
     times an element: about 2 ms for 160 rows of 512 on the 2-core VM, a fifth of a small model's step.
-    This is the same
-    arithmetic, vectorized, equal to mlx-lm's `swiglu` bit for bit (elementwise.cpp)."""
+    This is the same arithmetic, vectorized, equal to mlx-lm's `swiglu` bit for bit (elementwise.cpp)."""
     return _paged_cpu.swiglu(gate_up, intermediate, stream=mx.cpu)
 
 

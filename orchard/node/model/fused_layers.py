@@ -149,9 +149,9 @@ def _mlx_lm_swiglu(gate_up: mx.array, intermediate: int) -> mx.array:
 def _activation_for(gate_up: Projection) -> Callable[[mx.array, int], mx.array]:
     """The SwiGLU a layer runs, chosen once where the stack is fused: the CPU kernel's (the same
     bits, vectorized) for float32 activations on the CPU, mlx-lm's compiled one elsewhere."""
-    dtype = gate_up.weight_t.dtype if gate_up.weight_t is not None else None
-    on_cpu = mx.default_device() == mx.cpu
-    return cpu_kernels.swiglu if on_cpu and dtype is not None and cpu_kernels.swiglu_available(dtype) else _mlx_lm_swiglu
+    plain = gate_up.weight_t is not None  # a quantized projection keeps mlx-lm's
+    serves = plain and gate_up.weight_t.dtype == cpu_kernels.ELEMENTWISE_DTYPE and cpu_kernels.elementwise_serve_here()
+    return cpu_kernels.swiglu if serves else _mlx_lm_swiglu
 
 
 def _fuse_layer(layer) -> FusedLayer:

@@ -42,10 +42,11 @@ class PackedPositions:
     array: mx.array
     tables: dict[str, tuple[mx.array, mx.array]] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
-    def rotation(self, rope: nn.Module, key: str, width: int) -> tuple[mx.array, mx.array]:
-        """(cos, sin) `[T, width / 2]` of `rope` at these positions: `rope` rotating rows of ones then zeros."""
+    def rotation(self, rope: nn.Module, key: str) -> tuple[mx.array, mx.array]:
+        """(cos, sin) `[T, rope.dims / 2]` of `rope` at these positions: `rope` rotating rows of ones then zeros."""
         if key not in self.tables:
-            rows, half = self.array.shape[0], width // 2
+            rows, width = self.array.shape[0], rope.dims
+            half = width // 2
             probe = mx.concatenate([mx.ones((rows, 1, 1, half)), mx.zeros((rows, 1, 1, half))], axis=-1)
             both = rope(probe, offset=self.array).reshape(rows, width)
             self.tables[key] = (both[:, :half], both[:, half:])
@@ -58,7 +59,8 @@ class PositionalRoPE(nn.Module):
     def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
-        self.table_key = table_key(inner)  # a string, so not a parameter of the module
+        # a string, so not a parameter of the module; None where the CPU kernels do not serve (a GPU)
+        self.table_key = table_key(inner) if cpu_kernels.elementwise_serve_here() else None
 
     def __call__(self, x: mx.array, offset=0) -> mx.array:
         if not isinstance(offset, PackedPositions):
@@ -66,8 +68,8 @@ class PositionalRoPE(nn.Module):
         if x.shape[2] != 1 or x.shape[0] != offset.array.shape[0]:
             raise ValueError(f"packed positions need one token per batch row, [{offset.array.shape[0]}, H, 1, D]; "
                              f"got {tuple(x.shape)}")
-        if self.table_key is not None and x.shape[-1] == self.inner.dims and _tables_serve(x):
-            cos, sin = offset.rotation(self.inner, self.table_key, x.shape[-1])
+        if self.table_key is not None and x.dtype == cpu_kernels.ELEMENTWISE_DTYPE and x.shape[-1] == self.inner.dims:
+            cos, sin = offset.rotation(self.inner, self.table_key)
             return cpu_kernels.rotate_rows(x, cos, sin)
         return self.inner(x, offset=offset.array)
 
@@ -80,9 +82,6 @@ def table_key(rope: nn.Module) -> str | None:
     digest = "" if freqs is None else hashlib.sha1(np.array(freqs.astype(mx.float32)).tobytes()).hexdigest()
     return f"{type(rope).__name__}|{rope.dims}|{getattr(rope, 'base', None)}|{getattr(rope, 'scale', None)}|{digest}"
 
-
-def _tables_serve(x: mx.array) -> bool:
-    return x.dtype == mx.float32 and cpu_kernels.loaded() and mx.default_device() == mx.cpu
 
 
 def install_positional_rope(model: nn.Module) -> int:
