@@ -86,9 +86,9 @@ class _Node:
     def __init__(self, spec: NodeSpec):
         from orchard.node.async_engine import AsyncEngine
         from orchard.node.engine import EngineConfig, LLMEngine
+        from orchard.node.heap import freeze_loaded_objects
         from orchard.node.model.demo import default_demo_model_path
         from orchard.node.serving import link_auth
-        from orchard.node.serving.actor import freeze_loaded_objects
         from orchard.node.serving.direct_path import DirectPath
         from orchard.node.serving.kv_link import KVLinkConfig
         from orchard.node.serving.migration import BlockMover

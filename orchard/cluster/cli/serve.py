@@ -33,6 +33,7 @@ from orchard.cluster.cli.serve_options import (
     model_of,
 )
 from orchard.cluster.cli.serving_logs import RequestLog, ServedBackend, StatsLine
+from orchard.node.heap import freeze_loaded_objects
 
 WARMUP_PROMPT = "Hello"
 WARMUP_PATIENCE_S = 120.0
@@ -317,6 +318,7 @@ def serve_started(started: Started, args, keys: frozenset[str]) -> int:
             print(line, file=sys.stderr, flush=True)
         line = f"orchard: serving {started.model} at {base}/v1 ({auth}; Ctrl-C to stop)"
         stats = StatsLine(started.backend, STATS_EVERY_S)
+        freeze_loaded_objects()  # the backend, the app and the tokenizer: out of the collector's full passes
         with _stop_signals_end_quietly():
             _announce_when_listening(server, line, stats)
             server.run(sockets=[sock])

@@ -106,7 +106,7 @@ class Coordinator:
         }
 
     def kv_events(self, node_id: NodeId, events: PackedEvents) -> bool:
-        """Apply one step's events, packed as a node actor sends them; False asks the node for a snapshot."""
+        """Apply a node's events of one or more steps, packed as its actor sends them; False asks the node for a snapshot."""
         if not self._is_live(node_id):
             return True  # a dead or unknown node re-registers first; nothing to ask for
         return self.index.apply(node_id, events.unpack())

@@ -3,9 +3,11 @@
 The actor is asynchronous: `AsyncEngine` already runs `step()` on its own thread, so the
 actor's event loop only moves requests in and outputs out. Two duties beyond serving:
 
-- after every engine step, that step's KV events go to the coordinator in one call, sent
-  from the actor's event loop, not the engine thread (calls from one caller reach the
-  actor in order);
+- the engine's KV events go to the coordinator from the actor's event loop, not the engine
+  thread, in order (calls from one caller reach the actor in order): the first after a quiet
+  spell at once, then what the steps made meanwhile in one call at most every
+  `KV_EVENTS_GAP_S` (each Ray call costs both processes CPU: under 32 streaming clients on
+  the 2-core VM the coordinator took a tenth of a core answering one call per step);
 - every `heartbeat_s`, and soon after a request finishes (so the router does not count a
   finished request as running), the node's load and measured rates go to the coordinator, whose
   reply may ask for a snapshot of the prefix cache or for the node to register again
@@ -25,10 +27,10 @@ cluster side hands over in `NodeActorConfig`, and spoken to in plain dicts.
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
@@ -39,6 +41,7 @@ import ray
 from orchard.kvcache.events import PackedEvents
 from orchard.node.async_engine import AsyncEngine
 from orchard.node.engine import EngineConfig
+from orchard.node.heap import freeze_loaded_objects
 from orchard.node.serving.agent import COLD_TIER_DIR_ENV, COLD_TIER_GB_ENV
 from orchard.node.serving.direct_path import DirectPath
 from orchard.node.serving.gateway_link import GatewayLinkServer, gateway_link_key
@@ -55,6 +58,8 @@ log = logging.getLogger(__name__)
 _SNAPSHOT_ATTEMPTS = 5
 #: Early heartbeats (after a request finishes) come at most this often.
 _MIN_BEAT_GAP_S = 0.05
+#: KV events go to the coordinator at most this often; the router's index lags by at most this.
+KV_EVENTS_GAP_S = 0.05
 
 
 
@@ -93,15 +98,6 @@ def listen_config(link: KVLinkConfig) -> KVLinkConfig:
     return replace(link, host=ray.util.get_node_ip_address()) if link.host == RAY_NODE_HOST else link
 
 
-def freeze_loaded_objects() -> None:
-    """Leave the objects loaded so far (model, tokenizer, pool records: as old as the process) out
-    of the garbage collector's full passes. A full pass over a node with the small demo model
-    loaded takes ~25 ms, and the collector starts one whenever enough new objects have survived
-    (a pull of 512 blocks makes thousands): a KV pull's export waited that long on one in
-    `experiments.kv_pull_profile`. Frozen, a full pass scans only what came after."""
-    gc.freeze()
-
-
 class NodeActor:
     def __init__(self, config: NodeActorConfig):
         self.config = config
@@ -122,6 +118,10 @@ class NodeActor:
         self.subscribers = Subscribers()
         self.gateway_link: GatewayLinkServer | None = None  # listening once started, when a key is set
         self._background: set[asyncio.Task] = set()
+        self._events_lock = threading.Lock()
+        self._pending_events: list = []  # made by the engine thread, not yet handed to the loop's send
+        self._events_flush_due = False  # a send of the pending events is scheduled on the loop
+        self._events_sent_at = float("-inf")  # the loop's clock at the last send
         self.engine.add_kv_listener(self._push_kv_events)
 
     # ---- lifecycle -----------------------------------------------------------------
@@ -309,15 +309,33 @@ class NodeActor:
         return self._coordinator
 
     def _push_kv_events(self, events) -> None:
-        """Engine thread, once per step: pass the step's events to the actor's event loop, which
-        sends them (in step order), so the engine thread spends no time on Ray calls."""
+        """Engine thread, once per step: queue the step's events for the actor's event loop,
+        waking it only when no send is already scheduled, so the engine thread spends no time on
+        Ray calls and the loop is not woken every step."""
         if not events:
             return
         self._next_seq = events[-1].seq + 1
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self._send_kv_events, list(events))
-        else:  # not started yet: nothing serves on this node, send from here
+        if self._loop is None:  # not started yet: nothing serves on this node, send from here
             self._send_kv_events(list(events))
+            return
+        with self._events_lock:
+            self._pending_events.extend(events)
+            if self._events_flush_due:
+                return
+            self._events_flush_due = True
+        self._loop.call_soon_threadsafe(self._schedule_kv_events)
+
+    def _schedule_kv_events(self) -> None:
+        """Loop: send now if the last send is `KV_EVENTS_GAP_S` old, else when it will be."""
+        wait = self._events_sent_at + KV_EVENTS_GAP_S - self._loop.time()
+        self._loop.call_later(max(0.0, wait), self._flush_kv_events)
+
+    def _flush_kv_events(self) -> None:
+        with self._events_lock:
+            events, self._pending_events = self._pending_events, []
+            self._events_flush_due = False
+        self._events_sent_at = self._loop.time()
+        self._send_kv_events(events)
 
     def _send_kv_events(self, events: list) -> None:
         try:
