@@ -174,14 +174,15 @@ def test_route_is_the_one_coordinator_call_a_request_waits_for(cluster):
     async def warm_and_count():
         assert (await requests(0, 1)).name == MODEL  # warm: specs, tokenizer and the route link, once
         backend._coordinator = CountingCoordinator(backend._coordinator)
-        before = backend._route_links.calls
+        before = backend._route_links.calls, backend._route_links.notices
         await requests(1, 5)
-        return backend._route_links.calls - before
+        return backend._route_links.calls - before[0], backend._route_links.notices - before[1]
 
-    routed_over_link = asyncio.run(warm_and_count())
-    # prefill_done is not awaited; node_status is asked only while a stream is silent past stall_check_s.
-    awaited = [m for m in backend._coordinator.calls if m not in ("prefill_done", "node_status")]
-    assert awaited == [] and routed_over_link == 5, backend._coordinator.calls  # each route over the link
+    routed_over_link, told_over_link = asyncio.run(warm_and_count())
+    # node_status is asked only while a stream is silent past stall_check_s.
+    ray_calls = [m for m in backend._coordinator.calls if m != "node_status"]
+    assert ray_calls == [] and routed_over_link == 5, backend._coordinator.calls  # each route over the link
+    assert told_over_link == 5  # and each prefill_done (not awaited) too: no Ray call at all
 
     through_ray = RayBackend(RayBackendConfig(link_token=None, specs_refresh_s=60.0))  # no key: no route link
     ray_gateway = Gateway(through_ray, GatewayConfig())
@@ -248,11 +249,11 @@ def pending_prefills() -> int:
 
 
 class ReportsSeen(CountingCoordinator):
-    """The coordinator handle with the request ids of every `prefill_done` sent through it."""
+    """The coordinator handle, adding to `reported` the request id of every `prefill_done` sent through it."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, reported: list[str]):
         super().__init__(handle)
-        self.reported: list[str] = []
+        self.reported = reported
 
     def __getattr__(self, method):
         real = super().__getattr__(method)
@@ -266,21 +267,40 @@ class ReportsSeen(CountingCoordinator):
         return SimpleNamespace(remote=remote)
 
 
-def test_a_request_is_reported_prefilled_after_its_first_output_however_it_ends(cluster):
-    backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN))
-    backend._coordinator = seen = ReportsSeen(backend._coordinator)
+def reports_seen(backend: RayBackend) -> list[str]:
+    """The request ids of the backend's `prefill_done` reports, in the order sent, by Ray or over the route link."""
+    reported: list[str] = []
+    backend._coordinator = ReportsSeen(backend._coordinator, reported)
+    over_link = backend._route_links.prefill_done
+
+    def told(node_id, request_id):
+        sent = over_link(node_id, request_id)
+        if sent:
+            reported.append(request_id)
+        return sent
+
+    backend._route_links.prefill_done = told
+    return reported
+
+
+@pytest.mark.parametrize("link_token", [LINK_TOKEN, None], ids=["over the route link", "through Ray"])
+def test_a_request_is_reported_prefilled_after_its_first_output_however_it_ends(cluster, link_token):
+    backend = RayBackend(RayBackendConfig(link_token=link_token))
+    reported = reports_seen(backend)
 
     async def requests():
         await collect(backend, "read-to-the-end", prompt(3600, 20), GREEDY)
         await collect(backend, "one-token", prompt(3601, 20), SamplingParams(max_tokens=1, temperature=0.0))
         stream = backend.generate("left-after-one", MODEL, prompt(3602, 20), GREEDY)
         async for _ in stream:
-            assert "left-after-one" not in seen.reported  # the first token reaches the client first
+            assert "left-after-one" not in reported  # the first token reaches the client first
             break  # the client went away after its first token
         await stream.aclose()
-        assert "left-after-one" in seen.reported
+        assert "left-after-one" in reported
 
     asyncio.run(requests())
+    assert sorted(reported) == ["left-after-one", "one-token", "read-to-the-end"]  # each once, whichever way
+    assert (backend._route_links.notices > 0) == (link_token is not None)
     deadline = time.monotonic() + 10.0
     while pending_prefills() and time.monotonic() < deadline:
         time.sleep(0.05)  # the reports are not waited for by the gateway

@@ -19,6 +19,7 @@ from orchard.cluster.coordinator.router import NoNodeAvailable, RouteDecision
 from orchard.cluster.gateway.ray_backend import ride_out
 from orchard.kvcache.hashing import block_hashes, root_hash
 from orchard.node.serving.link_auth import LinkRefused
+from orchard.node.serving.link_io import write_frame
 
 KEY = route_link_key("a-cluster-token-of-at-least-32-characters")
 BS = 16
@@ -154,3 +155,33 @@ def test_a_route_with_no_node_yet_is_asked_again_over_the_link_until_a_node_regi
     decision, links, served = run(scenario, nodes=())
     assert decision.node_id == "late" and links.calls == 1 and dict(links.through_ray) == {}
     assert served >= 4  # two refusals or more, the decision and the last call's refusals: all over the link
+
+
+def test_prefill_done_rides_the_open_link_and_closes_the_routes_pending_prefill():
+    async def scenario(coordinator, server):
+        links = links_to(server)
+        assert not links.prefill_done("a", "req-none")  # no link open yet: the caller uses Ray
+        decision = await links.route("demo", hashes(8), 3 * BS, BS, "req-8", None, (), "")
+        pending = coordinator.membership.get(decision.node_id).pending_prefill_tokens
+        sent = links.prefill_done(decision.node_id, "req-8")
+        for _ in range(100):
+            if server.notices:
+                break
+            await asyncio.sleep(0.01)
+        after = coordinator.membership.get(decision.node_id).pending_prefill_tokens
+        links._opened().close()
+        return pending, sent, after, server, links
+
+    pending, sent, after, server, links = run(scenario)
+    assert pending == 3 * BS and sent and after == 0
+    assert (server.notices, server.calls, links.notices) == (1, 1, 1)  # a notice is not a call: nothing answers it
+
+
+def test_a_malformed_notice_ends_the_connection():
+    async def scenario(coordinator, server):
+        link = await RouteLink.open(server.address, KEY)
+        write_frame(link._writer, ("prefill_done", ("only-a-node",)))
+        await asyncio.sleep(0.2)
+        return link.closed, server.notices
+
+    assert run(scenario) == (True, 0)

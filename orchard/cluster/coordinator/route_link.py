@@ -1,10 +1,12 @@
-"""The coordinator's `route` over a gateway's direct connection, instead of a Ray call.
+"""The coordinator's `route` and `prefill_done` over a gateway's direct connection, instead of Ray calls.
 
 Why: `route` is the one coordinator call a request waits for, and as a Ray call it took
 1.9-2.3 ms round trip on the 2-core VM, 1.2-1.5 of which a call that does nothing costs
 (docs/benchmarks.md, "The route over a direct link"). Here a call is one pickle, one write
-and one read each way. A gateway without the link (no key, no address, the connection
-lost) routes through Ray as before; every other coordinator call stays a Ray call.
+and one read each way. A request's other call, `prefill_done`, waits for no answer, so it goes
+the same way as a notice with no reply: as a Ray call it cost both processes CPU in Ray's
+threads. A gateway without the link (no key, no address, the connection lost) makes both
+Ray calls as before; every other coordinator call stays a Ray call.
 
 The listener serves the coordinator's Ray actor (`orchard.cluster.coordinator.service`) on its event
 loop, where Ray runs the actor's methods one at a time: the state still needs no locks.
@@ -14,6 +16,7 @@ the listener proves the name "coordinator". Then, each frame a u32 length and a 
 
     gateway -> coordinator   (call_id, args): the positional arguments of `Coordinator.route`
     coordinator -> gateway   (call_id, RouteDecision, None) or (call_id, None, error)
+    gateway -> coordinator   ("prefill_done", (node_id, request_id)): no reply
 
 Pickle is what Ray itself sends between these processes; it is only read from a peer that
 proved the cluster's key.
@@ -39,6 +42,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"ORRTLNK1"
 KEY_PURPOSE = "route-link-v1"
 NAME = "coordinator"  # what the listener proves it is
+PREFILL_DONE = "prefill_done"  # a notice's tag, where a call has its id
 
 
 def route_link_key(secret: str | None, environ=None) -> bytes | None:
@@ -56,6 +60,7 @@ class RouteLinkServer(Listener):
         self.refused = 0  # connections that did not prove the key
         self.connections = 0  # connections that did
         self.calls = 0  # calls answered, with a decision or an error
+        self.notices = 0  # prefill_done notices applied
 
     def _admit(self, conn: socket.socket) -> None:
         try:
@@ -75,6 +80,10 @@ class RouteLinkServer(Listener):
         try:
             while True:
                 call_id, args = _call(await read_frame(reader))
+                if call_id == PREFILL_DONE:
+                    self.coordinator.prefill_done(*args)
+                    self.notices += 1
+                    continue
                 try:
                     reply = (call_id, self.coordinator.route(*args), None)
                 except Exception as exc:  # NoNodeAvailable and the like: the gateway raises it
@@ -90,8 +99,10 @@ class RouteLinkServer(Listener):
             writer.close()
 
 
-def _call(frame: object) -> tuple[int, tuple]:
-    if not isinstance(frame, tuple) or len(frame) != 2 or not isinstance(frame[0], int) or not isinstance(frame[1], tuple):
+def _call(frame: object) -> tuple[int | str, tuple]:
+    if not isinstance(frame, tuple) or len(frame) != 2 or not isinstance(frame[1], tuple):
+        raise ValueError("not a route call")
+    if not isinstance(frame[0], int) and not (frame[0] == PREFILL_DONE and len(frame[1]) == 2):
         raise ValueError("not a route call")
     return frame
 
@@ -125,6 +136,12 @@ class RouteLink:
             return await answer
         finally:
             self._calls.pop(call_id, None)
+
+    def prefill_done(self, node_id: str, request_id: str) -> None:
+        """A notice: written now, answered never (raises ConnectionError once the link is gone)."""
+        if self.closed or self._writer.is_closing():
+            raise ConnectionError("the route link is closed")
+        write_frame(self._writer, (PREFILL_DONE, (node_id, request_id)))
 
     def close(self) -> None:
         self._task.cancel()
@@ -160,6 +177,7 @@ class RouteLinks:
         self.key, self._address = key, address  # address(): the coordinator's `route_link`, "" without a key
         self._current: tuple[asyncio.AbstractEventLoop, asyncio.Task, float] | None = None  # (loop, opening, when)
         self.calls = 0  # routes decided over a link
+        self.notices = 0  # prefill_done notices sent over a link
         self.through_ray: Counter[str] = Counter()  # why a route was left to Ray: "no link", "link broke"
 
     @property
@@ -183,6 +201,19 @@ class RouteLinks:
             return None
         self.calls += 1
         return decision
+
+    def prefill_done(self, node_id: str, request_id: str) -> bool:
+        """Tell the coordinator over the link, if one is open now (no opening is waited for);
+        False: the caller tells it through Ray."""
+        link = self._opened()
+        if link is None or self._current[0] is not asyncio.get_running_loop():
+            return False
+        try:
+            link.prefill_done(node_id, request_id)
+        except ConnectionError:
+            return False
+        self.notices += 1
+        return True
 
     def _opened(self) -> RouteLink | None:
         """The link the last opening made, once it is made."""

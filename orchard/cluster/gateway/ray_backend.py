@@ -231,13 +231,19 @@ class RayBackend:
                 yield out
                 if not prefilled:  # told once the first output is on its way to the client, not before
                     prefilled = True
-                    self._coordinator.prefill_done.remote(node_id, request_id)  # no need to wait
+                    self._prefill_done(node_id, request_id)
         finally:
             self._streams.close(node_id, attempt_id)
             if not prefilled:
-                self._coordinator.prefill_done.remote(node_id, request_id)
+                self._prefill_done(node_id, request_id)
             if not finished:
                 _abort_on(actor, attempt_id)
+
+    def _prefill_done(self, node_id: str, request_id: str) -> None:
+        """Tell the coordinator the request's prefill is no longer queued there: over the route
+        link when one is open, else as a Ray call; neither is waited for."""
+        if not self._route_links.prefill_done(node_id, request_id):
+            self._coordinator.prefill_done.remote(node_id, request_id)
 
     async def _submit(self, node_id, attempt_id, prompt, params) -> tuple[Any, asyncio.Queue]:
         """Submit to the node's actor: its handle and the queue the outputs arrive on. A cached
