@@ -65,6 +65,28 @@ def test_the_serve_comparison_without_ray_compares_the_no_ray_server():
     assert "one request at a time" not in text  # the Ray path's TTFT row: not measured
 
 
+def test_rounds_give_each_rounds_ratio_and_read_the_target_on_their_median():
+    from orchard.cluster.bench import gateway
+
+    cfg = gateway.parse_args(["--rounds", "3"])[0]
+    assert cfg.rounds == 3 and cfg.ray and cfg.peer
+    load = lambda tok_s: {"output_throughput": tok_s, "ttft_ms": {"p50": 50.0}, "tpot_ms": {"p50": 9.0},  # noqa: E731
+                          "completed": 96, "failed": 0}
+    rounds = [gateway._rates(load(280.0), load(300.0), load(200.0)),  # 1.40x, 1.50x
+              gateway._rates(load(330.0), load(310.0), load(200.0)),  # 1.65x, 1.55x
+              gateway._rates(load(155.0), load(140.0), load(100.0))]  # 1.55x, 1.40x
+    result = {"config": vars(cfg), "ttft_http_p50_ms": 14.0, "ttft_http_no_ray_p50_ms": 12.0, "ttft_direct_p50_ms": 10.0,
+              "orchard": load(280.0), "orchard_no_ray": load(300.0), "mlx_lm_server": load(200.0), "rounds": rounds}
+    text = gateway.table(result)
+    assert "| 280.0 (orchard) | 200.0 (mlx_lm.server) | 1.40x | >= 1.5x: missed |" in text  # the first round's own row
+    assert ("| output tok/s ratio, orchard serve, median of 3 rounds | 1.55x | rounds: 1.40x, 1.65x, 1.55x |  | >= 1.5x: met |"
+            in text)
+    assert ("| output tok/s ratio, orchard serve --no-ray, median of 3 rounds | 1.50x | rounds: 1.50x, 1.55x, 1.40x |  | >= 1.5x: met |"
+            in text)
+    one_round = dict(result, rounds=rounds[:1])
+    assert "median of" not in gateway.table(one_round)
+
+
 def test_the_gateway_bench_peer_is_mlx_lm_server_with_a_listen_backlog_of_128():
     import subprocess
     import sys

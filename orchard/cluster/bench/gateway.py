@@ -14,6 +14,9 @@ One run on one model measures, in order:
 
 The servers run one after another, never together, so they do not share the CPU. On Linux
 the whole run (servers included) has OpenBLAS preloaded when it exists; the table says so.
+With `--rounds N` part 2 runs N times, each round starting the servers afresh one after
+another, and the table gives each round's ratio and their median: on a shared machine the
+peer's own rate moves between runs minutes apart as much as a change to orchard does.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class GatewayBenchConfig:
     async_scheduling: bool | None = None  # `orchard serve --[no-]async-scheduling`, likewise; None: the device's
     start_timeout_s: float = 600.0
     seed: int = 0
+    rounds: int = 1  # times part 2 runs, each round every server afresh
 
 
 # ---- prompts ---------------------------------------------------------------------------
@@ -223,11 +227,11 @@ def run(cfg: GatewayBenchConfig, say=print) -> dict:
             ours_no_ray = throughput(gateway_only.url, model, model_path, cfg)
     finally:
         engine.shutdown()
-    peer = None
-    if cfg.peer:
-        with mlx_lm_server(cfg, model_path) as server:
-            say(f"4/4 {cfg.clients} streaming clients through mlx_lm.server")
-            peer = throughput(server.url, model_path, model_path, cfg)
+    peer = peer_throughput(cfg, model_path, say, "4/4 ")
+    rounds = [_rates(ours, ours_no_ray, peer)]
+    for r in range(2, cfg.rounds + 1):
+        say(f"round {r}/{cfg.rounds}: {cfg.clients} streaming clients through each server again")
+        rounds.append(throughput_round(cfg, model, model_path, say))
     ms = lambda samples: [1000 * s for s in samples if s is not None]  # noqa: E731
     return {
         "config": asdict(cfg),
@@ -242,7 +246,31 @@ def run(cfg: GatewayBenchConfig, say=print) -> dict:
         "orchard": ours,
         "orchard_no_ray": ours_no_ray,
         "mlx_lm_server": peer,
+        "rounds": rounds,
     }
+
+
+def peer_throughput(cfg: GatewayBenchConfig, model_path: str, say, step: str = "") -> dict | None:
+    if not cfg.peer:
+        return None
+    with mlx_lm_server(cfg, model_path) as server:
+        say(f"{step}{cfg.clients} streaming clients through mlx_lm.server")
+        return throughput(server.url, model_path, model_path, cfg)
+
+
+def throughput_round(cfg: GatewayBenchConfig, model: str, model_path: str, say) -> dict:
+    """Part 2 again with fresh servers, one after another: output tok/s of each."""
+    ours = None
+    with orchard_server(cfg, ray=False) as gateway_only, (orchard_server(cfg) if cfg.ray else nullcontext()) as orchard:
+        if cfg.ray:
+            ours = throughput(orchard.url, model, model_path, cfg)
+        ours_no_ray = throughput(gateway_only.url, model, model_path, cfg)
+    return _rates(ours, ours_no_ray, peer_throughput(cfg, model_path, say))
+
+
+def _rates(ours: dict | None, no_ray: dict, peer: dict | None) -> dict:
+    rate = lambda summary: summary["output_throughput"] if summary else None  # noqa: E731
+    return {"orchard": rate(ours), "orchard_no_ray": rate(no_ray), "mlx_lm_server": rate(peer)}
 
 
 def machine() -> dict:
@@ -264,6 +292,7 @@ def table(result: dict) -> str:
                  f"{result['ttft_direct_p50_ms']:.1f} ms (engine direct)",
                  f"{result['ttft_http_no_ray_p50_ms'] - result['ttft_direct_p50_ms']:+.1f} ms", ""))
     rows += _load_rows(result, cfg["clients"])
+    rows += _round_rows(result.get("rounds", []))
     header = ("metric", "orchard serve", "reference", "difference", "target")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
@@ -291,6 +320,22 @@ def _load_rows(result: dict, clients: int) -> list[tuple]:
     return rows
 
 
+def _round_rows(rounds: list[dict]) -> list[tuple]:
+    """With more than one round and a peer: each round's ratios and their median, the figure the target is read on."""
+    if len(rounds) < 2 or rounds[0]["mlx_lm_server"] is None:
+        return []
+    rows = []
+    for key, label in (("orchard", "orchard serve"), ("orchard_no_ray", "orchard serve --no-ray")):
+        if rounds[0][key] is None:
+            continue
+        ratios = [r[key] / r["mlx_lm_server"] for r in rounds]
+        median = statistics.median(ratios)
+        rows.append((f"output tok/s ratio, {label}, median of {len(rounds)} rounds", f"{median:.2f}x",
+                     "rounds: " + ", ".join(f"{x:.2f}x" for x in ratios), "",
+                     f">= {THROUGHPUT_TARGET}x: {'met' if median >= THROUGHPUT_TARGET else 'missed'}"))
+    return rows
+
+
 def parse_args(argv: list[str] | None) -> tuple[GatewayBenchConfig, str | None]:
     d = GatewayBenchConfig()
     p = argparse.ArgumentParser(prog="python -m orchard.cluster.bench.gateway", description=__doc__.split("\n\n")[0])
@@ -311,6 +356,8 @@ def parse_args(argv: list[str] | None) -> tuple[GatewayBenchConfig, str | None]:
                    help="orchard's decode graphs (`orchard serve --compiled-decode`)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="orchard's overlapped steps (`orchard serve --async-scheduling`; default: the device's)")
+    p.add_argument("--rounds", type=int, default=d.rounds,
+                   help="times the throughput part runs, every server afresh each round; the table adds each round's ratio and their median")
     p.add_argument("--json", metavar="PATH", help="also write the full result here")
     a = p.parse_args(argv)
     cfg = GatewayBenchConfig(
@@ -318,6 +365,7 @@ def parse_args(argv: list[str] | None) -> tuple[GatewayBenchConfig, str | None]:
         requests=a.requests, warmup_requests=a.warmup_requests, input_tokens=a.input_tokens, output_tokens=a.output_tokens,
         max_model_len=a.max_model_len, kv_memory_gb=a.kv_memory, max_num_seqs=max(d.max_num_seqs, a.clients),
         peer=not a.no_peer, ray=not a.no_ray, compiled_decode=a.compiled_decode, async_scheduling=a.async_scheduling,
+        rounds=max(1, a.rounds),
     )
     return cfg, a.json
 
