@@ -13,6 +13,7 @@
     errors.py        named request errors (no MLX)
     rates.py         moving averages of what the node measures about itself
     openblas.py      OpenBLAS for MLX's Linux CPU build (`python -m orchard.node.openblas`)
+    heap.py          a serving process's loaded objects frozen out of the collector's full passes
     model/           the model: loader, paged runner, capability checks, layer seams, the demo model
     serving/         the Ray actor, its output streams, the KV mover, the join agent
 

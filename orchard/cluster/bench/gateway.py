@@ -12,7 +12,9 @@ One run on one model measures, in order:
    raised (PEER_LAUNCHER) so that it answers every request. Each server first serves an
    unmeasured burst (`--warmup-requests`): GPU kernels and decode graphs compile on first use.
 
-The servers run one after another, never together, so they do not share the CPU. On Linux
+The servers serve their loads one after another: the peer alone, the Ray cluster stopped before
+`orchard serve --no-ray`'s load (idle, Ray's processes and the node actor's heartbeat took a few
+per cent of a 2-core machine), only an idle `--no-ray` server up beside the Ray one's. On Linux
 the whole run (servers included) has OpenBLAS preloaded when it exists; the table says so.
 With `--rounds N` part 2 runs N times, each round starting the servers afresh one after
 another, and the table gives each round's ratio and their median: on a shared machine the
@@ -213,18 +215,19 @@ def run(cfg: GatewayBenchConfig, say=print) -> dict:
     prompts = ttft_prompts(engine.tokenizer, cfg.ttft_warmup + cfg.ttft_samples, cfg.ttft_prompt_tokens, cfg.seed)
     http, ours = [], None
     try:
-        with orchard_server(cfg, ray=False) as gateway_only, (orchard_server(cfg) if cfg.ray else nullcontext()) as orchard:
-            say("1/4 TTFT: engine called directly, through orchard serve --no-ray (HTTP only)"
-                + (" and through orchard serve (HTTP, coordinator, Ray node actor)" if cfg.ray else "") + ", alternating")
-            urls = [gateway_only.url] + ([orchard.url] if cfg.ray else [])
-            direct, http_only, *http = interleaved_ttft(engine, urls, model, prompts, cfg.ttft_warmup)
-            http = http[0] if http else []
-            engine.shutdown()
-            if cfg.ray:
-                say(f"2/4 {cfg.clients} streaming clients through orchard serve")
-                ours = throughput(orchard.url, model, model_path, cfg)
+        with orchard_server(cfg, ray=False) as gateway_only:
+            with orchard_server(cfg) if cfg.ray else nullcontext() as orchard:
+                say("1/4 TTFT: engine called directly, through orchard serve --no-ray (HTTP only)"
+                    + (" and through orchard serve (HTTP, coordinator, Ray node actor)" if cfg.ray else "") + ", alternating")
+                urls = [gateway_only.url] + ([orchard.url] if cfg.ray else [])
+                direct, http_only, *http = interleaved_ttft(engine, urls, model, prompts, cfg.ttft_warmup)
+                http = http[0] if http else []
+                engine.shutdown()
+                if cfg.ray:
+                    say(f"2/4 {cfg.clients} streaming clients through orchard serve")
+                    ours = throughput(orchard.url, model, model_path, cfg)
             say(f"3/4 {cfg.clients} streaming clients through orchard serve --no-ray")
-            ours_no_ray = throughput(gateway_only.url, model, model_path, cfg)
+            ours_no_ray = throughput(gateway_only.url, model, model_path, cfg)  # the Ray cluster stopped: it idles at a few % of a core
     finally:
         engine.shutdown()
     peer = peer_throughput(cfg, model_path, say, "4/4 ")
@@ -261,9 +264,10 @@ def peer_throughput(cfg: GatewayBenchConfig, model_path: str, say, step: str = "
 def throughput_round(cfg: GatewayBenchConfig, model: str, model_path: str, say) -> dict:
     """Part 2 again with fresh servers, one after another: output tok/s of each."""
     ours = None
-    with orchard_server(cfg, ray=False) as gateway_only, (orchard_server(cfg) if cfg.ray else nullcontext()) as orchard:
-        if cfg.ray:
+    if cfg.ray:
+        with orchard_server(cfg) as orchard:
             ours = throughput(orchard.url, model, model_path, cfg)
+    with orchard_server(cfg, ray=False) as gateway_only:
         ours_no_ray = throughput(gateway_only.url, model, model_path, cfg)
     return _rates(ours, ours_no_ray, peer_throughput(cfg, model_path, say))
 
