@@ -79,9 +79,9 @@ def test_rounds_give_each_rounds_ratio_and_read_the_target_on_their_median():
               "orchard": load(280.0), "orchard_no_ray": load(300.0), "mlx_lm_server": load(200.0), "rounds": rounds}
     text = gateway.table(result)
     assert "| 280.0 (orchard) | 200.0 (mlx_lm.server) | 1.40x | >= 1.5x: missed |" in text  # the first round's own row
-    assert ("| output tok/s ratio, orchard serve, median of 3 rounds | 1.55x | rounds: 1.40x, 1.65x, 1.55x |  | >= 1.5x: met |"
+    assert ("| output tok/s ratio, orchard serve, median of 3 rounds | 1.550x | rounds: 1.40x, 1.65x, 1.55x |  | >= 1.5x: met |"
             in text)
-    assert ("| output tok/s ratio, orchard serve --no-ray, median of 3 rounds | 1.50x | rounds: 1.50x, 1.55x, 1.40x |  | >= 1.5x: met |"
+    assert ("| output tok/s ratio, orchard serve --no-ray, median of 3 rounds | 1.500x | rounds: 1.50x, 1.55x, 1.40x |  | >= 1.5x: met |"
             in text)
     one_round = dict(result, rounds=rounds[:1])
     assert "median of" not in gateway.table(one_round)

@@ -334,7 +334,7 @@ def _round_rows(rounds: list[dict]) -> list[tuple]:
             continue
         ratios = [r[key] / r["mlx_lm_server"] for r in rounds]
         median = statistics.median(ratios)
-        rows.append((f"output tok/s ratio, {label}, median of {len(rounds)} rounds", f"{median:.2f}x",
+        rows.append((f"output tok/s ratio, {label}, median of {len(rounds)} rounds", f"{median:.3f}x",
                      "rounds: " + ", ".join(f"{x:.2f}x" for x in ratios), "",
                      f">= {THROUGHPUT_TARGET}x: {'met' if median >= THROUGHPUT_TARGET else 'missed'}"))
     return rows
