@@ -95,10 +95,22 @@ def test_only_the_plain_families_fuse(family, fuses, tmp_path, demo_model_dir):
     assert (fuse_stack(text_stack(model)) is not None) is fuses
 
 
+def quantized_matmul_is_sound(layer: nn.QuantizedLinear, rows: int) -> bool:
+    """Whether this device's quantized matmul gives the dequantized weights' product. MLX 0.32.4's CUDA
+    kernel does not when the input has one group of 64 (the tiny models' width) and more than one row: it
+    read NaN or stale memory on the H200, where the CPU, and every wider input, agreed to 1e-6
+    (docs/benchmarks.md, "A quantized matmul of one group on CUDA")."""
+    x = mx.random.normal((1, rows, layer.scales.shape[-1] * layer.group_size), key=mx.random.key(0))
+    dense = mx.dequantize(layer.weight, layer.scales, layer.biases, layer.group_size, layer.bits)
+    return bool(mx.allclose(layer(x), x @ dense.T, atol=1e-3).item())
+
+
 def test_quantized_projections_fuse_and_a_mixed_layer_does_not(tmp_path, demo_model_dir):
     folder = write_quantized_model(tmp_path / "q", write_tiny_model(tmp_path / "f", "qwen3", demo_model_dir), 4, 64)
     model, _ = load(str(folder))
     tokens = mx.array([[3, 17, 29, 5]])
+    if not quantized_matmul_is_sound(text_stack(model).layers[0].self_attn.q_proj, tokens.shape[1]):
+        pytest.skip("this device's quantized matmul is wrong for the tiny model's width (MLX, not fusing)")
     before = np.array(model(tokens, cache=make_prompt_cache(model)))
     fused = fuse_stack(text_stack(model))
     assert fused is not None and fused.layers[0].qkv.quantized is not None
