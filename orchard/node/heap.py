@@ -7,7 +7,7 @@ pull of 512 blocks makes thousands, and so do 32 streaming requests in a gateway
 (`gc.freeze`, as vLLM's servers do once started), a full pass walks only what came after.
 Measured: a full pass over a node with the small demo model loaded took ~25 ms and a KV pull's
 export waited that long on one; a gateway over Ray under 32 streaming clients ran 15 full
-passes of ~115 ms each in 40 s (docs/benchmarks.md, "serve").
+passes of ~115 ms each in one run of 960 requests (docs/benchmarks.md, "serve").
 """
 
 from __future__ import annotations

@@ -100,9 +100,9 @@ class RouteLinkServer(Listener):
 
 
 def _call(frame: object) -> tuple[int | str, tuple]:
-    if not isinstance(frame, tuple) or len(frame) != 2 or not isinstance(frame[1], tuple):
-        raise ValueError("not a route call")
-    if not isinstance(frame[0], int) and not (frame[0] == PREFILL_DONE and len(frame[1]) == 2):
+    """(call id, route's arguments) or (PREFILL_DONE, (node_id, request_id)); anything else is refused."""
+    shaped = isinstance(frame, tuple) and len(frame) == 2 and isinstance(frame[1], tuple)
+    if not shaped or not (isinstance(frame[0], int) or (frame[0] == PREFILL_DONE and len(frame[1]) == 2)):
         raise ValueError("not a route call")
     return frame
 

@@ -83,7 +83,6 @@ def table_key(rope: nn.Module) -> str | None:
     return f"{type(rope).__name__}|{rope.dims}|{getattr(rope, 'base', None)}|{getattr(rope, 'scale', None)}|{digest}"
 
 
-
 def install_positional_rope(model: nn.Module) -> int:
     """Wrap the rope of every attention layer once; returns how many were wrapped now."""
     wrapped = 0

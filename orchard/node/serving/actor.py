@@ -7,7 +7,7 @@ actor's event loop only moves requests in and outputs out. Two duties beyond ser
   thread, in order (calls from one caller reach the actor in order): the first after a quiet
   spell at once, then what the steps made meanwhile in one call at most every
   `KV_EVENTS_GAP_S` (each Ray call costs both processes CPU: under 32 streaming clients on
-  the 2-core VM the coordinator took a tenth of a core answering one call per step);
+  the 2-core VM the coordinator took 0.05-0.10 of a core answering one call per step);
 - every `heartbeat_s`, and soon after a request finishes (so the router does not count a
   finished request as running), the node's load and measured rates go to the coordinator, whose
   reply may ask for a snapshot of the prefix cache or for the node to register again
@@ -119,8 +119,7 @@ class NodeActor:
         self.gateway_link: GatewayLinkServer | None = None  # listening once started, when a key is set
         self._background: set[asyncio.Task] = set()
         self._events_lock = threading.Lock()
-        self._pending_events: list = []  # made by the engine thread, not yet handed to the loop's send
-        self._events_flush_due = False  # a send of the pending events is scheduled on the loop
+        self._pending_events: list = []  # made by the engine thread, not yet sent; a send is scheduled while any wait
         self._events_sent_at = float("-inf")  # the loop's clock at the last send
         self.engine.add_kv_listener(self._push_kv_events)
 
@@ -319,11 +318,10 @@ class NodeActor:
             self._send_kv_events(list(events))
             return
         with self._events_lock:
+            scheduled = bool(self._pending_events)
             self._pending_events.extend(events)
-            if self._events_flush_due:
-                return
-            self._events_flush_due = True
-        self._loop.call_soon_threadsafe(self._schedule_kv_events)
+        if not scheduled:
+            self._loop.call_soon_threadsafe(self._schedule_kv_events)
 
     def _schedule_kv_events(self) -> None:
         """Loop: send now if the last send is `KV_EVENTS_GAP_S` old, else when it will be."""
@@ -333,7 +331,6 @@ class NodeActor:
     def _flush_kv_events(self) -> None:
         with self._events_lock:
             events, self._pending_events = self._pending_events, []
-            self._events_flush_due = False
         self._events_sent_at = self._loop.time()
         self._send_kv_events(events)
 

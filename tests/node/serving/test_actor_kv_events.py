@@ -26,7 +26,7 @@ def _actor(loop: asyncio.AbstractEventLoop) -> NodeActor:
     actor._coordinator = _Coordinator()
     actor._loop = loop
     actor._events_lock = threading.Lock()
-    actor._pending_events, actor._events_flush_due, actor._events_sent_at = [], False, float("-inf")
+    actor._pending_events, actor._events_sent_at = [], float("-inf")
     return actor
 
 
