@@ -181,7 +181,8 @@ def test_route_is_the_one_coordinator_call_a_request_waits_for(cluster):
     routed_over_link, told_over_link = asyncio.run(warm_and_count())
     # node_status is asked only while a stream is silent past stall_check_s.
     ray_calls = [m for m in backend._coordinator.calls if m != "node_status"]
-    assert ray_calls == [] and routed_over_link == 5, backend._coordinator.calls  # each route over the link
+    why = (backend._coordinator.calls, backend._route_links.through_ray, told_over_link)
+    assert ray_calls == [] and routed_over_link == 5, why  # each route over the link
     assert told_over_link == 5  # and each prefill_done (not awaited) too: no Ray call at all
 
     through_ray = RayBackend(RayBackendConfig(link_token=None, specs_refresh_s=60.0))  # no key: no route link

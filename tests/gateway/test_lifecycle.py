@@ -63,9 +63,22 @@ def test_disconnect_while_waiting_for_a_whole_answer_aborts_it(server, engine, m
     wait_until(lambda: cluster(server.url)["kv_blocks_used"] == 0, 2.0)
 
 
+class PausedAfterFirstOutput(KeepEngine):
+    """Holds a request's stream for a second after its first output, so that the stream is sure to
+    outlast the gateway's 0.2 s timeout or a 0.3 s grace however fast the engine generates here."""
+
+    async def generate(self, *args, **kwargs):
+        first = True
+        async for output in super().generate(*args, **kwargs):
+            yield output
+            if first:
+                first = False
+                await asyncio.sleep(1.0)
+
+
 @pytest.fixture(scope="module")
 def impatient(engine):
-    with LiveServer(create_app(KeepEngine(engine), GatewayConfig(request_timeout_s=0.2))) as live:
+    with LiveServer(create_app(PausedAfterFirstOutput(engine), GatewayConfig(request_timeout_s=0.2))) as live:
         yield live
 
 
@@ -152,7 +165,7 @@ def test_shutdown_lets_an_inflight_stream_finish_then_stops_the_backend(engine, 
 
 
 def test_streams_still_running_when_the_grace_ends_close_with_an_error_and_done(engine, model_name):
-    live = LiveServer(create_app(KeepEngine(engine), GatewayConfig()), graceful_s=0.3)
+    live = LiveServer(create_app(PausedAfterFirstOutput(engine), GatewayConfig()), graceful_s=0.3)
     body = {"model": model_name, "prompt": "a long story", "max_tokens": long_budget(engine), "temperature": 0,
             "ignore_eos": True, "stream": True}
     with live:

@@ -1,5 +1,6 @@
-"""What the engine leaves to the device (the step token budget, overlapped steps) follows the device
-the engine computes on, unless the user names it (EngineConfig, `orchard serve`)."""
+"""What the engine leaves to the device (the step token budget) follows the device the engine
+computes on, unless the user names it (EngineConfig, `orchard serve`); overlapped steps are on
+wherever it computes, unless turned off."""
 
 from __future__ import annotations
 
@@ -13,28 +14,27 @@ from orchard.node.engine import CPU_TOKEN_BUDGET, GPU_TOKEN_BUDGET, EngineConfig
 from orchard.node.types import SamplingParams
 
 
-@pytest.fixture(params=[(mx.cpu, CPU_TOKEN_BUDGET, False), (mx.gpu, GPU_TOKEN_BUDGET, True)], ids=["cpu", "gpu"])
+@pytest.fixture(params=[(mx.cpu, CPU_TOKEN_BUDGET), (mx.gpu, GPU_TOKEN_BUDGET)], ids=["cpu", "gpu"])
 def device(request, monkeypatch):
-    """(the budget, whether steps overlap) expected for the device MLX is said to compute on, whatever this
-    machine has."""
-    kind, budget, overlap = request.param
+    """The budget expected for the device MLX is said to compute on, whatever this machine has."""
+    kind, budget = request.param
     monkeypatch.setattr(engine_module.mx, "default_device", lambda: mx.Device(kind))
-    return budget, overlap
+    return budget
 
 
-def test_the_budget_and_the_overlap_are_the_devices_unless_named(device):
+def test_the_budget_is_the_devices_unless_named_and_steps_overlap_on_every_device(device):
     filled = EngineConfig().for_device()
-    assert (filled.max_num_batched_tokens, filled.async_scheduling) == device
-    named = EngineConfig(max_num_batched_tokens=96, async_scheduling=not device[1]).for_device()
-    assert (named.max_num_batched_tokens, named.async_scheduling) == (96, not device[1])
+    assert (filled.max_num_batched_tokens, filled.async_scheduling) == (device, True)
+    named = EngineConfig(max_num_batched_tokens=96, async_scheduling=False).for_device()
+    assert (named.max_num_batched_tokens, named.async_scheduling) == (96, False)
 
 
 def test_serve_leaves_them_to_the_device_the_engine_runs_on_unless_a_flag_names_them(device):
     """The config `serve` makes travels to node actors: the node's device decides, not the head's."""
     parser = build_parser()
     left = engine_config(parser.parse_args(["serve"]))
-    assert (left.max_num_batched_tokens, left.async_scheduling) == (None, None)
-    assert (left.for_device().max_num_batched_tokens, left.for_device().async_scheduling) == device
+    assert (left.max_num_batched_tokens, left.async_scheduling) == (None, True)
+    assert (left.for_device().max_num_batched_tokens, left.for_device().async_scheduling) == (device, True)
     named = engine_config(parser.parse_args(["serve", "--max-num-batched-tokens", "2048", "--no-async-scheduling"]))
     assert (named.for_device().max_num_batched_tokens, named.for_device().async_scheduling) == (2048, False)
     assert engine_config(parser.parse_args(["serve", "--async-scheduling"])).for_device().async_scheduling is True
@@ -49,9 +49,9 @@ def _calls_until_first_token(engine: LLMEngine) -> int:
             return calls
 
 
-@pytest.mark.skipif(mx.default_device().type != mx.DeviceType.cpu, reason="MLX computes on a GPU here")
-def test_on_the_cpu_a_token_comes_out_of_the_step_that_computed_it(model_dirs):
-    """Overlapped, the step that computes a token returns it only after the next step was computed too."""
+def test_step_by_step_a_token_comes_out_of_the_step_that_computed_it(model_dirs):
+    """Overlapped (the default), the step that computes a token returns it only after the next step was
+    launched too; `async_scheduling=False` hands it back a step sooner."""
     config = dict(model=str(model_dirs["demo"]), num_blocks=64)
-    assert _calls_until_first_token(LLMEngine(EngineConfig(**config))) == 1
-    assert _calls_until_first_token(LLMEngine(EngineConfig(**config, async_scheduling=True))) == 2
+    assert _calls_until_first_token(LLMEngine(EngineConfig(**config))) == 2
+    assert _calls_until_first_token(LLMEngine(EngineConfig(**config, async_scheduling=False))) == 1

@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="engine token budget per step (default: the device's)")
     ap.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default: the engine's)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                    help="overlap host work with the device (default: the engine's, on a GPU only)")
+                    help="overlap host work with the device (default: the engine's, on)")
     ap.add_argument("--compiled-decode", default="auto", choices=("auto", "on", "off"),
                     help="decode-only steps from compiled graphs (auto: where attention runs a compiled kernel)")
     ap.add_argument("--only", default="burst,poisson,prefix,prefill,decode,capacity,overhead")
@@ -263,9 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     def engine(**kw) -> LLMEngine:
         flags = {"max_num_batched_tokens": args.max_num_batched_tokens, "block_size": args.block_size}
         overrides = {key: value for key, value in flags.items() if value}  # unset: the engine's own default
-        overlap = args.async_scheduling
+        if args.async_scheduling is not None:  # unset: the engine's default
+            overrides["async_scheduling"] = args.async_scheduling
         compiled = {"on": True, "off": False}.get(args.compiled_decode)
-        config = {"max_num_seqs": args.num_requests, "async_scheduling": overlap, "compiled_decode": compiled, **overrides, **kw}
+        config = {"max_num_seqs": args.num_requests, "compiled_decode": compiled, **overrides, **kw}
         eng = LLMEngine(EngineConfig(**config), loaded=loaded)
         eng.warm_up()  # as a serving node does before its first request
         return eng

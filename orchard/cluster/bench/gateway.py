@@ -64,7 +64,7 @@ class GatewayBenchConfig:
     peer: bool = True  # also measure mlx_lm.server
     ray: bool = True  # also measure `orchard serve` over Ray (False: only `--no-ray`, for a host without Ray)
     compiled_decode: str = "auto"  # `orchard serve --compiled-decode`, also for the engine called directly
-    async_scheduling: bool | None = None  # `orchard serve --[no-]async-scheduling`, likewise; None: the device's
+    async_scheduling: bool = True  # `orchard serve --[no-]async-scheduling`, likewise
     start_timeout_s: float = 600.0
     seed: int = 0
     rounds: int = 1  # times part 2 runs, each round every server afresh
@@ -168,8 +168,7 @@ def orchard_server(cfg: GatewayBenchConfig, ray: bool = True) -> ServerProcess:
            "--compiled-decode", cfg.compiled_decode]
     if not ray:
         cmd.append("--no-ray")
-    if cfg.async_scheduling is not None:
-        cmd.append("--async-scheduling" if cfg.async_scheduling else "--no-async-scheduling")
+    cmd.append("--async-scheduling" if cfg.async_scheduling else "--no-async-scheduling")
     if cfg.model:
         cmd += ["--model", cfg.model]
     return ServerProcess("orchard serve" + ("" if ray else " --no-ray"), cmd, port, "/health", cfg.start_timeout_s)
@@ -358,8 +357,8 @@ def parse_args(argv: list[str] | None) -> tuple[GatewayBenchConfig, str | None]:
     p.add_argument("--no-ray", action="store_true", help="only `orchard serve --no-ray` (a host without Ray)")
     p.add_argument("--compiled-decode", default=d.compiled_decode, choices=("auto", "on", "off"),
                    help="orchard's decode graphs (`orchard serve --compiled-decode`)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="orchard's overlapped steps (`orchard serve --async-scheduling`; default: the device's)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=d.async_scheduling,
+                   help="orchard's overlapped steps (`orchard serve --[no-]async-scheduling`; default: on)")
     p.add_argument("--rounds", type=int, default=d.rounds,
                    help="times the throughput part runs, every server afresh each round; the table adds each round's ratio and their median")
     p.add_argument("--json", metavar="PATH", help="also write the full result here")

@@ -64,9 +64,9 @@ def add_serve_flags(p) -> None:
     p.add_argument("--compiled-decode", default="auto", choices=("auto", "on", "off"),
                    help="replay decode-only steps from compiled graphs (off is vLLM's --enforce-eager); "
                         "auto: on where attention runs a compiled kernel (Metal, CUDA) (default %(default)s)")
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="build each engine step while the device runs the one before (default: on a GPU; "
-                        "on the CPU the host is the device and steps run one by one)")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="build each engine step while the device runs the one before (default: on); off, "
+                        "each token leaves the step that computed it, a step sooner")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length cap; longer prompts get 400 (default: the model's)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -199,6 +199,6 @@ def engine_config(args):
         cold_tier_dir=args.cold_tier, cold_tier_gb=args.cold_tier_gb, seed=getattr(args, "seed", 0),
         enable_prefix_caching=getattr(args, "enable_prefix_caching", True),
         compiled_decode={"on": True, "off": False}.get(getattr(args, "compiled_decode", "auto")),
-        async_scheduling=getattr(args, "async_scheduling", None),
+        async_scheduling=getattr(args, "async_scheduling", True),
     )
     return config
