@@ -65,8 +65,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # False: no prompt reuses another's blocks (vLLM's flag)
     seed: int = 0
     # Overlap host work for step N+1 with the device's step N (vLLM's async scheduling). On a GPU and
-    # on the CPU alike it pays: on this project's 2-core VM 32 streaming clients got 1.62-1.67x
-    # mlx_lm.server's output tok/s overlapped (docs/benchmarks.md, "Overlapped steps on the CPU"). Off,
+    # on the CPU alike it pays: on this project's 2-core VM 32 streaming clients got 1.64x / 1.72x
+    # mlx_lm.server's output tok/s overlapped, 1.56x / 1.55x step by step, over Ray / without (medians of
+    # five rounds, docs/benchmarks.md, "Overlapped steps on the CPU"). Off,
     # each token leaves the step that computed it: a lone request's first token one step sooner.
     async_scheduling: bool = True
     # Decode-only steps replayed from compiled graphs (node.model.compiled_decode); None: where the
