@@ -22,7 +22,8 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections import Counter
+from dataclasses import asdict, dataclass, field
 
 from orchard.cluster.coordinator.coordinator import Coordinator
 from orchard.cluster.coordinator.membership import NodeInfo
@@ -161,6 +162,10 @@ class PolicyFigures:
     hit_rate: float
     oracle_hit_rate: float
     wall_s: float
+    # The cached tokens the router counted on when it chose (its prefix index, at that moment): below the
+    # oracle, repeats were sent away from their holder; above `hit_rate`, blocks were gone when they arrived.
+    routed_hit_rate: float = 0.0
+    reasons: dict[str, int] = field(default_factory=dict)  # decisions by reason ("prefix-hit", "load", ...)
 
 
 async def _one(backend, model, request: Request, t0: float, params, sessions: bool) -> tuple[float, int, int]:
@@ -197,7 +202,7 @@ def bench_policy(name: str, cfg: WorkloadConfig, requests: list[Request], nodes:
     policy, sessions = name.removesuffix(SESSIONS), name.endswith(SESSIONS)
     engine = EngineConfig(model=model, block_size=cfg.block_size, num_blocks=cfg.num_blocks, max_num_batched_tokens=1024)
     with LocalCluster(cpus_per_node=1).start(extra_nodes=nodes - 1):
-        ensure_coordinator(CoordinatorConfig(router=RouterConfig(policy=policy)))
+        coordinator = ensure_coordinator(CoordinatorConfig(router=RouterConfig(policy=policy)))
         live = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
         actors = [  # kept: a non-detached actor lives only while a handle does
             start_node_actor(ray_node_id, node_actor_config(f"node{i}", engine, heartbeat_s=0.5))
@@ -207,7 +212,11 @@ def bench_policy(name: str, cfg: WorkloadConfig, requests: list[Request], nodes:
         model = asyncio.run(backend.models())[0].name
         params = SamplingParams(max_tokens=cfg.max_tokens, temperature=0.0, ignore_eos=True)
         results, wall = asyncio.run(_drive(backend, model, requests, params, sessions))
+        routing = ray.get(coordinator.cluster_info.remote())["routing"]
         del actors
+    reasons = Counter()
+    for row in routing["decisions"]:
+        reasons[row["reason"]] += row["count"]
     ttfts = sorted(r[0] for r in results)
     prompt_tokens = sum(len(r.prompt) for r in requests)
     return PolicyFigures(
@@ -216,6 +225,7 @@ def bench_policy(name: str, cfg: WorkloadConfig, requests: list[Request], nodes:
         output_tokens_per_s=sum(r[1] for r in results) / wall,
         hit_rate=sum(r[2] for r in results) / prompt_tokens,
         oracle_hit_rate=oracle_hit_rate(requests, cfg.block_size), wall_s=wall,
+        routed_hit_rate=routing["routed_hit_rate"], reasons=dict(reasons.most_common()),
     )
 
 
@@ -279,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             out["policies"].append(asdict(figures))
             print(f"{policy:>13}: TTFT p50 {figures.ttft_p50_s:.3f} s p90 {figures.ttft_p90_s:.3f} s, "
                   f"{figures.output_tokens_per_s:.1f} out tok/s, hit rate {figures.hit_rate:.1%} "
-                  f"(oracle {figures.oracle_hit_rate:.1%}), {figures.wall_s:.1f} s")
+                  f"(oracle {figures.oracle_hit_rate:.1%}, routed {figures.routed_hit_rate:.1%}), {figures.wall_s:.1f} s; "
+                  f"decisions {', '.join(f'{reason} {count}' for reason, count in figures.reasons.items())}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)
