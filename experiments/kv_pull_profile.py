@@ -6,7 +6,7 @@ actor's `pull_blocks` does. Each stage is timed by wrapping the function that do
 both processes, and summed over a pull (stages on different threads overlap, so they add up
 to more than the pull's wall time; the one nearest the wall time bounds the pull):
 
-    source: pin (pin_export on the engine thread), encode (the pieces), send (checksum + sendmsg)
+    source: pin (pin_export or pin_layer_export on the engine thread), encode (the pieces), send (checksum + sendmsg)
     target: recv (socket to buffer + checksum), decode (check + parse), import (pool write, engine thread)
 
 Raw TCP over the same loopback, plain sockets, is measured in the same run. With `--link`
@@ -97,6 +97,9 @@ def _instrument(stages: Stages, side: str) -> None:
     if side == "source":
         stages.wrap(cache.KVCache, "pin_export", "pin")
         stages.wrap(kv_link, "payload_pieces", "encode")
+        if hasattr(cache.KVCache, "pin_layer_export"):  # wire format version 3, where the tree has it
+            stages.wrap(cache.KVCache, "pin_layer_export", "pin")
+            stages.wrap(kv_link, "layer_pieces", "encode")
         stages.wrap(link_io, "send_payload", "send")
     else:
         stages.wrap(link_io, "receive_payload", "recv")

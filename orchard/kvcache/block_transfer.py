@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from orchard.kvcache.block_manager import BlockManager
 from orchard.kvcache.errors import IncompatibleKVPayload
 from orchard.kvcache.geometry import KVGeometry, StateGeometry
@@ -24,6 +26,7 @@ from orchard.kvcache.hashing import BlockHash, hash_block, hash_block_rows
 from orchard.kvcache.hybrid_states import HybridStates, check_state_fits
 from orchard.kvcache.pool import KVPool, as_slice
 from orchard.kvcache.wire import BlockRun, KVBlockData, StateSnapshotData, decode_payload, encode_blocks
+from orchard.kvcache.wire_layers import LayerChunk
 from orchard.kvcache.wire_stream import BlockPieces
 
 
@@ -79,6 +82,23 @@ class BlockTransfer:
         blocks = [_pieces(b) for b in self._memory_blocks(pinned)] if views is None else self._view_pieces(pinned, views)
         blocks += [_pieces(b) for b in self._cold_run(hashes[len(pinned) :])]
         return pinned, blocks, self._state_after(blocks)
+
+    def pin_layer_export(self, hashes: Sequence[BlockHash]) -> tuple[list[int], LayerRun] | None:
+        """`pin_export` for the layer-major wire format (`orchard.kvcache.wire_layers`): the leading run of
+        `hashes` held in memory, pinned, with the pool's layers to slice it from; None (nothing pinned)
+        where it cannot be sent so: a hybrid model, a pool numpy cannot view, a run that goes on to disk."""
+        views = self.pool.layer_views() if self.hybrid is None else None
+        if views is None:
+            return None
+        pinned = self.manager.pin(hashes)
+        if not pinned or len(pinned) < len(hashes) and self._on_disk(hashes[len(pinned)]):
+            self.manager.unpin(pinned)
+            return None
+        records = [self.manager.block(block_id) for block_id in pinned]
+        hashes_rows = np.frombuffer(b"".join(bytes(b.block_hash) for b in records), np.uint8).reshape(-1, 16)
+        parents = np.frombuffer(b"".join(bytes(b.parent_hash) for b in records), np.uint8).reshape(-1, 16)
+        tokens = np.array([b.token_ids for b in records], dtype=np.uint32)
+        return pinned, LayerRun(hashes_rows, parents, tokens, np.asarray(pinned), views)
 
     def unpin_export(self, pinned: Sequence[int]) -> None:
         """Let eviction have the blocks `pin_export` held, once their pieces are sent."""
@@ -214,6 +234,24 @@ class BlockTransfer:
             block = self.manager.block(block_id)
             out.append(KVBlockData(block.block_hash, block.parent_hash, block.token_ids, keys[:, j], values[:, j]))
         return out
+
+
+class LayerRun:
+    """A pinned run to send layer-major, cut into chunks on the link's thread: a chunk whose block
+    ids are consecutive (a fresh pool hands them out so) is one slice of each layer's K and V, no
+    copy; any other is gathered, one copy per layer."""
+
+    def __init__(self, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray, block_ids: np.ndarray, views):
+        self.hashes, self.parents, self.tokens, self.block_ids = hashes, parents, tokens, block_ids
+        self.key_layers, self.value_layers = views
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    def chunk(self, start: int, stop: int) -> LayerChunk:
+        rows = as_slice(self.block_ids[start:stop].tolist())
+        return LayerChunk(self.hashes[start:stop], self.parents[start:stop], self.tokens[start:stop],
+                          [layer[rows] for layer in self.key_layers], [layer[rows] for layer in self.value_layers])
 
 
 def _pieces(block: KVBlockData) -> BlockPieces:

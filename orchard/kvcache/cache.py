@@ -264,6 +264,10 @@ class KVCache:
         """Pin the leading run of `hashes` held here as wire pieces, with a hybrid model's snapshot; `unpin_export` when sent."""
         return self.transfer.pin_export(hashes)
 
+    def pin_layer_export(self, hashes: Sequence[BlockHash]):
+        """`pin_export` for the layer-major wire format, or None where the run cannot go so (`BlockTransfer`)."""
+        return self.transfer.pin_layer_export(hashes)
+
     def unpin_export(self, pinned: Sequence[int]) -> None:
         self.transfer.unpin_export(pinned)
 

@@ -15,6 +15,9 @@ it, together with its geometry (per state layer, each array's shape and dtype) a
 raw bytes. A decoder whose state pool differs refuses it, as it refuses a foreign KV
 geometry; a hybrid decoder refuses blocks that come without a state, and a decoder
 without a state pool refuses a state.
+
+Version 3 (`orchard.kvcache.wire_layers`) lays a link's chunk of full blocks out layer by layer; the
+readers here know versions 1 and 2 only and refuse it at the version check.
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ import xxhash
 from orchard.kvcache.errors import CorruptKVPayload
 from orchard.kvcache.geometry import KVGeometry, StateGeometry
 from orchard.kvcache.wire import CHECKSUM_SIZE, KVPayload
-from orchard.kvcache.wire_stream import Piece, read_payload_views
+from orchard.kvcache.wire_layers import read_views
+from orchard.kvcache.wire_stream import Piece
 
 
 class OutgoingPayload:
@@ -82,7 +83,8 @@ class IncomingPayload:
 
     def decode(self, expected: KVGeometry, expected_state: StateGeometry | None = None) -> KVPayload:
         """The payload's blocks (and state) as views into the buffer, as
-        `orchard.kvcache.wire_stream.decode_payload_views` reads them; refused unless every byte landed."""
+        `orchard.kvcache.wire_stream.decode_payload_views` reads them (version 3 as
+        `orchard.kvcache.wire_layers` does); refused unless every byte landed."""
         if self._landed != len(self.data):
             raise CorruptKVPayload(f"KV payload ends after {self._landed} of its {len(self.data)} bytes")
-        return read_payload_views(self.data, self._digest.digest(), expected, expected_state)
+        return read_views(self.data, self._digest.digest(), expected, expected_state)

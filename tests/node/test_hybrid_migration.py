@@ -22,6 +22,7 @@ from orchard.kvcache.geometry import StateArray, StateGeometry
 from orchard.kvcache.wire import StateSnapshotData, decode_payload, encode_blocks
 from orchard.node.async_engine import AsyncEngine
 from orchard.node.engine import EngineConfig, LLMEngine
+from orchard.node.serving import kv_link
 from orchard.node.serving import link_auth as auth
 from orchard.node.serving.direct_path import DirectPath
 from orchard.node.serving.kv_link import KVLinkConfig
@@ -203,8 +204,10 @@ def test_a_pull_through_the_mover_is_one_payload_and_resumes_exactly(running):
     assert (tokens, hit) == (reference(model, prompt)[0], 12)
 
 
-def test_a_direct_pull_carries_the_state_and_resumes_exactly(running):
+def test_a_direct_pull_carries_the_state_and_resumes_exactly(running, monkeypatch):
     (source, target), model = running
+    layered = []  # a hybrid run travels in version 2, whose payload carries the state
+    monkeypatch.setattr(kv_link, "layer_pieces", lambda *a: layered.append(a) or pytest.fail("layer-major for a hybrid model"))
     config = KVLinkConfig(chunk_bytes=source.engine.kv.geometry.bytes_per_block, handshake_timeout_s=2.0)
     paths = {name: DirectPath(BlockMover(e), name, KEY, config) for name, e in zip("ab", (source, target))}
     for path in paths.values():
@@ -226,3 +229,4 @@ def test_a_direct_pull_carries_the_state_and_resumes_exactly(running):
             path.close()
     assert (result.ok, result.via, result.requested, result.imported) == (True, "direct", 3, 3), result.error
     assert (tokens, hit) == (reference(model, prompt)[0], 12)
+    assert layered == [] and source.engine.kv.pin_layer_export(source.engine.kv.block_hashes(prompt)) is None

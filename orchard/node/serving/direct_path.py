@@ -54,7 +54,8 @@ class DirectPath:
         """Listen (only when a key is set); returns "host:port" or None."""
         if self.key is None or self.server is not None:
             return self.address
-        self.server = KVLinkServer(self.key, self.node_id, self.mover.geometry, self._export, self._release, self.config)
+        self.server = KVLinkServer(self.key, self.node_id, self.mover.geometry, self._export, self._release, self.config,
+                                   export_layers=self._export_layers)
         address = self.server.start()
         self.server.prepare_probes(self.mover.probe_sizes())
         return address
@@ -158,6 +159,9 @@ class DirectPath:
 
     def _export(self, hashes: list[BlockHash]):  # a link thread
         return self._on_engine(lambda e: e.kv.pin_export(hashes))
+
+    def _export_layers(self, hashes: list[BlockHash]):  # a link thread
+        return self._on_engine(lambda e: e.kv.pin_layer_export(hashes))
 
     def _release(self, pinned) -> None:  # a link thread
         self._on_engine(lambda e: e.kv.unpin_export(pinned))

@@ -5,11 +5,15 @@ payload as one bytes object on both sides; this link sends a pull's blocks over 
 connection, straight from the pool's arrays, into buffers the target keeps for the next
 pull. On the wire (after `orchard.node.serving.link_auth`'s handshake):
 
-    request   u32 length, msgpack {"hashes": [bytes, ...], "chunk_bytes": int}
+    request   u32 length, msgpack {"hashes": [bytes, ...], "chunk_bytes": int[, "layer_major": true]}
               or {"probe": nbytes}: a well-formed payload of blocks no model uses (`orchard.node.serving.migration.probe_payload`)
     reply     per chunk: u64 length, then one `orchard.kvcache.wire` payload (checksummed); u64 0 ends it
               (a hybrid model's run is one chunk: its blocks are worth importing only with the
               recurrent state after the last of them, which travels in the same payload)
+
+A target that reads wire format version 3 (`orchard.kvcache.wire_layers`, a chunk laid out layer by
+layer) says so with "layer_major"; a source that can lay its run out so answers in version 3, any
+other in version 2 (a source that knows no such key ignores it), and the target reads either.
 
 Each chunk is a whole payload, so the target verifies and imports chunk i on its engine
 thread while chunk i+1 arrives, and the source lays out chunk i+1 while the kernel still
@@ -43,6 +47,7 @@ import msgpack
 from orchard.kvcache.errors import KVCacheError
 from orchard.kvcache.hashing import BlockHash
 from orchard.kvcache.wire import KVPayload, StateSnapshotData
+from orchard.kvcache.wire_layers import layer_pieces
 from orchard.kvcache.wire_stream import payload_pieces
 from orchard.node.serving import link_auth as auth
 from orchard.node.serving import link_io
@@ -82,17 +87,20 @@ ChunkSink = Callable[[bytearray, int, KVPayload], None]
 #: pin and describe the run (its blocks and, for a hybrid model, the state after them), release it.
 Exporter = Callable[[list[BlockHash]], tuple[object, list, StateSnapshotData | None]]
 Releaser = Callable[[object], None]
+#: The same for the layer-major format: the pinned handle and an `orchard.kvcache.block_transfer.LayerRun`,
+#: or None where the run cannot be laid out so (the reply then goes in version 2).
+LayerExporter = Callable[[list[BlockHash]], tuple[object, object] | None]
 
 
 class KVLinkServer(link_io.Listener):
     """Accepts authenticated connections and streams the blocks they ask for."""
 
     def __init__(self, key: bytes, node_id: str, geometry, export: Exporter, release: Releaser,
-                 config: KVLinkConfig | None = None):
+                 config: KVLinkConfig | None = None, export_layers: LayerExporter | None = None):
         self.config = config or KVLinkConfig()
         super().__init__(self.config.host, self.config.port, self._serve, "kv-link")
         self.key, self.node_id, self.geometry = key, node_id, geometry
-        self._export, self._release = export, release
+        self._export, self._release, self._export_layers = export, release, export_layers
         self.counters = LinkCounters()
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-link-encode")  # probes, made ahead
         self._probes: dict[int, bytes] = {}
@@ -125,10 +133,22 @@ class KVLinkServer(link_io.Listener):
             return
         hashes = [BlockHash(bytes(h)) for h in request["hashes"]]
         per_chunk = max(1, int(request.get("chunk_bytes", self.config.chunk_bytes)) // self.geometry.bytes_per_block)
+        layered = self._export_layers(hashes) if request.get("layer_major") and self._export_layers else None
+        if layered is not None:
+            return self._reply_layers(conn, *layered, per_chunk)
         handle, blocks, state = self._export(hashes)
         try:
             for run in reply_runs(blocks, state, per_chunk):  # the next chunk's pieces are made while the
                 pieces = payload_pieces(self.geometry, *run)  # kernel still sends what it took of the last
+                self.counters.sent_bytes += link_io.send_payload(conn, pieces)
+            conn.sendall(U64.pack(0))
+        finally:
+            self._release(handle)
+
+    def _reply_layers(self, conn: socket.socket, handle, run, per_chunk: int) -> None:
+        try:
+            for start in range(0, len(run), per_chunk):
+                pieces = layer_pieces(self.geometry, run.chunk(start, min(len(run), start + per_chunk)))
                 self.counters.sent_bytes += link_io.send_payload(conn, pieces)
             conn.sendall(U64.pack(0))
         finally:
@@ -174,8 +194,11 @@ class LinkStream:
         self._thread: threading.Thread | None = None
 
     def start(self, hashes: Sequence[bytes], chunk_bytes: int, probe_bytes: int = 0) -> None:
-        """Ask for the blocks of `hashes` (or, with `probe_bytes`, a probe payload of about that size)."""
+        """Ask for the blocks of `hashes` (or, with `probe_bytes`, a probe payload of about that size);
+        layer-major unless a hybrid model's, which needs the state that only version 2 carries."""
         ask = {"probe": probe_bytes} if probe_bytes else {"hashes": [bytes(h) for h in hashes], "chunk_bytes": chunk_bytes}
+        if not probe_bytes and self.state_geometry is None:
+            ask["layer_major"] = True
         request = msgpack.packb(ask, use_bin_type=True)
         self.sock.sendall(U32.pack(len(request)) + request)
         self._thread = threading.Thread(target=self._receive, name="kv-link-recv", daemon=True)

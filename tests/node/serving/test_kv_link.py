@@ -15,8 +15,8 @@ from orchard.kvcache.events import BlockStored
 from orchard.kvcache.hashing import BlockHash
 from orchard.node.async_engine import AsyncEngine
 from orchard.node.engine import EngineConfig, LLMEngine
+from orchard.node.serving import kv_link, link_io
 from orchard.node.serving import link_auth as auth
-from orchard.node.serving import link_io
 from orchard.node.serving.direct_path import DirectPath
 from orchard.node.serving.kv_link import KVLinkConfig, connect
 from orchard.node.serving.link_auth import LinkRefused
@@ -136,6 +136,43 @@ def test_direct_pull_gives_the_greedy_tokens_of_recomputing_and_is_a_prefix_hit(
     assert result.bytes > 5 * paths["a"].mover.geometry.bytes_per_block
     assert (migrated, hit) == (reference, 5 * BS)
     assert paths["b"].mover.counters.migrated_blocks >= 5
+
+
+def test_a_direct_pull_goes_layer_major_in_several_chunks_and_decodes_token_exact(nodes, monkeypatch):
+    loop, paths = nodes
+    chunks = []
+    real = kv_link.layer_pieces
+    monkeypatch.setattr(kv_link, "layer_pieces", lambda geometry, chunk: chunks.append(len(chunk.hashes)) or real(geometry, chunk))
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(31))
+    assert (result.ok, result.imported, chunks) == (True, 5, [2, 2, 1])
+    assert (migrated, hit) == (reference, 5 * BS)
+
+
+def test_a_source_that_does_not_offer_layer_major_answers_in_version_2_and_the_pull_still_lands(nodes, monkeypatch):
+    loop, paths = nodes
+    monkeypatch.setattr(paths["a"].server, "_export_layers", None)  # a source of before version 3
+    monkeypatch.setattr(kv_link, "layer_pieces", lambda *a: pytest.fail("version 3 sent"))
+    versions = []
+    real = kv_link.payload_pieces
+    monkeypatch.setattr(kv_link, "payload_pieces", lambda *a: versions.append(2) or real(*a))
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(32))
+    assert (result.ok, result.imported, versions) == (True, 5, [2, 2, 2])
+    assert (migrated, hit) == (reference, 5 * BS)
+
+
+def test_a_run_that_goes_on_to_disk_or_a_pool_numpy_cannot_view_is_not_laid_out_layer_major(nodes, monkeypatch):
+    loop, paths = nodes
+    kv = paths["a"].mover.engine.engine.kv
+    tokens = prompt(33)
+    loop.run_until_complete(generate(paths["a"], "layers-33", tokens))
+    hashes = hashes_of(paths["a"], tokens)
+    pinned, run = kv.pin_layer_export(hashes)
+    assert len(run) == len(pinned) == 5 and run.chunk(0, 5).tokens.tolist()[0] == tokens[:BS]
+    kv.unpin_export(pinned)
+    monkeypatch.setattr(kv.transfer, "_on_disk", lambda h: True)
+    assert kv.pin_layer_export([*hashes, BlockHash(bytes(16))]) is None
+    monkeypatch.setattr(kv.transfer.pool, "layer_views", lambda: None)
+    assert kv.pin_layer_export(hashes) is None
 
 
 def test_a_pull_returns_once_every_chunk_is_imported_and_its_kv_events_are_published(nodes):
