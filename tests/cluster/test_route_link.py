@@ -134,7 +134,7 @@ def test_calls_that_arrive_together_share_one_connection():
 
     decisions, links, connections = run(scenario)
     assert all(isinstance(d, RouteDecision) for d in decisions)
-    assert (links.calls, links.asked, connections, dict(links.through_ray)) == (12, 1, 1, {})
+    assert (links.calls, links.asked, links.openings, connections, dict(links.through_ray)) == (12, 1, 1, 1, {})
 
 
 def test_a_route_with_no_node_yet_is_asked_again_over_the_link_until_a_node_registers():
@@ -185,3 +185,20 @@ def test_a_malformed_notice_ends_the_connection():
         return link.closed, server.notices
 
     assert run(scenario) == (True, 0)
+
+
+def test_a_notice_while_the_link_is_down_goes_through_ray_and_the_next_route_opens_it_again():
+    async def scenario(coordinator, server):
+        links = links_to(server)
+        first = await links.route("demo", hashes(9), 3 * BS, BS, "req-9", None, (), "")
+        links._opened()._writer.transport.abort()  # the connection ends between a route and its notice
+        await asyncio.sleep(0.1)
+        told = links.prefill_done(first.node_id, "req-9")
+        second = await links.route("demo", hashes(10), 3 * BS, BS, "req-10", None, (), "")
+        told_again = links.prefill_done(second.node_id, "req-10")
+        links._opened().close()
+        return told, told_again, links
+
+    told, told_again, links = run(scenario)
+    assert not told and told_again  # False: the caller tells the coordinator through Ray
+    assert (links.calls, links.openings, links.asked, dict(links.through_ray)) == (2, 2, 2, {})

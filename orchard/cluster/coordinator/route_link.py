@@ -178,6 +178,7 @@ class RouteLinks:
         self._current: tuple[asyncio.AbstractEventLoop, asyncio.Task, float] | None = None  # (loop, opening, when)
         self.calls = 0  # routes decided over a link
         self.notices = 0  # prefill_done notices sent over a link
+        self.openings = 0  # links asked for: the first, and one after each that broke or could not be made
         self.through_ray: Counter[str] = Counter()  # why a route was left to Ray: "no link", "link broke"
 
     @property
@@ -225,6 +226,7 @@ class RouteLinks:
         loop, now = asyncio.get_running_loop(), time.monotonic()
         if self._current is None or self._current[0] is not loop or self._spent(now):
             self._current = (loop, loop.create_task(self._open()), now)
+            self.openings += 1
         return await asyncio.shield(self._current[1])  # a caller that leaves does not cancel the others' opening
 
     def _spent(self, now: float) -> bool:
