@@ -23,7 +23,6 @@ chunk that holds a partial block, travels as version 2. A link asks for this lay
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,7 +40,7 @@ from orchard.kvcache.wire import (
     wire_dtype,
 )
 from orchard.kvcache.wire_batch import HASH_SIZE, array_header, bin_header
-from orchard.kvcache.wire_stream import Piece, _Reader, read_payload_views
+from orchard.kvcache.wire_stream import Piece, _Reader, read_checked, read_envelope_body, read_envelope_head
 
 LAYER_FORMAT_VERSION = 3
 _TOKEN = np.dtype("<u4")
@@ -77,14 +76,13 @@ def layer_pieces(geometry: KVGeometry, chunk: LayerChunk) -> list[Piece]:
 
 
 def read_views(data: memoryview, digest: bytes, expected: KVGeometry, expected_state: StateGeometry | None = None) -> KVPayload:
-    """A received payload of any version as views into `data` (`read_payload_views`, whose checks
-    come first: `digest` against the last 16 bytes); version 3 is read here, the others there."""
-    if len(data) <= CHECKSUM_SIZE or digest != bytes(data[-CHECKSUM_SIZE:]):
-        return read_payload_views(data, digest, expected, expected_state)
-    reader = _Reader(data)
-    try:
-        if _version(reader) != LAYER_FORMAT_VERSION:
-            return read_payload_views(data, digest, expected, expected_state)
+    """A received payload of any version as views into `data`, checked as every payload is
+    (`wire_stream.read_checked`: `digest` against the last 16 bytes first); version 3 is read here,
+    the others by `orchard.kvcache.wire_stream`."""
+    def read(reader: _Reader) -> KVPayload:
+        fields, version = read_envelope_head(reader)
+        if (fields, version) != (5, LAYER_FORMAT_VERSION):
+            return read_envelope_body(reader, fields, version, expected, expected_state)
         if expected_state is not None:
             raise IncompatibleKVPayload("KV payload of version 3 has no recurrent state: a hybrid model cannot resume from it")
         reader.key("geometry")
@@ -92,19 +90,9 @@ def read_views(data: memoryview, digest: bytes, expected: KVGeometry, expected_s
         run = _read_run(reader, expected)
         reader.key("checksum")
         reader.bin(CHECKSUM_SIZE)
-    except (IndexError, struct.error, UnicodeDecodeError) as err:
-        raise CorruptKVPayload(f"KV payload is not a whole envelope ({type(err).__name__}: {err})") from err
-    if reader.pos != len(data):
-        raise CorruptKVPayload(f"KV payload has {len(data) - reader.pos} bytes after its envelope")
-    return KVPayload(run)
+        return KVPayload(run)
 
-
-def _version(reader: _Reader) -> object:
-    """The version field, the reader left after it; None where the envelope does not open as a payload's."""
-    if reader.map_header() != 5 or reader.str() != "format" or reader.value() != FORMAT_TAG:
-        return None
-    reader.key("version")
-    return reader.value()
+    return read_checked(data, digest, read)
 
 
 def _read_run(reader: _Reader, geometry: KVGeometry) -> BlockRun:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -117,13 +117,20 @@ def read_payload_views(data: memoryview, digest: bytes, expected: KVGeometry,
     """`decode_payload_views` of `data` (bytes, one byte an item) whose xxh3_128 over every byte
     before its last 16 was taken as the bytes arrived (`orchard.kvcache.wire_transit.IncomingPayload`):
     `digest` is compared with those 16 bytes before anything else is read."""
+    return read_checked(data, digest, lambda reader: read_envelope_body(reader, *read_envelope_head(reader),
+                                                                         expected, expected_state))
+
+
+def read_checked(data: memoryview, digest: bytes, read_envelope: Callable[[_Reader], KVPayload]) -> KVPayload:
+    """`read_envelope` over `data` once `digest` matches its last 16 bytes, and only if it reads every
+    byte: any reader of a payload (this format's, `orchard.kvcache.wire_layers`') goes through here."""
     if len(data) <= CHECKSUM_SIZE:
         raise CorruptKVPayload(f"KV payload of {len(data)} bytes is too short to hold anything")
     if digest != bytes(data[-CHECKSUM_SIZE:]):
         raise CorruptKVPayload("KV payload checksum mismatch: the bytes were damaged on the way")
     reader = _Reader(data)
     try:
-        decoded = _read_envelope(reader, expected, expected_state)
+        decoded = read_envelope(reader)
     except (IndexError, struct.error, UnicodeDecodeError) as err:
         raise CorruptKVPayload(f"KV payload is not a whole envelope ({type(err).__name__}: {err})") from err
     if reader.pos != len(data):
@@ -199,12 +206,19 @@ def _map_header(n: int) -> bytes:
 # ---- reading ------------------------------------------------------------------------
 
 
-def _read_envelope(reader: _Reader, expected: KVGeometry, expected_state: StateGeometry | None) -> KVPayload:
+def read_envelope_head(reader: _Reader) -> tuple[int, object]:
+    """The envelope's field count and its version as written, the reader left after the version."""
     fields = reader.map_header()
     if fields not in (5, 6) or reader.str() != "format" or reader.value() != FORMAT_TAG:
         raise CorruptKVPayload("bytes are not a KV block payload (no format tag)")
     reader.key("version")
-    version = _check_version({"version": reader.value()})
+    return fields, reader.value()
+
+
+def read_envelope_body(reader: _Reader, fields: int, version: object, expected: KVGeometry,
+                       expected_state: StateGeometry | None) -> KVPayload:
+    """The rest of a version 1 or 2 envelope (any other version refused by its named error)."""
+    version = _check_version({"version": version})
     if fields != (5 if version == FORMAT_VERSION else 6):
         raise CorruptKVPayload(f"KV payload of version {version} has {fields} fields")
     reader.key("geometry")
