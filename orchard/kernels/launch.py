@@ -48,6 +48,16 @@ class KernelTuning:
     # MMA loop, single-pass launches (one partition): registers bounded so this many threadgroups fit an SM
     # (None: the compiler's choice). Split launches stay unbounded: there the bound measured slower.
     single_pass_register_blocks: int | None = 8
+    # MMA loop: head tiles (a KV head's group of query heads) one threadgroup takes, one warp each, so that its
+    # warps read the same pool blocks at once (a token's KV heads lie side by side in its block). On the H200,
+    # B 64, four tiles a threadgroup took 0.72-0.74x of dense SDPA's time at T = 4,096 against 0.84-0.85x
+    # with one; past 4,096 tokens a threadgroup they were no faster (32,768 in 8,192-token partitions) or
+    # slower (8,192 in one pass), and so were grids of fewer than 128 threadgroups (docs/benchmarks.md,
+    # "Several KV heads a threadgroup"). Outside those bounds a threadgroup keeps one tile of `threads`.
+    mma_tiles_per_threadgroup: int = 4
+    mma_tile_threads: int = 32
+    mma_min_threadgroups: int = 128
+    mma_max_span: int = 4096
 
     def register_blocks(self, partitioned: bool) -> int | None:
         return None if partitioned else self.single_pass_register_blocks
@@ -59,6 +69,7 @@ class DecodePlan:
     heads_per_tile: int  # query heads of one KV group handled by one threadgroup
     partition_size: int  # tokens one threadgroup reads
     num_partitions: int  # 1 means a single pass without the merge kernel
+    span: int = 0  # the most tokens one threadgroup reads: the partition, or a shorter longest context
 
     @property
     def partitioned(self) -> bool:
@@ -98,6 +109,7 @@ def plan_decode(
         heads_per_tile=heads_per_tile,
         partition_size=size,
         num_partitions=max(-(-max_context // size), 1),
+        span=min(size, max_context),
     )
 
 
@@ -121,6 +133,17 @@ def context_bound(block_tables, context_lens, block_size: int) -> int:
 def as_device_ints(values) -> mx.array:
     array = values if isinstance(values, mx.array) else mx.array(np.asarray(values, dtype=np.int32))
     return array if array.dtype == mx.int32 else array.astype(mx.int32)
+
+
+def threadgroup_shape(tuning: KernelTuning, tensor_cores: bool, head_tiles: int, num_seqs: int, plan: DecodePlan) -> tuple[int, int]:
+    """(threads, head tiles) of one decode threadgroup: for the MMA loop, several tiles of one warp each where
+    no threadgroup reads past `mma_max_span` tokens and the grid keeps `mma_min_threadgroups`; else one
+    tile of `tuning.threads`."""
+    per_group = tuning.mma_tiles_per_threadgroup
+    if (not tensor_cores or per_group <= 1 or head_tiles % per_group or plan.span > tuning.mma_max_span
+            or num_seqs * plan.num_partitions * (head_tiles // per_group) < tuning.mma_min_threadgroups):
+        return tuning.threads, 1
+    return tuning.mma_tile_threads * per_group, per_group
 
 
 class PagedDecodeKernels:
@@ -183,22 +206,25 @@ class PagedDecodeKernels:
         template = [
             ("T", key_cache.dtype), ("HEAD_DIM", head_dim), ("BLOCK_SIZE", block_size),
             ("NUM_KV_HEADS", num_kv_heads), ("GROUP", num_heads // num_kv_heads),
-            ("HEADS_PER_TILE", plan.heads_per_tile), ("LANES", plan.lanes), ("NUM_THREADS", tuning.threads),
+            ("HEADS_PER_TILE", plan.heads_per_tile), ("LANES", plan.lanes),
             ("UNROLL", tuning.unroll), *layer.template,
         ]
-        grid = (plan.num_partitions * tuning.threads, num_kv_heads * (num_heads // num_kv_heads // plan.heads_per_tile), num_seqs)
         tensor_cores = self.uses_tensor_cores(plan, tuning, num_heads, num_kv_heads, head_dim, key_cache.dtype)
-        kernel = self._decode_kernel(plan.partitioned, tensor_cores, tensor_cores and tuning.pipelined, tuning.threads,
-                                     tuning.register_blocks(plan.partitioned) if tensor_cores else None)
+        head_tiles = num_heads // plan.heads_per_tile
+        threads, per_group = threadgroup_shape(tuning, tensor_cores, head_tiles, num_seqs, plan)
+        template += [("NUM_THREADS", threads), ("TILES_PER_THREADGROUP", per_group)]
+        grid = (plan.num_partitions * threads, head_tiles // per_group, num_seqs)
+        bound = tuning.register_blocks(plan.partitioned) if tensor_cores and per_group == 1 else None
+        kernel = self._decode_kernel(plan.partitioned, tensor_cores, tensor_cores and tuning.pipelined, threads, bound)
         if not plan.partitioned:
             (out,) = kernel(
-                inputs=inputs, template=template, grid=grid, threadgroup=(tuning.threads, 1, 1),
+                inputs=inputs, template=template, grid=grid, threadgroup=(threads, 1, 1),
                 output_shapes=[queries.shape], output_dtypes=[key_cache.dtype],
             )
             return out if out.dtype == queries.dtype else out.astype(queries.dtype)
         states = (num_seqs, num_heads, plan.num_partitions)
         part_out, part_max, part_sum = kernel(
-            inputs=inputs, template=template, grid=grid, threadgroup=(tuning.threads, 1, 1),
+            inputs=inputs, template=template, grid=grid, threadgroup=(threads, 1, 1),
             output_shapes=[(*states, head_dim), states, states], output_dtypes=[mx.float32] * 3,
         )
         (out,) = self._reduce_kernel()(

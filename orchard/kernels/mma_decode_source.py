@@ -8,9 +8,11 @@ computes 8 keys x 16 dims of every head of the group at once, and K and V go fro
 memory straight into MMA fragments: no shared memory in the loop and no shuffle per key.
 
 It shares the SIMT loop's setup, grid, inputs, partition states and final merge
-(DECODE_SETUP and DECODE_MERGE), so the launcher only picks which text to compile. Each
-warp takes 16 keys a step (warps interleave their tiles) and keeps an online softmax per
-query head:
+(DECODE_SETUP and DECODE_MERGE), so the launcher only picks which text to compile. A
+threadgroup takes TILES_PER_THREADGROUP head tiles (KV heads), HEAD_WARPS warps each: by
+default four KV heads of one warp, which read the same pool blocks at the same time
+(`orchard.kernels.launch.threadgroup_shape`). Each warp takes 16 keys a step (a tile's warps
+interleave their key tiles) and keeps an online softmax per query head:
 - S = Q K^T, rows = the group's query heads (up to 8 of the MMA's 16 rows), columns = 8
   keys. A lane holds B = K^T's fragment for key `group_id`; which head dims each fragment
   register holds is a permutation of our choosing (a dot product does not care), picked so
@@ -85,9 +87,9 @@ LOOP_SETUP = r"""  constexpr int KEY_TILE = 16;
   const bool head_live = group_id < HEADS_PER_TILE;
   const float softmax_scale = scale[0] * 1.4426950408889634f;
   const float softcap = scale[1];
-  // The warps take turns over the range, 16 keys each.
-  const int first_tile = start + warp * KEY_TILE;
-  const int tile_stride = NUM_WARPS * KEY_TILE;
+  // The warps of a head tile take turns over its range, 16 keys each.
+  const int first_tile = start + head_warp * KEY_TILE;
+  const int tile_stride = HEAD_WARPS * KEY_TILE;
   // Word w of a lane's K slice holds dims (w / 4) * 32 + in_group * 8 + (w % 4) * 2 and the next;
   // k-step s reads words 2s (fragment register 0) and 2s + 1 (register 1), for Q and K alike.
   unsigned int qw[K_WORDS];
@@ -245,7 +247,7 @@ def decode_loop(pipelined: bool) -> str:
             + _loads(LOAD_K, "first_tile", "block") + _loads(LOAD_V, "first_tile", "block")
             + "  {\n    const int second = first_tile + tile_stride + lane % KEY_TILE;\n"
             "    block = second < end ? int(table[second / BLOCK_SIZE]) : 0;\n  }\n"
-            "  for (int base = first_tile; base < end; base += tile_stride) {\n"
+            + "  for (int base = first_tile; base < end; base += tile_stride) {\n"
             "    const int later = base + 2 * tile_stride + lane % KEY_TILE;\n"
             "    const int later_block = later < end ? int(table[later / BLOCK_SIZE]) : 0;\n"
             + SCORES + _loads(LOAD_K, "(base + tile_stride)", "block") + SOFTMAX + ACCUMULATE

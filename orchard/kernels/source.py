@@ -133,6 +133,7 @@ METAL_REDUCE_PROLOGUE = """
 DECODE_SETUP = r"""
   constexpr int WARP = 32;
   constexpr int NUM_WARPS = NUM_THREADS / WARP;
+  constexpr int HEAD_WARPS = NUM_WARPS / TILES_PER_THREADGROUP;  // warps that share one head tile's range
   constexpr int NUM_HEADS = NUM_KV_HEADS * GROUP;
   constexpr int TILES_PER_KV = GROUP / HEADS_PER_TILE;
   constexpr float NEG_BIG = -1.0e30f;
@@ -142,8 +143,11 @@ DECODE_SETUP = r"""
 
   const int warp = tid / WARP;
   const int lane = tid % WARP;
-  const int kv_head = head_tile / TILES_PER_KV;
-  const int first_head = kv_head * GROUP + (head_tile % TILES_PER_KV) * HEADS_PER_TILE;
+  const int head_warp = warp % HEAD_WARPS;  // this warp's turn among its head tile's warps
+  // A threadgroup takes TILES_PER_THREADGROUP consecutive head tiles, HEAD_WARPS warps each.
+  const int my_tile = head_tile * TILES_PER_THREADGROUP + warp / HEAD_WARPS;
+  const int kv_head = my_tile / TILES_PER_KV;
+  const int first_head = kv_head * GROUP + (my_tile % TILES_PER_KV) * HEADS_PER_TILE;
   const int max_blocks = dims[0];
   const int num_partitions = dims[1];
   const int context_len = context_lens[seq];
@@ -155,7 +159,7 @@ DECODE_SETUP = r"""
 # The SIMT loop: LANES threads a token, UNROLL tokens a step, one online softmax per head and lane.
 DECODE_SIMT_LOOP = r"""  constexpr int PER_LANE = HEAD_DIM / LANES;
   constexpr int TOKENS_PER_WARP = WARP / LANES;
-  constexpr int TOKENS_PER_STEP = NUM_WARPS * TOKENS_PER_WARP * UNROLL;
+  constexpr int TOKENS_PER_STEP = HEAD_WARPS * TOKENS_PER_WARP * UNROLL;
   const int slot_in_warp = lane / LANES;
   const int lane_in_token = lane % LANES;
 
@@ -184,7 +188,7 @@ DECODE_SIMT_LOOP = r"""  constexpr int PER_LANE = HEAD_DIM / LANES;
     ROW_ALIGN T v_row[UNROLL][PER_LANE];
     bool valid[UNROLL];
     for (int u = 0; u < UNROLL; ++u) {
-      const int t = base + (u * NUM_WARPS + warp) * TOKENS_PER_WARP + slot_in_warp;
+      const int t = base + (u * HEAD_WARPS + head_warp) * TOKENS_PER_WARP + slot_in_warp;
       valid[u] = t < end;
       if (valid[u]) {
         const size_t slot = size_t(table[t / BLOCK_SIZE]) * BLOCK_SIZE + t % BLOCK_SIZE;
@@ -264,22 +268,26 @@ DECODE_SIMT_LOOP = r"""  constexpr int PER_LANE = HEAD_DIM / LANES;
 # Every warp has left its per-head max, sum and weighted V in shared memory: merge them and write.
 DECODE_MERGE = r"""  BARRIER();
 
-  for (int idx = tid; idx < HEADS_PER_TILE * HEAD_DIM; idx += NUM_THREADS) {
-    const int g = idx / HEAD_DIM;
+  for (int idx = tid; idx < TILES_PER_THREADGROUP * HEADS_PER_TILE * HEAD_DIM; idx += NUM_THREADS) {
+    const int tile_in_group = idx / (HEADS_PER_TILE * HEAD_DIM);
+    const int g = (idx / HEAD_DIM) % HEADS_PER_TILE;
     const int d = idx % HEAD_DIM;
+    const int w0 = tile_in_group * HEAD_WARPS;
     float block_max = NEG_BIG;
-    for (int w = 0; w < NUM_WARPS; ++w) {
+    for (int w = w0; w < w0 + HEAD_WARPS; ++w) {
       block_max = warp_max[w][g] > block_max ? warp_max[w][g] : block_max;
     }
     float total = 0.0f;
     float weighted = 0.0f;
-    for (int w = 0; w < NUM_WARPS; ++w) {
+    for (int w = w0; w < w0 + HEAD_WARPS; ++w) {
       const float c = FEXP2(warp_max[w][g] - block_max);
       total += warp_sum[w][g] * c;
       weighted += warp_acc[w][g][d] * c;
     }
-    const size_t head_row = size_t(seq) * NUM_HEADS + first_head + g;
-    const float sink = SINKS ? sinks[first_head + g] : NEG_BIG;
+    const int tile = head_tile * TILES_PER_THREADGROUP + tile_in_group;
+    const int head = (tile / TILES_PER_KV) * GROUP + (tile % TILES_PER_KV) * HEADS_PER_TILE + g;
+    const size_t head_row = size_t(seq) * NUM_HEADS + head;
+    const float sink = SINKS ? sinks[head] : NEG_BIG;
     @WRITE@
   }
 """

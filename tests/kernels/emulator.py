@@ -99,7 +99,7 @@ DECODE_ARGS = (
 def _constants(values: dict) -> str:
     """Template constants as C++; the code of every layer addition stays compiled in (SOFTCAP,
     WINDOWED, SINKS 1), so one library serves every layer: the run-time values say which applies."""
-    values = {"SOFTCAP": 1, "WINDOWED": 1, "SINKS": 1, **values}
+    values = {"SOFTCAP": 1, "WINDOWED": 1, "SINKS": 1, "TILES_PER_THREADGROUP": 1, **values}
     return "".join(f"  constexpr int {name} = {value};\n" for name, value in values.items())
 
 
@@ -184,7 +184,7 @@ def run_decode(library: ctypes.CDLL, constants: dict, queries, key_cache, value_
         *zip(layer_arrays(rules, num_heads), (np.int32, np.float32)),
     )]
     out = np.zeros((num_seqs, num_heads, head_dim), dtype=np.float32)
-    tiles = num_heads // constants["HEADS_PER_TILE"]
+    tiles = num_heads // constants["HEADS_PER_TILE"] // constants.get("TILES_PER_THREADGROUP", 1)
     ints = [ctypes.c_int(v) for v in (num_partitions, tiles, num_seqs)]
     if num_partitions == 1:
         library.run_single(*map(_ptr, arrays), _ptr(out), *ints)

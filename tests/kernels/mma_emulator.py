@@ -277,7 +277,7 @@ def run_mma_decode(library: ctypes.CDLL, constants: dict, queries, key_cache, va
     ints = [np.ascontiguousarray(block_tables, dtype=np.int32), np.ascontiguousarray(context_lens, dtype=np.int32)]
     dims = np.array([block_tables.shape[1], num_partitions, constants["PARTITION"]], dtype=np.int32)
     extras = [emulator.scale_array(scale, rules), dims, *emulator.layer_arrays(rules, num_heads)]
-    grid = [ctypes.c_int(v) for v in (num_partitions, num_heads // constants["HEADS_PER_TILE"], num_seqs)]
+    grid = [ctypes.c_int(v) for v in (num_partitions, num_heads // constants["HEADS_PER_TILE"] // constants.get("TILES_PER_THREADGROUP", 1), num_seqs)]
     ptr = emulator._ptr
     if num_partitions == 1:
         out = np.full((num_seqs, num_heads, head_dim), 0x7fc0, dtype=np.uint16)  # NaN until written

@@ -116,7 +116,7 @@ def named_kernel_text(header: str, body: str, names: list, template: dict, dtype
 
 
 DECODE_TEMPLATE = dict(HEAD_DIM=128, BLOCK_SIZE=16, NUM_KV_HEADS=8, GROUP=4, HEADS_PER_TILE=4, LANES=16, NUM_THREADS=128, UNROLL=4,
-                       SOFTCAP=1, WINDOWED=1, SINKS=1)
+                       TILES_PER_THREADGROUP=1, SOFTCAP=1, WINDOWED=1, SINKS=1)
 
 
 @pytest.mark.parametrize("kernel", ["decode", "decode_split", "reduce", "varlen_merge"])

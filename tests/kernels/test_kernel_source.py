@@ -90,8 +90,9 @@ def test_partition_size_reaches_the_kernels_at_run_time_not_as_a_compiled_varian
             return [mx.zeros(shape, dtype=dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
         return kernel
 
+    # one KV head a threadgroup throughout: several a threadgroup are another compiled variant, chosen by grid, not partition
     kernels = launch.PagedDecodeKernels("cuda", compile_kernel, launch.KernelTuning(partition_size=1024, min_partition_size=256,
-                                                                                 target_threadgroups=512))
+                                                                                 target_threadgroups=512, mma_tiles_per_threadgroup=1))
     sizes = set()
     for num_seqs in (1, 16, 64):
         case = make_paged_case(np.random.default_rng(num_seqs), [2500] * num_seqs, 8, 64, 16, "float16")

@@ -16,14 +16,16 @@ from orchard.kernels import launch, mma_decode_source, source
 from tests.kernels import emulator
 from tests.kernels.paged_case import PLAIN, Rules, assert_close, make_paged_case, oracle_decode, random_stored, to_float64
 
-# (num_kv_heads, group, head_dim, block_size, partition, threads): Llama 3 8B's group and width, a 3-head
-# group (Llama 3.2 3B), multi-head attention over 8-token blocks (a key tile spans two), a full 8-head group
-# with 32-token blocks.
+# (num_kv_heads, group, head_dim, block_size, partition, threads[, head tiles a threadgroup takes]): Llama 3 8B's
+# group and width, a 3-head group (Llama 3.2 3B), multi-head attention over 8-token blocks (a key tile spans
+# two), a full 8-head group with 32-token blocks; then threadgroups of several KV heads: two warps each, and one.
 EMULATED = [
     (2, 4, 128, 16, 64, 64),
     (1, 3, 64, 16, 64, 64),
     (2, 1, 64, 8, 96, 64),
     (1, 8, 128, 32, 64, 32),
+    (2, 4, 128, 16, 64, 128, 2),
+    (4, 2, 64, 16, 64, 128, 4),
 ]
 
 
@@ -44,9 +46,9 @@ def libraries(tmp_path_factory):
 
 def constants_of(config) -> dict:
     """Template constants as the launcher passes them."""
-    num_kv_heads, group, head_dim, block_size, partition, threads = config
+    num_kv_heads, group, head_dim, block_size, partition, threads, *per_threadgroup = config
     return dict(HEAD_DIM=head_dim, BLOCK_SIZE=block_size, NUM_KV_HEADS=num_kv_heads, GROUP=group, HEADS_PER_TILE=group,
-                LANES=16, NUM_THREADS=threads, UNROLL=4, PARTITION=partition)
+                LANES=16, NUM_THREADS=threads, UNROLL=4, PARTITION=partition, TILES_PER_THREADGROUP=(per_threadgroup or [1])[0])
 
 
 def run_case(libraries, config, lengths, split: bool, rules: Rules = PLAIN, scale: float = 0.11, mode: str = "plain"):
@@ -120,3 +122,46 @@ def test_a_register_bound_kernel_compiles_under_its_own_name():
     assert len(set(compiled)) == 3, compiled
     assert mma_decode_source.register_bound(64, None) == ""
     assert "__launch_bounds__(64, 8)" in mma_decode_source.render(False, True, 64, 8)[0]
+
+
+@pytest.mark.parametrize("num_seqs,partitions,span,expected", [
+    (64, 1, 2048, (128, 4)),  # 8 KV heads, 4 a threadgroup: 128 threadgroups of four one-warp tiles
+    (32, 4, 4096, (128, 4)),
+    (32, 1, 2048, (64, 1)),  # 64 threadgroups would leave half the device idle: one tile of two warps each
+    (1, 8, 4096, (64, 1)),
+    (64, 1, 8192, (64, 1)),  # a threadgroup reading 8,192 tokens
+    (64, 4, 8192, (64, 1)),
+])
+def test_several_kv_heads_share_a_threadgroup_only_where_the_grid_stays_large_and_the_spans_short(num_seqs, partitions,
+                                                                                                  span, expected):
+    tuning = launch.KernelTuning()
+    plan = launch.DecodePlan(lanes=16, heads_per_tile=4, partition_size=max(span, 4096), num_partitions=partitions, span=span)
+    assert launch.threadgroup_shape(tuning, True, 8, num_seqs, plan) == expected
+    assert launch.threadgroup_shape(tuning, False, 8, num_seqs, plan) == (tuning.threads, 1)  # the SIMT loop
+    assert launch.threadgroup_shape(tuning, True, 6, 64, plan) == (tuning.threads, 1)  # 6 tiles do not split in fours
+
+
+def test_a_plans_span_is_its_partition_or_its_longest_context():
+    tuning = launch.KernelTuning()
+    assert launch.plan_decode(64, 32, 8, 128, 1000, tuning).span == 1000
+    assert launch.plan_decode(64, 32, 8, 128, 32768, tuning).span == tuning.partition_size
+
+
+def test_the_cuda_launch_gives_the_kernel_its_tiles_per_threadgroup_and_a_grid_to_match():
+    launched = []
+
+    def compile_kernel(name, inputs, outputs, header, body):
+        def run(**kwargs):
+            launched.append(kwargs)
+            return [mx.zeros(shape) for shape in kwargs["output_shapes"]]
+        return run
+
+    kernels = launch.PagedDecodeKernels("cuda", compile_kernel)
+    queries = mx.zeros((64, 32, 128), dtype=mx.float16)
+    pool = mx.zeros((65, 16, 8, 128), dtype=mx.float16)
+    tables = np.arange(64, dtype=np.int32).reshape(64, 1) + 1
+    kernels(queries, pool, pool, tables, np.full(64, 16, dtype=np.int32), scale=0.1)
+    template = dict(launched[0]["template"])
+    assert (template["TILES_PER_THREADGROUP"], template["NUM_THREADS"]) == (4, 128)
+    assert launched[0]["grid"] == (128, 2, 64) and launched[0]["threadgroup"] == (128, 1, 1)
+

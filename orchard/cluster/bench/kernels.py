@@ -136,9 +136,10 @@ def cuda_rows(copy_tb: float) -> list[Row]:
     return rows
 
 
-#: tunings the sweep times beside the default: the SIMT loop, the defaults before 2026-12-02 16:00 UTC, one knob each
-SWEEP_VARIANTS = [dict(tensor_cores=False), dict(threads=128, partition_size=1024, pipelined=False), dict(pipelined=False),
-                  dict(threads=128), dict(partition_size=1024), dict(partition_size=2048), dict(partition_size=8192)]
+#: tunings the sweep times beside the default: one KV head a threadgroup (two warps taking turns, the default
+#: before 2026-12-04), two and eight a threadgroup, 16,384-token partitions, and the SIMT loop
+SWEEP_VARIANTS = [dict(mma_tiles_per_threadgroup=1), dict(mma_tiles_per_threadgroup=2), dict(mma_tiles_per_threadgroup=8),
+                  dict(partition_size=16384), dict(tensor_cores=False)]
 
 
 def sweep_rows(context: int, iters: int, rounds: int = 1) -> list[Row]:
