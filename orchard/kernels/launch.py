@@ -45,8 +45,9 @@ class KernelTuning:
     max_per_lane: int = 8  # elements of a row per lane: more means fewer shuffles, more registers
     tensor_cores: bool = True  # CUDA, half pools: the MMA loop (orchard/kernels/mma_decode_source.py) where it applies
     pipelined: bool = True  # the MMA loop loads the next tile's K and V while this one computes
-    # MMA loop, single-pass launches (one partition): registers bounded so this many threadgroups fit an SM
-    # (None: the compiler's choice). Split launches stay unbounded: there the bound measured slower.
+    # MMA loop, single-pass launches (one partition) of one head tile a threadgroup: registers bounded so this
+    # many threadgroups fit an SM (None: the compiler's choice). Split launches, and threadgroups of several
+    # head tiles, stay unbounded: there the bound measured slower, or was not measured.
     single_pass_register_blocks: int | None = 8
     # MMA loop: head tiles (a KV head's group of query heads) one threadgroup takes, one warp each, so that its
     # warps read the same pool blocks at once (a token's KV heads lie side by side in its block). On the H200,
@@ -69,7 +70,7 @@ class DecodePlan:
     heads_per_tile: int  # query heads of one KV group handled by one threadgroup
     partition_size: int  # tokens one threadgroup reads
     num_partitions: int  # 1 means a single pass without the merge kernel
-    span: int = 0  # the most tokens one threadgroup reads: the partition, or a shorter longest context
+    span: int  # the most tokens one threadgroup reads: the partition, or a shorter longest context
 
     @property
     def partitioned(self) -> bool:

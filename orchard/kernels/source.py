@@ -7,7 +7,8 @@ else, the algorithm included, is the same text, so what is verified on CUDA is w
 runs on Metal.
 
 Algorithm (one threadgroup per sequence x group of query heads sharing one KV head x
-partition of the context):
+partition of the context; the tensor-core loop may give a threadgroup several such groups,
+TILES_PER_THREADGROUP, each its own warps, and the setup and merge below serve both):
 - LANES threads cooperate on one token: each holds PER_LANE consecutive elements of the
   token's K and V row, so a warp reads whole rows (coalesced) and the query heads of a
   GQA group share every K/V load.
