@@ -52,8 +52,8 @@ class KernelTuning:
     # MMA loop: head tiles (a KV head's group of query heads) one threadgroup takes, one warp each, so that its
     # warps read the same pool blocks at once (a token's KV heads lie side by side in its block). On the H200,
     # B 64, four tiles a threadgroup took 0.72-0.74x of dense SDPA's time at T = 4,096 against 0.84-0.85x
-    # with one; past 4,096 tokens a threadgroup they were no faster (32,768 in 8,192-token partitions) or
-    # slower (8,192 in one pass), and so were grids of fewer than 128 threadgroups (docs/benchmarks.md,
+    # with one; past 4,096 tokens a threadgroup they were even (32,768 in 8,192-token partitions) or slower
+    # (8,192 in one pass), and grids of 32 threadgroups were slower in all but one row (docs/benchmarks.md,
     # "Several KV heads a threadgroup"). Outside those bounds a threadgroup keeps one tile of `threads`.
     mma_tiles_per_threadgroup: int = 4
     mma_tile_threads: int = 32

@@ -127,7 +127,7 @@ def test_a_register_bound_kernel_compiles_under_its_own_name():
 @pytest.mark.parametrize("num_seqs,partitions,span,expected", [
     (64, 1, 2048, (128, 4)),  # 8 KV heads, 4 a threadgroup: 128 threadgroups of four one-warp tiles
     (32, 4, 4096, (128, 4)),
-    (32, 1, 2048, (64, 1)),  # 64 threadgroups would leave half the device idle: one tile of two warps each
+    (32, 1, 2048, (64, 1)),  # 64 threadgroups, under the bound: one tile of two warps each
     (1, 8, 4096, (64, 1)),
     (64, 1, 8192, (64, 1)),  # a threadgroup reading 8,192 tokens
     (64, 4, 8192, (64, 1)),
