@@ -145,10 +145,12 @@ DECODE_SETUP = r"""
   const int warp = tid / WARP;
   const int lane = tid % WARP;
   const int head_warp = warp % HEAD_WARPS;  // this warp's turn among its head tile's warps
-  // A threadgroup takes TILES_PER_THREADGROUP consecutive head tiles, HEAD_WARPS warps each.
+  // A threadgroup takes TILES_PER_THREADGROUP consecutive head tiles, HEAD_WARPS warps each; a tile's
+  // first query head (the merge below asks it of every tile of the threadgroup).
+  #define TILE_FIRST_HEAD(tile) (((tile) / TILES_PER_KV) * GROUP + ((tile) % TILES_PER_KV) * HEADS_PER_TILE)
   const int my_tile = head_tile * TILES_PER_THREADGROUP + warp / HEAD_WARPS;
   const int kv_head = my_tile / TILES_PER_KV;
-  const int first_head = kv_head * GROUP + (my_tile % TILES_PER_KV) * HEADS_PER_TILE;
+  const int first_head = TILE_FIRST_HEAD(my_tile);
   const int max_blocks = dims[0];
   const int num_partitions = dims[1];
   const int context_len = context_lens[seq];
@@ -285,8 +287,7 @@ DECODE_MERGE = r"""  BARRIER();
       total += warp_sum[w][g] * c;
       weighted += warp_acc[w][g][d] * c;
     }
-    const int tile = head_tile * TILES_PER_THREADGROUP + tile_in_group;
-    const int head = (tile / TILES_PER_KV) * GROUP + (tile % TILES_PER_KV) * HEADS_PER_TILE + g;
+    const int head = TILE_FIRST_HEAD(head_tile * TILES_PER_THREADGROUP + tile_in_group) + g;
     const size_t head_row = size_t(seq) * NUM_HEADS + head;
     const float sink = SINKS ? sinks[head] : NEG_BIG;
     @WRITE@

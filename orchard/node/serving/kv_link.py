@@ -135,20 +135,19 @@ class KVLinkServer(link_io.Listener):
         per_chunk = max(1, int(request.get("chunk_bytes", self.config.chunk_bytes)) // self.geometry.bytes_per_block)
         layered = self._export_layers(hashes) if request.get("layer_major") and self._export_layers else None
         if layered is not None:
-            return self._reply_layers(conn, *layered, per_chunk)
-        handle, blocks, state = self._export(hashes)
-        try:
-            for run in reply_runs(blocks, state, per_chunk):  # the next chunk's pieces are made while the
-                pieces = payload_pieces(self.geometry, *run)  # kernel still sends what it took of the last
-                self.counters.sent_bytes += link_io.send_payload(conn, pieces)
-            conn.sendall(U64.pack(0))
-        finally:
-            self._release(handle)
+            handle, run = layered
+            chunks = (layer_pieces(self.geometry, run.chunk(start, min(len(run), start + per_chunk)))
+                      for start in range(0, len(run), per_chunk))
+        else:
+            handle, blocks, state = self._export(hashes)
+            chunks = (payload_pieces(self.geometry, *run) for run in reply_runs(blocks, state, per_chunk))
+        self._send_chunks(conn, handle, chunks)
 
-    def _reply_layers(self, conn: socket.socket, handle, run, per_chunk: int) -> None:
+    def _send_chunks(self, conn: socket.socket, handle, chunks) -> None:
+        """Send each chunk's payload, then the end marker; release the pinned run whatever happens. `chunks`
+        is lazy: the next chunk's pieces are made while the kernel still sends what it took of the last."""
         try:
-            for start in range(0, len(run), per_chunk):
-                pieces = layer_pieces(self.geometry, run.chunk(start, min(len(run), start + per_chunk)))
+            for pieces in chunks:
                 self.counters.sent_bytes += link_io.send_payload(conn, pieces)
             conn.sendall(U64.pack(0))
         finally:
