@@ -456,11 +456,13 @@ def test_requests_survive_a_raylet_being_killed(cluster):
     pid = ray.get(actor.__ray_call__.remote(lambda _self: os.getpid()))
 
     def machine_gone():
-        local.kill_node(raylet)
+        # The actor's process first: killing it is immediate, while taking the raylet down waits for its
+        # processes, and a full suite once saw every stream finish in that wait (none resumed mid-stream).
         try:
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:  # it went with its raylet
+        except ProcessLookupError:
             pass
+        local.kill_node(raylet)
 
     longer = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
     reference, faulted, fired = _fault_run(machine_gone, "w2", longer)
