@@ -22,9 +22,10 @@ from collections.abc import Iterator, Sequence
 
 import xxhash
 
+from orchard.kvcache import wire_compressed
 from orchard.kvcache.errors import CorruptKVPayload
 from orchard.kvcache.geometry import KVGeometry, StateGeometry
-from orchard.kvcache.wire import CHECKSUM_SIZE, KVPayload
+from orchard.kvcache.wire import CHECKSUM_SIZE, KVPayload, _checksum
 from orchard.kvcache.wire_layers import read_views
 from orchard.kvcache.wire_stream import Piece
 
@@ -69,6 +70,7 @@ class IncomingPayload:
 
     def __init__(self, buffer):
         self.data = memoryview(buffer).cast("B")
+        self.payload_size = len(self.data)  # the payload's bytes once decoded: more where a frame inflated
         self._digest = xxhash.xxh3_128()
         self._landed = 0
 
@@ -81,10 +83,17 @@ class IncomingPayload:
             self._digest.update(self.data[self._landed : min(end, covered)])
         self._landed = end
 
-    def decode(self, expected: KVGeometry, expected_state: StateGeometry | None = None) -> KVPayload:
+    def decode(self, expected: KVGeometry, expected_state: StateGeometry | None = None,
+               inflate_limit: int = 0) -> KVPayload:
         """The payload's blocks (and state) as views into the buffer, as
         `orchard.kvcache.wire_stream.decode_payload_views` reads them (version 3 as
-        `orchard.kvcache.wire_layers` does); refused unless every byte landed."""
+        `orchard.kvcache.wire_layers` does); refused unless every byte landed. A compressed frame
+        (`orchard.kvcache.wire_compressed`) of a payload of at most `inflate_limit` bytes is inflated
+        first, its payload checked as any; the views are then into the inflated copy."""
         if self._landed != len(self.data):
             raise CorruptKVPayload(f"KV payload ends after {self._landed} of its {len(self.data)} bytes")
-        return read_views(self.data, self._digest.digest(), expected, expected_state)
+        if not wire_compressed.is_compressed(self.data):
+            return read_views(self.data, self._digest.digest(), expected, expected_state)
+        payload = wire_compressed.inflate(self.data, self._digest.digest(), inflate_limit)
+        self.payload_size = len(payload)
+        return read_views(memoryview(payload), _checksum(payload), expected, expected_state)

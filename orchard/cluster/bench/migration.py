@@ -51,6 +51,7 @@ class BenchConfig:
     repeats: int = 3
     block_size: int = 16
     lengths: dict = field(default_factory=lambda: dict(DEFAULT_LENGTHS))
+    compress: str = "auto"  # the pulling node's `KVLinkConfig.compress`
 
 
 # ---- raw TCP ------------------------------------------------------------------------
@@ -75,6 +76,8 @@ class NodePair:
         from orchard.cluster.runtime.ray_cluster import node_actor_config, start_node_actor
         from orchard.node.engine import EngineConfig
         from orchard.node.model.demo import default_demo_model_path
+        from orchard.node.serving.actor import RAY_NODE_HOST
+        from orchard.node.serving.kv_link import KVLinkConfig
 
         self.ray = ray
         self.model = f"demo-{size}"
@@ -83,8 +86,9 @@ class NodePair:
         engine = EngineConfig(model=str(default_demo_model_path(size)), block_size=config.block_size,
                               num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=512)
         options = dict(heartbeat_s=HEARTBEAT_S, model_name=self.model, link_token=secrets.token_urlsafe(32))
+        pulling = dict(options, link=KVLinkConfig(host=RAY_NODE_HOST, compress=config.compress))
         self.a = start_node_actor(local.head_ray_node_id, node_actor_config(f"a-{size}", engine, **options))
-        self.b = start_node_actor(local.worker_nodes[0].node_id, node_actor_config(f"b-{size}", engine, **options))
+        self.b = start_node_actor(local.worker_nodes[0].node_id, node_actor_config(f"b-{size}", engine, **pulling))
         self.a_id, self.b_id = f"a-{size}", f"b-{size}"
         self.coordinator = ray.get_actor("orchard-coordinator", namespace="orchard")
         self._seed = 0
@@ -131,12 +135,16 @@ class NodePair:
 
     def cache_on_a(self, tokens: list[int]) -> list[bytes]:
         self.first_token_s(self.a, f"cache-{self._seed}", tokens)
-        hashes = self.hashes(tokens)
+        return self._indexed_on_a(self.hashes(tokens))
+
+    def _indexed_on_a(self, hashes: list[bytes], poll_s: float = 0.02) -> list[bytes]:
+        """`hashes`, once the coordinator's index holds all of them on a: the router pulls only a prefix
+        it has indexed, so a pull never overlaps the indexing of its own prefix."""
         deadline = time.monotonic() + 30
         while self.ray.get(self.coordinator.match.remote(hashes)).get(self.a_id, 0) < len(hashes):
             if time.monotonic() > deadline:
                 raise RuntimeError("the coordinator never indexed the cached prefix")
-            time.sleep(0.1)
+            time.sleep(poll_s)
         return hashes
 
     def pull(self, hashes: list[bytes], via_ray: bool = False) -> dict:
@@ -154,7 +162,8 @@ class NodePair:
         return report
 
     def seed_on_a(self, prefix_tokens: int) -> list[bytes]:
-        """A fresh prefix placed in a's pool by importing made-up KV under its true hashes."""
+        """A fresh prefix placed in a's pool by importing made-up KV under its true hashes, returned
+        once the coordinator has indexed it."""
         import numpy as np
 
         from orchard.kvcache.hashing import root_hash
@@ -176,7 +185,7 @@ class NodePair:
             report = self.ray.get(self.a.import_blocks.remote([self.ray.put(encode_blocks(self.geometry, blocks))], "bench"))
             if report["imported"] != len(blocks):
                 raise RuntimeError(f"seeding a fell short: {report}")
-        return hashes
+        return self._indexed_on_a(hashes)
 
     def transfer_only(self, hashes: list[bytes], chunk_blocks: int) -> float:
         """Bytes/s of moving exported payloads from a's object store into b's, nothing else."""
@@ -264,7 +273,7 @@ def throughput(pair: NodePair, config: BenchConfig) -> list[dict]:
     for tokens in config.pull_tokens:
         direct = sorted((pair.pull(pair.seed_on_a(tokens)) for _ in range(config.repeats)), key=lambda r: r["bytes_per_s"])
         through_ray = pair.pull(pair.seed_on_a(tokens), via_ray=True)
-        rows.append({"size": pair.size, "tokens": tokens, "bytes": direct[-1]["bytes"],
+        rows.append({"size": pair.size, "tokens": tokens, "bytes": direct[-1]["bytes"], "wire_bytes": direct[-1]["wire_bytes"],
                      "direct_Bps": direct[-1]["bytes_per_s"], "direct_median_Bps": direct[len(direct) // 2]["bytes_per_s"],
                      "ray_Bps": through_ray["bytes_per_s"],
                      "transfer_Bps": pair.transfer_only(pair.seed_on_a(tokens), chunk_blocks)})
@@ -339,12 +348,14 @@ def parse_args(argv) -> tuple[BenchConfig, str | None, bool]:
     p.add_argument("--link", choices=("1gbit", "10gbit", "none"), default=None,
                    help="run the nodes in two network namespaces over a link shaped with tc (root; no Ray unless --ray)")
     p.add_argument("--ray", action="store_true", help="with --link: two raylets across the namespaces, as without --link")
+    p.add_argument("--compress", choices=("auto", "always", "never"), default="auto",
+                   help="the pulling node's compressed chunks (KVLinkConfig.compress); over Ray only")
     args = p.parse_args(argv)
     sizes = tuple(s for s in args.sizes.split(",") if s)
     lengths = {s: tuple(sorted(set(DEFAULT_LENGTHS.get(s, ())) | {args.prefix_tokens})) for s in sizes}
     pull_tokens = tuple(int(n) for n in args.pull_tokens.split(",") if n)
     config = BenchConfig(prefix_tokens=args.prefix_tokens, sizes=sizes, tcp_mib=args.tcp_mib, lengths=lengths,
-                         pull_tokens=pull_tokens, repeats=args.repeats)
+                         pull_tokens=pull_tokens, repeats=args.repeats, compress=args.compress)
     return config, args.link, args.ray
 
 

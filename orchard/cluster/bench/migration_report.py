@@ -42,12 +42,13 @@ def print_report(tcp: list[float], rows, cases: list[Case], openblas: bool, wher
     print(f"raw TCP, plain sockets, one stream: {tcp_Bps / gb:.3f} GB/s, the median of "
           + ", ".join(f"{v / gb:.3f}" for v in tcp) + " (before the nodes, then after each model's pulls)")
     print()
-    print(f"{'model':<12}{'prefix':>7}{'MiB':>7}{'direct pull GB/s':>17}{'% TCP':>7}{'median':>8}{'% TCP':>7}"
+    print(f"{'model':<12}{'prefix':>7}{'MiB':>7}{'wire MiB':>9}{'direct pull GB/s':>17}{'% TCP':>7}{'median':>8}{'% TCP':>7}"
           f"{'Ray pull GB/s':>14}{'% TCP':>7}{'object store only':>18}{'% TCP':>7}")
     for row in rows:
         cells = [row["direct_Bps"], row["direct_median_Bps"], row["ray_Bps"], row["transfer_Bps"]]
         widths = (17, 8, 14, 18)
-        print(f"{'demo-' + row['size']:<12}{row['tokens']:>7}{row['bytes'] / 2**20:>7.1f}"
+        wire = row.get("wire_bytes", row["bytes"])  # the best pull's bytes on the link: fewer where compressed
+        print(f"{'demo-' + row['size']:<12}{row['tokens']:>7}{row['bytes'] / 2**20:>7.1f}{wire / 2**20:>9.1f}"
               + "".join(f"{v / gb:>{w}.2f}{100 * v / tcp_Bps:>6.0f}%" for v, w in zip(cells, widths)))
     print()
     print_cases(cases)

@@ -6,6 +6,10 @@ through Ray. Once the source has started replying, whatever goes wrong is a fail
 like any other (counted; the blocks imported so far are whole and verified; the request
 recomputes the rest), never a second try over Ray.
 
+A pull asks for compressed chunks (`orchard.kvcache.wire_compressed`) as `KVLinkConfig.compress` says:
+by default where the link from the same source carried its last long enough pull slower than a
+compressor runs, which is to say where the link, not the CPU, sets a pull's pace.
+
 A connection whose reply ended whole is kept for the next pull from the same source (one
 per source, for half the listener's idle timeout): a pull of a few MiB otherwise spends as
 long connecting and proving the key as moving its bytes.
@@ -40,6 +44,7 @@ class DirectPath:
         self._addresses: dict[str, str] = {}
         self._buffers: list[bytearray] = []  # receive buffers kept across pulls: no page faults on the next
         self._idle: dict[str, tuple[socket.socket, float]] = {}  # per source: a connection and when it was left
+        self._link_rates: dict[str, float] = {}  # per source: the link's bytes/s in the last pull that tells
 
     @property
     def address(self) -> str | None:
@@ -81,6 +86,13 @@ class DirectPath:
             return result
         sock = self._kept(source_id) or await self._connect(source_id, address)
         return None if sock is None else await self._receive(source_id, sock, hashes[local:], result, started)
+
+    def compresses(self, source_id: str) -> bool:
+        """Whether a pull from `source_id` asks for compressed chunks (`KVLinkConfig.compress`)."""
+        if self.config.compress != "auto":
+            return self.config.compress == "always"
+        rate = self._link_rates.get(source_id)
+        return rate is not None and rate < self.config.compress_below_bytes_per_s
 
     async def probe(self, source_id: str, nbytes: int, resolve: Resolve) -> tuple[int, float] | None:
         """(bytes, seconds) of fetching and verifying a probe payload over the direct path, or None."""
@@ -125,7 +137,8 @@ class DirectPath:
         stream = importer.stream = LinkStream(sock, buffers, self.mover.geometry, sink=importer,
                                               state_geometry=self.mover.state_geometry)
         try:
-            stream.start(wanted, chunk_size(len(wanted) * self.mover.geometry.bytes_per_block, self.config.chunk_bytes))
+            stream.start(wanted, chunk_size(len(wanted) * self.mover.geometry.bytes_per_block, self.config.chunk_bytes),
+                         compress=self.compresses(source_id))
             try:
                 async for _ in stream.chunks():
                     pass
@@ -134,6 +147,8 @@ class DirectPath:
             if importer.error is not None:
                 raise importer.error
             result.seconds = time.perf_counter() - started
+            if (rate := stream.link_rate()) is not None:
+                self._link_rates[source_id] = rate
         except Exception as exc:  # a refused payload, or the source went away mid-reply
             self.mover._failed(result, importer.error or exc)
         finally:
@@ -141,6 +156,7 @@ class DirectPath:
             if kept is not None:
                 self._idle[source_id] = (kept, time.monotonic())
             self._buffers.extend(stream.buffers)
+            result.wire_bytes = stream.wire_bytes
         self.mover.counters.migrated_blocks += result.imported
         self.mover.counters.migrated_bytes += result.bytes
         return result

@@ -5,7 +5,7 @@ payload as one bytes object on both sides; this link sends a pull's blocks over 
 connection, straight from the pool's arrays, into buffers the target keeps for the next
 pull. On the wire (after `orchard.node.serving.link_auth`'s handshake):
 
-    request   u32 length, msgpack {"hashes": [bytes, ...], "chunk_bytes": int[, "layer_major": true]}
+    request   u32 length, msgpack {"hashes": [bytes, ...], "chunk_bytes": int[, "layer_major": true][, "compress": "zstd"]}
               or {"probe": nbytes}: a well-formed payload of blocks no model uses (`orchard.node.serving.migration.probe_payload`)
     reply     per chunk: u64 length, then one `orchard.kvcache.wire` payload (checksummed); u64 0 ends it
               (a hybrid model's run is one chunk: its blocks are worth importing only with the
@@ -14,6 +14,8 @@ pull. On the wire (after `orchard.node.serving.link_auth`'s handshake):
 A target that reads wire format version 3 (`orchard.kvcache.wire_layers`, a chunk laid out layer by
 layer) says so with "layer_major"; a source that can lay its run out so answers in version 3, any
 other in version 2 (a source that knows no such key ignores it), and the target reads either.
+A target on a slow link asks with "compress" for each chunk as an `orchard.kvcache.wire_compressed`
+frame; a source that knows no such key sends plain payloads, which the target reads as well.
 
 Each chunk is a whole payload, so the target verifies and imports chunk i on its engine
 thread while chunk i+1 arrives, and the source lays out chunk i+1 while the kernel still
@@ -38,12 +40,14 @@ import logging
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import msgpack
 
+from orchard.kvcache import wire_compressed
 from orchard.kvcache.errors import KVCacheError
 from orchard.kvcache.hashing import BlockHash
 from orchard.kvcache.wire import KVPayload, StateSnapshotData
@@ -57,6 +61,8 @@ from orchard.node.serving.migration import probe_payload
 log = logging.getLogger(__name__)
 
 _MAX_REQUEST = 64 << 20
+COMPRESS_MODES = ("auto", "always", "never")
+RATE_MIN_BYTES = 1 << 20  # a reply shorter than this says too little of its link's rate
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,16 @@ class KVLinkConfig:
     # on macOS): two chunks queued in the kernel keep the link busy while the next is encoded. The
     # receive side is left to the kernel's autotuning, which setting SO_RCVBUF would switch off.
     send_buffer_bytes: int | None = 8 << 20
+    # Pulls ask for compressed chunks (`orchard.kvcache.wire_compressed`): "always", "never", or "auto":
+    # where the link from that source carried fewer than `compress_below_bytes_per_s` in the last pull long
+    # enough to tell (`LinkStream.link_rate`): a link slower than the compressor, such as 1 Gbit/s Ethernet
+    # or Wi-Fi (docs/benchmarks.md, "## migration").
+    compress: str = "auto"
+    compress_below_bytes_per_s: float = 250e6
+
+    def __post_init__(self):
+        if self.compress not in COMPRESS_MODES:
+            raise ValueError(f"compress is one of {COMPRESS_MODES}, not {self.compress!r}")
 
 
 @dataclass
@@ -141,6 +157,8 @@ class KVLinkServer(link_io.Listener):
         else:
             handle, blocks, state = self._export(hashes)
             chunks = (payload_pieces(self.geometry, *run) for run in reply_runs(blocks, state, per_chunk))
+        if request.get("compress") == "zstd":
+            chunks = (wire_compressed.compressed_pieces(pieces, self.geometry.itemsize) for pieces in chunks)
         self._send_chunks(conn, handle, chunks)
 
     def _send_chunks(self, conn: socket.socket, handle, chunks) -> None:
@@ -190,14 +208,21 @@ class LinkStream:
             self._free.put(buffer)
         self.buffers = buffers
         self.ended = False  # the reply's end marker arrived: the connection can serve another pull
+        self.wire_bytes = 0  # the chunks' bytes as they came over the link (fewer than their payloads' if compressed)
+        self._began = self._ended = 0.0  # when the first chunk's bytes began to land, when the last chunk's had
+        self._inflate_limit = 0
         self._thread: threading.Thread | None = None
 
-    def start(self, hashes: Sequence[bytes], chunk_bytes: int, probe_bytes: int = 0) -> None:
+    def start(self, hashes: Sequence[bytes], chunk_bytes: int, probe_bytes: int = 0, compress: bool = False) -> None:
         """Ask for the blocks of `hashes` (or, with `probe_bytes`, a probe payload of about that size);
-        layer-major unless a hybrid model's, which needs the state that only version 2 carries."""
+        layer-major unless a hybrid model's, which needs the state that only version 2 carries; with
+        `compress`, each chunk as a compressed frame, which inflates to no more than all it asked for."""
         ask = {"probe": probe_bytes} if probe_bytes else {"hashes": [bytes(h) for h in hashes], "chunk_bytes": chunk_bytes}
         if not probe_bytes and self.state_geometry is None:
             ask["layer_major"] = True
+        if compress and not probe_bytes:
+            ask["compress"] = "zstd"
+            self._inflate_limit = asked_bytes(self.geometry, self.state_geometry, len(hashes))
         request = msgpack.packb(ask, use_bin_type=True)
         self.sock.sendall(U32.pack(len(request)) + request)
         self._thread = threading.Thread(target=self._receive, name="kv-link-recv", daemon=True)
@@ -214,6 +239,14 @@ class LinkStream:
             if isinstance(item, BaseException):
                 raise item
             yield item
+
+    def link_rate(self, min_bytes: int = RATE_MIN_BYTES) -> float | None:
+        """Bytes/s the link carried from the first chunk's first bytes landing to the last chunk's last,
+        once the reply ended and carried at least `min_bytes`: the link's pace, without the fixed costs
+        before and after that make a short pull slow on any link; else None."""
+        if not self.ended or self.wire_bytes < min_bytes or self._ended <= self._began:
+            return None
+        return self.wire_bytes / (self._ended - self._began)
 
     def done(self, buffer: bytearray) -> None:
         self._free.put(buffer)
@@ -240,13 +273,17 @@ class LinkStream:
         """Socket to buffers, each chunk verified and decoded here before it is handed over."""
         try:
             while (size := U64.unpack(recv_exact(self.sock, 8) or eof())[0]) != 0:
+                self._began = self._began or time.perf_counter()
                 buffer = self._free.get()
                 if buffer is None:
                     return
                 if len(buffer) < size:  # a new one (views of the old may live on), kept across pulls
                     self.buffers[self.buffers.index(buffer)] = buffer = bytearray(size)
                 incoming = link_io.receive_payload(self.sock, memoryview(buffer)[:size]) or eof()
-                chunk = (buffer, size, incoming.decode(self.geometry, self.state_geometry))
+                self.wire_bytes += size
+                self._ended = time.perf_counter()
+                payload = incoming.decode(self.geometry, self.state_geometry, self._inflate_limit)
+                chunk = (buffer, incoming.payload_size, payload)
                 self._sink(*chunk) if self._sink is not None else self._put(chunk)
             self.ended = True
             self._put(None)
@@ -260,6 +297,13 @@ class LinkStream:
             self._loop.call_soon_threadsafe(self._ready.put_nowait, item)
         except RuntimeError:  # the loop is gone
             pass
+
+
+def asked_bytes(geometry, state_geometry, num_blocks: int) -> int:
+    """The most payload bytes a reply to a pull of `num_blocks` can carry: their KV, a hybrid model's
+    state, and room for every envelope's headers and each block's hashes and tokens."""
+    state = state_geometry.nbytes if state_geometry is not None else 0
+    return num_blocks * (geometry.bytes_per_block + 64 + 8 * geometry.block_size) + state + (1 << 20)
 
 
 def connect(address: str, key: bytes, expected_node: str, config: KVLinkConfig) -> socket.socket:

@@ -52,7 +52,8 @@ class PullResult:
     requested: int = 0  # blocks asked for
     local: int = 0  # leading blocks the target already held (memory or cold tier)
     imported: int = 0  # blocks written into the pool from payloads
-    bytes: int = 0
+    bytes: int = 0  # payload bytes: the KV and its envelopes, as imported
+    wire_bytes: int = 0  # what the direct path carried for them: fewer where chunks came compressed
     seconds: float = 0.0  # from the first fetch to the last import
     ok: bool = True
     error: str = ""

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 
+from orchard.kvcache import wire_compressed
 from orchard.kvcache.events import BlockStored
 from orchard.kvcache.hashing import BlockHash
 from orchard.node.async_engine import AsyncEngine
@@ -243,6 +244,7 @@ def test_a_probe_over_the_direct_path_times_a_verified_payload_of_the_size_asked
 def test_damaged_replies_are_refused_counted_and_the_request_recomputes(nodes, monkeypatch, damage):
     loop, paths = nodes
     server = paths["a"].server
+    monkeypatch.setattr(paths["b"], "config", replace(paths["b"].config, compress="never"))  # plain payloads
     if damage == "flipped":
         real = link_io.send_pieces
 
@@ -267,6 +269,70 @@ def test_damaged_replies_are_refused_counted_and_the_request_recomputes(nodes, m
     result, (after, hit), (reference, _) = pull(loop, paths, prompt({"flipped": 11, "cut-off": 12, "foreign": 13}[damage]))
     expected = {"flipped": "CorruptKVPayload", "cut-off": "ConnectionError", "foreign": "IncompatibleKVPayload"}
     assert (result.ok, result.imported) == (False, 0) and expected[damage] in result.error
+    assert paths["b"].mover.counters.migration_failures == failures + 1
+    assert (after, hit) == (reference, 0)
+
+
+def compressing(paths, monkeypatch, mode: str = "always", below: float | None = None) -> list[int]:
+    """Set the target's compression and count the frames the source makes (each frame's element width)."""
+    extra = {} if below is None else {"compress_below_bytes_per_s": below}
+    monkeypatch.setattr(paths["b"], "config", replace(paths["b"].config, compress=mode, **extra))
+    monkeypatch.setattr(paths["b"], "_link_rates", {})
+    frames: list[int] = []
+    real = wire_compressed.compressed_pieces
+    monkeypatch.setattr(wire_compressed, "compressed_pieces", lambda pieces, width: frames.append(width) or real(pieces, width))
+    return frames
+
+
+def test_a_pull_asking_for_compressed_chunks_lands_them_exact_in_fewer_bytes(nodes, monkeypatch):
+    loop, paths = nodes
+    frames = compressing(paths, monkeypatch)
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(41))
+    width = paths["a"].mover.geometry.itemsize
+    assert (result.ok, result.imported, frames) == (True, 5, [width] * 3)
+    assert 0 < result.wire_bytes < result.bytes  # the rate the router learns is of the KV, not of the frames
+    assert (migrated, hit) == (reference, 5 * BS)
+
+
+def test_auto_compresses_where_the_links_last_pull_long_enough_to_tell_ran_below_the_threshold(nodes, monkeypatch):
+    loop, paths = nodes
+    frames = compressing(paths, monkeypatch, "auto", below=1e18)  # any link is slower than this
+    short, *_ = pull(loop, paths, prompt(42))  # 5 blocks, 320 KiB: too short to tell the link's rate
+    assert (short.ok, frames, short.wire_bytes, paths["b"]._link_rates) == (True, [], short.bytes, {})
+    blocks = kv_link.RATE_MIN_BYTES // paths["a"].mover.geometry.bytes_per_block + 1
+    first, *_ = pull(loop, paths, prompt(43, length=blocks * BS))
+    assert (first.ok, frames, first.wire_bytes) == (True, [], first.bytes)  # no rate known yet: as it is
+    assert paths["b"]._link_rates["a"] > 0
+    second, (migrated, hit), (reference, _) = pull(loop, paths, prompt(44))
+    assert second.ok and len(frames) == 3 and second.wire_bytes < second.bytes
+    assert (migrated, hit) == (reference, 5 * BS)
+    monkeypatch.setattr(paths["b"], "config", replace(paths["b"].config, compress_below_bytes_per_s=1.0))
+    third, *_ = pull(loop, paths, prompt(45))  # the link is faster than 1 byte/s: as it is
+    assert third.ok and len(frames) == 3 and third.wire_bytes == third.bytes
+
+
+def test_an_unknown_compression_mode_is_refused():
+    with pytest.raises(ValueError, match="compress is one of"):
+        KVLinkConfig(compress="gzip")
+
+
+def test_a_compressed_chunk_damaged_on_the_way_is_refused_counted_and_the_request_recomputes(nodes, monkeypatch):
+    loop, paths = nodes
+    compressing(paths, monkeypatch)
+    real = link_io.send_pieces
+
+    def flipped(sock, pieces):
+        body = next((i for i, p in enumerate(pieces) if len(p) > 1000), None)
+        if body is not None:  # the frame's zstd body, damaged after it was checksummed
+            damaged = bytearray(pieces[body])
+            damaged[500] ^= 0x01
+            pieces = [*pieces[:body], bytes(damaged), *pieces[body + 1 :]]
+        real(sock, pieces)
+
+    monkeypatch.setattr(link_io, "send_pieces", flipped)
+    failures = paths["b"].mover.counters.migration_failures
+    result, (after, hit), (reference, _) = pull(loop, paths, prompt(46))
+    assert (result.ok, result.imported) == (False, 0) and "CorruptKVPayload" in result.error
     assert paths["b"].mover.counters.migration_failures == failures + 1
     assert (after, hit) == (reference, 0)
 
