@@ -52,6 +52,7 @@ class BenchConfig:
     block_size: int = 16
     lengths: dict = field(default_factory=lambda: dict(DEFAULT_LENGTHS))
     compress: str = "auto"  # the pulling node's `KVLinkConfig.compress`
+    kv_dtype: str | None = None  # the nodes' KV dtype (`EngineConfig.dtype`); the model's when None
 
 
 # ---- raw TCP ------------------------------------------------------------------------
@@ -84,7 +85,7 @@ class NodePair:
         self.size = size
         self.block_size = config.block_size
         engine = EngineConfig(model=str(default_demo_model_path(size)), block_size=config.block_size,
-                              num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=512)
+                              num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=512, dtype=config.kv_dtype)
         options = dict(heartbeat_s=HEARTBEAT_S, model_name=self.model, link_token=secrets.token_urlsafe(32))
         pulling = dict(options, link=KVLinkConfig(host=RAY_NODE_HOST, compress=config.compress))
         self.a = start_node_actor(local.head_ray_node_id, node_actor_config(f"a-{size}", engine, **options))
@@ -93,6 +94,7 @@ class NodePair:
         self.coordinator = ray.get_actor("orchard-coordinator", namespace="orchard")
         self._seed = 0
         self.geometry = None  # the KV layout, loaded on first use
+        self.kv_dtype = config.kv_dtype
 
     def close(self) -> None:
         for actor in (self.a, self.b):
@@ -171,17 +173,19 @@ class NodePair:
         from orchard.node.model.loader import load_model
 
         if self.geometry is None:
-            self.geometry = load_model(self.ray.get(self.a.info.remote())["model_path"]).geometry(self.block_size)
+            model_path = self.ray.get(self.a.info.remote())["model_path"]
+            self.geometry = load_model(model_path).geometry(self.block_size, self.kv_dtype)
         tokens = self.fresh_prompt(prefix_tokens)[:prefix_tokens]
         hashes = self.hashes(tokens)
         spec = self.ray.get(self.coordinator.model_specs.remote())[self.model]
         parents = [root_hash(spec["fingerprint"], spec["cache_salt"]), *hashes[:-1]]
-        shape = (self.geometry.num_layers, *self.geometry.block_shape)
-        kv = np.random.default_rng(self._seed).standard_normal(shape).astype(self.geometry.numpy_storage_dtype)
+        rng = np.random.default_rng(self._seed)
         bs = self.block_size
         for start in range(0, len(hashes), 64):
-            blocks = [KVBlockData(hashes[i], parents[i], tuple(tokens[i * bs : (i + 1) * bs]), kv, kv)
-                      for i in range(start, min(start + 64, len(hashes)))]
+            stop = min(start + 64, len(hashes))
+            keys, values = random_kv(self.geometry, stop - start, rng), random_kv(self.geometry, stop - start, rng)
+            blocks = [KVBlockData(hashes[i], parents[i], tuple(tokens[i * bs : (i + 1) * bs]), keys[i - start], values[i - start])
+                      for i in range(start, stop)]
             report = self.ray.get(self.a.import_blocks.remote([self.ray.put(encode_blocks(self.geometry, blocks))], "bench"))
             if report["imported"] != len(blocks):
                 raise RuntimeError(f"seeding a fell short: {report}")
@@ -218,6 +222,20 @@ class NodePair:
         row = next(r for r in self.ray.get(self.coordinator.nodes.remote()) if r["node_id"] == self.b_id)
         estimates = router_estimates(latency, rate, info["bytes_per_block"], row, len(hashes), self.block_size)
         return decision.migration is not None, *estimates
+
+
+def random_kv(geometry, n: int, rng):
+    """`n` blocks of K (or V) for every layer, each element drawn on its own from a standard normal and
+    stored in the geometry's dtype: no two blocks alike, as no two blocks of a real prefix are (a
+    compressed pull would otherwise find the repeats)."""
+    import numpy as np
+
+    drawn = rng.standard_normal((n, geometry.num_layers, *geometry.block_shape), dtype=np.float32)
+    if geometry.dtype != "bfloat16":
+        return drawn.astype(geometry.numpy_storage_dtype)
+    import mlx.core as mx
+
+    return np.array(mx.array(drawn).astype(mx.bfloat16).view(mx.uint16))
 
 
 def _fetch_timed_body(refs: list) -> tuple[int, float]:
@@ -350,12 +368,15 @@ def parse_args(argv) -> tuple[BenchConfig, str | None, bool]:
     p.add_argument("--ray", action="store_true", help="with --link: two raylets across the namespaces, as without --link")
     p.add_argument("--compress", choices=("auto", "always", "never"), default="auto",
                    help="the pulling node's compressed chunks (KVLinkConfig.compress); over Ray only")
+    p.add_argument("--kv-dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="the nodes' KV dtype (the demo models' own is float32); over Ray only")
     args = p.parse_args(argv)
     sizes = tuple(s for s in args.sizes.split(",") if s)
     lengths = {s: tuple(sorted(set(DEFAULT_LENGTHS.get(s, ())) | {args.prefix_tokens})) for s in sizes}
     pull_tokens = tuple(int(n) for n in args.pull_tokens.split(",") if n)
     config = BenchConfig(prefix_tokens=args.prefix_tokens, sizes=sizes, tcp_mib=args.tcp_mib, lengths=lengths,
-                         pull_tokens=pull_tokens, repeats=args.repeats, compress=args.compress)
+                         pull_tokens=pull_tokens, repeats=args.repeats, compress=args.compress,
+                         kv_dtype=args.kv_dtype)
     return config, args.link, args.ray
 
 
