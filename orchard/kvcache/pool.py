@@ -100,16 +100,19 @@ class KVPool:
         mx.eval(*self.keys, *self.values)
 
     def layer_views(self) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
-        """numpy views of every layer's K and V arrays, sharing their memory (no copy), or None
-        where the device does not keep arrays in host memory or numpy has no such dtype.
+        """numpy views of every layer's K and V arrays in the storage dtype, sharing their memory (no
+        copy; bfloat16's through an MLX view of the same buffer as uint16, which numpy has), or None
+        where the device does not keep arrays in host memory.
 
-        Only between engine steps, and dropped before the next: a view holds the array, so the
-        step cannot update it in place (see the module docstring); pinned blocks stay exact.
+        Only between engine steps, and dropped before the next: a view holds the array's buffer, so
+        the step cannot update it in place (see the module docstring); pinned blocks stay exact.
         """
-        if self.geometry.dtype == "bfloat16" or not _host_memory():
+        if not _host_memory():
             return None
-        mx.eval(*self.keys, *self.values)
-        keys, values = [np.asarray(layer) for layer in self.keys], [np.asarray(layer) for layer in self.values]
+        storage = [self._storage_view(layer) for layer in (*self.keys, *self.values)]
+        mx.eval(*storage)
+        views = [np.asarray(layer) for layer in storage]
+        keys, values = views[: len(self.keys)], views[len(self.keys) :]
         if not all(view.flags.c_contiguous and view.flags.writeable for view in keys + values):
             return None  # a broadcast or strided array: writing through it would not mean one block
         return keys, values
@@ -194,6 +197,10 @@ class KVPool:
             raise ValueError(f"{name} has shape {array.shape}, expected {expected}")
         if array.dtype != g.numpy_storage_dtype:
             raise ValueError(f"{name} has dtype {array.dtype}, expected {g.numpy_storage_dtype}")
+
+    def _storage_view(self, array: mx.array) -> mx.array:
+        """`array` as its storage dtype: itself, or a bfloat16 array as uint16 over the same buffer."""
+        return array.view(mx.uint16) if self.geometry.dtype == "bfloat16" else array
 
     def _to_numpy(self, array: mx.array) -> np.ndarray:
         if self.geometry.dtype == "bfloat16":

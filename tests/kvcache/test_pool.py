@@ -164,3 +164,22 @@ def test_a_strided_run_of_blocks_lands_in_consecutive_and_scattered_ids_alike(id
     assert same_bits(got_keys, keys) and same_bits(got_values, values)
     untouched = [b for b in range(1, 8) if b not in ids]
     assert not pool.read_blocks(untouched)[0].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_views_share_the_pools_memory_in_every_dtype(dtype):
+    """A pull sends from and imports into these views, a bfloat16 pool (most models' KV) included: a
+    view that copied would send stale KV and lose what is written through it."""
+    geometry = tiny_geometry(dtype)
+    pool = KVPool(geometry, num_blocks=5)
+    keys, values = random_blocks(geometry, 2, 20), random_blocks(geometry, 2, 21)
+    pool.write_blocks([1, 2], keys, values)
+    key_views, value_views = pool.layer_views()
+    assert key_views[0].dtype == value_views[1].dtype == geometry.numpy_storage_dtype
+    assert same_bits(np.stack([view[[1, 2]] for view in key_views]), keys)  # it reads what the pool holds
+    key_views[1][3] = keys[1, 0]  # and what is written through it lands in the pool
+    value_views[0][4] = values[0, 1]
+    del key_views, value_views
+    got_keys, got_values = pool.read_blocks([3, 4])
+    assert same_bits(got_keys[1, 0], keys[1, 0]) and same_bits(got_values[0, 1], values[0, 1])
+    assert not got_keys[0].any() and not got_values[1].any()

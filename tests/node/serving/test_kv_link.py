@@ -149,6 +149,34 @@ def test_a_direct_pull_goes_layer_major_in_several_chunks_and_decodes_token_exac
     assert (migrated, hit) == (reference, 5 * BS)
 
 
+@pytest.mark.parametrize("compress", ["never", "always"])
+def test_a_bfloat16_pool_is_pulled_layer_major_straight_from_and_into_its_arrays(monkeypatch, compress):
+    """bfloat16 KV (most models') has no numpy dtype: the pool's views of it are uint16 over the same
+    buffers, so its pulls take the same path as any, plain or compressed, and land token exact."""
+    loop = asyncio.new_event_loop()
+    config = EngineConfig(block_size=BS, num_blocks=32, max_num_batched_tokens=128, dtype="bfloat16")
+    engines = [AsyncEngine(LLMEngine(config)) for _ in range(2)]
+    paths = {name: DirectPath(BlockMover(e), name, KEY, replace(CONFIG, compress=compress)) for name, e in zip("ab", engines)}
+    chunks = []
+    real = kv_link.layer_pieces
+    monkeypatch.setattr(kv_link, "layer_pieces", lambda geometry, chunk: chunks.append(len(chunk.hashes)) or real(geometry, chunk))
+    monkeypatch.setattr(kv_link, "payload_pieces", lambda *a: pytest.fail("version 2 sent"))
+    try:
+        for path in paths.values():
+            path.start()
+        result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(51))
+    finally:
+        for path in paths.values():
+            path.close()
+        for e in engines:
+            e.shutdown()
+        loop.close()
+    assert paths["a"].mover.geometry.dtype == "bfloat16"
+    assert (result.ok, result.imported, chunks) == (True, 5, [4, 1])
+    assert (result.wire_bytes < result.bytes) == (compress == "always")
+    assert (migrated, hit) == (reference, 5 * BS)
+
+
 def test_a_source_that_does_not_offer_layer_major_answers_in_version_2_and_the_pull_still_lands(nodes, monkeypatch):
     loop, paths = nodes
     monkeypatch.setattr(paths["a"].server, "_export_layers", None)  # a source of before version 3
