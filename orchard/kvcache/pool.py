@@ -203,9 +203,7 @@ class KVPool:
         return array.view(mx.uint16) if self.geometry.dtype == "bfloat16" else array
 
     def _to_numpy(self, array: mx.array) -> np.ndarray:
-        if self.geometry.dtype == "bfloat16":
-            array = array.view(mx.uint16)
-        return np.array(array, copy=True)
+        return np.array(self._storage_view(array), copy=True)
 
     def _to_mlx(self, array: np.ndarray) -> mx.array:
         converted = mx.array(np.ascontiguousarray(array))
