@@ -100,19 +100,18 @@ class KVPool:
         mx.eval(*self.keys, *self.values)
 
     def layer_views(self) -> tuple[list[np.ndarray], list[np.ndarray]] | None:
-        """numpy views of every layer's K and V arrays in the storage dtype, sharing their memory (no
-        copy; bfloat16's through an MLX view of the same buffer as uint16, which numpy has), or None
-        where the device does not keep arrays in host memory.
+        """numpy views of every layer's K and V arrays in the storage dtype (bfloat16's as uint16, which
+        numpy has), sharing their memory (no copy), or None where the device does not keep arrays in
+        host memory.
 
-        Only between engine steps, and dropped before the next: a view holds the array's buffer, so
-        the step cannot update it in place (see the module docstring); pinned blocks stay exact.
+        A view aliases its layer's buffer: a step's write lands there in place and shows through (MLX
+        reuses the buffer, `orchard.kernels.kv_write`), and costs no copy while views are held. So an
+        export may hold them on another thread across steps for pinned blocks, which no step writes.
         """
         if not _host_memory():
             return None
-        storage = [self._storage_view(layer) for layer in (*self.keys, *self.values)]
-        mx.eval(*storage)
-        views = [np.asarray(layer) for layer in storage]
-        keys, values = views[: len(self.keys)], views[len(self.keys) :]
+        mx.eval(*self.keys, *self.values)
+        keys, values = [self._host_view(layer) for layer in self.keys], [self._host_view(layer) for layer in self.values]
         if not all(view.flags.c_contiguous and view.flags.writeable for view in keys + values):
             return None  # a broadcast or strided array: writing through it would not mean one block
         return keys, values
@@ -197,6 +196,15 @@ class KVPool:
             raise ValueError(f"{name} has shape {array.shape}, expected {expected}")
         if array.dtype != g.numpy_storage_dtype:
             raise ValueError(f"{name} has dtype {array.dtype}, expected {g.numpy_storage_dtype}")
+
+    def _host_view(self, layer: mx.array) -> np.ndarray:
+        """`layer`'s own buffer as numpy, in the storage dtype. A bfloat16 layer's is read as uint16
+        through the buffer the layer exports itself: an MLX view array over it (`_storage_view`) would
+        be a second owner of the buffer, and while it lived each step would copy the layer rather
+        than write in place."""
+        if self.geometry.dtype != "bfloat16":
+            return np.asarray(layer)
+        return np.frombuffer(memoryview(layer), dtype=np.uint16).reshape(layer.shape)
 
     def _storage_view(self, array: mx.array) -> mx.array:
         """`array` as its storage dtype: itself, or a bfloat16 array as uint16 over the same buffer."""

@@ -183,3 +183,25 @@ def test_layer_views_share_the_pools_memory_in_every_dtype(dtype):
     got_keys, got_values = pool.read_blocks([3, 4])
     assert same_bits(got_keys[1, 0], keys[1, 0]) and same_bits(got_values[0, 1], values[0, 1])
     assert not got_keys[0].any() and not got_values[1].any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_step_writes_in_place_while_layer_views_are_held(dtype):
+    """An export holds the views on its link thread across engine steps: a step's write must neither
+    copy the pool (twice its memory) nor leave the views reading a buffer the pool no longer uses."""
+    import mlx.core as mx
+
+    from orchard.kernels.kv_write import write_kv
+
+    geometry = KVGeometry("big-enough", num_layers=2, num_kv_heads=8, head_dim=128, block_size=16, dtype=dtype)
+    pool = KVPool(geometry, num_blocks=64)
+    rows = mx.full((2, 8, 128), 3.0, dtype=getattr(mx, dtype))
+    key_views, _ = pool.layer_views()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    for layer in range(geometry.num_layers):
+        pool.keys[layer], pool.values[layer] = write_kv(pool.keys[layer], pool.values[layer], rows, rows, [35, 36])
+    mx.eval(*pool.keys, *pool.values)
+    assert mx.get_peak_memory() - before < pool.nbytes // 8
+    written = key_views[1][2, 3:5]  # slots 35 and 36: block 2, offsets 3 and 4
+    assert same_bits(written, pool.read_blocks([2])[0][1, 0, 3:5]) and written.any()
