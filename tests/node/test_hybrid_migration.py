@@ -204,11 +204,12 @@ def test_a_pull_through_the_mover_is_one_payload_and_resumes_exactly(running):
     assert (tokens, hit) == (reference(model, prompt)[0], 12)
 
 
-def test_a_direct_pull_carries_the_state_and_resumes_exactly(running, monkeypatch):
+@pytest.mark.parametrize("compress", ["never", "always"])
+def test_a_direct_pull_carries_the_state_and_resumes_exactly(running, monkeypatch, compress):
     (source, target), model = running
     layered = []  # a hybrid run travels in version 2, whose payload carries the state
     monkeypatch.setattr(kv_link, "layer_pieces", lambda *a: layered.append(a) or pytest.fail("layer-major for a hybrid model"))
-    config = KVLinkConfig(chunk_bytes=source.engine.kv.geometry.bytes_per_block, handshake_timeout_s=2.0)
+    config = KVLinkConfig(chunk_bytes=source.engine.kv.geometry.bytes_per_block, handshake_timeout_s=2.0, compress=compress)
     paths = {name: DirectPath(BlockMover(e), name, KEY, config) for name, e in zip("ab", (source, target))}
     for path in paths.values():
         path.start()
@@ -228,5 +229,6 @@ def test_a_direct_pull_carries_the_state_and_resumes_exactly(running, monkeypatc
         for path in paths.values():
             path.close()
     assert (result.ok, result.via, result.requested, result.imported) == (True, "direct", 3, 3), result.error
+    assert (result.wire_bytes < result.bytes) == (compress == "always")  # the state inside the frame too
     assert (tokens, hit) == (reference(model, prompt)[0], 12)
     assert layered == [] and source.engine.kv.pin_layer_export(source.engine.kv.block_hashes(prompt)) is None
