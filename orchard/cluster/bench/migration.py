@@ -168,6 +168,7 @@ class NodePair:
         once the coordinator has indexed it."""
         import numpy as np
 
+        from orchard.cluster.bench.netns_node import random_kv
         from orchard.kvcache.hashing import root_hash
         from orchard.kvcache.wire import KVBlockData, encode_blocks
         from orchard.node.model.loader import load_model
@@ -222,20 +223,6 @@ class NodePair:
         row = next(r for r in self.ray.get(self.coordinator.nodes.remote()) if r["node_id"] == self.b_id)
         estimates = router_estimates(latency, rate, info["bytes_per_block"], row, len(hashes), self.block_size)
         return decision.migration is not None, *estimates
-
-
-def random_kv(geometry, n: int, rng):
-    """`n` blocks of K (or V) for every layer, each element drawn on its own from a standard normal and
-    stored in the geometry's dtype: no two blocks alike, as no two blocks of a real prefix are (a
-    compressed pull would otherwise find the repeats)."""
-    import numpy as np
-
-    drawn = rng.standard_normal((n, geometry.num_layers, *geometry.block_shape), dtype=np.float32)
-    if geometry.dtype != "bfloat16":
-        return drawn.astype(geometry.numpy_storage_dtype)
-    import mlx.core as mx
-
-    return np.array(mx.array(drawn).astype(mx.bfloat16).view(mx.uint16))
 
 
 def _fetch_timed_body(refs: list) -> tuple[int, float]:

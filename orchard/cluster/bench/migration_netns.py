@@ -56,9 +56,11 @@ class LinkBenchConfig:
 class Pair:
     """Nodes a and b of one model in the rig, and the coordinator that learns from their pulls."""
 
-    def __init__(self, lab: NetLab, size: str, num_blocks: int):
+    def __init__(self, lab: NetLab, size: str, num_blocks: int, compress: str = "auto"):
+        """`compress`: the nodes' pulls' `KVLinkConfig.compress`."""
         self.model, self.size = f"demo-{size}", size
-        self.a, self.b = (NodeProcess(NodeSpec(name, lab.ns(name), lab.hosts[name], size, num_blocks)) for name in HOSTS)
+        self.a, self.b = (NodeProcess(NodeSpec(name, lab.ns(name), lab.hosts[name], size, num_blocks, compress))
+                          for name in HOSTS)
         self.coordinator = quiet_coordinator()
         for node in (self.a, self.b):
             self.coordinator.register_node(node.spec.name, self._node_info(node))

@@ -27,6 +27,7 @@ class NodeSpec:
     host: str  # the private address its KV listener binds
     size: str  # demo model size: "small" or "large"
     num_blocks: int
+    compress: str = "auto"  # its pulls' `KVLinkConfig.compress`
 
 
 class NodeProcess:
@@ -101,7 +102,7 @@ class _Node:
         self.engine = AsyncEngine(LLMEngine(config))
         freeze_loaded_objects()  # as a node actor does when it starts
         key = link_auth.link_key(LINK_SECRET)
-        self.path = DirectPath(BlockMover(self.engine), spec.name, key, KVLinkConfig(host=spec.host))
+        self.path = DirectPath(BlockMover(self.engine), spec.name, key, KVLinkConfig(host=spec.host, compress=spec.compress))
         self.path.start()
         self.requests = 0
 
@@ -191,10 +192,25 @@ def seed_kv(kv, tokens: list[int], seed: int) -> list[bytes]:
     geometry, bs = kv.geometry, kv.geometry.block_size
     hashes = kv.block_hashes(tokens[: len(tokens) // bs * bs])
     parents = [kv.root, *hashes[:-1]]
-    block = np.random.default_rng(seed).standard_normal((geometry.num_layers, *geometry.block_shape))
-    block = block.astype(geometry.numpy_storage_dtype)
+    rng = np.random.default_rng(seed)
     for start in range(0, len(hashes), 64):
-        blocks = [KVBlockData(hashes[i], parents[i], tuple(tokens[i * bs : (i + 1) * bs]), block, block)
-                  for i in range(start, min(start + 64, len(hashes)))]
+        stop = min(start + 64, len(hashes))
+        keys, values = random_kv(geometry, stop - start, rng), random_kv(geometry, stop - start, rng)
+        blocks = [KVBlockData(hashes[i], parents[i], tuple(tokens[i * bs : (i + 1) * bs]), keys[i - start], values[i - start])
+                  for i in range(start, stop)]
         kv.import_blocks(encode_blocks(geometry, blocks))
     return [bytes(h) for h in hashes]
+
+
+def random_kv(geometry, n: int, rng):
+    """`n` blocks of K (or V) for every layer, each element drawn on its own from a standard normal and
+    stored in the geometry's dtype: no two blocks alike, as no two blocks of a real prefix are (a
+    compressed pull would otherwise find the repeats)."""
+    import numpy as np
+
+    drawn = rng.standard_normal((n, geometry.num_layers, *geometry.block_shape), dtype=np.float32)
+    if geometry.dtype != "bfloat16":
+        return drawn.astype(geometry.numpy_storage_dtype)
+    import mlx.core as mx
+
+    return np.array(mx.array(drawn).astype(mx.bfloat16).view(mx.uint16))
