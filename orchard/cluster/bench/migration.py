@@ -344,6 +344,8 @@ def _main_over_link(config: BenchConfig, link: str, openblas: bool) -> int:
 
 
 def parse_args(argv) -> tuple[BenchConfig, str | None, bool]:
+    from orchard.node.serving.kv_link import COMPRESS_MODES
+
     p = argparse.ArgumentParser(prog="orchard bench migration", description=__doc__.split("\n\n")[0])
     p.add_argument("--prefix-tokens", type=int, default=2048, help="prefix moved for throughput and the TTFT row")
     p.add_argument("--sizes", default="small,large", help="demo model sizes, comma separated")
@@ -353,7 +355,7 @@ def parse_args(argv) -> tuple[BenchConfig, str | None, bool]:
     p.add_argument("--link", choices=("1gbit", "10gbit", "none"), default=None,
                    help="run the nodes in two network namespaces over a link shaped with tc (root; no Ray unless --ray)")
     p.add_argument("--ray", action="store_true", help="with --link: two raylets across the namespaces, as without --link")
-    p.add_argument("--compress", choices=("auto", "always", "never"), default="auto",
+    p.add_argument("--compress", choices=COMPRESS_MODES, default="auto",
                    help="the pulling node's compressed chunks (KVLinkConfig.compress); over Ray only")
     p.add_argument("--kv-dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="the nodes' KV dtype (the demo models' own is float32); over Ray only")
