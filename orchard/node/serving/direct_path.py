@@ -95,7 +95,9 @@ class DirectPath:
         return rate is not None and rate < self.config.compress_below_bytes_per_s
 
     async def probe(self, source_id: str, nbytes: int, resolve: Resolve) -> tuple[int, float] | None:
-        """(bytes, seconds) of fetching and verifying a probe payload over the direct path, or None."""
+        """(bytes, seconds) of fetching and verifying a probe payload over the direct path, or None. A probe
+        long enough to tell the link's rate (`LinkStream.link_rate`) tells `compresses` too, so the first
+        pull over a slow link (a node probes each peer's link as it joins) already goes compressed."""
         started = time.perf_counter()
         address = await self._address(source_id, resolve)
         sock = None if address is None or self.key is None else await self._connect(source_id, address)
@@ -110,6 +112,8 @@ class DirectPath:
                 stream.done(buffer)
         finally:
             stream.close()
+        if (rate := stream.link_rate()) is not None:
+            self._link_rates[source_id] = rate
         return received, time.perf_counter() - started
 
     async def _connect(self, source_id: str, address: str):

@@ -339,6 +339,22 @@ def test_auto_compresses_where_the_links_last_pull_long_enough_to_tell_ran_below
     assert third.ok and len(frames) == 3 and third.wire_bytes == third.bytes
 
 
+def test_a_probe_long_enough_to_tell_the_links_rate_decides_the_first_pull(nodes, monkeypatch):
+    loop, paths = nodes
+    frames = compressing(paths, monkeypatch, "auto", below=1e18)  # any link is slower than this
+
+    async def resolve(_peer):
+        return paths["a"].address
+
+    loop.run_until_complete(paths["b"].probe("a", kv_link.RATE_MIN_BYTES // 2, resolve))
+    assert paths["b"]._link_rates == {}  # too short to tell
+    loop.run_until_complete(paths["b"].probe("a", 2 * kv_link.RATE_MIN_BYTES, resolve))
+    assert paths["b"]._link_rates["a"] > 0
+    first, (migrated, hit), (reference, _) = pull(loop, paths, prompt(47))
+    assert first.ok and len(frames) == 3 and first.wire_bytes < first.bytes
+    assert (migrated, hit) == (reference, 5 * BS)
+
+
 def test_an_unknown_compression_mode_is_refused():
     with pytest.raises(ValueError, match="compress is one of"):
         KVLinkConfig(compress="gzip")
