@@ -199,19 +199,17 @@ class KVPool:
 
     def _host_view(self, layer: mx.array) -> np.ndarray:
         """`layer`'s own buffer as numpy, in the storage dtype. A bfloat16 layer's is read as uint16
-        through the buffer the layer exports itself: an MLX view array over it (`_storage_view`) would
-        be a second owner of the buffer, and while it lived each step would copy the layer rather
+        through the buffer the layer exports itself: an MLX view array over it (`layer.view(mx.uint16)`)
+        would be a second owner of the buffer, and while it lived each step would copy the layer rather
         than write in place."""
         if self.geometry.dtype != "bfloat16":
             return np.asarray(layer)
         return np.frombuffer(memoryview(layer), dtype=np.uint16).reshape(layer.shape)
 
-    def _storage_view(self, array: mx.array) -> mx.array:
-        """`array` as its storage dtype: itself, or a bfloat16 array as uint16 over the same buffer."""
-        return array.view(mx.uint16) if self.geometry.dtype == "bfloat16" else array
-
     def _to_numpy(self, array: mx.array) -> np.ndarray:
-        return np.array(self._storage_view(array), copy=True)
+        if self.geometry.dtype == "bfloat16":
+            array = array.view(mx.uint16)
+        return np.array(array, copy=True)
 
     def _to_mlx(self, array: np.ndarray) -> mx.array:
         converted = mx.array(np.ascontiguousarray(array))

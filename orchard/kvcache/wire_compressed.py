@@ -26,11 +26,10 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-import xxhash
 import zstandard
 
 from orchard.kvcache.errors import CorruptKVPayload
-from orchard.kvcache.wire import CHECKSUM_SIZE
+from orchard.kvcache.wire import CHECKSUM_SIZE, _checksum
 
 MAGIC = b"\xc1OKZ"
 VERSION = 1
@@ -47,8 +46,8 @@ def compressed_pieces(pieces: list, width: int) -> list[bytes]:
     `width`: bytes an element of the payload's KV holds."""
     if width not in WIDTHS:
         raise ValueError(f"an element is {WIDTHS} bytes wide, not {width}")
-    payload = bytearray(b"".join(pieces))
-    payload += xxhash.xxh3_128_digest(payload)
+    payload = bytearray(b"".join(pieces)) + bytes(CHECKSUM_SIZE)
+    payload[-CHECKSUM_SIZE:] = _checksum(payload)
     body = zstandard.ZstdCompressor(level=LEVEL).compress(_planes(payload, width))
     return [_HEADER.pack(MAGIC, VERSION, width, len(payload)), body]
 

@@ -94,6 +94,11 @@ class DirectPath:
         rate = self._link_rates.get(source_id)
         return rate is not None and rate < self.config.compress_below_bytes_per_s
 
+    def _learn_link_rate(self, source_id: str, stream: LinkStream) -> None:
+        """Keep the link's rate a finished reply tells (`LinkStream.link_rate`), for `compresses`."""
+        if (rate := stream.link_rate()) is not None:
+            self._link_rates[source_id] = rate
+
     async def probe(self, source_id: str, nbytes: int, resolve: Resolve) -> tuple[int, float] | None:
         """(bytes, seconds) of fetching and verifying a probe payload over the direct path, or None. A probe
         long enough to tell the link's rate (`LinkStream.link_rate`) tells `compresses` too, so the first
@@ -112,8 +117,7 @@ class DirectPath:
                 stream.done(buffer)
         finally:
             stream.close()
-        if (rate := stream.link_rate()) is not None:
-            self._link_rates[source_id] = rate
+        self._learn_link_rate(source_id, stream)
         return received, time.perf_counter() - started
 
     async def _connect(self, source_id: str, address: str):
@@ -151,8 +155,7 @@ class DirectPath:
             if importer.error is not None:
                 raise importer.error
             result.seconds = time.perf_counter() - started
-            if (rate := stream.link_rate()) is not None:
-                self._link_rates[source_id] = rate
+            self._learn_link_rate(source_id, stream)
         except Exception as exc:  # a refused payload, or the source went away mid-reply
             self.mover._failed(result, importer.error or exc)
         finally:

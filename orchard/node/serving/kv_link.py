@@ -51,6 +51,7 @@ from orchard.kvcache import wire_compressed
 from orchard.kvcache.errors import KVCacheError
 from orchard.kvcache.hashing import BlockHash
 from orchard.kvcache.wire import KVPayload, StateSnapshotData
+from orchard.kvcache.wire_batch import record_layout
 from orchard.kvcache.wire_layers import layer_pieces
 from orchard.kvcache.wire_stream import payload_pieces
 from orchard.node.serving import link_auth as auth
@@ -300,10 +301,11 @@ class LinkStream:
 
 
 def asked_bytes(geometry, state_geometry, num_blocks: int) -> int:
-    """The most payload bytes a reply to a pull of `num_blocks` can carry: their KV, a hybrid model's
-    state, and room for every envelope's headers and each block's hashes and tokens."""
+    """The most payload bytes a reply to a pull of `num_blocks` can carry: each block as a full block's
+    record of wire format version 2 (the larger of the two layouts), a hybrid model's state, and room
+    for the envelopes."""
     state = state_geometry.nbytes if state_geometry is not None else 0
-    return num_blocks * (geometry.bytes_per_block + 64 + 8 * geometry.block_size) + state + (1 << 20)
+    return num_blocks * record_layout(geometry).size + state + (1 << 20)
 
 
 def connect(address: str, key: bytes, expected_node: str, config: KVLinkConfig) -> socket.socket:
