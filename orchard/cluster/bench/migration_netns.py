@@ -33,9 +33,8 @@ from orchard.cluster.bench.migration_report import Case, router_estimates
 from orchard.cluster.bench.netns import LINKS, NetLab, tcp_throughput, unavailable
 from orchard.cluster.bench.netns_node import BLOCK_SIZE, NodeProcess, NodeSpec
 
-#: Prefix lengths of the router cases: the demo models' context is 4,096 tokens, so a prefix
-#: recomputed on b stops at 4,080 (255 blocks and the prompt's partial block).
-CASE_TOKENS = {"small": (32, 256, 2048, 4080), "large": (32, 256, 2048)}
+#: Prefix lengths of the router cases, 32 to 8,192 tokens (the demo models' context is 16,384).
+CASE_TOKENS = {"small": (32, 256, 2048, 8192), "large": (32, 256, 2048, 8192)}
 HOSTS = {"a": "2", "b": "3"}
 
 

@@ -45,7 +45,7 @@ def test_no_model_means_the_demo_model_created_in_the_cache(monkeypatch, tmp_pat
     assert loaded.model_type == "llama"
     assert loaded.fingerprint == model_fingerprint(demo_path)  # same bytes, same fingerprint
     assert loaded.eos_token_ids == frozenset({0, 2})
-    assert loaded.max_context_length == 4096
+    assert loaded.max_context_length == 16384
 
 
 def test_geometry_follows_the_model_and_its_weights_dtype(demo_path):
