@@ -68,8 +68,8 @@ class Stages:
 def _engine(size: str, num_blocks: int):
     from orchard.node.async_engine import AsyncEngine
     from orchard.node.engine import EngineConfig, LLMEngine
+    from orchard.node.heap import freeze_loaded_objects
     from orchard.node.model.demo import default_demo_model_path
-    from orchard.node.serving.actor import freeze_loaded_objects
 
     config = EngineConfig(model=str(default_demo_model_path(size)), block_size=16, num_blocks=num_blocks,
                           max_num_seqs=4, max_num_batched_tokens=512)
