@@ -318,6 +318,32 @@ class BlockManager:
             block_ids.append(block.block_id)
         return taken, block_ids
 
+    def reserve(self, count: int) -> list[int]:
+        """Take up to `count` free blocks (fewer where fewer are free) for KV that will land in them
+        from elsewhere: held (ref 1), holding no hash, so no sequence and no prefix lookup reaches
+        them. `adopt` lists them as cached once their KV is written; `unpin` every one of them then."""
+        return [self._claim().block_id for _ in range(min(count, len(self._free)))]
+
+    def adopt(
+        self, block_ids: Sequence[int], hashes: Sequence[BlockHash], parents: Sequence[BlockHash],
+        token_ids: Sequence[tuple[int, ...]],
+    ) -> list[int]:
+        """List reserved blocks as cached, block i under `hashes[i]`, their KV now written; a hash
+        cached meanwhile keeps its block and leaves the reserved one uncached. Returns the ids listed.
+        The caller still unpins every reserved block."""
+        adopted = []
+        for block_id, block_hash, parent, tokens in zip(block_ids, hashes, parents, token_ids, strict=True):
+            block = self._blocks[block_id]
+            if block_hash in self._cached or block.block_hash is not None or block.ref_count != 1:
+                continue
+            if len(tokens) != self.block_size:
+                raise ValueError(f"a cached block holds {self.block_size} tokens, got {len(tokens)}")
+            block.filled = self.block_size
+            self._used_kv_slots += block.filled
+            self._register(block, block_hash, parent, tuple(tokens))
+            adopted.append(block_id)
+        return adopted
+
     def snapshot(self) -> list[BlockStored]:
         """Every cached block, parents before children, numbered with the next event seq.
 

@@ -260,6 +260,10 @@ class KVCache:
         """Cache decoded blocks not held yet, in chain order, with a hybrid model's `state` after the last."""
         return self.transfer.import_decoded(blocks, state)
 
+    def reserve_landing(self, parent: BlockHash, wanted: Sequence[BlockHash]):
+        """Blocks reserved for a pull's run to land in from its receive thread, or None (`BlockTransfer`)."""
+        return self.transfer.reserve_landing(parent, wanted)
+
     def pin_export(self, hashes: Sequence[BlockHash]) -> tuple[list[int], list[BlockPieces], StateSnapshotData | None]:
         """Pin the leading run of `hashes` held here as wire pieces, with a hybrid model's snapshot; `unpin_export` when sent."""
         return self.transfer.pin_export(hashes)

@@ -31,3 +31,7 @@ class QuotaExceeded(KVCacheError):
 
 class OutOfStateSlots(KVCacheError):
     """Every recurrent-state slot of a hybrid model's state pool is held; nothing was changed."""
+
+
+class PoolMoved(KVCacheError):
+    """The pool's buffers moved while KV was written into them from another thread; nothing was cached."""

@@ -13,68 +13,8 @@ from orchard.kvcache.cold_tier import SlotLayout
 from orchard.kvcache.config import CacheConfig, InvalidCacheConfig
 from orchard.kvcache.errors import IncompatibleKVPayload, OutOfBlocks, QuotaExceeded
 from orchard.kvcache.events import DISK, MEMORY, BlockRemoved, BlockStored
-from orchard.kvcache.geometry import KVGeometry
 from orchard.kvcache.wire import KVBlockData, decode_blocks, encode_blocks
-
-BS = 4
-
-
-def geometry(dtype="float32", fingerprint="tiny-llama"):
-    return KVGeometry(fingerprint, num_layers=2, num_kv_heads=2, head_dim=4, block_size=BS, dtype=dtype)
-
-
-@pytest.fixture
-def make_cache(tmp_path):
-    made = []
-
-    def make(num_blocks=10, cold=False, dtype="float32", salt=None, fingerprint="tiny-llama", cold_dir=None,
-             cold_bytes=1 << 20):
-        config = CacheConfig(
-            block_size=BS,
-            num_blocks=num_blocks,
-            watermark=0.0,
-            cache_salt=salt,
-            cold_tier_dir=str(cold_dir or tmp_path / f"cold{len(made)}") if cold else None,
-            cold_tier_gb=cold_bytes / (1 << 30),
-        )
-        cache = KVCache(geometry(dtype, fingerprint), config)
-        made.append(cache)
-        return cache
-
-    yield make
-    for cache in made:
-        assert cache.manager.num_used == 0, "a test leaked blocks"
-        cache.close()
-
-
-def random_kv(cache, n, seed):
-    """K and V for `n` blocks in the pool's storage dtype, never all-zero."""
-    rng = np.random.default_rng(seed)
-    g = cache.geometry
-    shape = (g.num_layers, n, *g.block_shape)
-    if g.dtype == "bfloat16":
-        return tuple(rng.integers(1, 2**15, size=shape, dtype=np.uint16) for _ in range(2))
-    return tuple(rng.standard_normal(shape).astype(g.numpy_storage_dtype) + 3 for _ in range(2))
-
-
-def prefill(cache, seq_id, tokens, seed):
-    """Allocate, write KV for the uncached part, commit: what a prefill step does."""
-    reused = cache.allocate(seq_id, tokens)
-    table = cache.block_table(seq_id)
-    first = reused // BS
-    keys, values = random_kv(cache, len(table) - first, seed)
-    cache.pool.write_blocks(table[first:], keys, values)
-    cache.commit(seq_id, tokens, len(tokens))
-    return reused
-
-
-def kv_of(cache, block_ids):
-    return cache.pool.read_blocks(block_ids)
-
-
-def same_kv(a, b):
-    return all(np.array_equal(x, y) for x, y in zip(a, b))
-
+from tests.kvcache.caches import BS, geometry, kv_of, prefill, random_kv, same_kv
 
 # ------------------------------------------------------------------ construction
 

@@ -10,6 +10,13 @@ A pull asks for compressed chunks (`orchard.kvcache.wire_compressed`) as `KVLink
 by default where the link from the same source carried its last long enough pull slower than a
 compressor runs, which is to say where the link, not the CPU, sets a pull's pace.
 
+Where the pool lives in memory numpy can address (the CPU, a Mac's unified memory), a pull's blocks
+land straight in pool blocks the engine thread reserved before the request went: a landing thread
+checks each chunk the receive thread verified and writes it there while the next one arrives, and the
+engine thread caches the landed run in one call at the end (`orchard.kvcache.block_landing`), so a
+pull costs the engine's steps two calls, not one a chunk. Elsewhere each chunk is imported on the
+engine thread as it arrives.
+
 A connection whose reply ended whole is kept for the next pull from the same source (one
 per source, for half the listener's idle timeout): a pull of a few MiB otherwise spends as
 long connecting and proving the key as moving its bytes.
@@ -22,8 +29,9 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
+from orchard.kvcache.block_landing import BlockLanding
 from orchard.kvcache.hashing import BlockHash
 from orchard.kvcache.wire import KVPayload
 from orchard.node.serving.kv_link import KVLinkConfig, KVLinkServer, LinkStream, connect
@@ -45,6 +53,7 @@ class DirectPath:
         self._buffers: list[bytearray] = []  # receive buffers kept across pulls: no page faults on the next
         self._idle: dict[str, tuple[socket.socket, float]] = {}  # per source: a connection and when it was left
         self._link_rates: dict[str, float] = {}  # per source: the link's bytes/s in the last pull that tells
+        self._lander = ThreadPoolExecutor(1, thread_name_prefix="kv-land")  # writes landing chunks into the pool
 
     @property
     def address(self) -> str | None:
@@ -71,6 +80,7 @@ class DirectPath:
         for sock, _ in self._idle.values():
             sock.close()
         self._idle.clear()
+        self._lander.shutdown(wait=False)
 
     async def pull(self, source_id: str, hashes: Sequence[BlockHash], resolve: Resolve) -> PullResult | None:
         """Pull the blocks of `hashes` this node lacks from `source_id`'s listener, or None (see above)."""
@@ -80,12 +90,16 @@ class DirectPath:
             return None
         hashes = [BlockHash(bytes(h)) for h in hashes]
         engine = self.mover.engine
-        local = await engine.run_on_engine(lambda e: local_prefix(e.kv, hashes))
+        local, landing = await engine.run_on_engine(lambda e: _plan(e.kv, hashes))
         result = PullResult(source_id, requested=len(hashes), local=local, via="direct")
         if local == len(hashes):
             return result
         sock = self._kept(source_id) or await self._connect(source_id, address)
-        return None if sock is None else await self._receive(source_id, sock, hashes[local:], result, started)
+        if sock is None:
+            if landing is not None:
+                await engine.run_on_engine(lambda e: landing.release())
+            return None
+        return await self._receive(source_id, sock, hashes[local:], result, started, landing)
 
     def compresses(self, source_id: str) -> bool:
         """Whether a pull from `source_id` asks for compressed chunks (`KVLinkConfig.compress`)."""
@@ -139,25 +153,28 @@ class DirectPath:
         return None
 
     async def _receive(self, source_id: str, sock, wanted: list[BlockHash], result: PullResult,
-                       started: float) -> PullResult:
+                       started: float, landing: BlockLanding | None) -> PullResult:
         buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(4)]  # arriving, queued, importing
-        importer = _ChunkImporter(self.mover.engine, result)
-        stream = importer.stream = LinkStream(sock, buffers, self.mover.geometry, sink=importer,
-                                              state_geometry=self.mover.state_geometry)
+        sink = _ChunkLander(landing, result, self._lander) if landing is not None else _ChunkImporter(self.mover.engine, result)
+        stream = sink.stream = LinkStream(sock, buffers, self.mover.geometry, sink=sink,
+                                          state_geometry=self.mover.state_geometry)
         try:
-            stream.start(wanted, chunk_size(len(wanted) * self.mover.geometry.bytes_per_block, self.config.chunk_bytes),
-                         compress=self.compresses(source_id))
+            if landing is not None:
+                wanted = wanted[: landing.capacity]  # the pool had room for no more
             try:
+                stream.start(wanted, chunk_size(len(wanted) * self.mover.geometry.bytes_per_block,
+                                                self.config.chunk_bytes), compress=self.compresses(source_id))
                 async for _ in stream.chunks():
                     pass
             finally:
-                await self.mover.engine.run_on_engine(lambda e: None)  # calls run in order: every import queued has run
-            if importer.error is not None:
-                raise importer.error
+                await sink.drained()
+                await self.mover.engine.run_on_engine(sink.finish)  # runs after every call queued before it
+            if sink.error is not None:
+                raise sink.error
             result.seconds = time.perf_counter() - started
             self._learn_link_rate(source_id, stream)
         except Exception as exc:  # a refused payload, or the source went away mid-reply
-            self.mover._failed(result, importer.error or exc)
+            self.mover._failed(result, sink.error or exc)
         finally:
             kept = stream.release()
             if kept is not None:
@@ -221,6 +238,47 @@ def _open(sock: socket.socket) -> bool:
     return False  # closed by the peer (b""), or bytes nobody asked for
 
 
+def _plan(kv, hashes: list[BlockHash]):
+    """(leading blocks of `hashes` held here, blocks reserved for the rest to land in or None) (engine thread)."""
+    local = local_prefix(kv, hashes)
+    if local == len(hashes):
+        return local, None
+    return local, kv.reserve_landing(hashes[local - 1] if local else kv.root, hashes[local:])
+
+
+class _ChunkLander:
+    """Lands each verified chunk in the blocks reserved for it (`orchard.kvcache.block_landing`) on the
+    path's landing thread, so the receive thread takes the next chunk meanwhile, and has the engine
+    thread cache the landed run once, at the end (`finish`, after `drained`); the first refused chunk
+    stops the rest and ends the stream."""
+
+    def __init__(self, landing: BlockLanding, result: PullResult, lander: ThreadPoolExecutor):
+        self.landing, self.result, self._lander = landing, result, lander
+        self.stream: LinkStream | None = None
+        self.error: Exception | None = None
+
+    def __call__(self, buffer: bytearray, size: int, payload: KVPayload) -> None:  # receive thread
+        self.result.bytes += size
+        self._lander.submit(self._land, buffer, payload)
+
+    def _land(self, buffer: bytearray, payload: KVPayload) -> None:  # landing thread
+        try:
+            if self.error is None:
+                self.landing.land(payload.blocks)
+        except Exception as exc:  # a chunk that is not the run's next blocks: nothing more is wanted
+            self.error = exc
+            self.stream.close()
+        finally:
+            self.stream.done(buffer)
+
+    async def drained(self) -> None:
+        """Once every chunk handed over has landed (the landing thread runs them in order)."""
+        await asyncio.wrap_future(self._lander.submit(lambda: None))
+
+    def finish(self, engine) -> None:  # engine thread, once the reply ended or broke off and every chunk landed
+        self.result.imported += self.landing.adopt()
+
+
 class _ChunkImporter:
     """Imports each verified chunk on the engine thread, queued straight from the receive thread
     (`AsyncEngine.call_from_thread`), so no chunk waits for the event loop to wake; the first
@@ -237,6 +295,12 @@ class _ChunkImporter:
 
     def _import(self, engine, payload: KVPayload) -> int:
         return 0 if self.error is not None else engine.kv.import_decoded(payload.blocks, payload.state)
+
+    async def drained(self) -> None:
+        """Imports are queued on the engine thread, so `finish` runs after them: nothing to wait for."""
+
+    def finish(self, engine) -> None:  # engine thread: queued after every import, so each has run
+        return None
 
     def _settle(self, buffer: bytearray, imported: int | None, exc: Exception | None) -> None:  # engine thread
         if exc is not None and self.error is None:

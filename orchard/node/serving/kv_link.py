@@ -17,9 +17,10 @@ other in version 2 (a source that knows no such key ignores it), and the target 
 A target on a slow link asks with "compress" for each chunk as an `orchard.kvcache.wire_compressed`
 frame; a source that knows no such key sends plain payloads, which the target reads as well.
 
-Each chunk is a whole payload, so the target verifies and imports chunk i on its engine
-thread while chunk i+1 arrives, and the source lays out chunk i+1 while the kernel still
-sends what it took of chunk i from the socket's buffer: the slowest stage sets the rate.
+Each chunk is a whole payload, so the target verifies chunk i and writes it into its pool
+(`orchard.node.serving.direct_path`) while chunk i+1 arrives, and the source lays out chunk i+1
+while the kernel still sends what it took of chunk i from the socket's buffer: the slowest stage
+sets the rate.
 A source that holds fewer blocks than asked sends fewer.
 
 Threads with blocking sockets, not asyncio streams: Python 3.11's transports join the

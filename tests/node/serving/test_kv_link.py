@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 from dataclasses import replace
 
 import pytest
 
 from orchard.kvcache import wire_compressed
+from orchard.kvcache.block_landing import BlockLanding
 from orchard.kvcache.events import BlockStored
 from orchard.kvcache.hashing import BlockHash
 from orchard.node.async_engine import AsyncEngine
@@ -174,6 +176,39 @@ def test_a_bfloat16_pool_is_pulled_layer_major_straight_from_and_into_its_arrays
     assert paths["a"].mover.geometry.dtype == "bfloat16"
     assert (result.ok, result.imported, chunks) == (True, 5, [4, 1])
     assert (result.wire_bytes < result.bytes) == (compress == "always")
+    assert (migrated, hit) == (reference, 5 * BS)
+
+
+def test_a_pulls_chunks_land_in_the_pool_off_the_engine_thread_and_are_cached_in_one_engine_call(nodes, monkeypatch):
+    loop, paths = nodes
+    kv = paths["b"].mover.engine.engine.kv
+    threads, adopted = [], []
+    real_land, real_adopt = BlockLanding.land, BlockLanding.adopt
+    monkeypatch.setattr(BlockLanding, "land", lambda self, blocks: threads.append(threading.current_thread().name)
+                        or real_land(self, blocks))
+    monkeypatch.setattr(BlockLanding, "adopt", lambda self: adopted.append(threading.current_thread().name)
+                        or real_adopt(self))
+    monkeypatch.setattr(kv, "import_decoded", lambda *a: pytest.fail("a chunk imported on the engine thread"))
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(34))
+    assert (result.ok, result.imported) == (True, 5)
+    assert len(threads) == 3 and all(name.startswith("kv-land") for name in threads)
+    assert len(adopted) == 1 and not adopted[0].startswith("kv-")  # the engine thread
+    assert (migrated, hit) == (reference, 5 * BS)
+    assert kv.manager.num_used == 0  # every reserved block adopted or freed
+
+
+def test_where_the_pool_cannot_be_viewed_chunks_are_imported_on_the_engine_thread(nodes, monkeypatch):
+    """A device whose arrays numpy cannot address (`KVPool.layer_views` None): no landing, each chunk
+    imported by the engine thread as it arrives."""
+    loop, paths = nodes
+    kv = paths["b"].mover.engine.engine.kv
+    monkeypatch.setattr(kv.transfer.pool, "layer_views", lambda: None)
+    monkeypatch.setattr(BlockLanding, "land", lambda *a: pytest.fail("a chunk landed from the receive thread"))
+    imports = []
+    real = kv.import_decoded
+    monkeypatch.setattr(kv, "import_decoded", lambda blocks, state=None: imports.append(len(blocks)) or real(blocks, state))
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(35))
+    assert (result.ok, result.imported, imports) == (True, 5, [2, 2, 1])
     assert (migrated, hit) == (reference, 5 * BS)
 
 

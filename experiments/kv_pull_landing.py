@@ -1,0 +1,99 @@
+"""Direct pulls with their blocks landed off the engine thread, against chunks imported on it, in turn.
+
+Where the pool is in host memory a pull's chunks land in pool blocks reserved for them, written by the
+path's landing thread, and the engine thread caches the run once at the end
+(`orchard.kvcache.block_landing`); elsewhere (`KVCache.reserve_landing` None) each chunk is imported on
+the engine thread, between its steps. This runs both on one pair of processes, pulls alternating, on
+loopback: the source in a child process, the target here, each with its engine thread and its direct
+path, as `experiments/kv_pull_profile.py` sets them up. With `--busy N` the target decodes N sequences
+all the while, as a serving node would, so its engine thread is in a step when chunks arrive.
+
+    python -m experiments.kv_pull_landing [--size large] [--tokens 2048] [--repeats 6] [--busy 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import statistics
+import threading
+import time
+
+from experiments import kv_pull_profile as kp
+from experiments.common import machine_line, print_header
+
+PATHS = ("landed", "engine imports")
+
+
+def _busy(loop, engine, sequences: int) -> None:
+    """Keep `sequences` long greedy generations running on the target's engine (daemon: they end with it)."""
+    from orchard.node.types import SamplingParams
+
+    async def decode(request_id: str) -> None:
+        prompt = [(j * 7 + 3) % 1500 + 20 for j in range(64 + len(request_id))]
+        async for _ in engine.generate(request_id, prompt, SamplingParams(max_tokens=8000, temperature=0.0, ignore_eos=True)):
+            pass
+
+    for i in range(sequences):
+        asyncio.run_coroutine_threadsafe(decode(f"busy-{i}"), loop)
+    time.sleep(2.0)  # the batch is running before the first pull
+
+
+def _choose(path: str) -> None:
+    from orchard.kvcache.cache import KVCache
+
+    if not hasattr(_choose, "real"):
+        _choose.real = KVCache.reserve_landing
+    KVCache.reserve_landing = _choose.real if path == "landed" else (lambda self, parent, wanted: None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="large")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--repeats", type=int, default=6, help="pulls per path, after one of each to warm")
+    p.add_argument("--busy", type=int, default=0, help="sequences the target decodes while it pulls")
+    args = p.parse_args(argv)
+    from orchard.cluster.bench.migration import tcp_throughput
+
+    print_header(f"direct pulls, landed or imported ({args.size}, {args.tokens} tokens, target decoding {args.busy})")
+    num_blocks = (2 * args.repeats + 4) * args.tokens // 16 + 256
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    source = ctx.Process(target=kp._source_main, args=(theirs, args.size, num_blocks, 0.005, None), daemon=True)
+    source.start()
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    engine = kp._engine(args.size, num_blocks)
+    path = kp._path("dst", engine)
+    address = ours.recv()
+    tcp_Bps = tcp_throughput(256 << 20)
+    _busy(loop, engine, args.busy)
+    rates: dict[str, list[float]] = {name: [] for name in PATHS}
+    seed = 2
+    for round_ in range(args.repeats + 1):
+        for name in PATHS:
+            ours.send(("seed", (args.tokens, seed)))
+            seed += 1
+            hashes = ours.recv()
+            _choose(name)
+            result = kp._pull(loop, path, address, hashes)
+            assert result.ok and result.imported == len(hashes), result
+            if round_:
+                rates[name].append(result.bytes_per_s)
+    _choose("landed")
+    print(f"{result.bytes / 2**20:.1f} MiB a pull; raw TCP {tcp_Bps / 1e9:.2f} GB/s")
+    for name, values in rates.items():
+        print(f"  {name:>15}: best {max(values) / 1e9:.2f} GB/s ({100 * max(values) / tcp_Bps:.0f} %), "
+              f"median {statistics.median(values) / 1e9:.2f} ({100 * statistics.median(values) / tcp_Bps:.0f} %)")
+    print(machine_line())
+    ours.send(("stop", None))
+    source.join(10)
+    path.close()
+    engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

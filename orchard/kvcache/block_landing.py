@@ -1,0 +1,152 @@
+"""A pull's blocks landed straight in the pool by the thread that receives them, cached once at the end.
+
+Imported chunk by chunk on the engine thread, a pull's chunks cost that thread a call each (hash
+checks, bookkeeping, the copy into the pool) while the receive thread took the next one, and the two
+threads of one process slowed each other down: on a host of 16 cores a 1 MiB chunk took 0.4-0.5 ms to
+land and 0.4-0.7 ms to import, against 0.08 and 0.25-0.4 ms alone (docs/benchmarks.md, "Router cases
+up to 8,192 tokens; pulls on a host of 16 cores"). Here the engine thread reserves the run's blocks
+once, before the request goes (`BlockTransfer.reserve_landing`); the receive thread checks each chunk
+and copies its KV into the next reserved blocks through the pool's layer views (`land`); and the engine
+thread lists what landed as cached once, when the reply has ended (`adopt`).
+
+Reserved blocks belong to no sequence and hold no hash, so no step reads or writes them and no prefix
+lookup finds them before `adopt`; whatever did not land goes back to the free queue there. The block
+before the run, where this pool holds it, is held meanwhile, so reserving cannot evict the parent the
+run hangs from.
+
+The views alias the pool's buffers (`KVPool.layer_views`): a step writes its own blocks in place and
+leaves the reserved ones alone. Were a step ever to copy a layer instead (MLX could not write it in
+place), writes through the old views would be lost, so `adopt` compares each buffer's address with the
+one taken at reservation and caches nothing where one moved (`PoolMoved`).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from orchard.kvcache.block_manager import BlockManager
+from orchard.kvcache.errors import IncompatibleKVPayload, PoolMoved
+from orchard.kvcache.hashing import BlockHash, hash_block_rows
+from orchard.kvcache.pool import KVPool, as_slice
+from orchard.kvcache.wire import BlockRun, KVBlockData
+
+HASH = 16
+
+
+class BlockLanding:
+    """The reserved blocks of one pull, filled in order by `land` (any one thread), cached by `adopt`
+    (the engine thread, once)."""
+
+    def __init__(self, manager: BlockManager, pool: KVPool, wanted: Sequence[BlockHash], block_ids: list[int],
+                 held_parent: list[int], chains: Callable[[BlockHash], bool]):
+        """`wanted`: the run asked for, in order; `block_ids`: the blocks reserved for its leading
+        blocks (fewer where the pool had fewer free); `held_parent`: the pinned block before the run,
+        if any; `chains(parent)`: whether a block with that parent is reachable here."""
+        self.manager, self.pool, self.block_ids = manager, pool, block_ids
+        self._wanted = b"".join(bytes(h) for h in wanted[: len(block_ids)])
+        self._held_parent, self._chains = held_parent, chains
+        self._views = pool.layer_views()
+        self._addresses = _addresses(self._views)
+        self._hashes: list[np.ndarray] = []
+        self._parents: list[np.ndarray] = []
+        self._tokens: list[np.ndarray] = []
+        self.landed = 0  # leading blocks of the run written into their reserved blocks
+        self._done = False  # adopted or released: no block of it may be written any more
+        self._lock = threading.Lock()  # a chunk lands whole before its blocks can be adopted or freed
+
+    @property
+    def capacity(self) -> int:
+        """Blocks this landing can take: those reserved."""
+        return len(self.block_ids)
+
+    # ----------------------------------------------------------------- receive thread
+
+    def land(self, blocks: Sequence[KVBlockData]) -> int:
+        """Check a chunk (the run's next blocks, in order, each hash following from its parent and
+        tokens) and write its KV into their reserved blocks; returns how many landed. Raises
+        `IncompatibleKVPayload`, writing nothing, for a chunk that is not the run's next blocks."""
+        run = blocks if isinstance(blocks, BlockRun) else _as_run(blocks)
+        with self._lock:
+            if self._done:
+                raise IncompatibleKVPayload("a chunk arrived after its pull ended")
+            return self._land(run)
+
+    def _land(self, run: BlockRun) -> int:
+        n, start = len(run), self.landed
+        if n == 0:
+            return 0
+        if start + n > self.capacity or run.hashes.tobytes() != self._wanted[start * HASH : (start + n) * HASH]:
+            raise IncompatibleKVPayload("a chunk of the reply is not the next blocks of the run asked for")
+        if start and run.parents[0].tobytes() != self._wanted[(start - 1) * HASH : start * HASH]:
+            raise IncompatibleKVPayload("a chunk of the reply does not follow the block before it")
+        if hash_block_rows(run.parents, run.tokens) != run.hashes.tobytes():
+            raise IncompatibleKVPayload("a block's hash does not match its parent and tokens")
+        rows = as_slice(self.block_ids[start : start + n])
+        key_layers, value_layers = self._views
+        for layer in range(len(key_layers)):
+            key_layers[layer][rows] = run.keys[:, layer]
+            value_layers[layer][rows] = run.values[:, layer]
+        self._hashes.append(run.hashes.copy())  # the chunk's buffer is reused once it is handed back
+        self._parents.append(run.parents.copy())
+        self._tokens.append(np.array(run.tokens, copy=True))
+        self.landed = start + n
+        return n
+
+    # ----------------------------------------------------------------- engine thread
+
+    def adopt(self) -> int:
+        """List the landed blocks as cached (those not cached here meanwhile) and free every other
+        reserved block; returns how many were listed. Once only. Raises `PoolMoved`, caching
+        nothing, where a pool buffer moved while blocks landed in it."""
+        with self._lock:
+            if self._done:
+                raise RuntimeError("a landing is adopted once")
+            self._done = True
+        try:
+            if self.landed == 0:
+                return 0
+            if self._addresses is None or _addresses(self.pool.layer_views()) != self._addresses:
+                raise PoolMoved("the KV pool's buffers moved while a pull's blocks landed in them")
+            parents = _rows(np.concatenate(self._parents))
+            if self.manager.cached_block(self._wanted[:HASH]) is None and not self._chains(parents[0]):
+                return 0
+            hashes = _rows(np.concatenate(self._hashes))
+            tokens = [tuple(t) for t in np.concatenate(self._tokens).tolist()]
+            return len(self.manager.adopt(self.block_ids[: self.landed], hashes, parents, tokens))
+        finally:
+            self.manager.unpin(list(reversed(self.block_ids)))  # the chain's head ends most recent
+            self.manager.unpin(self._held_parent)
+
+    def release(self) -> None:
+        """Free every reserved block, caching none (a pull that never asked); a landing adopted does nothing."""
+        with self._lock:
+            if self._done:
+                return
+            self._done = True
+        self.manager.unpin(self.block_ids)
+        self.manager.unpin(self._held_parent)
+
+
+def _addresses(views) -> list[int] | None:
+    return None if views is None else [view.__array_interface__["data"][0] for part in views for view in part]
+
+
+def _rows(array: np.ndarray) -> list[bytes]:
+    flat = array.tobytes()
+    return [flat[i : i + HASH] for i in range(0, len(flat), HASH)]
+
+
+def _as_run(blocks: Sequence[KVBlockData]) -> BlockRun:
+    """A list of decoded blocks (wire format version 2) as the columns `land` reads."""
+    if any(b.parent_hash is None for b in blocks):
+        raise IncompatibleKVPayload("a migrated block has no parent")
+
+    def column(values) -> np.ndarray:
+        return np.frombuffer(b"".join(bytes(v) for v in values), np.uint8).reshape(-1, HASH)
+
+    return BlockRun(column(b.block_hash for b in blocks), column(b.parent_hash or b"" for b in blocks),
+                    np.array([b.token_ids for b in blocks], dtype=np.uint32),
+                    np.stack([b.keys for b in blocks]), np.stack([b.values for b in blocks]))

@@ -1,0 +1,138 @@
+"""A pull's blocks landed in reserved pool blocks from another thread, then cached by the engine thread
+(`orchard.kvcache.block_landing`): bit for bit, invisible until adopted, and refused or freed whole."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from orchard.kvcache.errors import IncompatibleKVPayload, PoolMoved
+from orchard.kvcache.events import BlockStored
+from orchard.kvcache.wire import BlockRun
+from tests.kvcache.caches import kv_of, prefill, same_kv
+
+PROMPT = list(range(100, 117))  # four full blocks and one token
+
+
+def held_run(source, tokens=PROMPT):
+    """The full blocks of `tokens` prefilled on `source`: their hashes, and the run as a pull decodes it."""
+    prefill(source, "src", tokens, seed=3)
+    ids = source.block_table("src")[: len(tokens) // 4]
+    keys, values = kv_of(source, ids)
+    hashes = source.block_hashes(tokens)
+    rows = lambda hs: np.frombuffer(b"".join(bytes(h) for h in hs), np.uint8).reshape(-1, 16)  # noqa: E731
+    run = BlockRun(rows(hashes), rows([source.root, *hashes[:-1]]),
+                   np.array([tokens[i * 4 : i * 4 + 4] for i in range(len(hashes))], np.uint32),
+                   np.ascontiguousarray(keys.swapaxes(0, 1)), np.ascontiguousarray(values.swapaxes(0, 1)))
+    source.free("src")
+    return hashes, run, (keys, values)
+
+
+def sub(run, start, stop):
+    return BlockRun(run.hashes[start:stop], run.parents[start:stop], run.tokens[start:stop],
+                    run.keys[start:stop], run.values[start:stop])
+
+
+def test_blocks_land_from_another_thread_and_are_cached_bit_for_bit_once_adopted(make_cache):
+    source, target = make_cache(), make_cache()
+    hashes, run, original = held_run(source)
+    target.drain_events()
+    landing = target.reserve_landing(target.root, hashes)
+    assert landing.capacity == 4 and target.manager.num_free == target.manager.num_usable - 4
+    landed = []
+    worker = threading.Thread(target=lambda: landed.extend([landing.land(sub(run, 0, 3)), landing.land(sub(run, 3, 4))]))
+    worker.start()
+    worker.join()
+    assert landed == [3, 1]
+    assert target.manager.cached_block(hashes[0]) is None  # landed, not yet a prefix hit
+    assert target.drain_events() == []
+    assert landing.adopt() == 4
+    assert [e.block_hash for e in target.drain_events() if isinstance(e, BlockStored)] == hashes
+    assert target.manager.num_used == 0 and target.manager.num_cached == 4
+    assert target.allocate("a", PROMPT) == 16
+    assert same_kv(kv_of(target, target.block_table("a")[:4]), original)
+    target.free("a")
+
+
+def test_a_chunk_that_is_not_the_next_blocks_asked_for_is_refused_and_writes_nothing(make_cache):
+    source, target = make_cache(), make_cache()
+    hashes, run, _ = held_run(source)
+    landing = target.reserve_landing(target.root, hashes)
+    before = kv_of(target, landing.block_ids)
+    with pytest.raises(IncompatibleKVPayload):
+        landing.land(sub(run, 1, 3))  # skips the first block
+    forged = sub(run, 0, 2)
+    forged.tokens = forged.tokens.copy()
+    forged.tokens[1, 0] += 1  # its hash no longer follows from its tokens
+    with pytest.raises(IncompatibleKVPayload):
+        landing.land(forged)
+    assert same_kv(kv_of(target, landing.block_ids), before) and landing.landed == 0
+    assert landing.adopt() == 0
+    assert target.manager.num_cached == 0 and target.manager.num_free == target.manager.num_usable
+
+
+def test_what_did_not_land_is_freed_and_what_landed_is_kept(make_cache):
+    source, target = make_cache(), make_cache()
+    hashes, run, original = held_run(source)
+    landing = target.reserve_landing(target.root, hashes)
+    assert landing.land(sub(run, 0, 2)) == 2  # then the reply broke off
+    assert landing.adopt() == 2
+    assert target.manager.num_cached == 2 and target.manager.num_available == target.manager.num_usable
+    assert target.allocate("a", PROMPT) == 8
+    assert same_kv(kv_of(target, target.block_table("a")[:2]), tuple(part[:, :2] for part in original))
+    target.free("a")
+    with pytest.raises(IncompatibleKVPayload):
+        landing.land(sub(run, 2, 4))  # a chunk after the end writes nothing
+
+
+def test_a_pool_too_full_for_the_whole_run_reserves_what_it_has(make_cache):
+    source, target = make_cache(), make_cache(num_blocks=4)  # three usable blocks
+    hashes, run, _ = held_run(source)
+    landing = target.reserve_landing(target.root, hashes)
+    assert landing.capacity == 3
+    with pytest.raises(IncompatibleKVPayload):
+        landing.land(run)  # four blocks where three were reserved
+    assert landing.land(sub(run, 0, 3)) == 3 and landing.adopt() == 3
+
+
+def test_blocks_cached_here_meanwhile_keep_their_own_and_the_reserved_ones_are_freed(make_cache):
+    source, target = make_cache(), make_cache()
+    hashes, run, _ = held_run(source)
+    landing = target.reserve_landing(target.root, hashes)
+    landing.land(run)
+    prefill(target, "local", PROMPT[:8], seed=9)  # the first two blocks computed here while the pull ran
+    target.free("local")
+    assert landing.adopt() == 2
+    assert target.manager.num_cached == 4 and target.manager.num_used == 0
+
+
+def test_nothing_is_cached_where_the_pools_buffers_moved_meanwhile(make_cache, monkeypatch):
+    source, target = make_cache(), make_cache()
+    hashes, run, _ = held_run(source)
+    landing = target.reserve_landing(target.root, hashes)
+    landing.land(run)
+    copies = [[layer.copy() for layer in part] for part in target.pool.layer_views()]  # as if a step copied each layer
+    monkeypatch.setattr(target.pool, "layer_views", lambda: copies)
+    with pytest.raises(PoolMoved):
+        landing.adopt()
+    assert target.manager.num_cached == 0 and target.manager.num_free == target.manager.num_usable
+
+
+def test_the_block_the_run_hangs_from_is_held_while_blocks_land(make_cache):
+    source, target = make_cache(), make_cache(num_blocks=4)
+    hashes, run, _ = held_run(source)
+    prefill(target, "head", PROMPT[:4], seed=3)  # the run's first block, held here and then free (ref 0)
+    target.free("head")
+    landing = target.reserve_landing(hashes[0], hashes[1:])
+    assert landing.capacity == 2  # the parent's block was not taken
+    assert landing.land(sub(run, 1, 3)) == 2 and landing.adopt() == 2
+    assert target.manager.num_cached == 3 and target.manager.num_used == 0
+
+
+def test_a_landing_released_unused_frees_its_blocks(make_cache):
+    source, target = make_cache(), make_cache()
+    hashes, _, _ = held_run(source)
+    landing = target.reserve_landing(target.root, hashes)
+    landing.release()
+    landing.release()
+    assert target.manager.num_free == target.manager.num_usable and target.manager.num_cached == 0
