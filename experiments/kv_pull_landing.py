@@ -1,9 +1,9 @@
 """Direct pulls with their blocks landed off the engine thread, against chunks imported on it, in turn.
 
-Where the pool is in host memory a pull's chunks land in pool blocks reserved for them, written by the
+While the target's engine steps, a pull's chunks land in pool blocks reserved for them, written by the
 path's landing thread, and the engine thread caches the run once at the end
-(`orchard.kvcache.block_landing`); elsewhere (`KVCache.reserve_landing` None) each chunk is imported on
-the engine thread, between its steps. This runs both on one pair of processes, pulls alternating, on
+(`orchard.kvcache.block_landing`); while it idles, each chunk is imported on the engine thread as it
+arrives. This forces each way in turn on one pair of processes, pulls alternating, on
 loopback: the source in a child process, the target here, each with its engine thread and its direct
 path, as `experiments/kv_pull_profile.py` sets them up. With `--busy N` the target decodes N sequences
 all the while, as a serving node would, so its engine thread is in a step when chunks arrive.
@@ -41,11 +41,18 @@ def _busy(loop, engine, sequences: int) -> None:
 
 
 def _choose(path: str) -> None:
-    from orchard.kvcache.cache import KVCache
+    """Make every pull take `path`, whether or not the target's engine is stepping (the product's rule
+    lands only while it steps: `orchard.node.serving.direct_path._plan`)."""
+    from orchard.node.serving import direct_path
+    from orchard.node.serving.migration import local_prefix
 
-    if not hasattr(_choose, "real"):
-        _choose.real = KVCache.reserve_landing
-    KVCache.reserve_landing = _choose.real if path == "landed" else (lambda self, parent, wanted: None)
+    def plan(engine, hashes):
+        kv, local = engine.kv, local_prefix(engine.kv, hashes)
+        if local == len(hashes) or path != "landed":
+            return local, None
+        return local, kv.reserve_landing(hashes[local - 1] if local else kv.root, hashes[local:])
+
+    direct_path._plan = plan
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +89,6 @@ def main(argv: list[str] | None = None) -> int:
             assert result.ok and result.imported == len(hashes), result
             if round_:
                 rates[name].append(result.bytes_per_s)
-    _choose("landed")
     print(f"{result.bytes / 2**20:.1f} MiB a pull; raw TCP {tcp_Bps / 1e9:.2f} GB/s")
     for name, values in rates.items():
         print(f"  {name:>15}: best {max(values) / 1e9:.2f} GB/s ({100 * max(values) / tcp_Bps:.0f} %), "

@@ -10,12 +10,13 @@ A pull asks for compressed chunks (`orchard.kvcache.wire_compressed`) as `KVLink
 by default where the link from the same source carried its last long enough pull slower than a
 compressor runs, which is to say where the link, not the CPU, sets a pull's pace.
 
-Where the pool lives in memory numpy can address (the CPU, a Mac's unified memory), a pull's blocks
-land straight in pool blocks the engine thread reserved before the request went: a landing thread
-checks each chunk the receive thread verified and writes it there while the next one arrives, and the
-engine thread caches the landed run in one call at the end (`orchard.kvcache.block_landing`), so a
-pull costs the engine's steps two calls, not one a chunk. Elsewhere each chunk is imported on the
-engine thread as it arrives.
+While the engine is stepping, and where its pool lives in memory numpy can address (the CPU, a Mac's
+unified memory), a pull's blocks land straight in pool blocks the engine thread reserved before the
+request went: a landing thread checks each chunk the receive thread verified and writes it there while
+the next one arrives, and the engine thread caches the landed run in one call at the end
+(`orchard.kvcache.block_landing`), so a pull waits for two steps at most, not a step per chunk, and
+takes no copy from the steps' thread. Otherwise each chunk is imported on the engine thread as it
+arrives.
 
 A connection whose reply ended whole is kept for the next pull from the same source (one
 per source, for half the listener's idle timeout): a pull of a few MiB otherwise spends as
@@ -90,7 +91,7 @@ class DirectPath:
             return None
         hashes = [BlockHash(bytes(h)) for h in hashes]
         engine = self.mover.engine
-        local, landing = await engine.run_on_engine(lambda e: _plan(e.kv, hashes))
+        local, landing = await engine.run_on_engine(lambda e: _plan(e, hashes))
         result = PullResult(source_id, requested=len(hashes), local=local, via="direct")
         if local == len(hashes):
             return result
@@ -238,10 +239,16 @@ def _open(sock: socket.socket) -> bool:
     return False  # closed by the peer (b""), or bytes nobody asked for
 
 
-def _plan(kv, hashes: list[BlockHash]):
-    """(leading blocks of `hashes` held here, blocks reserved for the rest to land in or None) (engine thread)."""
+def _plan(engine, hashes: list[BlockHash]):
+    """(leading blocks of `hashes` held here, blocks reserved for the rest to land in or None) (engine thread).
+
+    Blocks land off the engine thread only while it is stepping: an idle engine thread imports each chunk
+    the moment it arrives, alongside the receive thread, which measured faster for large pulls; a
+    stepping one would make each chunk wait for the step in progress (docs/benchmarks.md, "Pulls into a
+    node that is decoding")."""
+    kv = engine.kv
     local = local_prefix(kv, hashes)
-    if local == len(hashes):
+    if local == len(hashes) or not engine.has_unfinished:
         return local, None
     return local, kv.reserve_landing(hashes[local - 1] if local else kv.root, hashes[local:])
 

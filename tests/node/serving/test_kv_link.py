@@ -179,36 +179,74 @@ def test_a_bfloat16_pool_is_pulled_layer_major_straight_from_and_into_its_arrays
     assert (migrated, hit) == (reference, 5 * BS)
 
 
-def test_a_pulls_chunks_land_in_the_pool_off_the_engine_thread_and_are_cached_in_one_engine_call(nodes, monkeypatch):
+def pull_while_decoding(loop, paths, tokens):
+    """`pull`, with the target decoding another sequence all the while (its engine thread stepping)."""
+    async def run():
+        reference = await generate(paths["a"], f"cache-{tokens[0]}", tokens)
+        engine = paths["b"].mover.engine
+        busy = asyncio.ensure_future(generate_many(engine, f"busy-{tokens[0]}"))
+        while not engine.stats().get("running"):
+            await asyncio.sleep(0.01)
+
+        async def resolve(_peer):
+            return paths["a"].address
+
+        result = await paths["b"].pull("a", hashes_of(paths["a"], tokens), resolve)
+        running = engine.stats().get("running")
+        await engine.abort(f"busy-{tokens[0]}")
+        await busy
+        return result, running, await generate(paths["b"], f"after-{tokens[0]}", tokens), reference
+
+    return loop.run_until_complete(run())
+
+
+async def generate_many(engine, request_id: str) -> None:
+    async for _ in engine.generate(request_id, prompt(99, 20), SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)):
+        pass
+
+
+def counting(monkeypatch, kv):
+    """Record the threads that land chunks and adopt runs, and the chunks imported on the engine thread."""
+    seen = {"land": [], "adopt": [], "import": []}
+    real_land, real_adopt, real_import = BlockLanding.land, BlockLanding.adopt, kv.import_decoded
+    monkeypatch.setattr(BlockLanding, "land", lambda self, blocks: seen["land"].append(threading.current_thread().name)
+                        or real_land(self, blocks))
+    monkeypatch.setattr(BlockLanding, "adopt", lambda self: seen["adopt"].append(threading.current_thread().name)
+                        or real_adopt(self))
+    monkeypatch.setattr(kv, "import_decoded", lambda blocks, state=None: seen["import"].append(len(blocks))
+                        or real_import(blocks, state))
+    return seen
+
+
+def test_a_stepping_targets_pull_lands_off_its_engine_thread_and_is_cached_in_one_engine_call(nodes, monkeypatch):
     loop, paths = nodes
     kv = paths["b"].mover.engine.engine.kv
-    threads, adopted = [], []
-    real_land, real_adopt = BlockLanding.land, BlockLanding.adopt
-    monkeypatch.setattr(BlockLanding, "land", lambda self, blocks: threads.append(threading.current_thread().name)
-                        or real_land(self, blocks))
-    monkeypatch.setattr(BlockLanding, "adopt", lambda self: adopted.append(threading.current_thread().name)
-                        or real_adopt(self))
-    monkeypatch.setattr(kv, "import_decoded", lambda *a: pytest.fail("a chunk imported on the engine thread"))
-    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(34))
-    assert (result.ok, result.imported) == (True, 5)
-    assert len(threads) == 3 and all(name.startswith("kv-land") for name in threads)
-    assert len(adopted) == 1 and not adopted[0].startswith("kv-")  # the engine thread
+    seen = counting(monkeypatch, kv)
+    result, running, (migrated, hit), (reference, _) = pull_while_decoding(loop, paths, prompt(34))
+    assert running == 1 and (result.ok, result.imported) == (True, 5)
+    assert len(seen["land"]) == 3 and all(name.startswith("kv-land") for name in seen["land"])
+    assert len(seen["adopt"]) == 1 and not seen["adopt"][0].startswith("kv-") and seen["import"] == []
     assert (migrated, hit) == (reference, 5 * BS)
     assert kv.manager.num_used == 0  # every reserved block adopted or freed
 
 
+def test_an_idle_target_imports_each_chunk_on_its_engine_thread_as_it_arrives(nodes, monkeypatch):
+    loop, paths = nodes
+    seen = counting(monkeypatch, paths["b"].mover.engine.engine.kv)
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(36))
+    assert (result.ok, result.imported, seen["import"], seen["land"]) == (True, 5, [2, 2, 1], [])
+    assert (migrated, hit) == (reference, 5 * BS)
+
+
 def test_where_the_pool_cannot_be_viewed_chunks_are_imported_on_the_engine_thread(nodes, monkeypatch):
-    """A device whose arrays numpy cannot address (`KVPool.layer_views` None): no landing, each chunk
-    imported by the engine thread as it arrives."""
+    """A device whose arrays numpy cannot address (`KVPool.layer_views` None): no landing, even while
+    the engine steps; each chunk imported by the engine thread as it arrives."""
     loop, paths = nodes
     kv = paths["b"].mover.engine.engine.kv
     monkeypatch.setattr(kv.transfer.pool, "layer_views", lambda: None)
-    monkeypatch.setattr(BlockLanding, "land", lambda *a: pytest.fail("a chunk landed from the receive thread"))
-    imports = []
-    real = kv.import_decoded
-    monkeypatch.setattr(kv, "import_decoded", lambda blocks, state=None: imports.append(len(blocks)) or real(blocks, state))
-    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(35))
-    assert (result.ok, result.imported, imports) == (True, 5, [2, 2, 1])
+    seen = counting(monkeypatch, kv)
+    result, running, (migrated, hit), (reference, _) = pull_while_decoding(loop, paths, prompt(35))
+    assert running == 1 and (result.ok, result.imported, seen["import"], seen["land"]) == (True, 5, [2, 2, 1], [])
     assert (migrated, hit) == (reference, 5 * BS)
 
 
