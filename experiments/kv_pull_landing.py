@@ -94,10 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {name:>15}: best {max(values) / 1e9:.2f} GB/s ({100 * max(values) / tcp_Bps:.0f} %), "
               f"median {statistics.median(values) / 1e9:.2f} ({100 * statistics.median(values) / tcp_Bps:.0f} %)")
     print(machine_line())
-    ours.send(("stop", None))
-    source.join(10)
-    path.close()
-    engine.shutdown()
+    kp.stop(ours, source, path, engine)
     return 0
 
 

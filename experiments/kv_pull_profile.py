@@ -230,11 +230,16 @@ def _profile(args, lab) -> int:
     save_results("kv_pull_profile", {"machine": machine_line(), "size": args.size, "tokens": args.tokens,
                                       "chunk_mib": args.chunk_mib, "link": args.link, "tcp_Bps": tcp_Bps,
                                       "pulls": pulls})
-    ours.send(("stop", None))
+    stop(ours, source, path, engine)
+    return 0
+
+
+def stop(conn, source, path, engine) -> None:
+    """End the source process (over its pipe `conn`), then this process's path and engine."""
+    conn.send(("stop", None))
     source.join(10)
     path.close()
     engine.shutdown()
-    return 0
 
 
 if __name__ == "__main__":

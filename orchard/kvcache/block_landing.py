@@ -1,13 +1,11 @@
-"""A pull's blocks landed straight in the pool by the thread that receives them, cached once at the end.
+"""A pull's blocks landed straight in the pool off the engine thread, cached once at the end.
 
-Imported chunk by chunk on the engine thread, a pull's chunks cost that thread a call each (hash
-checks, bookkeeping, the copy into the pool) while the receive thread took the next one, and the two
-threads of one process slowed each other down: on a host of 16 cores a 1 MiB chunk took 0.4-0.5 ms to
-land and 0.4-0.7 ms to import, against 0.08 and 0.25-0.4 ms alone (docs/benchmarks.md, "Router cases
-up to 8,192 tokens; pulls on a host of 16 cores"). Here the engine thread reserves the run's blocks
-once, before the request goes (`BlockTransfer.reserve_landing`); the receive thread checks each chunk
-and copies its KV into the next reserved blocks through the pool's layer views (`land`); and the engine
-thread lists what landed as cached once, when the reply has ended (`adopt`).
+Imported chunk by chunk on the engine thread, a pull into a node that is decoding waits for the step in
+progress at every chunk, and each import's copy takes time from the steps (docs/benchmarks.md, "Pulls
+into a node that is decoding": 1.17-2.53x slower at the median). Here the engine thread reserves the
+run's blocks once, before the request goes (`BlockTransfer.reserve_landing`); another thread checks
+each chunk and copies its KV into the next reserved blocks through the pool's layer views (`land`);
+and the engine thread lists what landed as cached once, when the reply has ended (`adopt`).
 
 Reserved blocks belong to no sequence and hold no hash, so no step reads or writes them and no prefix
 lookup finds them before `adopt`; whatever did not land goes back to the free queue there. The block
