@@ -185,10 +185,11 @@ def test_route_is_the_one_coordinator_call_a_request_waits_for(cluster):
     why = (backend._coordinator.calls, backend._route_links.through_ray, told_over_link, reopened)
     assert routed_over_link == 5, why  # each route over the link
     if reopened:
-        # The link ended between a route and the next (a prefill_done through Ray was seen in two full runs
-        # of the suite, its cause not found): a notice sent meanwhile goes through Ray, as it should, and the
-        # next route opens the link again (tests/cluster/test_route_link.py pins that fallback).
-        assert told_over_link + ray_calls.count("prefill_done") == 5 and set(ray_calls) == {"prefill_done"}, why
+        # The link ended between a route and the next (seen in full runs of the suite, its cause not found):
+        # a notice sent meanwhile goes through Ray, as it should, and the next route opens the link again
+        # (tests/cluster/test_route_link.py pins that fallback). Where no notice fell in that gap, all five
+        # went over the link and Ray saw none.
+        assert told_over_link + ray_calls.count("prefill_done") == 5 and set(ray_calls) <= {"prefill_done"}, why
     else:
         assert ray_calls == [] and told_over_link == 5, why  # each prefill_done (not awaited) too: no Ray call at all
 
