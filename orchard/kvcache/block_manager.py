@@ -319,10 +319,12 @@ class BlockManager:
         return taken, block_ids
 
     def reserve(self, count: int) -> list[int]:
-        """Take up to `count` free blocks (fewer where fewer are free) for KV that will land in them
-        from elsewhere: held (ref 1), holding no hash, so no sequence and no prefix lookup reaches
-        them. `adopt` lists them as cached once their KV is written; `unpin` every one of them then."""
-        return [self._claim().block_id for _ in range(min(count, len(self._free)))]
+        """Take up to `count` free blocks for KV that will land in them from elsewhere, leaving the
+        watermark free for the running sequences' growth (so fewer where fewer are spare): held (ref 1),
+        holding no hash, so no sequence and no prefix lookup reaches them. `adopt` lists them as cached
+        once their KV is written; `unpin` every one of them then."""
+        spare = max(0, len(self._free) - self.watermark_blocks)
+        return [self._claim().block_id for _ in range(min(count, spare))]
 
     def adopt(
         self, block_ids: Sequence[int], hashes: Sequence[BlockHash], parents: Sequence[BlockHash],

@@ -144,6 +144,15 @@ def test_watermark_holds_back_admission_but_not_allocation(make_manager):
     m.free("a")
 
 
+def test_blocks_reserved_for_landing_kv_leave_the_watermark_free(make_manager):
+    m = make_manager(num_blocks=11, watermark=0.2)  # 10 usable, 2 in reserve
+    held = m.reserve(20)
+    assert len(held) == 8 and m.num_available == 2
+    assert m.lookup_prefix(list(range(8))) == [] and m.num_cached == 0
+    m.unpin(held)
+    assert m.num_available == 10
+
+
 def test_duplicate_and_unknown_sequence_ids_are_named_errors(make_manager):
     m = make_manager()
     m.allocate("a", [1, 2])

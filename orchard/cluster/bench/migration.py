@@ -21,6 +21,9 @@ here), one node actor on each (node "a" on the head, node "b" on the worker):
    the coordinator learns what a migration costs around its pull as it would in serving.
 
     python -m orchard.cluster.bench.migration [--prefix-tokens 2048] [--pull-tokens 2048,8192] [--sizes small,large]
+                                              [--busy N]
+
+With `--busy N`, b decodes N sequences while the throughput rows pull into it, as a serving node does.
 
 With `--link 1gbit|10gbit|none` the two nodes run instead in two network namespaces over a
 veth link shaped with `tc` (`orchard.cluster.bench.migration_netns`; needs root; no Ray); with
@@ -53,6 +56,7 @@ class BenchConfig:
     lengths: dict = field(default_factory=lambda: dict(DEFAULT_LENGTHS))
     compress: str = "auto"  # the pulling node's `KVLinkConfig.compress`
     kv_dtype: str | None = None  # the nodes' KV dtype (`EngineConfig.dtype`); the model's when None
+    busy: int = 0  # sequences b decodes while the throughput rows pull into it (a serving node's steps)
 
 
 # ---- raw TCP ------------------------------------------------------------------------
@@ -124,6 +128,24 @@ class NodePair:
             self.ray.get(ref)
             first = first or time.perf_counter() - started
         return first
+
+    def keep_decoding(self, sequences: int) -> None:
+        """Start `sequences` long greedy generations on b, consumed on daemon threads, until `stop_decoding`."""
+        import threading
+
+        from orchard.node.types import SamplingParams
+
+        params = SamplingParams(max_tokens=8000, temperature=0.0, ignore_eos=True)
+        self._decoding = [f"busy-{self.size}-{i}" for i in range(sequences)]
+        for i, request_id in enumerate(self._decoding):
+            stream = self.b.generate.options(num_returns="streaming").remote(request_id, self.fresh_prompt(64 + i), params)
+            threading.Thread(target=lambda s=stream: [self.ray.get(ref) for ref in s], daemon=True).start()
+        while self.ray.get(self.b.stats.remote()).get("running", 0) < sequences:
+            time.sleep(0.05)
+
+    def stop_decoding(self) -> None:
+        self.ray.get([self.b.abort.remote(request_id) for request_id in getattr(self, "_decoding", [])])
+        self._decoding = []
 
     def warm_rates(self) -> None:
         """Prefill prompts of two lengths on both nodes and wait for their heartbeats, so the
@@ -288,7 +310,7 @@ def throughput(pair: NodePair, config: BenchConfig) -> list[dict]:
 def num_blocks_for(config: BenchConfig, size: str) -> int:
     """Room for every prefix the run caches on one node, so nothing is evicted mid-run."""
     tokens = max(2 * config.prefix_tokens + 2 * sum(config.lengths.get(size, ())), 2 * max(config.pull_tokens)) + 256
-    return tokens // config.block_size + 64
+    return (tokens + 4096 * config.busy) // config.block_size + 64  # and room for what b decodes meanwhile
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,13 +330,16 @@ def main(argv: list[str] | None = None) -> int:
         for size in config.sizes:
             pair = NodePair(local, size, config, num_blocks_for(config, size))
             try:
+                pair.keep_decoding(config.busy)
                 rows += throughput(pair, config)
+                pair.stop_decoding()
                 tcp.append(measure_tcp())
                 pair.warm_rates()
                 cases += [run_case(pair, n) for n in config.lengths.get(size, (config.prefix_tokens,))]
             finally:
                 pair.close()
-    print_report(tcp, rows, cases, openblas_in_use(), where)
+    busy = f"; b decoding {config.busy} sequences while the throughput rows pull into it" if config.busy else ""
+    print_report(tcp, rows, cases, openblas_in_use(), where + busy)
     return 0
 
 
@@ -359,13 +384,15 @@ def parse_args(argv) -> tuple[BenchConfig, str | None, bool]:
                    help="the pulling node's compressed chunks (KVLinkConfig.compress); over Ray only")
     p.add_argument("--kv-dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="the nodes' KV dtype (the demo models' own is float32); over Ray only")
+    p.add_argument("--busy", type=int, default=0,
+                   help="sequences the pulling node decodes while the throughput rows pull into it; over Ray only")
     args = p.parse_args(argv)
     sizes = tuple(s for s in args.sizes.split(",") if s)
     lengths = {s: tuple(sorted(set(DEFAULT_LENGTHS.get(s, ())) | {args.prefix_tokens})) for s in sizes}
     pull_tokens = tuple(int(n) for n in args.pull_tokens.split(",") if n)
     config = BenchConfig(prefix_tokens=args.prefix_tokens, sizes=sizes, tcp_mib=args.tcp_mib, lengths=lengths,
                          pull_tokens=pull_tokens, repeats=args.repeats, compress=args.compress,
-                         kv_dtype=args.kv_dtype)
+                         kv_dtype=args.kv_dtype, busy=args.busy)
     return config, args.link, args.ray
 
 
