@@ -42,17 +42,10 @@ def _busy(loop, engine, sequences: int) -> None:
 
 def _choose(path: str) -> None:
     """Make every pull take `path`, whether or not the target's engine is stepping (the product's rule
-    lands only while it steps: `orchard.node.serving.direct_path._plan`)."""
+    lands only while it steps: `orchard.node.serving.direct_path.lands`)."""
     from orchard.node.serving import direct_path
-    from orchard.node.serving.migration import local_prefix
 
-    def plan(engine, hashes):
-        kv, local = engine.kv, local_prefix(engine.kv, hashes)
-        if local == len(hashes) or path != "landed":
-            return local, None
-        return local, kv.reserve_landing(hashes[local - 1] if local else kv.root, hashes[local:])
-
-    direct_path._plan = plan
+    direct_path.lands = lambda engine: path == "landed"
 
 
 def main(argv: list[str] | None = None) -> int:

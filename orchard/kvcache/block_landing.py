@@ -2,8 +2,9 @@
 
 Imported chunk by chunk on the engine thread, a pull into a node that is decoding waits for the step in
 progress at every chunk, and each import's copy takes time from the steps (docs/benchmarks.md, "Pulls
-into a node that is decoding": 1.17-2.53x slower at the median). Here the engine thread reserves the
-run's blocks once, before the request goes (`BlockTransfer.reserve_landing`); another thread checks
+into a node that is decoding": the large demo model's 1.5-2.6x slower at the median than landed, the
+small one's faster over Ray). Here the engine thread reserves the run's blocks once, before the request
+goes (`BlockTransfer.reserve_landing`); another thread (the direct path's landing thread) checks
 each chunk and copies its KV into the next reserved blocks through the pool's layer views (`land`);
 and the engine thread lists what landed as cached once, when the reply has ended (`adopt`).
 
@@ -23,8 +24,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from orchard.kvcache.block_manager import BlockManager
 from orchard.kvcache.errors import IncompatibleKVPayload, PoolMoved
 from orchard.kvcache.hashing import BlockHash, hash_block_rows
@@ -38,19 +37,19 @@ class BlockLanding:
     """The reserved blocks of one pull, filled in order by `land` (any one thread), cached by `adopt`
     (the engine thread, once)."""
 
-    def __init__(self, manager: BlockManager, pool: KVPool, wanted: Sequence[BlockHash], block_ids: list[int],
+    def __init__(self, manager: BlockManager, pool: KVPool, views, wanted: Sequence[BlockHash], block_ids: list[int],
                  held_parent: list[int], chains: Callable[[BlockHash], bool]):
-        """`wanted`: the run asked for, in order; `block_ids`: the blocks reserved for its leading
-        blocks (fewer where the pool had fewer free); `held_parent`: the pinned block before the run,
-        if any; `chains(parent)`: whether a block with that parent is reachable here."""
+        """`views`: the pool's layer views (`KVPool.layer_views`); `wanted`: the run asked for, in order;
+        `block_ids`: the blocks reserved for its leading blocks (fewer where the pool had fewer spare);
+        `held_parent`: the pinned block before the run, if any; `chains(parent)`: whether a block with
+        that parent is reachable here."""
         self.manager, self.pool, self.block_ids = manager, pool, block_ids
         self._wanted = b"".join(bytes(h) for h in wanted[: len(block_ids)])
         self._held_parent, self._chains = held_parent, chains
-        self._views = pool.layer_views()
-        self._addresses = _addresses(self._views)
-        self._hashes: list[np.ndarray] = []
-        self._parents: list[np.ndarray] = []
-        self._tokens: list[np.ndarray] = []
+        self._views, self._addresses = views, _addresses(views)
+        self._hashes: list[bytes] = []  # of the blocks landed, in order: what `adopt` lists them under
+        self._parents: list[bytes] = []
+        self._tokens: list[tuple[int, ...]] = []
         self.landed = 0  # leading blocks of the run written into their reserved blocks
         self._done = False  # adopted or released: no block of it may be written any more
         self._lock = threading.Lock()  # a chunk lands whole before its blocks can be adopted or freed
@@ -60,17 +59,20 @@ class BlockLanding:
         """Blocks this landing can take: those reserved."""
         return len(self.block_ids)
 
-    # ----------------------------------------------------------------- receive thread
+    # ----------------------------------------------------------------- landing thread
 
     def land(self, blocks: Sequence[KVBlockData]) -> int:
         """Check a chunk (the run's next blocks, in order, each hash following from its parent and
         tokens) and write its KV into their reserved blocks; returns how many landed. Raises
         `IncompatibleKVPayload`, writing nothing, for a chunk that is not the run's next blocks."""
-        run = blocks if isinstance(blocks, BlockRun) else _as_run(blocks)
+        if not isinstance(blocks, BlockRun):  # a version 2 payload read block by block
+            if any(b.parent_hash is None for b in blocks):
+                raise IncompatibleKVPayload("a migrated block has no parent")
+            blocks = BlockRun.of(blocks)
         with self._lock:
             if self._done:
                 raise IncompatibleKVPayload("a chunk arrived after its pull ended")
-            return self._land(run)
+            return self._land(blocks)
 
     def _land(self, run: BlockRun) -> int:
         n, start = len(run), self.landed
@@ -87,9 +89,9 @@ class BlockLanding:
         for layer in range(len(key_layers)):
             key_layers[layer][rows] = run.keys[:, layer]
             value_layers[layer][rows] = run.values[:, layer]
-        self._hashes.append(run.hashes.copy())  # the chunk's buffer is reused once it is handed back
-        self._parents.append(run.parents.copy())
-        self._tokens.append(np.array(run.tokens, copy=True))
+        self._hashes += run.hash_list()  # as bytes: the chunk's buffer is reused once it is handed back
+        self._parents += run.parent_list()
+        self._tokens += [tuple(t) for t in run.tokens.tolist()]
         self.landed = start + n
         return n
 
@@ -106,14 +108,11 @@ class BlockLanding:
         try:
             if self.landed == 0:
                 return 0
-            if self._addresses is None or _addresses(self.pool.layer_views()) != self._addresses:
+            if _addresses(self.pool.layer_views()) != self._addresses:
                 raise PoolMoved("the KV pool's buffers moved while a pull's blocks landed in them")
-            parents = _rows(np.concatenate(self._parents))
-            if self.manager.cached_block(self._wanted[:HASH]) is None and not self._chains(parents[0]):
+            if self.manager.cached_block(self._hashes[0]) is None and not self._chains(self._parents[0]):
                 return 0
-            hashes = _rows(np.concatenate(self._hashes))
-            tokens = [tuple(t) for t in np.concatenate(self._tokens).tolist()]
-            return len(self.manager.adopt(self.block_ids[: self.landed], hashes, parents, tokens))
+            return len(self.manager.adopt(self.block_ids[: self.landed], self._hashes, self._parents, self._tokens))
         finally:
             self.manager.unpin(list(reversed(self.block_ids)))  # the chain's head ends most recent
             self.manager.unpin(self._held_parent)
@@ -129,22 +128,5 @@ class BlockLanding:
 
 
 def _addresses(views) -> list[int] | None:
+    """Where each of the pool's layer views begins (None without views): a moved buffer shows here."""
     return None if views is None else [view.__array_interface__["data"][0] for part in views for view in part]
-
-
-def _rows(array: np.ndarray) -> list[bytes]:
-    flat = array.tobytes()
-    return [flat[i : i + HASH] for i in range(0, len(flat), HASH)]
-
-
-def _as_run(blocks: Sequence[KVBlockData]) -> BlockRun:
-    """A list of decoded blocks (wire format version 2) as the columns `land` reads."""
-    if any(b.parent_hash is None for b in blocks):
-        raise IncompatibleKVPayload("a migrated block has no parent")
-
-    def column(values) -> np.ndarray:
-        return np.frombuffer(b"".join(bytes(v) for v in values), np.uint8).reshape(-1, HASH)
-
-    return BlockRun(column(b.block_hash for b in blocks), column(b.parent_hash or b"" for b in blocks),
-                    np.array([b.token_ids for b in blocks], dtype=np.uint32),
-                    np.stack([b.keys for b in blocks]), np.stack([b.values for b in blocks]))

@@ -10,8 +10,8 @@ can never become a prefix hit.
 KVCache owns one of these and delegates its migration calls to it; the block manager, the
 pool and the hybrid states are KVCache's, shared, and the cold tier is reached through
 KVCache's callables because KVCache alone keeps its bookkeeping (and may close it). One
-owner thread: the engine loop (a `BlockLanding` it reserves is written from a pull's receive
-thread, in the reserved blocks alone).
+owner thread: the engine loop (a `BlockLanding` it reserves is written from the direct path's
+landing thread, in the reserved blocks alone).
 """
 
 from __future__ import annotations
@@ -163,17 +163,18 @@ class BlockTransfer:
 
     def reserve_landing(self, parent: BlockHash, wanted: Sequence[BlockHash]) -> BlockLanding | None:
         """Free blocks reserved for the leading blocks of `wanted` (the run after `parent`, which this
-        cache holds or is the root), for a receive thread to land them in (`orchard.kvcache.block_landing`);
+        cache holds or is the root), for another thread to land them in (`orchard.kvcache.block_landing`);
         None where blocks cannot land so: a hybrid model (its state travels with the run), a pool numpy
         cannot view, no free block."""
-        if self.hybrid is not None or not wanted or self.pool.layer_views() is None:
+        views = self.pool.layer_views() if self.hybrid is None and wanted else None
+        if views is None:
             return None
         held_parent = self.manager.pin([parent]) if parent != self.root else []
         block_ids = self.manager.reserve(len(wanted))
         if not block_ids:
             self.manager.unpin(held_parent)
             return None
-        return BlockLanding(self.manager, self.pool, wanted, block_ids, held_parent, self._chains_here)
+        return BlockLanding(self.manager, self.pool, views, wanted, block_ids, held_parent, self._chains_here)
 
     def _keep_state(self, state: StateSnapshotData | None) -> None:
         if state is not None and self.manager.cached_block(state.block_hash) is not None:

@@ -261,7 +261,7 @@ class KVCache:
         return self.transfer.import_decoded(blocks, state)
 
     def reserve_landing(self, parent: BlockHash, wanted: Sequence[BlockHash]):
-        """Blocks reserved for a pull's run to land in from its receive thread, or None (`BlockTransfer`)."""
+        """Blocks reserved for a pull's run to land in from another thread, or None (`BlockTransfer`)."""
         return self.transfer.reserve_landing(parent, wanted)
 
     def pin_export(self, hashes: Sequence[BlockHash]) -> tuple[list[int], list[BlockPieces], StateSnapshotData | None]:

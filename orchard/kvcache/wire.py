@@ -75,6 +75,16 @@ class BlockRun(Sequence[KVBlockData]):
         return KVBlockData(self.hashes[index].tobytes(), self.parents[index].tobytes(),
                            tuple(self.tokens[index].tolist()), self.keys[index], self.values[index])
 
+    @classmethod
+    def of(cls, blocks: Sequence[KVBlockData]) -> BlockRun:
+        """Full decoded blocks (each with a parent), as the payload readers' runs hold them: columns."""
+        def rows(values) -> np.ndarray:
+            return np.frombuffer(b"".join(bytes(v) for v in values), np.uint8).reshape(-1, 16)
+
+        return cls(rows(b.block_hash for b in blocks), rows(b.parent_hash for b in blocks),
+                   np.array([b.token_ids for b in blocks], dtype=np.uint32),
+                   np.stack([b.keys for b in blocks]), np.stack([b.values for b in blocks]))
+
     def hash_list(self) -> list[bytes]:
         """The blocks' hashes as bytes, in order."""
         return _rows(self.hashes)

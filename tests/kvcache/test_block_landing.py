@@ -54,6 +54,22 @@ def test_blocks_land_from_another_thread_and_are_cached_bit_for_bit_once_adopted
     target.free("a")
 
 
+def test_blocks_read_one_by_one_land_as_a_run_does_and_one_without_a_parent_is_refused(make_cache):
+    """A version 2 payload whose records the run reader does not take is decoded block by block:
+    a list of blocks, which lands the same."""
+    source, target = make_cache(), make_cache()
+    hashes, run, original = held_run(source)
+    landing = target.reserve_landing(target.root, hashes)
+    orphan = sub(run, 0, 1)[0]
+    orphan.parent_hash = None
+    with pytest.raises(IncompatibleKVPayload):
+        landing.land([orphan])
+    assert landing.land(list(run)) == 4 and landing.adopt() == 4
+    assert target.allocate("a", PROMPT) == 16
+    assert same_kv(kv_of(target, target.block_table("a")[:4]), original)
+    target.free("a")
+
+
 def test_a_chunk_that_is_not_the_next_blocks_asked_for_is_refused_and_writes_nothing(make_cache):
     source, target = make_cache(), make_cache()
     hashes, run, _ = held_run(source)

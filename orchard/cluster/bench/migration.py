@@ -99,6 +99,7 @@ class NodePair:
         self._seed = 0
         self.geometry = None  # the KV layout, loaded on first use
         self.kv_dtype = config.kv_dtype
+        self._decoding: list[str] = []  # b's requests `keep_decoding` started
 
     def close(self) -> None:
         for actor in (self.a, self.b):
@@ -144,7 +145,7 @@ class NodePair:
             time.sleep(0.05)
 
     def stop_decoding(self) -> None:
-        self.ray.get([self.b.abort.remote(request_id) for request_id in getattr(self, "_decoding", [])])
+        self.ray.get([self.b.abort.remote(request_id) for request_id in self._decoding])
         self._decoding = []
 
     def warm_rates(self) -> None:

@@ -47,7 +47,7 @@ def print_report(tcp: list[float], rows, cases: list[Case], openblas: bool, wher
     for row in rows:
         cells = [row["direct_Bps"], row["direct_median_Bps"], row["ray_Bps"], row["transfer_Bps"]]
         widths = (17, 8, 14, 18)
-        wire = row.get("wire_bytes", row["bytes"])  # the best pull's bytes on the link: fewer where compressed
+        wire = row["wire_bytes"]  # the best pull's bytes on the link: fewer where compressed
         print(f"{'demo-' + row['size']:<12}{row['tokens']:>7}{row['bytes'] / 2**20:>7.1f}{wire / 2**20:>9.1f}"
               + "".join(f"{v / gb:>{w}.2f}{100 * v / tcp_Bps:>6.0f}%" for v, w in zip(cells, widths)))
     print()

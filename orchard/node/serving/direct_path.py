@@ -248,9 +248,14 @@ def _plan(engine, hashes: list[BlockHash]):
     node that is decoding")."""
     kv = engine.kv
     local = local_prefix(kv, hashes)
-    if local == len(hashes) or not engine.has_unfinished:
+    if local == len(hashes) or not lands(engine):
         return local, None
     return local, kv.reserve_landing(hashes[local - 1] if local else kv.root, hashes[local:])
+
+
+def lands(engine) -> bool:
+    """Whether a pull into `engine` lands its blocks off the engine thread (`_plan`): while it steps."""
+    return engine.has_unfinished
 
 
 class _ChunkLander:

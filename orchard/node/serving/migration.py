@@ -2,7 +2,7 @@
 
 Everything touching the KV cache's bookkeeping runs on the engine thread through `AsyncEngine`,
 so an export pins and reads its blocks between two steps and no eviction can interleave: it
-either gets a block whole or (already evicted) stops the run there. (The direct path's receive
+either gets a block whole or (already evicted) stops the run there. (The direct path's landing
 thread writes KV into pool blocks the engine thread reserved for it, which no step touches:
 `orchard.kvcache.block_landing`.) Payloads travel in
 chunks of at most `chunk_bytes`: encoding slows down sharply above ~16 MiB, and chunks
