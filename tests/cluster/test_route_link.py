@@ -10,6 +10,7 @@ link, not through Ray."""
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import pytest
 
@@ -202,3 +203,21 @@ def test_a_notice_while_the_link_is_down_goes_through_ray_and_the_next_route_ope
     told, told_again, links = run(scenario)
     assert not told and told_again  # False: the caller tells the coordinator through Ray
     assert (links.calls, links.openings, links.asked, dict(links.through_ray)) == (2, 2, 2, {})
+
+
+def test_a_garbage_collection_on_the_coordinators_loop_leaves_the_link_open():
+    """The listener's task for a connection is reachable from nothing but itself while it waits for a
+    frame (asyncio holds tasks weakly); the listener holds it, or a collection ends the link between
+    two routes."""
+    async def scenario(coordinator, server):
+        link = await RouteLink.open(server.address, KEY)
+        first = await link.route("demo", hashes(11), 3 * BS, BS, "req-11", None, (), "")
+        gc.collect()
+        await asyncio.sleep(0.1)
+        link.prefill_done(first.node_id, "req-11")
+        await link.route("demo", hashes(12), 3 * BS, BS, "req-12", None, (), "")
+        closed = link.closed
+        link.close()
+        return closed, server.connections, server.calls, server.notices
+
+    assert run(scenario) == (False, 1, 2, 1)

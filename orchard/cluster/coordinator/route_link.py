@@ -70,7 +70,7 @@ class RouteLinkServer(Listener):
                 return
             self.connections += 1
             conn.setblocking(False)
-            asyncio.run_coroutine_threadsafe(self._serve(conn), self.loop)
+            self.serve_on(self.loop, self._serve(conn))
         except OSError as exc:
             log.info("route link: connection refused: %s", exc)
             conn.close()

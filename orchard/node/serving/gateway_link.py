@@ -146,7 +146,7 @@ class GatewayLinkServer(Listener):
                 return
             receiver = _read_receiver(conn)
             conn.setblocking(False)
-            asyncio.run_coroutine_threadsafe(self._serve(conn, receiver), self.loop)
+            self.serve_on(self.loop, self._serve(conn, receiver))
         except (OSError, ValueError) as exc:
             log.info("gateway link %s: connection refused: %s", self.node_id, exc)
             conn.close()

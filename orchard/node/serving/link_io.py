@@ -15,11 +15,12 @@ from memory between them, the second read from the CPU's cache.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import pickle
 import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 
 from orchard.kvcache.wire_transit import IncomingPayload, OutgoingPayload
 
@@ -135,6 +136,7 @@ class Listener:
     def __init__(self, host: str, port: int, serve: Callable[[socket.socket], None], name: str):
         self.host, self.port, self.serve, self.name = host, port, serve, name
         self._sock: socket.socket | None = None
+        self._on_loop: set[concurrent.futures.Future] = set()  # connections served on an event loop, until they end
 
     @property
     def address(self) -> str | None:
@@ -152,6 +154,14 @@ class Listener:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close()
+
+    def serve_on(self, loop: asyncio.AbstractEventLoop, serving: Coroutine) -> None:
+        """Run a connection's `serving` on `loop`, held here until it ends. asyncio keeps only weak
+        references to tasks, and a task waiting on a stream made by `asyncio.open_connection` is reachable
+        from nothing but itself: unheld, a garbage collection ends the connection mid-way."""
+        future = asyncio.run_coroutine_threadsafe(serving, loop)
+        self._on_loop.add(future)
+        future.add_done_callback(self._on_loop.discard)
 
     def _accept_loop(self, sock: socket.socket) -> None:
         while self._sock is sock:
