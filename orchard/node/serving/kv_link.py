@@ -212,6 +212,7 @@ class LinkStream:
         self.ended = False  # the reply's end marker arrived: the connection can serve another pull
         self.wire_bytes = 0  # the chunks' bytes as they came over the link (fewer than their payloads' if compressed)
         self._began = self._ended = 0.0  # when the first chunk's bytes began to land, when the last chunk's had
+        self.stalled_s = 0.0  # while the receive thread waited for a buffer: the target, not the link, set the pace
         self._inflate_limit = 0
         self._thread: threading.Thread | None = None
 
@@ -244,11 +245,14 @@ class LinkStream:
 
     def link_rate(self, min_bytes: int = RATE_MIN_BYTES) -> float | None:
         """Bytes/s the link carried from the first chunk's first bytes landing to the last chunk's last,
-        once the reply ended and carried at least `min_bytes`: the link's pace, without the fixed costs
-        before and after that make a short pull slow on any link; else None."""
-        if not self.ended or self.wire_bytes < min_bytes or self._ended <= self._began:
+        less the time the receive thread waited for a buffer the target had not given back (a node busy
+        stepping, a landing waiting for its blocks: the target's pace, not the link's), once the reply
+        ended and carried at least `min_bytes`: the link's pace, without the fixed costs before and after
+        that make a short pull slow on any link; else None."""
+        moving = self._ended - self._began - self.stalled_s
+        if not self.ended or self.wire_bytes < min_bytes or moving <= 0:
             return None
-        return self.wire_bytes / (self._ended - self._began)
+        return self.wire_bytes / moving
 
     def done(self, buffer: bytearray) -> None:
         self._free.put(buffer)
@@ -276,7 +280,7 @@ class LinkStream:
         try:
             while (size := U64.unpack(recv_exact(self.sock, 8) or eof())[0]) != 0:
                 self._began = self._began or time.perf_counter()
-                buffer = self._free.get()
+                buffer = self._next_buffer()
                 if buffer is None:
                     return
                 if len(buffer) < size:  # a new one (views of the old may live on), kept across pulls
@@ -293,6 +297,15 @@ class LinkStream:
             self._put(exc)
         except Exception as exc:  # noqa: BLE001 - whatever stops the thread must reach the caller
             self._put(exc if isinstance(exc, OSError) else ConnectionError(f"{type(exc).__name__}: {exc}"))
+
+    def _next_buffer(self) -> bytearray | None:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            waited = time.perf_counter()
+            buffer = self._free.get()
+            self.stalled_s += time.perf_counter() - waited
+            return buffer
 
     def _put(self, item) -> None:
         try:

@@ -475,6 +475,32 @@ def test_auto_compresses_where_the_links_last_pull_long_enough_to_tell_ran_below
     assert third.ok and len(frames) == 3 and third.wire_bytes == third.bytes
 
 
+def test_the_time_a_busy_target_keeps_its_buffers_is_not_taken_for_the_links_pace(nodes, monkeypatch):
+    """A pull of more chunks than the receive thread has buffers, into a node whose engine thread is held
+    for a second (a step, as a busy node's): the receive thread waits, the link does not; the rate learned
+    leaves that wait out."""
+    loop, paths = nodes
+    monkeypatch.setattr(direct_path, "lands", lambda engine: False)
+    monkeypatch.setattr(paths["b"], "_link_rates", {})
+    blocks = kv_link.RATE_MIN_BYTES // paths["a"].mover.geometry.bytes_per_block + 1  # 9 chunks, 4 buffers
+    tokens = prompt(48, length=blocks * BS)
+    loop.run_until_complete(generate(paths["a"], "cache-48", tokens))
+    held, free = threading.Event(), threading.Event()
+    paths["b"].mover.engine.call_from_thread(lambda e: held.set() or free.wait(10), lambda *_: None)
+    assert held.wait(5)
+
+    async def run():
+        async def resolve(_peer):
+            return paths["a"].address
+
+        threading.Timer(1.0, free.set).start()
+        return await paths["b"].pull("a", hashes_of(paths["a"], tokens), resolve)
+
+    result = loop.run_until_complete(run())
+    assert result.ok and result.imported == blocks and result.seconds >= 1.0
+    assert paths["b"]._link_rates["a"] > 4 * result.wire_bytes / 1.0
+
+
 def test_a_probe_long_enough_to_tell_the_links_rate_decides_the_first_pull(nodes, monkeypatch):
     loop, paths = nodes
     frames = compressing(paths, monkeypatch, "auto", below=1e18)  # any link is slower than this
