@@ -10,19 +10,16 @@ A pull asks for compressed chunks (`orchard.kvcache.wire_compressed`) as `KVLink
 by default where the link from the same source carried its last long enough pull slower than a
 compressor runs, which is to say where the link, not the CPU, sets a pull's pace.
 
-The request goes as soon as the blocks held here are read (`local_prefix`, off the engine thread: dict
-lookups), not after an engine-thread call: a pull into a node that is stepping would wait for the step
-in progress before its first byte moved, and one into an idle node for a hop to that thread and back.
 While the engine is stepping, and where its pool lives in memory numpy can address (the CPU, a Mac's
-unified memory), a pull's blocks land straight in pool blocks that the engine thread reserves while the
-request is on its way: a landing thread checks each chunk the receive thread verified and writes it
-there while the next one arrives, and the engine thread caches the landed run in one call at the end
-(`orchard.kvcache.block_landing`). The chunks wait for a step twice, not once each: for the reservation
-(while they arrive) and for the adoption; and the steps' thread takes no copy.
-Where the engine thread finds the blocks held here changed since the request went, or no room for the
-whole run, the chunks are imported on its thread after all, as they are while it idles: each chunk the
-moment it arrives. An import checks every block's chain, so a stale read costs a slower pull, never
-a wrong block.
+unified memory), a pull's blocks land straight in pool blocks the engine thread reserved before the
+request went: a landing thread checks each chunk the receive thread verified and writes it there while
+the next one arrives, and the engine thread caches the landed run in one call at the end
+(`orchard.kvcache.block_landing`), so a pull waits for two steps at most, not a step per chunk, and
+takes no copy from the steps' thread. Otherwise each chunk is imported on the engine thread as it
+arrives, and the request goes as soon as the blocks held here are read (`local_prefix`, off the engine
+thread), not after a call to that thread and back: should the engine thread hold other blocks by the
+time a chunk arrives, the import checks every block's chain, so a stale read costs a slower pull,
+never a wrong block.
 
 A connection whose reply ended whole is kept for the next pull from the same source (one
 per source, for half the listener's idle timeout): a pull of a few MiB otherwise spends as
@@ -96,14 +93,20 @@ class DirectPath:
         if address is None or self.key is None:
             return None
         hashes = [BlockHash(bytes(h)) for h in hashes]
-        local = local_prefix(self.mover.engine.engine.kv, hashes)  # read here; the engine thread checks it (_plan)
+        engine = self.mover.engine
+        if lands(engine.engine):
+            local, landing = await engine.run_on_engine(lambda e: _plan(e, hashes))
+        else:  # read here (dict lookups), no hop to the engine thread and back before the request goes
+            local, landing = local_prefix(engine.engine.kv, hashes), None
         result = PullResult(source_id, requested=len(hashes), local=local, via="direct")
         if local == len(hashes):
             return result
         sock = self._kept(source_id) or await self._connect(source_id, address)
         if sock is None:
+            if landing is not None:
+                await engine.run_on_engine(lambda e: landing.release())
             return None
-        return await self._receive(source_id, sock, hashes, result, started)
+        return await self._receive(source_id, sock, hashes[local:], result, started, landing)
 
     def compresses(self, source_id: str) -> bool:
         """Whether a pull from `source_id` asks for compressed chunks (`KVLinkConfig.compress`)."""
@@ -156,18 +159,15 @@ class DirectPath:
         sock.close()
         return None
 
-    async def _receive(self, source_id: str, sock, hashes: list[BlockHash], result: PullResult,
-                       started: float) -> PullResult:
-        wanted, engine = hashes[result.local :], self.mover.engine
+    async def _receive(self, source_id: str, sock, wanted: list[BlockHash], result: PullResult,
+                       started: float, landing: BlockLanding | None) -> PullResult:
         buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(4)]  # arriving, queued, importing
-        importer = _ChunkImporter(engine, result)
-        if lands(engine.engine):
-            sink = _ChunkLander(_planned(engine, hashes, result.local), importer, self._lander, self.config.io_timeout_s)
-        else:
-            sink = importer
-        stream = sink.stream = importer.stream = LinkStream(sock, buffers, self.mover.geometry, sink=sink,
-                                                            state_geometry=self.mover.state_geometry)
+        sink = _ChunkLander(landing, result, self._lander) if landing is not None else _ChunkImporter(self.mover.engine, result)
+        stream = sink.stream = LinkStream(sock, buffers, self.mover.geometry, sink=sink,
+                                          state_geometry=self.mover.state_geometry)
         try:
+            if landing is not None:
+                wanted = wanted[: landing.capacity]  # the pool had room for no more
             try:
                 stream.start(wanted, chunk_size(len(wanted) * self.mover.geometry.bytes_per_block,
                                                 self.config.chunk_bytes), compress=self.compresses(source_id))
@@ -175,7 +175,7 @@ class DirectPath:
                     pass
             finally:
                 await sink.drained()
-                await engine.run_on_engine(sink.finish)  # runs after every call queued before it
+                await self.mover.engine.run_on_engine(sink.finish)  # runs after every call queued before it
             if sink.error is not None:
                 raise sink.error
             result.seconds = time.perf_counter() - started
@@ -245,88 +245,57 @@ def _open(sock: socket.socket) -> bool:
     return False  # closed by the peer (b""), or bytes nobody asked for
 
 
-def _planned(engine, hashes: list[BlockHash], asked_from: int) -> Future:
-    """The engine thread's `_plan` for a pull that asks for `hashes[asked_from:]`, queued there now and
-    not waited for: the request goes meanwhile, so a pull into a node that is stepping does not wait for
-    the step in progress before its bytes start to move."""
-    planned: Future = Future()
-    engine.call_from_thread(lambda e: _plan(e, hashes, asked_from),
-                            lambda landing, exc: planned.set_result(landing) if exc is None else planned.set_exception(exc))
-    return planned
+def _plan(engine, hashes: list[BlockHash]):
+    """(leading blocks of `hashes` held here, blocks reserved for the rest to land in or None) (engine thread).
 
-
-def _plan(engine, hashes: list[BlockHash], asked_from: int) -> BlockLanding | None:
-    """Blocks reserved for the whole run asked for, `hashes[asked_from:]`, to land in, or None: its chunks
-    are imported on the engine thread instead (engine thread). None where the leading blocks held here
-    are no longer the `asked_from` the request was sized by (a block came or went since), or the pool
-    has no room for the whole run; the import checks each block's chain and takes what fits."""
+    Blocks land off the engine thread only while it is stepping: an idle engine thread imports each chunk
+    the moment it arrives, alongside the receive thread, which measured faster for large pulls; a
+    stepping one would make each chunk wait for the step in progress (docs/benchmarks.md, "Pulls into a
+    node that is decoding")."""
     kv = engine.kv
-    if local_prefix(kv, hashes) != asked_from:
-        return None
-    landing = kv.reserve_landing(hashes[asked_from - 1] if asked_from else kv.root, hashes[asked_from:])
-    if landing is not None and landing.capacity < len(hashes) - asked_from:
-        landing.release()
-        return None
-    return landing
+    local = local_prefix(kv, hashes)
+    if local == len(hashes) or not lands(engine):
+        return local, None
+    return local, kv.reserve_landing(hashes[local - 1] if local else kv.root, hashes[local:])
 
 
 def lands(engine) -> bool:
-    """Whether a pull into `engine` lands its blocks off the engine thread: while it steps. Read off the
-    engine thread as the request goes: an engine that starts or stops stepping meanwhile gets the other
-    way of the two, which is slower there, never wrong.
-
-    An idle engine thread imports each chunk the moment it arrives, alongside the receive thread, which
-    measured faster for large pulls; a stepping one would make each chunk wait for the step in progress
-    (docs/benchmarks.md, "Pulls into a node that is decoding")."""
+    """Whether a pull into `engine` lands its blocks off the engine thread (`_plan`): while it steps. Read
+    off the engine thread first, to skip the hop there for an idle engine; `_plan` reads it again there."""
     return engine.has_unfinished
 
 
 class _ChunkLander:
     """Lands each verified chunk in the blocks reserved for it (`orchard.kvcache.block_landing`) on the
     path's landing thread, so the receive thread takes the next chunk meanwhile, and has the engine
-    thread cache the landed run once, at the end (`finish`, after `drained`). The first chunk waits there
-    for the engine thread's plan; where the plan reserved nothing, every chunk goes to `importer`. The
-    first refused chunk stops the rest and ends the stream."""
+    thread cache the landed run once, at the end (`finish`, after `drained`); the first refused chunk
+    stops the rest and ends the stream."""
 
-    def __init__(self, planned: Future, importer: _ChunkImporter, lander: ThreadPoolExecutor, timeout_s: float):
-        self.planned, self.importer, self._lander, self.timeout_s = planned, importer, lander, timeout_s
+    def __init__(self, landing: BlockLanding, result: PullResult, lander: ThreadPoolExecutor):
+        self.landing, self.result, self._lander = landing, result, lander
         self.stream: LinkStream | None = None
-        self._error: Exception | None = None
-
-    @property
-    def error(self) -> Exception | None:
-        return self._error or self.importer.error
+        self.error: Exception | None = None
 
     def __call__(self, buffer: bytearray, size: int, payload: KVPayload) -> None:  # receive thread
-        self.importer.result.bytes += size
+        self.result.bytes += size
         self._lander.submit(self._land, buffer, payload)
 
     def _land(self, buffer: bytearray, payload: KVPayload) -> None:  # landing thread
-        handed = False
         try:
             if self.error is None:
-                landing = self.planned.result(self.timeout_s)
-                if landing is None:
-                    self.importer.hand(buffer, payload)
-                    handed = True
-                    return
-                landing.land(payload.blocks)
-        except Exception as exc:  # a chunk that is not the run's next blocks, or no plan: nothing more is wanted
-            self._error = exc
+                self.landing.land(payload.blocks)
+        except Exception as exc:  # a chunk that is not the run's next blocks: nothing more is wanted
+            self.error = exc
             self.stream.close()
         finally:
-            if not handed:
-                self.stream.done(buffer)
+            self.stream.done(buffer)
 
     async def drained(self) -> None:
-        """Once every chunk handed over has landed or gone to the importer (the landing thread runs them in order)."""
+        """Once every chunk handed over has landed (the landing thread runs them in order)."""
         await asyncio.wrap_future(self._lander.submit(lambda: None))
 
     def finish(self, engine) -> None:  # engine thread, once the reply ended or broke off and every chunk landed
-        """Cache what landed; the plan ran before this (both queued on this thread, the plan first)."""
-        landing = None if self.planned.exception() is not None else self.planned.result()
-        if landing is not None:
-            self.importer.result.imported += landing.adopt()
+        self.result.imported += self.landing.adopt()
 
 
 class _ChunkImporter:
@@ -341,9 +310,6 @@ class _ChunkImporter:
 
     def __call__(self, buffer: bytearray, size: int, payload: KVPayload) -> None:  # receive thread
         self.result.bytes += size
-        self.hand(buffer, payload)
-
-    def hand(self, buffer: bytearray, payload: KVPayload) -> None:  # any thread; the buffer comes back once imported
         self.engine.call_from_thread(lambda e: self._import(e, payload), lambda n, exc: self._settle(buffer, n, exc))
 
     def _import(self, engine, payload: KVPayload) -> int:
