@@ -16,10 +16,7 @@ request went: a landing thread checks each chunk the receive thread verified and
 the next one arrives, and the engine thread caches the landed run in one call at the end
 (`orchard.kvcache.block_landing`), so a pull waits for two steps at most, not a step per chunk, and
 takes no copy from the steps' thread. Otherwise each chunk is imported on the engine thread as it
-arrives, and the request goes as soon as the blocks held here are read (`local_prefix`, off the engine
-thread), not after a call to that thread and back: should the engine thread hold other blocks by the
-time a chunk arrives, the import checks every block's chain, so a stale read costs a slower pull,
-never a wrong block.
+arrives.
 
 A connection whose reply ended whole is kept for the next pull from the same source (one
 per source, for half the listener's idle timeout): a pull of a few MiB otherwise spends as
@@ -94,10 +91,7 @@ class DirectPath:
             return None
         hashes = [BlockHash(bytes(h)) for h in hashes]
         engine = self.mover.engine
-        if lands(engine.engine):
-            local, landing = await engine.run_on_engine(lambda e: _plan(e, hashes))
-        else:  # read here (dict lookups), no hop to the engine thread and back before the request goes
-            local, landing = local_prefix(engine.engine.kv, hashes), None
+        local, landing = await engine.run_on_engine(lambda e: _plan(e, hashes))
         result = PullResult(source_id, requested=len(hashes), local=local, via="direct")
         if local == len(hashes):
             return result
@@ -260,8 +254,7 @@ def _plan(engine, hashes: list[BlockHash]):
 
 
 def lands(engine) -> bool:
-    """Whether a pull into `engine` lands its blocks off the engine thread (`_plan`): while it steps. Read
-    off the engine thread first, to skip the hop there for an idle engine; `_plan` reads it again there."""
+    """Whether a pull into `engine` lands its blocks off the engine thread (`_plan`): while it steps."""
     return engine.has_unfinished
 
 

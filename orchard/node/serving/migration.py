@@ -71,9 +71,7 @@ class PullResult:
 
 
 def local_prefix(kv: KVCache, hashes: Sequence[BlockHash]) -> int:
-    """Leading blocks of `hashes` this cache holds in memory or in its cold tier. It only reads (one dict
-    lookup a block, each whole under the GIL), so another thread may call it for an answer the engine
-    thread can change the next moment: a direct pull sizes its request so, and the engine thread checks."""
+    """Leading blocks of `hashes` this cache holds in memory or in its cold tier (engine thread)."""
     count = 0
     for block_hash in hashes:
         if kv.manager.cached_block(block_hash) is None and (kv.cold is None or block_hash not in kv.cold):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -250,51 +251,6 @@ def test_where_the_pool_cannot_be_viewed_chunks_are_imported_on_the_engine_threa
     assert (migrated, hit) == (reference, 5 * BS)
 
 
-def test_into_an_idle_target_the_request_goes_and_bytes_move_while_its_engine_thread_is_held(nodes, monkeypatch):
-    """Into an idle node the request is sized off the engine thread (`local_prefix`) and sent at once:
-    while the target's engine thread is held (another pull's import, a call of the actor's), the source
-    already sends; the chunks are imported once the thread is free, exact."""
-    loop, paths = nodes
-    seen = counting(monkeypatch, paths["b"].mover.engine.engine.kv)
-    tokens = prompt(37)
-    reference, _ = loop.run_until_complete(generate(paths["a"], "cache-37", tokens))
-    held, free = threading.Event(), threading.Event()
-    paths["b"].mover.engine.call_from_thread(lambda e: held.set() or free.wait(10), lambda *_: None)
-    assert held.wait(5)
-    sent = paths["a"].server.counters.sent_bytes
-
-    async def run():
-        async def resolve(_peer):
-            return paths["a"].address
-
-        try:
-            pulling = asyncio.ensure_future(paths["b"].pull("a", hashes_of(paths["a"], tokens), resolve))
-            moved = await asyncio.to_thread(wait_until, lambda: paths["a"].server.counters.sent_bytes > sent)
-        finally:
-            free.set()
-        return moved, await pulling, await generate(paths["b"], "after-37", tokens)
-
-    moved, result, (migrated, hit) = loop.run_until_complete(run())
-    assert moved and (result.ok, result.imported, seen["import"], seen["land"]) == (True, 5, [2, 2, 1], [])
-    assert (migrated, hit) == (reference, 5 * BS)
-
-
-def test_a_request_sized_by_a_read_the_engine_thread_contradicts_takes_only_blocks_that_chain(nodes, monkeypatch):
-    """Off the engine thread an idle target reads one more leading block held than its engine thread then
-    has (as if evicted between): the import takes no block whose parent is not here; the request
-    recomputes, exact."""
-    loop, paths = nodes
-    real = direct_path.local_prefix
-    monkeypatch.setattr(direct_path, "local_prefix",
-                        lambda kv, hashes: real(kv, hashes) + (threading.current_thread().name != "orchard-engine"))
-    kv = paths["b"].mover.engine.engine.kv
-    seen = counting(monkeypatch, kv)
-    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(38))
-    assert (result.ok, result.local, result.imported, seen["land"]) == (True, 1, 0, [])
-    assert seen["import"] == [2, 2] and kv.manager.num_used == 0  # blocks 1-4 asked for, none taken
-    assert (migrated, hit) == (reference, 0)
-
-
 def test_a_source_that_does_not_offer_layer_major_answers_in_version_2_and_the_pull_still_lands(nodes, monkeypatch):
     loop, paths = nodes
     monkeypatch.setattr(paths["a"].server, "_export_layers", None)  # a source of before version 3
@@ -458,29 +414,21 @@ def test_auto_compresses_where_the_links_last_pull_long_enough_to_tell_ran_below
 
 
 def test_the_time_a_busy_target_keeps_its_buffers_is_not_taken_for_the_links_pace(nodes, monkeypatch):
-    """A pull of more chunks than the receive thread has buffers, into a node whose engine thread is held
-    for a second (a step, as a busy node's): the receive thread waits, the link does not; the rate learned
-    leaves that wait out."""
+    """A pull of more chunks than the receive thread has buffers, whose first import takes the target's
+    engine thread a second (as a busy node's step would): the receive thread waits, the link does not;
+    the rate learned leaves that wait out."""
     loop, paths = nodes
-    monkeypatch.setattr(direct_path, "lands", lambda engine: False)
+    monkeypatch.setattr(direct_path, "lands", lambda engine: False)  # each chunk imported on the engine thread
     monkeypatch.setattr(paths["b"], "_link_rates", {})
+    kv = paths["b"].mover.engine.engine.kv
+    real, imports = kv.import_decoded, []
+    monkeypatch.setattr(kv, "import_decoded", lambda blocks, state=None: (imports or time.sleep(1.0), imports.append(1),
+                                                                           real(blocks, state))[-1])
     blocks = kv_link.RATE_MIN_BYTES // paths["a"].mover.geometry.bytes_per_block + 1  # 9 chunks, 4 buffers
-    tokens = prompt(48, length=blocks * BS)
-    loop.run_until_complete(generate(paths["a"], "cache-48", tokens))
-    held, free = threading.Event(), threading.Event()
-    paths["b"].mover.engine.call_from_thread(lambda e: held.set() or free.wait(10), lambda *_: None)
-    assert held.wait(5)
-
-    async def run():
-        async def resolve(_peer):
-            return paths["a"].address
-
-        threading.Timer(1.0, free.set).start()
-        return await paths["b"].pull("a", hashes_of(paths["a"], tokens), resolve)
-
-    result = loop.run_until_complete(run())
-    assert result.ok and result.imported == blocks and result.seconds >= 1.0
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(48, length=blocks * BS + 5))
+    assert result.ok and result.imported == blocks and result.seconds >= 1.0 and len(imports) == 9
     assert paths["b"]._link_rates["a"] > 4 * result.wire_bytes / 1.0
+    assert (migrated, hit) == (reference, blocks * BS)
 
 
 def test_a_probe_long_enough_to_tell_the_links_rate_decides_the_first_pull(nodes, monkeypatch):
