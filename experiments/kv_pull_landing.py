@@ -37,7 +37,8 @@ def _busy(loop, engine, sequences: int) -> None:
 
     for i in range(sequences):
         asyncio.run_coroutine_threadsafe(decode(f"busy-{i}"), loop)
-    time.sleep(2.0)  # the batch is running before the first pull
+    while engine.stats().get("running", 0) < sequences:  # the batch is running before the first pull
+        time.sleep(0.05)
 
 
 def _choose(path: str) -> None:

@@ -26,11 +26,9 @@ from collections.abc import Callable, Sequence
 
 from orchard.kvcache.block_manager import BlockManager
 from orchard.kvcache.errors import IncompatibleKVPayload, PoolMoved
-from orchard.kvcache.hashing import BlockHash, hash_block_rows
+from orchard.kvcache.hashing import HASH_SIZE, BlockHash, hash_block_rows
 from orchard.kvcache.pool import KVPool, as_slice
 from orchard.kvcache.wire import BlockRun, KVBlockData
-
-HASH = 16
 
 
 class BlockLanding:
@@ -78,9 +76,9 @@ class BlockLanding:
         n, start = len(run), self.landed
         if n == 0:
             return 0
-        if start + n > self.capacity or run.hashes.tobytes() != self._wanted[start * HASH : (start + n) * HASH]:
+        if start + n > self.capacity or run.hashes.tobytes() != self._wanted[start * HASH_SIZE : (start + n) * HASH_SIZE]:
             raise IncompatibleKVPayload("a chunk of the reply is not the next blocks of the run asked for")
-        if start and run.parents[0].tobytes() != self._wanted[(start - 1) * HASH : start * HASH]:
+        if start and run.parents[0].tobytes() != self._wanted[(start - 1) * HASH_SIZE : start * HASH_SIZE]:
             raise IncompatibleKVPayload("a chunk of the reply does not follow the block before it")
         if hash_block_rows(run.parents, run.tokens) != run.hashes.tobytes():
             raise IncompatibleKVPayload("a block's hash does not match its parent and tokens")

@@ -287,8 +287,7 @@ class BlockManager:
 
         The caller writes the KV into the returned block before anything else can take it.
         """
-        if len(token_ids) != self.block_size:
-            raise ValueError(f"a cached block holds {self.block_size} tokens, got {len(token_ids)}")
+        self._check_full(token_ids)
         if block_hash in self._cached or not self._free:
             return None
         block = self._take_imported(block_hash, parent_hash, tuple(token_ids))
@@ -309,8 +308,7 @@ class BlockManager:
                 continue
             if not self._free:
                 break
-            if len(token_ids[i]) != self.block_size:
-                raise ValueError(f"a cached block holds {self.block_size} tokens, got {len(token_ids[i])}")
+            self._check_full(token_ids[i])
             block = self._take_imported(block_hash, parents[i], token_ids[i])
             block.ref_count = 1
             self._used_kv_slots += block.filled
@@ -338,11 +336,9 @@ class BlockManager:
             block = self._blocks[block_id]
             if block_hash in self._cached or block.block_hash is not None or block.ref_count != 1:
                 continue
-            if len(tokens) != self.block_size:
-                raise ValueError(f"a cached block holds {self.block_size} tokens, got {len(tokens)}")
-            block.filled = self.block_size
-            self._used_kv_slots += block.filled
-            self._register(block, block_hash, parent, tuple(tokens))
+            self._check_full(tokens)
+            self._list_full(block, block_hash, parent, tuple(tokens))
+            self._used_kv_slots += block.filled  # held: its slots count as used
             adopted.append(block_id)
         return adopted
 
@@ -492,9 +488,17 @@ class BlockManager:
         """A free block for a full block's KV arriving from elsewhere, listed as cached (ref 0:
         the caller parks or holds it)."""
         block = self._take_free()
+        self._list_full(block, block_hash, parent, tokens)
+        return block
+
+    def _list_full(self, block: Block, block_hash: BlockHash, parent: BlockHash | None, tokens: tuple) -> None:
+        """A block whose whole KV is written (or is about to be), listed as cached under `block_hash`."""
         block.filled = self.block_size
         self._register(block, block_hash, parent, tokens)
-        return block
+
+    def _check_full(self, token_ids: Sequence[int]) -> None:
+        if len(token_ids) != self.block_size:
+            raise ValueError(f"a cached block holds {self.block_size} tokens, got {len(token_ids)}")
 
     def _claim(self) -> Block:
         block = self._take_free()

@@ -27,7 +27,15 @@ from orchard.kvcache.geometry import KVGeometry, StateGeometry
 from orchard.kvcache.hashing import BlockHash, hash_block, hash_block_rows
 from orchard.kvcache.hybrid_states import HybridStates, check_state_fits
 from orchard.kvcache.pool import KVPool, as_slice
-from orchard.kvcache.wire import BlockRun, KVBlockData, StateSnapshotData, decode_payload, encode_blocks
+from orchard.kvcache.wire import (
+    BlockRun,
+    KVBlockData,
+    StateSnapshotData,
+    decode_payload,
+    encode_blocks,
+    hash_rows,
+    token_rows,
+)
 from orchard.kvcache.wire_layers import LayerChunk
 from orchard.kvcache.wire_stream import BlockPieces
 
@@ -97,10 +105,8 @@ class BlockTransfer:
             self.manager.unpin(pinned)
             return None
         records = [self.manager.block(block_id) for block_id in pinned]
-        hashes_rows = np.frombuffer(b"".join(bytes(b.block_hash) for b in records), np.uint8).reshape(-1, 16)
-        parents = np.frombuffer(b"".join(bytes(b.parent_hash) for b in records), np.uint8).reshape(-1, 16)
-        tokens = np.array([b.token_ids for b in records], dtype=np.uint32)
-        return pinned, LayerRun(hashes_rows, parents, tokens, np.asarray(pinned), views)
+        return pinned, LayerRun(hash_rows(b.block_hash for b in records), hash_rows(b.parent_hash for b in records),
+                                token_rows(b.token_ids for b in records), np.asarray(pinned), views)
 
     def unpin_export(self, pinned: Sequence[int]) -> None:
         """Let eviction have the blocks `pin_export` held, once their pieces are sent."""

@@ -17,6 +17,7 @@ import xxhash
 
 #: A block's chained hash: 16 bytes of xxh3_128.
 BlockHash = NewType("BlockHash", bytes)
+HASH_SIZE = 16
 
 _ROOT_TAG = b"mlx-orchard/kv-root/v1"
 

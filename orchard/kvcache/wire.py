@@ -22,7 +22,7 @@ readers here know versions 1 and 2 only and refuse it at the version check.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import msgpack
@@ -31,6 +31,7 @@ import xxhash
 
 from orchard.kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
 from orchard.kvcache.geometry import KVGeometry, StateGeometry
+from orchard.kvcache.hashing import HASH_SIZE
 
 FORMAT_TAG = "mlx-orchard/kv-blocks"
 FORMAT_VERSION = 1  # blocks only
@@ -78,11 +79,8 @@ class BlockRun(Sequence[KVBlockData]):
     @classmethod
     def of(cls, blocks: Sequence[KVBlockData]) -> BlockRun:
         """Full decoded blocks (each with a parent), as the payload readers' runs hold them: columns."""
-        def rows(values) -> np.ndarray:
-            return np.frombuffer(b"".join(bytes(v) for v in values), np.uint8).reshape(-1, 16)
-
-        return cls(rows(b.block_hash for b in blocks), rows(b.parent_hash for b in blocks),
-                   np.array([b.token_ids for b in blocks], dtype=np.uint32),
+        return cls(hash_rows(b.block_hash for b in blocks), hash_rows(b.parent_hash for b in blocks),
+                   token_rows(b.token_ids for b in blocks),
                    np.stack([b.keys for b in blocks]), np.stack([b.values for b in blocks]))
 
     def hash_list(self) -> list[bytes]:
@@ -95,6 +93,16 @@ class BlockRun(Sequence[KVBlockData]):
     def is_chained(self) -> bool:
         """Whether each block's parent is the block before it (a prefix run, as a pull sends)."""
         return bool(np.array_equal(self.parents[1:], self.hashes[:-1]))
+
+
+def hash_rows(hashes: Iterable[bytes]) -> np.ndarray:
+    """Block hashes as a run's `[n, 16]` uint8 column (`_rows` undoes it)."""
+    return np.frombuffer(b"".join(bytes(h) for h in hashes), np.uint8).reshape(-1, HASH_SIZE)
+
+
+def token_rows(token_ids: Iterable[Sequence[int]]) -> np.ndarray:
+    """Full blocks' token ids as a run's `[n, block_size]` uint32 column."""
+    return np.array(list(token_ids), dtype=np.uint32)
 
 
 def _rows(array: np.ndarray) -> list[bytes]:

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchard.kvcache.geometry import KVGeometry
+from orchard.kvcache.hashing import HASH_SIZE
 from orchard.kvcache.wire import BlockRun, block_array_bytes, block_array_shape, wire_dtype
 
-HASH_SIZE = 16  # xxh3_128 (`orchard.kvcache.hashing`)
 _UINT32 = 0xCE  # msgpack's tag of a uint32
 
 

@@ -31,6 +31,7 @@ import numpy as np
 
 from orchard.kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
 from orchard.kvcache.geometry import KVGeometry, StateGeometry
+from orchard.kvcache.hashing import HASH_SIZE
 from orchard.kvcache.wire import (
     CHECKSUM_SIZE,
     FORMAT_TAG,
@@ -39,7 +40,7 @@ from orchard.kvcache.wire import (
     _check_geometry,
     wire_dtype,
 )
-from orchard.kvcache.wire_batch import HASH_SIZE, array_header, bin_header
+from orchard.kvcache.wire_batch import array_header, bin_header
 from orchard.kvcache.wire_stream import Piece, _Reader, read_checked, read_envelope_body, read_envelope_head
 
 LAYER_FORMAT_VERSION = 3

@@ -59,6 +59,10 @@ class BenchConfig:
     busy: int = 0  # sequences b decodes while the throughput rows pull into it (a serving node's steps)
 
 
+#: What each of b's decoding sequences (`--busy`) holds at most: its prompt and the tokens it decodes.
+BUSY_PROMPT_TOKENS, BUSY_DECODE_TOKENS = 64, 8000
+
+
 # ---- raw TCP ------------------------------------------------------------------------
 
 
@@ -136,10 +140,10 @@ class NodePair:
 
         from orchard.node.types import SamplingParams
 
-        params = SamplingParams(max_tokens=8000, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=BUSY_DECODE_TOKENS, temperature=0.0, ignore_eos=True)
         self._decoding = [f"busy-{self.size}-{i}" for i in range(sequences)]
-        for i, request_id in enumerate(self._decoding):
-            stream = self.b.generate.options(num_returns="streaming").remote(request_id, self.fresh_prompt(64 + i), params)
+        for request_id in self._decoding:
+            stream = self.b.generate.options(num_returns="streaming").remote(request_id, self.fresh_prompt(BUSY_PROMPT_TOKENS), params)
             threading.Thread(target=lambda s=stream: [self.ray.get(ref) for ref in s], daemon=True).start()
         while self.ray.get(self.b.stats.remote()).get("running", 0) < sequences:
             time.sleep(0.05)
@@ -311,7 +315,8 @@ def throughput(pair: NodePair, config: BenchConfig) -> list[dict]:
 def num_blocks_for(config: BenchConfig, size: str) -> int:
     """Room for every prefix the run caches on one node, so nothing is evicted mid-run."""
     tokens = max(2 * config.prefix_tokens + 2 * sum(config.lengths.get(size, ())), 2 * max(config.pull_tokens)) + 256
-    return (tokens + 4096 * config.busy) // config.block_size + 64  # and room for what b decodes meanwhile
+    busy = config.busy * (BUSY_PROMPT_TOKENS + BUSY_DECODE_TOKENS + config.block_size)  # what b decodes meanwhile
+    return (tokens + busy) // config.block_size + 64
 
 
 def main(argv: list[str] | None = None) -> int:
