@@ -7,7 +7,8 @@ both processes, and summed over a pull (stages on different threads overlap, so 
 to more than the pull's wall time; the one nearest the wall time bounds the pull):
 
     source: pin (pin_export or pin_layer_export on the engine thread), encode (the pieces), send (checksum + sendmsg)
-    target: recv (socket to buffer + checksum), decode (check + parse), import (pool write, engine thread)
+    target: recv (socket to buffer + checksum), decode (check + parse), import (pool write, engine thread),
+            place (a chunk from the socket straight into reserved pool blocks + checksum, receive thread)
 
 Raw TCP over the same loopback, plain sockets, is measured in the same run. With `--link`
 the two processes are two hosts of the namespace rig (`orchard.cluster.bench.netns`, needs root),
@@ -105,6 +106,8 @@ def _instrument(stages: Stages, side: str) -> None:
         stages.wrap(link_io, "receive_payload", "recv")
         stages.wrap(wire_transit.IncomingPayload, "decode", "decode")
         stages.wrap(cache.KVCache, "import_decoded", "import")
+        if hasattr(wire_transit.IncomingPayload, "place"):  # chunks read straight into the pool, where the tree does
+            stages.wrap(wire_transit.IncomingPayload, "place", "place")
 
 
 def _seed(path, tokens_len: int, seed: int) -> list[bytes]:

@@ -4,8 +4,9 @@ Imported chunk by chunk on the engine thread, a pull into a node that is decodin
 progress at every chunk, and each import's copy takes time from the steps (docs/benchmarks.md, "Pulls
 into a node that is decoding": the large demo model's 1.5-2.6x slower at the median than landed, the
 small one's faster over Ray). Here the engine thread reserves the run's blocks once, before the request
-goes (`BlockTransfer.reserve_landing`); another thread (the direct path's landing thread) checks
-each chunk and copies its KV into the next reserved blocks through the pool's layer views (`land`);
+goes (`BlockTransfer.reserve_landing`); another thread checks each chunk and writes its KV into the
+next reserved blocks through the pool's layer views: the direct path's receive thread reads it there from
+the socket (`placing`), or its landing thread copies a chunk that had to land in a buffer first (`land`);
 and the engine thread lists what landed as cached once, when the reply has ended (`adopt`).
 
 Reserved blocks belong to no sequence and hold no hash, so no step reads or writes them and no prefix
@@ -22,13 +23,16 @@ one taken at reservation and caches nothing where one moved (`PoolMoved`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+
+import numpy as np
 
 from orchard.kvcache.block_manager import BlockManager
 from orchard.kvcache.errors import IncompatibleKVPayload, PoolMoved
 from orchard.kvcache.hashing import HASH_SIZE, BlockHash, hash_block_rows
 from orchard.kvcache.pool import KVPool, as_slice
-from orchard.kvcache.wire import BlockRun, KVBlockData
+from orchard.kvcache.wire import BlockRun, KVBlockData, wire_dtype
 
 
 class BlockLanding:
@@ -67,31 +71,51 @@ class BlockLanding:
             if any(b.parent_hash is None for b in blocks):
                 raise IncompatibleKVPayload("a migrated block has no parent")
             blocks = BlockRun.of(blocks)
-        with self._lock:
-            if self._done:
-                raise IncompatibleKVPayload("a chunk arrived after its pull ended")
-            return self._land(blocks)
-
-    def _land(self, run: BlockRun) -> int:
-        n, start = len(run), self.landed
-        if n == 0:
+        if len(blocks) == 0:
             return 0
-        if start + n > self.capacity or run.hashes.tobytes() != self._wanted[start * HASH_SIZE : (start + n) * HASH_SIZE]:
+        with self.placing(blocks.hashes, blocks.parents, blocks.tokens) as layers:
+            for layer, (key_rows, value_rows) in enumerate(layers):
+                _write(key_rows, blocks.keys[:, layer])
+                _write(value_rows, blocks.values[:, layer])
+        return len(blocks)
+
+    @property
+    def places_wire_bytes(self) -> bool:
+        """Whether KV bytes as the wire lays them out (`orchard.kvcache.wire.wire_dtype`) may be written into
+        `placing`'s blocks as they are: the pool keeps them in the same little-endian dtype."""
+        return self._views[0][0].dtype.str == wire_dtype(self.pool.geometry).str
+
+    @contextmanager
+    def placing(self, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> Iterator[list[tuple[np.ndarray, np.ndarray]]]:
+        """Where the run's next blocks go, checked as `land` checks them (`hashes`, `parents` `[n, 16]` uint8,
+        `tokens` `[n, block_size]`): per layer, views of their reserved blocks' K and V (`[n, block_size,
+        heads, head dim]`; a list of one view a block where the blocks reserved are not consecutive). The
+        caller writes every layer; the blocks count as landed only if its body returns, so a chunk whose bytes
+        turn out damaged part way leaves them reserved, never cached. Holds the landing's lock meanwhile:
+        `adopt` and `release` wait for a chunk being written."""
+        with self._lock:
+            rows = self._next_rows(hashes, parents, tokens)
+            if isinstance(rows, slice):
+                yield [(keys[rows], values[rows]) for keys, values in zip(*self._views)]
+            else:
+                yield [([keys[i] for i in rows], [values[i] for i in rows]) for keys, values in zip(*self._views)]
+            self._hashes += [bytes(h) for h in hashes]  # as bytes: the chunk's buffer is reused once handed back
+            self._parents += [bytes(p) for p in parents]
+            self._tokens += [tuple(t) for t in tokens.tolist()]
+            self.landed += len(hashes)
+
+    def _next_rows(self, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> slice | np.ndarray:
+        """The reserved blocks of the run's next `len(hashes)` blocks, once they are checked to be those."""
+        if self._done:
+            raise IncompatibleKVPayload("a chunk arrived after its pull ended")
+        n, start = len(hashes), self.landed
+        if start + n > self.capacity or hashes.tobytes() != self._wanted[start * HASH_SIZE : (start + n) * HASH_SIZE]:
             raise IncompatibleKVPayload("a chunk of the reply is not the next blocks of the run asked for")
-        if start and run.parents[0].tobytes() != self._wanted[(start - 1) * HASH_SIZE : start * HASH_SIZE]:
+        if start and parents[0].tobytes() != self._wanted[(start - 1) * HASH_SIZE : start * HASH_SIZE]:
             raise IncompatibleKVPayload("a chunk of the reply does not follow the block before it")
-        if hash_block_rows(run.parents, run.tokens) != run.hashes.tobytes():
+        if hash_block_rows(parents, tokens) != hashes.tobytes():
             raise IncompatibleKVPayload("a block's hash does not match its parent and tokens")
-        rows = as_slice(self.block_ids[start : start + n])
-        key_layers, value_layers = self._views
-        for layer in range(len(key_layers)):
-            key_layers[layer][rows] = run.keys[:, layer]
-            value_layers[layer][rows] = run.values[:, layer]
-        self._hashes += run.hash_list()  # as bytes: the chunk's buffer is reused once it is handed back
-        self._parents += run.parent_list()
-        self._tokens += [tuple(t) for t in run.tokens.tolist()]
-        self.landed = start + n
-        return n
+        return as_slice(self.block_ids[start : start + n])
 
     # ----------------------------------------------------------------- engine thread
 
@@ -123,6 +147,15 @@ class BlockLanding:
             self._done = True
         self.manager.unpin(self.block_ids)
         self.manager.unpin(self._held_parent)
+
+
+def _write(rows: np.ndarray | list[np.ndarray], blocks: np.ndarray) -> None:
+    """Copy `blocks` (`[n, ...]`) into `placing`'s view of their rows, one view or one a block."""
+    if isinstance(rows, np.ndarray):
+        rows[...] = blocks
+        return
+    for row, block in zip(rows, blocks, strict=True):
+        row[...] = block
 
 
 def _addresses(views) -> list[int] | None:

@@ -23,6 +23,7 @@ chunk that holds a partial block, travels as version 2. A link asks for this lay
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,18 +63,92 @@ class LayerChunk:
 def layer_pieces(geometry: KVGeometry, chunk: LayerChunk) -> list[Piece]:
     """A version 3 payload but for its checksum, as pieces (`orchard.kvcache.wire_transit.OutgoingPayload`
     checksums them as they are sent); the KV pieces are the chunk's own buffers."""
-    n, layers = len(chunk.hashes), geometry.num_layers
+    n = len(chunk.hashes)
     _check_chunk(geometry, chunk, n)
-    key_bytes, value_bytes = n * geometry.key_bytes_per_block_layer, n * geometry.value_bytes_per_block_layer
+    layout = chunk_layout(geometry, n)
     tokens = np.ascontiguousarray(chunk.tokens, dtype=_TOKEN)
-    head = _envelope_head(geometry) + b"\xa6hashes" + bin_header(n * HASH_SIZE)
-    pieces: list[Piece] = [head, _bytes_of(chunk.hashes), b"\xa7parents" + bin_header(n * HASH_SIZE), _bytes_of(chunk.parents),
-                           b"\xa6tokens" + bin_header(tokens.nbytes), _bytes_of(tokens), b"\xa6layers" + array_header(2 * layers)]
-    k_header, v_header = bin_header(key_bytes), bin_header(value_bytes)
+    before_hashes, before_parents, before_tokens, before_layers = layout.heads
+    pieces: list[Piece] = [before_hashes, _bytes_of(chunk.hashes), before_parents, _bytes_of(chunk.parents),
+                           before_tokens, _bytes_of(tokens), before_layers]
     for k, v in zip(chunk.keys, chunk.values, strict=True):
-        pieces += [k_header, memoryview(k).cast("B"), v_header, memoryview(v).cast("B")]
-    pieces.append(b"\xa8checksum" + bin_header(CHECKSUM_SIZE))
+        pieces += [layout.key_header, memoryview(k).cast("B"), layout.value_header, memoryview(v).cast("B")]
+    pieces.append(TRAILER)
     return pieces
+
+
+#: What follows the last layer's V: the checksum's field name and its bytes' header (then the 16 bytes).
+TRAILER = b"\xa8checksum" + bin_header(CHECKSUM_SIZE)
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Where the bytes of a version 3 payload of `n` full blocks lie. Every byte but the hashes, parents,
+    token ids, KV and checksum is fixed by the geometry and `n`, and `n` by the payload's size, so a
+    receiver that knows the size knows where each layer's K and V will land before they arrive, and can
+    read them straight into place (`orchard.kvcache.wire_transit.IncomingPayload.place`)."""
+
+    n: int
+    heads: tuple[bytes, bytes, bytes, bytes]  # before the hashes, the parents, the token ids; the layers' array header
+    key_header: bytes  # before each layer's K bytes (all n blocks')
+    value_header: bytes
+    key_bytes: int  # one layer's K, all n blocks
+    value_bytes: int
+    num_layers: int
+    block_size: int
+
+    @property
+    def meta_size(self) -> int:
+        """Bytes from the payload's start to its first layer's K header: the envelope, hashes, parents, token ids."""
+        return sum(map(len, self.heads)) + self.n * (2 * HASH_SIZE + self.block_size * _TOKEN.itemsize)
+
+    @property
+    def size(self) -> int:
+        """The whole payload's bytes, checksum included."""
+        layer = len(self.key_header) + self.key_bytes + len(self.value_header) + self.value_bytes
+        return self.meta_size + self.num_layers * layer + len(TRAILER) + CHECKSUM_SIZE
+
+    def read_meta(self, meta: memoryview) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """(hashes, parents, tokens) from the first `meta_size` bytes of a payload, views into them; None
+        where a fixed byte differs (another version, another model's geometry: read it as a whole payload).
+        Nothing here is checked against the checksum yet."""
+        if len(meta) != self.meta_size:
+            return None
+        columns, at = [], 0
+        widths = (self.n * HASH_SIZE, self.n * HASH_SIZE, self.n * self.block_size * _TOKEN.itemsize, 0)
+        for head, width in zip(self.heads, widths):
+            if meta[at : at + len(head)] != head:
+                return None
+            at += len(head)
+            columns.append(np.frombuffer(meta[at : at + width], dtype=np.uint8))
+            at += width
+        hashes, parents, tokens = columns[0].reshape(self.n, HASH_SIZE), columns[1].reshape(self.n, HASH_SIZE), columns[2]
+        return hashes, parents, tokens.view(_TOKEN).reshape(self.n, self.block_size).astype(np.uint32, copy=False)
+
+
+@functools.lru_cache(maxsize=64)
+def chunk_layout(geometry: KVGeometry, n: int) -> ChunkLayout:
+    """The layout of `geometry`'s version 3 payloads of `n` blocks (the bytes `layer_pieces` writes)."""
+    key_bytes, value_bytes = n * geometry.key_bytes_per_block_layer, n * geometry.value_bytes_per_block_layer
+    token_bytes = n * geometry.block_size * _TOKEN.itemsize
+    heads = (_envelope_head(geometry) + b"\xa6hashes" + bin_header(n * HASH_SIZE),
+             b"\xa7parents" + bin_header(n * HASH_SIZE),
+             b"\xa6tokens" + bin_header(token_bytes),
+             b"\xa6layers" + array_header(2 * geometry.num_layers))
+    return ChunkLayout(n, heads, bin_header(key_bytes), bin_header(value_bytes), key_bytes, value_bytes,
+                       geometry.num_layers, geometry.block_size)
+
+
+def layout_of_size(geometry: KVGeometry, size: int) -> ChunkLayout | None:
+    """The layout of a version 3 payload of `size` bytes, or None where no number of blocks makes that size.
+    A block adds the same bytes whatever `n`, but for a header or two a few bytes wider past 255 or 65,535
+    bytes, far fewer than a block's: so `n` is that quotient, or one either side of it."""
+    one = chunk_layout(geometry, 1)
+    per_block = chunk_layout(geometry, 2).size - one.size
+    guess = 1 + (size - one.size) // per_block
+    for n in (guess, guess - 1, guess + 1):
+        if n >= 1 and chunk_layout(geometry, n).size == size:
+            return chunk_layout(geometry, n)
+    return None
 
 
 def read_views(data: memoryview, digest: bytes, expected: KVGeometry, expected_state: StateGeometry | None = None) -> KVPayload:

@@ -14,19 +14,25 @@ every byte before the last 16, which are that checksum, compared before anything
     incoming = IncomingPayload(buffer[:size])
     recv_into(incoming.data[a:b]); incoming.landed(b)                   # checksummed as it lands
     payload = incoming.decode(geometry)                                  # refused unless it matches
+
+A version 3 payload's size tells where each of its layers lies (`orchard.kvcache.wire_layers.ChunkLayout`),
+so once its head has landed the rest can be read straight into pool blocks reserved for it
+(`IncomingPayload.place`), checksummed the same way as it lands there.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
 import xxhash
 
 from orchard.kvcache import wire_compressed
+from orchard.kvcache.block_landing import BlockLanding
 from orchard.kvcache.errors import CorruptKVPayload
 from orchard.kvcache.geometry import KVGeometry, StateGeometry
 from orchard.kvcache.wire import CHECKSUM_SIZE, KVPayload, _checksum
-from orchard.kvcache.wire_layers import read_views
+from orchard.kvcache.wire_layers import TRAILER, ChunkLayout, read_views
 from orchard.kvcache.wire_stream import Piece
 
 
@@ -73,6 +79,12 @@ class IncomingPayload:
         self.payload_size = len(self.data)  # the payload's bytes once decoded: more where a frame inflated
         self._digest = xxhash.xxh3_128()
         self._landed = 0
+        self.placed = False  # its KV went straight into pool blocks (`place`): nothing here to decode
+
+    @property
+    def landed_bytes(self) -> int:
+        """The payload's leading bytes landed so far."""
+        return self._landed
 
     def landed(self, end: int) -> None:
         """The bytes up to `end` have landed (those before it did already): checksum the new ones."""
@@ -82,6 +94,35 @@ class IncomingPayload:
         if self._landed < covered:
             self._digest.update(self.data[self._landed : min(end, covered)])
         self._landed = end
+
+    def place(self, layout: ChunkLayout, landing: BlockLanding, read_into: Callable[[list[memoryview]], None]) -> bool:
+        """Read the rest of a version 3 payload of `layout` straight into the blocks `landing` reserved
+        for it, once its first `layout.meta_size` bytes landed here: each layer's K and V with one
+        `read_into(pieces)` (fill every piece, in order), checksummed as it lands, the checksum compared
+        before the blocks count as landed (`BlockLanding.placing`). The receiver's copy of the KV is then
+        the kernel's alone, into the pool. True once placed; False, having read nothing more, where those
+        first bytes are not the ones `layout` lays out (another version, another model's geometry): read
+        the rest into `data` and `decode` it. Raises `CorruptKVPayload` where the bytes placed do not match
+        their checksum, `IncompatibleKVPayload` where they are not the blocks the landing waits for."""
+        if self._landed != layout.meta_size or (meta := layout.read_meta(self.data[: self._landed])) is None:
+            return False
+        headers = memoryview(bytearray(len(layout.key_header) + len(layout.value_header)))
+        key_header, value_header = headers[: len(layout.key_header)], headers[len(layout.key_header) :]
+        with landing.placing(*meta) as layers:
+            for keys, values in layers:
+                pieces = [key_header, *_byte_views(keys), value_header, *_byte_views(values)]
+                read_into(pieces)
+                if headers != layout.key_header + layout.value_header:
+                    raise CorruptKVPayload("KV payload of version 3 is not laid out as its size says")
+                for piece in pieces:
+                    self._digest.update(piece)
+            trailer = memoryview(bytearray(len(TRAILER) + CHECKSUM_SIZE))
+            read_into([trailer])
+            self._digest.update(trailer[: len(TRAILER)])
+            if trailer[: len(TRAILER)] != TRAILER or self._digest.digest() != trailer[len(TRAILER) :]:
+                raise CorruptKVPayload("KV payload checksum mismatch: the bytes were damaged on the way")
+        self.placed = True
+        return True
 
     def decode(self, expected: KVGeometry, expected_state: StateGeometry | None = None,
                inflate_limit: int = 0) -> KVPayload:
@@ -97,3 +138,8 @@ class IncomingPayload:
         payload = wire_compressed.inflate(self.data, self._digest.digest(), inflate_limit)
         self.payload_size = len(payload)
         return read_views(memoryview(payload), _checksum(payload), expected, expected_state)
+
+
+def _byte_views(rows: np.ndarray | list[np.ndarray]) -> list[memoryview]:
+    """`BlockLanding.placing`'s view of a layer's rows as writable bytes: one piece, or one a block."""
+    return [memoryview(row).cast("B") for row in (rows if isinstance(rows, list) else [rows])]

@@ -5,10 +5,13 @@ import threading
 
 import numpy as np
 import pytest
+import xxhash
 
-from orchard.kvcache.errors import IncompatibleKVPayload, PoolMoved
+from orchard.kvcache.errors import CorruptKVPayload, IncompatibleKVPayload, PoolMoved
 from orchard.kvcache.events import BlockStored
 from orchard.kvcache.wire import BlockRun
+from orchard.kvcache.wire_layers import LayerChunk, layer_pieces, layout_of_size
+from orchard.kvcache.wire_transit import IncomingPayload
 from tests.kvcache.caches import kv_of, prefill, same_kv
 
 PROMPT = list(range(100, 117))  # four full blocks and one token
@@ -152,3 +155,80 @@ def test_a_landing_released_unused_frees_its_blocks(make_cache):
     landing.release()
     landing.release()
     assert target.manager.num_free == target.manager.num_usable and target.manager.num_cached == 0
+
+
+def v3_payload(cache, run) -> bytes:
+    """The run as a version 3 payload of `cache`'s model, checksum included (what a link's chunk carries)."""
+    chunk = LayerChunk(run.hashes, run.parents, run.tokens, [np.ascontiguousarray(run.keys[:, i]) for i in range(2)],
+                       [np.ascontiguousarray(run.values[:, i]) for i in range(2)])
+    body = b"".join(bytes(p) for p in layer_pieces(cache.geometry, chunk))
+    return body + xxhash.xxh3_128_digest(body)
+
+
+def arriving(data: bytes):
+    """A payload's bytes as a link's reader hands them out: (its first `meta` bytes landed, `read_into` for the rest)."""
+    at = [0]
+
+    def read_into(pieces):
+        for piece in pieces:
+            piece[:] = data[at[0] : at[0] + len(piece)]
+            at[0] += len(piece)
+
+    def landed(meta: int) -> IncomingPayload:
+        incoming = IncomingPayload(bytearray(len(data)))
+        read_into([incoming.data[:meta]])
+        incoming.landed(meta)
+        return incoming
+
+    return landed, read_into, at
+
+
+@pytest.mark.parametrize("order", ["consecutive", "scattered"])
+def test_a_chunk_is_read_straight_into_its_reserved_blocks_bit_for_bit(make_cache, order):
+    """The KV goes from the reader into the pool, one piece a layer or one a block where the reserved
+    blocks are scattered, and the run is cached as if it had landed from a buffer."""
+    source, target = make_cache(), make_cache()
+    hashes, run, original = held_run(source)
+    landing = target.reserve_landing(target.root, hashes)
+    if order == "scattered":
+        landing.block_ids.reverse()
+    data = v3_payload(target, run)
+    layout = layout_of_size(target.geometry, len(data))
+    landed, read_into, at = arriving(data)
+    incoming = landed(layout.meta_size)
+    assert landing.places_wire_bytes and incoming.place(layout, landing, read_into) and incoming.placed
+    assert at[0] == len(data) and landing.landed == 4
+    assert landing.adopt() == 4
+    assert target.allocate("a", PROMPT) == 16
+    assert same_kv(kv_of(target, target.block_table("a")[:4]), original)
+    target.free("a")
+
+
+def test_a_chunk_damaged_on_the_way_into_its_blocks_is_refused_and_none_of_them_is_cached(make_cache):
+    source, target = make_cache(), make_cache()
+    hashes, run, _ = held_run(source)
+    landing = target.reserve_landing(target.root, hashes)
+    data = bytearray(v3_payload(target, run))
+    layout = layout_of_size(target.geometry, len(data))
+    data[layout.meta_size + 10] ^= 0x08  # in the first layer's K
+    landed, read_into, _ = arriving(bytes(data))
+    with pytest.raises(CorruptKVPayload):
+        landed(layout.meta_size).place(layout, landing, read_into)
+    assert landing.landed == 0 and landing.adopt() == 0
+    assert target.manager.num_cached == 0 and target.manager.num_free == target.manager.num_usable
+
+
+def test_another_models_chunk_is_not_placed_and_nothing_past_its_head_is_read(make_cache):
+    source, target = make_cache(fingerprint="tiny-llamb"), make_cache()  # as long a name: a payload as long
+    hashes, run, _ = held_run(source)
+    landing = target.reserve_landing(target.root, target.block_hashes(PROMPT))
+    data = v3_payload(source, run)
+    layout = layout_of_size(target.geometry, len(data))
+    landed, read_into, at = arriving(data)
+    incoming = landed(layout.meta_size)
+    assert not incoming.place(layout, landing, read_into) and at[0] == layout.meta_size
+    with pytest.raises(IncompatibleKVPayload):  # read whole, it is refused as any foreign payload is
+        read_into([incoming.data[layout.meta_size :]])
+        incoming.landed(len(data))
+        incoming.decode(target.geometry)
+    landing.release()

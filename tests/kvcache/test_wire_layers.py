@@ -13,7 +13,7 @@ from orchard.kvcache.errors import CorruptKVPayload, IncompatibleKVPayload
 from orchard.kvcache.geometry import KVGeometry, StateArray, StateGeometry
 from orchard.kvcache.hashing import hash_block, root_hash
 from orchard.kvcache.wire import BlockRun, decode_payload
-from orchard.kvcache.wire_layers import LayerChunk, layer_pieces, read_views
+from orchard.kvcache.wire_layers import LayerChunk, chunk_layout, layer_pieces, layout_of_size, read_views
 from orchard.kvcache.wire_stream import decode_payload_views
 from orchard.kvcache.wire_transit import IncomingPayload, OutgoingPayload
 
@@ -81,6 +81,44 @@ def test_the_sender_puts_the_bytes_of_layer_pieces_and_their_checksum_on_the_wir
     outgoing = OutgoingPayload(layer_pieces(GEOMETRY, c))
     sent = [bytes(p) for batch in outgoing.batches(256, 3) for p in batch]
     assert b"".join(sent) + outgoing.checksum() == payload(c)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 64])
+def test_a_payloads_size_tells_its_blocks_and_where_each_part_lies(n):
+    """The layout a receiver works out from a payload's size alone is the one `layer_pieces` wrote:
+    its size, its head up to the first K header, and every layer's K and V at their offsets."""
+    c, keys, values = chunk(n)
+    data = payload(c)
+    layout = layout_of_size(GEOMETRY, len(data))
+    assert layout is not None and layout.n == n and layout.size == len(data)
+    hashes, parents, tokens = layout.read_meta(memoryview(data)[: layout.meta_size])
+    assert (hashes.tobytes(), parents.tobytes(), tokens.tolist()) == (c.hashes.tobytes(), c.parents.tobytes(), c.tokens.tolist())
+    at = layout.meta_size
+    for layer in range(GEOMETRY.num_layers):
+        at += len(layout.key_header)
+        assert data[at : at + layout.key_bytes] == keys[layer].tobytes()
+        at += layout.key_bytes + len(layout.value_header)
+        assert data[at : at + layout.value_bytes] == values[layer].tobytes()
+        at += layout.value_bytes
+    assert at == len(data) - 27  # the checksum's field name, its header and its 16 bytes
+
+
+def test_sizes_no_number_of_blocks_makes_have_no_layout_across_every_header_width():
+    """Past 255 and 65,535 bytes a header widens: every n through both still maps back from its size
+    alone, and no size near one maps to any other n."""
+    geometry = KVGeometry("fp", num_layers=1, num_kv_heads=1, head_dim=2, block_size=4, dtype="float16")
+    sizes = {chunk_layout(geometry, n).size: n for n in range(1, 4200)}
+    assert sorted(sizes) == [chunk_layout(geometry, n).size for n in range(1, 4200)]  # strictly growing
+    for size in {size + off for size in sizes for off in range(-3, 4)}:
+        layout = layout_of_size(geometry, size)
+        assert (layout.n if layout is not None else None) == sizes.get(size)
+
+
+def test_another_models_head_is_not_read_as_this_layouts():
+    c, _, _ = chunk()
+    data = payload(c, replace(GEOMETRY, model_fingerprint="another"))
+    layout = chunk_layout(GEOMETRY, 5)
+    assert layout.read_meta(memoryview(data)[: layout.meta_size]) is None
 
 
 def test_readers_of_versions_one_and_two_refuse_version_three_by_the_version_check():

@@ -10,13 +10,15 @@ A pull asks for compressed chunks (`orchard.kvcache.wire_compressed`) as `KVLink
 by default where the link from the same source carried its last long enough pull slower than a
 compressor runs, which is to say where the link, not the CPU, sets a pull's pace.
 
-While the engine is stepping, and where its pool lives in memory numpy can address (the CPU, a Mac's
-unified memory), a pull's blocks land straight in pool blocks the engine thread reserved before the
-request went: a landing thread checks each chunk the receive thread verified and writes it there while
-the next one arrives, and the engine thread caches the landed run in one call at the end
-(`orchard.kvcache.block_landing`), so a pull waits for two steps at most, not a step per chunk, and
-takes no copy from the steps' thread. Otherwise each chunk is imported on the engine thread as it
-arrives.
+Where the pool lives in memory numpy can address (the CPU, a Mac's unified memory), a pull's blocks
+land straight in pool blocks the engine thread reserved before the request went, and the engine thread
+caches the landed run in one call at the end (`orchard.kvcache.block_landing`): a pull into a stepping
+engine waits for two steps at most, not a step per chunk, and takes no copy from the steps' thread.
+A plain chunk is read by the receive thread from the socket into those blocks, checked as its bytes
+land (`orchard.kvcache.wire_transit.IncomingPayload.place`): the kernel's copy is the only one this end
+makes. A compressed chunk is inflated into a buffer first; while the engine steps, a landing thread
+copies it into the reserved blocks as the next one arrives; into an idle engine, its thread imports
+each as it arrives.
 
 A connection whose reply ended whole is kept for the next pull from the same source (one
 per source, for half the listener's idle timeout): a pull of a few MiB otherwise spends as
@@ -91,7 +93,8 @@ class DirectPath:
             return None
         hashes = [BlockHash(bytes(h)) for h in hashes]
         engine = self.mover.engine
-        local, landing = await engine.run_on_engine(lambda e: _plan(e, hashes))
+        compress = self.compresses(source_id)
+        local, landing = await engine.run_on_engine(lambda e: _plan(e, hashes, places=not compress))
         result = PullResult(source_id, requested=len(hashes), local=local, via="direct")
         if local == len(hashes):
             return result
@@ -100,7 +103,7 @@ class DirectPath:
             if landing is not None:
                 await engine.run_on_engine(lambda e: landing.release())
             return None
-        return await self._receive(source_id, sock, hashes[local:], result, started, landing)
+        return await self._receive(source_id, sock, hashes[local:], result, started, landing, compress)
 
     def compresses(self, source_id: str) -> bool:
         """Whether a pull from `source_id` asks for compressed chunks (`KVLinkConfig.compress`)."""
@@ -154,17 +157,18 @@ class DirectPath:
         return None
 
     async def _receive(self, source_id: str, sock, wanted: list[BlockHash], result: PullResult,
-                       started: float, landing: BlockLanding | None) -> PullResult:
+                       started: float, landing: BlockLanding | None, compress: bool) -> PullResult:
         buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(4)]  # arriving, queued, importing
         sink = _ChunkLander(landing, result, self._lander) if landing is not None else _ChunkImporter(self.mover.engine, result)
+        placing = landing if landing is not None and not compress and landing.places_wire_bytes else None
         stream = sink.stream = LinkStream(sock, buffers, self.mover.geometry, sink=sink,
-                                          state_geometry=self.mover.state_geometry)
+                                          state_geometry=self.mover.state_geometry, landing=placing)
         try:
             if landing is not None:
                 wanted = wanted[: landing.capacity]  # the pool had room for no more
             try:
                 stream.start(wanted, chunk_size(len(wanted) * self.mover.geometry.bytes_per_block,
-                                                self.config.chunk_bytes), compress=self.compresses(source_id))
+                                                self.config.chunk_bytes), compress=compress)
                 async for _ in stream.chunks():
                     pass
             finally:
@@ -182,6 +186,7 @@ class DirectPath:
                 self._idle[source_id] = (kept, time.monotonic())
             self._buffers.extend(stream.buffers)
             result.wire_bytes = stream.wire_bytes
+            result.bytes += stream.placed_bytes
         self.mover.counters.migrated_blocks += result.imported
         self.mover.counters.migrated_bytes += result.bytes
         return result
@@ -239,22 +244,24 @@ def _open(sock: socket.socket) -> bool:
     return False  # closed by the peer (b""), or bytes nobody asked for
 
 
-def _plan(engine, hashes: list[BlockHash]):
+def _plan(engine, hashes: list[BlockHash], places: bool):
     """(leading blocks of `hashes` held here, blocks reserved for the rest to land in or None) (engine thread).
 
-    Blocks land off the engine thread only while it is stepping: an idle engine thread imports each chunk
-    the moment it arrives, alongside the receive thread, which measured faster for large pulls; a
-    stepping one would make each chunk wait for the step in progress (docs/benchmarks.md, "Pulls into a
-    node that is decoding")."""
+    Blocks land off the engine thread where the receive thread can read them straight into the pool
+    (`places`: chunks not compressed), or while the engine is stepping, where each chunk imported would wait
+    for the step in progress (docs/benchmarks.md, "Pulls into a node that is decoding"). A compressed
+    chunk into an idle engine is imported by its thread the moment it arrives, alongside the receive
+    thread, which measured faster for large pulls than handing it to the landing thread."""
     kv = engine.kv
     local = local_prefix(kv, hashes)
-    if local == len(hashes) or not lands(engine):
+    if local == len(hashes) or not (places or lands(engine)):
         return local, None
     return local, kv.reserve_landing(hashes[local - 1] if local else kv.root, hashes[local:])
 
 
 def lands(engine) -> bool:
-    """Whether a pull into `engine` lands its blocks off the engine thread (`_plan`): while it steps."""
+    """Whether a pull into `engine` of compressed chunks lands its blocks off the engine thread (`_plan`):
+    while it steps."""
     return engine.has_unfinished
 
 
@@ -284,7 +291,10 @@ class _ChunkLander:
             self.stream.done(buffer)
 
     async def drained(self) -> None:
-        """Once every chunk handed over has landed (the landing thread runs them in order)."""
+        """Once no chunk is landing any more: the receive thread, which places chunks itself, has stopped
+        (`LinkStream.stopped`), and every chunk it handed over has landed (the landing thread runs them in
+        order)."""
+        await self.stream.stopped()
         await asyncio.wrap_future(self._lander.submit(lambda: None))
 
     def finish(self, engine) -> None:  # engine thread, once the reply ended or broke off and every chunk landed

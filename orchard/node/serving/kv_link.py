@@ -18,9 +18,9 @@ A target on a slow link asks with "compress" for each chunk as an `orchard.kvcac
 frame; a source that knows no such key sends plain payloads, which the target reads as well.
 
 Each chunk is a whole payload, so the target verifies chunk i and writes it into its pool
-(`orchard.node.serving.direct_path`) while chunk i+1 arrives, and the source lays out chunk i+1
-while the kernel still sends what it took of chunk i from the socket's buffer: the slowest stage
-sets the rate.
+(`orchard.node.serving.direct_path`) while chunk i+1 arrives, or reads it straight into the pool
+blocks reserved for it (`LinkStream`'s landing), and the source lays out chunk i+1 while the kernel
+still sends what it took of chunk i from the socket's buffer: the slowest stage sets the rate.
 A source that holds fewer blocks than asked sends fewer.
 
 Threads with blocking sockets, not asyncio streams: Python 3.11's transports join the
@@ -49,12 +49,14 @@ from dataclasses import dataclass
 import msgpack
 
 from orchard.kvcache import wire_compressed
+from orchard.kvcache.block_landing import BlockLanding
 from orchard.kvcache.errors import KVCacheError
 from orchard.kvcache.hashing import BlockHash
 from orchard.kvcache.wire import KVPayload, StateSnapshotData
 from orchard.kvcache.wire_batch import record_layout
-from orchard.kvcache.wire_layers import layer_pieces
+from orchard.kvcache.wire_layers import layer_pieces, layout_of_size
 from orchard.kvcache.wire_stream import payload_pieces
+from orchard.kvcache.wire_transit import IncomingPayload
 from orchard.node.serving import link_auth as auth
 from orchard.node.serving import link_io
 from orchard.node.serving.link_io import U32, U64, data_mode, eof, grow_send_buffer, recv_exact
@@ -199,10 +201,15 @@ class LinkStream:
     """One pull's connection: chunks arrive on a thread into reused buffers, the caller awaits them."""
 
     def __init__(self, sock: socket.socket, buffers: list[bytearray], geometry, sink: ChunkSink | None = None,
-                 state_geometry=None):
-        """`state_geometry`: a hybrid model's state pool geometry, which each chunk's state must have."""
+                 state_geometry=None, landing: BlockLanding | None = None):
+        """`state_geometry`: a hybrid model's state pool geometry, which each chunk's state must have.
+        `landing`: blocks reserved for the reply, which its version 3 chunks are read straight into
+        (`IncomingPayload.place`; the sink sees only the chunks that could not be, and `placed_bytes`
+        counts the others); the landing must take the wire's bytes as they are (`places_wire_bytes`)."""
         self.sock, self.geometry, self._sink = sock, geometry, sink
-        self.state_geometry = state_geometry
+        self.state_geometry, self._landing = state_geometry, landing
+        self.placed_bytes = 0
+        self._finished = False  # the receive thread has stopped: it writes no more blocks
         self._free: queue.SimpleQueue = queue.SimpleQueue()  # the receive thread blocks on it
         self._ready: asyncio.Queue = asyncio.Queue()
         self._loop = asyncio.get_running_loop()
@@ -266,6 +273,14 @@ class LinkStream:
         self.sock.close()
         self._free.put(None)
 
+    async def stopped(self) -> None:
+        """Once the receive thread writes nothing more: at once where it has ended, else once it has, the
+        connection closed first so it stops reading (a pull given up part way, its landing to be freed)."""
+        if self._thread is None or self._finished:
+            return
+        self.close()
+        await asyncio.to_thread(self._thread.join)
+
     def release(self) -> socket.socket | None:
         """The connection, for the next pull, once the reply ended whole; else close it and None."""
         if not self.ended:
@@ -281,22 +296,45 @@ class LinkStream:
             while (size := U64.unpack(recv_exact(self.sock, 8) or eof())[0]) != 0:
                 self._began = self._began or time.perf_counter()
                 buffer = self._next_buffer()
-                if buffer is None:
+                if buffer is None:  # closed (`close`) while waiting for a buffer
+                    self._finished = True
                     return
                 if len(buffer) < size:  # a new one (views of the old may live on), kept across pulls
                     self.buffers[self.buffers.index(buffer)] = buffer = bytearray(size)
-                incoming = link_io.receive_payload(self.sock, memoryview(buffer)[:size]) or eof()
+                incoming = self._receive_chunk(memoryview(buffer)[:size])
                 self.wire_bytes += size
                 self._ended = time.perf_counter()
+                if incoming.placed:
+                    self.placed_bytes += size
+                    self.done(buffer)
+                    continue
                 payload = incoming.decode(self.geometry, self.state_geometry, self._inflate_limit)
                 chunk = (buffer, incoming.payload_size, payload)
                 self._sink(*chunk) if self._sink is not None else self._put(chunk)
             self.ended = True
-            self._put(None)
+            self._finish(None)
         except KVCacheError as exc:  # a refused payload is raised to the caller as is
-            self._put(exc)
+            self._finish(exc)
         except Exception as exc:  # noqa: BLE001 - whatever stops the thread must reach the caller
-            self._put(exc if isinstance(exc, OSError) else ConnectionError(f"{type(exc).__name__}: {exc}"))
+            self._finish(exc if isinstance(exc, OSError) else ConnectionError(f"{type(exc).__name__}: {exc}"))
+
+    def _receive_chunk(self, view: memoryview) -> IncomingPayload:
+        """One chunk of `len(view)` bytes: straight into the landing's blocks where it is a version 3
+        payload of the blocks it waits for (then `placed`), else into `view`, checksummed as it lands."""
+        layout = layout_of_size(self.geometry, len(view)) if self._landing is not None else None
+        if layout is None:
+            return link_io.receive_payload(self.sock, view) or eof()
+        incoming = IncomingPayload(view)
+        if not link_io.recv_into(self.sock, view[: layout.meta_size]):
+            eof()
+        incoming.landed(layout.meta_size)
+        if incoming.place(layout, self._landing, lambda pieces: link_io.recv_pieces(self.sock, pieces) or eof()):
+            return incoming
+        return link_io.receive_payload(self.sock, view, incoming) or eof()
+
+    def _finish(self, last) -> None:
+        self._finished = True
+        self._put(last)
 
     def _next_buffer(self) -> bytearray | None:
         try:

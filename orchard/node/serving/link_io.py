@@ -184,12 +184,13 @@ def send_payload(sock: socket.socket, pieces: list) -> int:
     return outgoing.size
 
 
-def receive_payload(sock: socket.socket, buffer) -> IncomingPayload | None:
-    """Fill `buffer` (exactly one payload's size) slice by slice, each checksummed as it lands;
-    None when the peer closed first. `decode` the answer: it refuses a checksum that differs."""
-    incoming = IncomingPayload(buffer)
+def receive_payload(sock: socket.socket, buffer, incoming: IncomingPayload | None = None) -> IncomingPayload | None:
+    """Fill `buffer` (exactly one payload's size) slice by slice, each checksummed as it lands (or the
+    rest of `incoming`'s, where its first bytes landed already); None when the peer closed first.
+    `decode` the answer: it refuses a checksum that differs."""
+    incoming = incoming or IncomingPayload(buffer)
     size = len(incoming.data)
-    for start in range(0, size, LANDING_BYTES):
+    for start in range(incoming.landed_bytes, size, LANDING_BYTES):
         end = min(size, start + LANDING_BYTES)
         if not recv_into(sock, incoming.data[start:end]):
             return None
@@ -234,6 +235,27 @@ def recv_into(sock: socket.socket, view: memoryview) -> bool:
         if n == 0:
             return False
         got += n
+    return True
+
+
+def recv_pieces(sock: socket.socket, views: list[memoryview]) -> bool:
+    """Fill every view in order from `sock` with scatter reads (`recvmsg_into`): pieces that lie apart in
+    memory (a layer's rows in the pool, the headers between them) in one system call; False when the
+    peer closed first."""
+    pending, i = [view for view in views if len(view)], 0
+    flags = _WAITALL if sock.gettimeout() is None else 0
+    while i < len(pending):
+        try:
+            got = sock.recvmsg_into(pending[i : i + MAX_PIECES], 0, flags)[0]
+        except BlockingIOError as exc:  # the kernel's receive timeout (`data_mode`)
+            raise TimeoutError("the KV link's peer sent nothing within its timeout") from exc
+        if got == 0:
+            return False
+        while got and got >= len(pending[i]):  # drop what is full; keep the rest of a part-filled view
+            got -= len(pending[i])
+            i += 1
+        if got:
+            pending[i] = pending[i][got:]
     return True
 
 

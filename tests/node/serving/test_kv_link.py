@@ -17,6 +17,7 @@ from orchard.kvcache import wire_compressed
 from orchard.kvcache.block_landing import BlockLanding
 from orchard.kvcache.events import BlockStored
 from orchard.kvcache.hashing import BlockHash
+from orchard.kvcache.wire_transit import IncomingPayload
 from orchard.node.async_engine import AsyncEngine
 from orchard.node.engine import EngineConfig, LLMEngine
 from orchard.node.serving import direct_path, kv_link, link_io
@@ -207,9 +208,13 @@ async def generate_many(engine, request_id: str) -> None:
 
 
 def counting(monkeypatch, kv):
-    """Record the threads that land chunks and adopt runs, and the chunks imported on the engine thread."""
-    seen = {"land": [], "adopt": [], "import": []}
+    """Record the threads that read chunks straight into the pool, land chunks from a buffer and adopt
+    runs, and the chunks imported on the engine thread."""
+    seen = {"place": [], "land": [], "adopt": [], "import": []}
     real_land, real_adopt, real_import = BlockLanding.land, BlockLanding.adopt, kv.import_decoded
+    real_place = IncomingPayload.place
+    monkeypatch.setattr(IncomingPayload, "place", lambda self, *a: (placed := real_place(self, *a))
+                        and seen["place"].append(threading.current_thread().name) or placed)
     monkeypatch.setattr(BlockLanding, "land", lambda self, blocks: seen["land"].append(threading.current_thread().name)
                         or real_land(self, blocks))
     monkeypatch.setattr(BlockLanding, "adopt", lambda self: seen["adopt"].append(threading.current_thread().name)
@@ -219,24 +224,43 @@ def counting(monkeypatch, kv):
     return seen
 
 
-def test_a_stepping_targets_pull_lands_off_its_engine_thread_and_is_cached_in_one_engine_call(nodes, monkeypatch):
+def test_a_stepping_targets_pull_is_read_straight_into_its_pool_and_cached_in_one_engine_call(nodes, monkeypatch):
     loop, paths = nodes
     kv = paths["b"].mover.engine.engine.kv
     seen = counting(monkeypatch, kv)
     result, running, (migrated, hit), (reference, _) = pull_while_decoding(loop, paths, prompt(34))
-    assert running == 1 and (result.ok, result.imported) == (True, 5)
-    assert len(seen["land"]) == 3 and all(name.startswith("kv-land") for name in seen["land"])
+    assert running == 1 and (result.ok, result.imported, result.bytes) == (True, 5, result.wire_bytes)
+    assert len(seen["place"]) == 3 and all(name == "kv-link-recv" for name in seen["place"]) and seen["land"] == []
     assert len(seen["adopt"]) == 1 and not seen["adopt"][0].startswith("kv-") and seen["import"] == []
     assert (migrated, hit) == (reference, 5 * BS)
     assert kv.manager.num_used == 0  # every reserved block adopted or freed
 
 
-def test_an_idle_target_imports_each_chunk_on_its_engine_thread_as_it_arrives(nodes, monkeypatch):
+def test_an_idle_target_reads_each_chunk_straight_into_its_pool_too(nodes, monkeypatch):
     loop, paths = nodes
     seen = counting(monkeypatch, paths["b"].mover.engine.engine.kv)
     result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(36))
-    assert (result.ok, result.imported, seen["import"], seen["land"]) == (True, 5, [2, 2, 1], [])
+    assert (result.ok, result.imported, len(seen["place"]), len(seen["adopt"])) == (True, 5, 3, 1)
+    assert (seen["import"], seen["land"]) == ([], [])
     assert (migrated, hit) == (reference, 5 * BS)
+
+
+def test_compressed_chunks_are_landed_off_a_stepping_engine_thread_and_imported_by_an_idle_one(nodes, monkeypatch):
+    """A compressed frame is inflated into a buffer first, so it cannot be read straight into the pool:
+    while the engine steps the landing thread copies it there; an idle engine thread imports it."""
+    loop, paths = nodes
+    kv = paths["b"].mover.engine.engine.kv
+    compressing(paths, monkeypatch)
+    seen = counting(monkeypatch, kv)
+    result, running, (migrated, hit), (reference, _) = pull_while_decoding(loop, paths, prompt(37))
+    assert running == 1 and (result.ok, result.imported, seen["place"], seen["import"]) == (True, 5, [], [])
+    assert len(seen["land"]) == 3 and all(name.startswith("kv-land") for name in seen["land"])
+    assert (migrated, hit) == (reference, 5 * BS)
+    seen = counting(monkeypatch, kv)
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(38))
+    assert (result.ok, result.imported, seen["import"], seen["land"], seen["place"]) == (True, 5, [2, 2, 1], [], [])
+    assert (migrated, hit) == (reference, 5 * BS)
+    assert kv.manager.num_used == 0
 
 
 def test_where_the_pool_cannot_be_viewed_chunks_are_imported_on_the_engine_thread(nodes, monkeypatch):
@@ -418,7 +442,8 @@ def test_the_time_a_busy_target_keeps_its_buffers_is_not_taken_for_the_links_pac
     engine thread a second (as a busy node's step would): the receive thread waits, the link does not;
     the rate learned leaves that wait out."""
     loop, paths = nodes
-    monkeypatch.setattr(direct_path, "lands", lambda engine: False)  # each chunk imported on the engine thread
+    real_plan = direct_path._plan  # each chunk imported on the engine thread, not read into the pool
+    monkeypatch.setattr(direct_path, "_plan", lambda engine, hashes, places: real_plan(engine, hashes, False))
     monkeypatch.setattr(paths["b"], "_link_rates", {})
     kv = paths["b"].mover.engine.engine.kv
     real, imports = kv.import_decoded, []

@@ -94,6 +94,35 @@ def test_a_byte_damaged_after_its_batch_was_checksummed_is_refused(small_slices,
             incoming.decode(GEOMETRY)
 
 
+def test_pieces_apart_in_memory_are_filled_in_order_from_bytes_sent_in_dribs_and_drabs():
+    """A scatter read fills many views from one stream however the sender's writes split it: views cut
+    across sends, empty views, more views than one call takes; and says when the peer left first."""
+    data = np.random.default_rng(3).integers(0, 256, 300_000, dtype=np.uint8).tobytes()
+    sizes = [0, 1, 7, 4096, 0, 65_536, *([100] * 600), 3, 170_357]
+    assert sum(sizes) == len(data) and len(sizes) > link_io.MAX_PIECES
+    target = bytearray(len(data) + 2 * len(sizes))  # a gap between each two views: they do not touch
+    views, at = [], 0
+    for size in sizes:
+        views.append(memoryview(target)[at : at + size])
+        at += size + 2
+    a, b = socket.socketpair()
+    with a, b:
+        link_io.data_mode(b, 5.0)
+
+        def dribble():
+            for start in range(0, len(data), 10_007):
+                a.sendall(data[start : start + 10_007])
+
+        sender = send_in_background(dribble)
+        assert link_io.recv_pieces(b, views)
+        sender.join(5)
+        assert b"".join(bytes(v) for v in views) == data
+        assert all(bytes(target[at - 2 : at]) == bytes(2) for at in np.cumsum([size + 2 for size in sizes]))
+        a.sendall(data[:10])
+        a.shutdown(socket.SHUT_WR)
+        assert not link_io.recv_pieces(b, [memoryview(bytearray(20))])
+
+
 def test_the_length_comes_first_and_the_checksum_last_in_their_own_places():
     blocks = pieces(2)
     sent = []
