@@ -7,7 +7,8 @@ small one's faster over Ray). Here the engine thread reserves the run's blocks o
 goes (`BlockTransfer.reserve_landing`); another thread checks each chunk and writes its KV into the
 next reserved blocks through the pool's layer views: the direct path's receive thread reads it there from
 the socket (`placing`), or its landing thread copies a chunk that had to land in a buffer first (`land`);
-and the engine thread lists what landed as cached once, when the reply has ended (`adopt`).
+and the engine thread lists what landed as cached once, when the reply has ended (`adopt`), or as it
+lands and then once more (`adopt_landed`, then `adopt`).
 
 Reserved blocks belong to no sequence and hold no hash, so no step reads or writes them and no prefix
 lookup finds them before `adopt`; whatever did not land goes back to the free queue there. The block
@@ -53,6 +54,8 @@ class BlockLanding:
         self._parents: list[bytes] = []
         self._tokens: list[tuple[int, ...]] = []
         self.landed = 0  # leading blocks of the run written into their reserved blocks
+        self._listed = 0  # leading blocks of the run listed as cached (`adopt_landed`, `adopt`)
+        self._unreachable = False  # the run's first block hangs from nothing here: none of it is listed
         self._done = False  # adopted or released: no block of it may be written any more
         self._lock = threading.Lock()  # a chunk lands whole before its blocks can be adopted or freed
 
@@ -119,25 +122,46 @@ class BlockLanding:
 
     # ----------------------------------------------------------------- engine thread
 
+    def adopt_landed(self) -> int:
+        """List the blocks landed since the last call as cached, the landing going on; returns how many
+        were listed. Listing costs the engine thread a few microseconds a block: called as each chunk
+        lands, it does most of that while the next chunks arrive, and leaves little for `adopt`. Raises
+        `PoolMoved`, caching nothing more, where a pool buffer moved since the blocks were reserved."""
+        with self._lock:
+            if self._done:
+                raise RuntimeError("a landing adopted whole lists nothing more")
+            landed = self.landed
+        return self._list(landed)
+
     def adopt(self) -> int:
-        """List the landed blocks as cached (those not cached here meanwhile) and free every other
-        reserved block; returns how many were listed. Once only. Raises `PoolMoved`, caching
-        nothing, where a pool buffer moved while blocks landed in it."""
+        """List the landed blocks not listed yet as cached (those not cached here meanwhile) and free
+        every other reserved block; returns how many were listed. Once only. Raises `PoolMoved`,
+        caching nothing more, where a pool buffer moved while blocks landed in it."""
         with self._lock:
             if self._done:
                 raise RuntimeError("a landing is adopted once")
             self._done = True
         try:
-            if self.landed == 0:
-                return 0
-            if _addresses(self.pool.layer_views()) != self._addresses:
-                raise PoolMoved("the KV pool's buffers moved while a pull's blocks landed in them")
-            if self.manager.cached_block(self._hashes[0]) is None and not self._chains(self._parents[0]):
-                return 0
-            return len(self.manager.adopt(self.block_ids[: self.landed], self._hashes, self._parents, self._tokens))
+            return self._list(self.landed)
         finally:
             self.manager.unpin(list(reversed(self.block_ids)))  # the chain's head ends most recent
             self.manager.unpin(self._held_parent)
+
+    def _list(self, landed: int) -> int:
+        """List blocks `[listed, landed)` of the run (engine thread); the run's first block is listed only
+        where its parent is reachable here, and nothing after a first that was not."""
+        start = self._listed
+        if landed == start or self._unreachable:
+            return 0
+        if _addresses(self.pool.layer_views()) != self._addresses:
+            raise PoolMoved("the KV pool's buffers moved while a pull's blocks landed in them")
+        if start == 0 and self.manager.cached_block(self._hashes[0]) is None and not self._chains(self._parents[0]):
+            self._unreachable = True
+            return 0
+        part = slice(start, landed)
+        listed = self.manager.adopt(self.block_ids[part], self._hashes[part], self._parents[part], self._tokens[part])
+        self._listed = landed
+        return len(listed)
 
     def release(self) -> None:
         """Free every reserved block, caching none (a pull that never asked); a landing adopted does nothing."""

@@ -157,13 +157,14 @@ class AsyncEngine:
         self._commands.put(("call", fn, settle, True))
         return await done
 
-    def call_from_thread(self, fn, settle) -> None:
+    def call_from_thread(self, fn, settle, publish: bool = False) -> None:
         """Queue `fn(engine)` from any thread, no event loop involved; `settle(result, exc)` runs
         on the engine thread once it ran (`exc` None unless it raised). Calls run in the order
         queued. A KV stream imports its chunks so, without waking a loop per chunk. The KV events
-        a call causes go out with the next step or `run_on_engine` call (a stream ends with one),
-        so a pull of 32 chunks sends the coordinator one batch, not 32, while its bytes move."""
-        self._commands.put(("call", fn, settle, False))
+        a call causes go out with the next step or publishing call (`publish`, or `run_on_engine`;
+        a stream ends with one), so a pull of 32 chunks sends the coordinator one batch, not 32,
+        while its bytes move."""
+        self._commands.put(("call", fn, settle, publish))
 
     def stats(self) -> dict:
         """The last stats the engine thread published (safe from any thread)."""

@@ -232,3 +232,31 @@ def test_another_models_chunk_is_not_placed_and_nothing_past_its_head_is_read(ma
         incoming.landed(len(data))
         incoming.decode(target.geometry)
     landing.release()
+
+
+def test_blocks_listed_as_they_land_are_prefix_hits_before_the_pull_ends_and_adopt_lists_the_rest(make_cache):
+    source, target = make_cache(), make_cache()
+    hashes, run, original = held_run(source)
+    landing = target.reserve_landing(target.root, hashes)
+    landing.land(sub(run, 0, 2))
+    assert landing.adopt_landed() == 2 and landing.adopt_landed() == 0  # nothing new landed
+    assert [target.manager.cached_block(h) is not None for h in hashes] == [True, True, False, False]
+    landing.land(sub(run, 2, 3))  # then the reply broke off
+    assert landing.adopt() == 1
+    assert target.manager.num_cached == 3 and target.manager.num_used == 0
+    with pytest.raises(RuntimeError):
+        landing.adopt_landed()
+    assert target.allocate("a", PROMPT) == 12
+    assert same_kv(kv_of(target, target.block_table("a")[:3]), tuple(part[:, :3] for part in original))
+    target.free("a")
+
+
+def test_a_run_whose_first_block_hangs_from_nothing_here_is_never_listed_chunk_by_chunk(make_cache):
+    source, target = make_cache(), make_cache()
+    hashes, run, _ = held_run(source)
+    landing = target.reserve_landing(hashes[0], hashes[1:])  # the parent, hashes[0], is not held here
+    landing.land(sub(run, 1, 3))
+    assert landing.adopt_landed() == 0
+    landing.land(sub(run, 3, 4))
+    assert landing.adopt_landed() == 0 and landing.adopt() == 0
+    assert target.manager.num_cached == 0 and target.manager.num_free == target.manager.num_usable

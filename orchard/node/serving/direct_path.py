@@ -159,7 +159,8 @@ class DirectPath:
     async def _receive(self, source_id: str, sock, wanted: list[BlockHash], result: PullResult,
                        started: float, landing: BlockLanding | None, compress: bool) -> PullResult:
         buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(4)]  # arriving, queued, importing
-        sink = _ChunkLander(landing, result, self._lander) if landing is not None else _ChunkImporter(self.mover.engine, result)
+        engine = self.mover.engine
+        sink = _ChunkLander(landing, result, self._lander, engine) if landing is not None else _ChunkImporter(engine, result)
         placing = landing if landing is not None and not compress and landing.places_wire_bytes else None
         stream = sink.stream = LinkStream(sock, buffers, self.mover.geometry, sink=sink,
                                           state_geometry=self.mover.state_geometry, landing=placing)
@@ -172,8 +173,8 @@ class DirectPath:
                 async for _ in stream.chunks():
                     pass
             finally:
-                await sink.drained()
-                await self.mover.engine.run_on_engine(sink.finish)  # runs after every call queued before it
+                await stream.stopped()  # so the sink was told the end, and queued `finish` on the engine thread
+                await asyncio.wrap_future(sink.finished)
             if sink.error is not None:
                 raise sink.error
             result.seconds = time.perf_counter() - started
@@ -186,7 +187,6 @@ class DirectPath:
                 self._idle[source_id] = (kept, time.monotonic())
             self._buffers.extend(stream.buffers)
             result.wire_bytes = stream.wire_bytes
-            result.bytes += stream.placed_bytes
         self.mover.counters.migrated_blocks += result.imported
         self.mover.counters.migrated_bytes += result.bytes
         return result
@@ -265,20 +265,65 @@ def lands(engine) -> bool:
     return engine.has_unfinished
 
 
-class _ChunkLander:
-    """Lands each verified chunk in the blocks reserved for it (`orchard.kvcache.block_landing`) on the
-    path's landing thread, so the receive thread takes the next chunk meanwhile, and has the engine
-    thread cache the landed run once, at the end (`finish`, after `drained`); the first refused chunk
-    stops the rest and ends the stream."""
+class _Sink:
+    """What both sinks do once the reply ends: have the engine thread run `finish` after every call they
+    queued there, and publish the KV events of the pull (`AsyncEngine.call_from_thread`), queued straight
+    from the thread that saw the end; `finished` settles once it ran."""
 
-    def __init__(self, landing: BlockLanding, result: PullResult, lander: ThreadPoolExecutor):
-        self.landing, self.result, self._lander = landing, result, lander
+    def __init__(self, engine, result: PullResult):
+        self.engine, self.result = engine, result
         self.stream: LinkStream | None = None
         self.error: Exception | None = None
+        self.finished: Future = Future()
+
+    def end(self) -> None:  # receive thread, once
+        self._queue_finish()
+
+    def finish(self, engine) -> None:  # engine thread, after every call the pull queued there
+        return None
+
+    def _queue_finish(self) -> None:
+        self.engine.call_from_thread(self.finish, self._settle_finish, publish=True)
+
+    def _settle_finish(self, _result, exc: Exception | None) -> None:  # engine thread
+        if exc is not None:
+            self.finished.set_exception(exc)
+        else:
+            self.finished.set_result(None)
+
+
+class _ChunkLander(_Sink):
+    """Has the engine thread cache the landed run once, at the end (`finish`), of chunks the receive thread
+    read straight into the blocks reserved for them (`orchard.kvcache.block_landing`), or that it handed
+    here from a buffer: those land on the path's landing thread, so the receive thread takes the next
+    chunk meanwhile. The first refused chunk stops the rest and ends the stream."""
+
+    def __init__(self, landing: BlockLanding, result: PullResult, lander: ThreadPoolExecutor, engine):
+        super().__init__(engine, result)
+        self.landing, self._lander = landing, lander
+        self._handed = False  # a chunk went to the landing thread
 
     def __call__(self, buffer: bytearray, size: int, payload: KVPayload) -> None:  # receive thread
         self.result.bytes += size
+        self._handed = True
         self._lander.submit(self._land, buffer, payload)
+
+    def placed(self, size: int) -> None:  # receive thread: a chunk read straight into its blocks
+        """Have the engine thread list the chunk's blocks now (`BlockLanding.adopt_landed`), queued straight
+        from here: an idle one does so while the next chunks arrive, a stepping one between two steps, and
+        either leaves `finish` only the last chunk's."""
+        self.result.bytes += size
+        self.engine.call_from_thread(lambda e: self.landing.adopt_landed(), self._listed)
+
+    def end(self) -> None:  # receive thread, once
+        """`finish` once every chunk handed to the landing thread has landed: queued from that thread after them."""
+        self._lander.submit(self._queue_finish) if self._handed else self._queue_finish()
+
+    def _listed(self, listed: int | None, exc: Exception | None) -> None:  # engine thread
+        if exc is not None and self.error is None:
+            self.error = exc
+            self.stream.close()
+        self.result.imported += listed or 0
 
     def _land(self, buffer: bytearray, payload: KVPayload) -> None:  # landing thread
         try:
@@ -290,39 +335,24 @@ class _ChunkLander:
         finally:
             self.stream.done(buffer)
 
-    async def drained(self) -> None:
-        """Once no chunk is landing any more: the receive thread, which places chunks itself, has stopped
-        (`LinkStream.stopped`), and every chunk it handed over has landed (the landing thread runs them in
-        order)."""
-        await self.stream.stopped()
-        await asyncio.wrap_future(self._lander.submit(lambda: None))
-
     def finish(self, engine) -> None:  # engine thread, once the reply ended or broke off and every chunk landed
         self.result.imported += self.landing.adopt()
 
 
-class _ChunkImporter:
+class _ChunkImporter(_Sink):
     """Imports each verified chunk on the engine thread, queued straight from the receive thread
     (`AsyncEngine.call_from_thread`), so no chunk waits for the event loop to wake; the first
     refused chunk stops the rest and ends the stream."""
-
-    def __init__(self, engine, result: PullResult):
-        self.engine, self.result = engine, result
-        self.stream: LinkStream | None = None
-        self.error: Exception | None = None
 
     def __call__(self, buffer: bytearray, size: int, payload: KVPayload) -> None:  # receive thread
         self.result.bytes += size
         self.engine.call_from_thread(lambda e: self._import(e, payload), lambda n, exc: self._settle(buffer, n, exc))
 
+    def placed(self, size: int) -> None:
+        raise RuntimeError("an importing pull has no landing to place chunks in")
+
     def _import(self, engine, payload: KVPayload) -> int:
         return 0 if self.error is not None else engine.kv.import_decoded(payload.blocks, payload.state)
-
-    async def drained(self) -> None:
-        """Imports are queued on the engine thread, so `finish` runs after them: nothing to wait for."""
-
-    def finish(self, engine) -> None:  # engine thread: queued after every import, so each has run
-        return None
 
     def _settle(self, buffer: bytearray, imported: int | None, exc: Exception | None) -> None:  # engine thread
         if exc is not None and self.error is None:

@@ -45,6 +45,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgpack
 
@@ -100,9 +101,19 @@ class LinkCounters:
     sent_bytes: int = 0
 
 
-#: Takes a verified chunk (buffer, size, `orchard.kvcache.wire.KVPayload`) on the receive thread; gives the
-#: buffer back with `done`.
-ChunkSink = Callable[[bytearray, int, KVPayload], None]
+class ChunkSink(Protocol):
+    """Where a pull's chunks go, told on the receive thread."""
+
+    def __call__(self, buffer: bytearray, size: int, payload: KVPayload) -> None:
+        """A verified chunk in `buffer` (views into it in `payload`); give the buffer back with `LinkStream.done`."""
+
+    def placed(self, size: int) -> None:
+        """A chunk of `size` bytes read straight into the stream's landing."""
+
+    def end(self) -> None:
+        """Nothing more comes: the reply ended, broke off or was given up (once, before the caller learns it)."""
+
+
 #: The source's side of a pull, blocking the link's thread while its engine thread runs it:
 #: pin and describe the run (its blocks and, for a hybrid model, the state after them), release it.
 Exporter = Callable[[list[BlockHash]], tuple[object, list, StateSnapshotData | None]]
@@ -204,11 +215,11 @@ class LinkStream:
                  state_geometry=None, landing: BlockLanding | None = None):
         """`state_geometry`: a hybrid model's state pool geometry, which each chunk's state must have.
         `landing`: blocks reserved for the reply, which its version 3 chunks are read straight into
-        (`IncomingPayload.place`; the sink sees only the chunks that could not be, and `placed_bytes`
-        counts the others); the landing must take the wire's bytes as they are (`places_wire_bytes`)."""
+        (`IncomingPayload.place`; the sink is called with the chunks that could not be, and its `placed(size)`
+        after each of the others); the landing must take the wire's bytes as they are (`places_wire_bytes`)."""
         self.sock, self.geometry, self._sink = sock, geometry, sink
         self.state_geometry, self._landing = state_geometry, landing
-        self.placed_bytes = 0
+        self._told_end = False
         self._finished = False  # the receive thread has stopped: it writes no more blocks
         self._free: queue.SimpleQueue = queue.SimpleQueue()  # the receive thread blocks on it
         self._ready: asyncio.Queue = asyncio.Queue()
@@ -276,6 +287,8 @@ class LinkStream:
     async def stopped(self) -> None:
         """Once the receive thread writes nothing more: at once where it has ended, else once it has, the
         connection closed first so it stops reading (a pull given up part way, its landing to be freed)."""
+        if self._thread is None:  # it never started (the request could not be sent)
+            self._tell_end()
         if self._thread is None or self._finished:
             return
         self.close()
@@ -296,17 +309,16 @@ class LinkStream:
             while (size := U64.unpack(recv_exact(self.sock, 8) or eof())[0]) != 0:
                 self._began = self._began or time.perf_counter()
                 buffer = self._next_buffer()
-                if buffer is None:  # closed (`close`) while waiting for a buffer
-                    self._finished = True
-                    return
+                if buffer is None:
+                    raise ConnectionError("the pull was given up (its stream closed)")
                 if len(buffer) < size:  # a new one (views of the old may live on), kept across pulls
                     self.buffers[self.buffers.index(buffer)] = buffer = bytearray(size)
                 incoming = self._receive_chunk(memoryview(buffer)[:size])
                 self.wire_bytes += size
                 self._ended = time.perf_counter()
                 if incoming.placed:
-                    self.placed_bytes += size
                     self.done(buffer)
+                    self._sink.placed(size)
                     continue
                 payload = incoming.decode(self.geometry, self.state_geometry, self._inflate_limit)
                 chunk = (buffer, incoming.payload_size, payload)
@@ -334,7 +346,13 @@ class LinkStream:
 
     def _finish(self, last) -> None:
         self._finished = True
+        self._tell_end()
         self._put(last)
+
+    def _tell_end(self) -> None:
+        if self._sink is not None and not self._told_end:
+            self._told_end = True
+            self._sink.end()
 
     def _next_buffer(self) -> bytearray | None:
         try:
