@@ -324,6 +324,51 @@ def test_a_pull_returns_once_every_chunk_is_imported_and_its_kv_events_are_publi
     assert stored == hashes_of(paths["a"], tokens)
 
 
+class HoldingSink:
+    """Keeps every chunk's buffer, as a target whose engine thread is slow to import would."""
+
+    def __init__(self):
+        self.chunks, self.ended = threading.Event(), 0
+
+    def __call__(self, buffer, size, payload):
+        self.chunks.set()
+
+    def placed(self, size):
+        raise AssertionError("no landing was given")
+
+    def end(self):
+        self.ended += 1
+
+
+def test_a_pull_given_up_while_its_chunks_wait_for_a_buffer_ends_at_once_with_an_error(nodes):
+    """One buffer, held by the sink: the receive thread reads the next chunk's length and waits for a
+    buffer. Closing the stream then (a refused chunk does) ends the pull with an error and tells the sink
+    the end once; the caller is not left waiting."""
+    loop, paths = nodes
+    tokens = prompt(51)
+
+    async def run():
+        await generate(paths["a"], "cache-51", tokens)
+        sock = await asyncio.to_thread(connect, paths["a"].address, KEY, "a", CONFIG)
+        sink = HoldingSink()
+        stream = kv_link.LinkStream(sock, [bytearray()], paths["a"].mover.geometry, sink=sink)
+        stream.start(hashes_of(paths["a"], tokens), CONFIG.chunk_bytes)
+        await asyncio.to_thread(sink.chunks.wait, 5)
+        await asyncio.sleep(0.2)  # the next chunk's length read, the thread waiting for a buffer
+        stream.close()
+        with pytest.raises(ConnectionError):
+            await asyncio.wait_for(consume(stream), 5)
+        await stream.stopped()
+        return sink.ended, stream.release()
+
+    assert loop.run_until_complete(run()) == (1, None)
+
+
+async def consume(stream):
+    async for _ in stream.chunks():
+        pass
+
+
 def test_a_second_pull_from_the_same_source_reuses_the_authenticated_connection(nodes):
     loop, paths = nodes
     pull(loop, paths, prompt(3))
