@@ -31,6 +31,21 @@ def held_run(source, tokens=PROMPT):
     return hashes, run, (keys, values)
 
 
+def hit_kv(target, blocks: int):
+    """The K and V a request for PROMPT finds cached on `target`, as bytes: its first `blocks` blocks, all
+    prefix hits."""
+    assert target.allocate("a", PROMPT) == blocks * 4
+    try:
+        return tuple(part.tobytes() for part in kv_of(target, target.block_table("a")[:blocks]))
+    finally:
+        target.free("a")
+
+
+def prefix_of(original, blocks: int):
+    """The first `blocks` blocks of `held_run`'s K and V, as `hit_kv` gives them."""
+    return tuple(part[:, :blocks].tobytes() for part in original)
+
+
 def sub(run, start, stop):
     return BlockRun(run.hashes[start:stop], run.parents[start:stop], run.tokens[start:stop],
                     run.keys[start:stop], run.values[start:stop])
@@ -52,9 +67,7 @@ def test_blocks_land_from_another_thread_and_are_cached_bit_for_bit_once_adopted
     assert landing.adopt() == 4
     assert [e.block_hash for e in target.drain_events() if isinstance(e, BlockStored)] == hashes
     assert target.manager.num_used == 0 and target.manager.num_cached == 4
-    assert target.allocate("a", PROMPT) == 16
-    assert same_kv(kv_of(target, target.block_table("a")[:4]), original)
-    target.free("a")
+    assert hit_kv(target, 4) == prefix_of(original, 4)
 
 
 def test_blocks_read_one_by_one_land_as_a_run_does_and_one_without_a_parent_is_refused(make_cache):
@@ -68,9 +81,7 @@ def test_blocks_read_one_by_one_land_as_a_run_does_and_one_without_a_parent_is_r
     with pytest.raises(IncompatibleKVPayload):
         landing.land([orphan])
     assert landing.land(list(run)) == 4 and landing.adopt() == 4
-    assert target.allocate("a", PROMPT) == 16
-    assert same_kv(kv_of(target, target.block_table("a")[:4]), original)
-    target.free("a")
+    assert hit_kv(target, 4) == prefix_of(original, 4)
 
 
 def test_a_chunk_that_is_not_the_next_blocks_asked_for_is_refused_and_writes_nothing(make_cache):
@@ -97,9 +108,7 @@ def test_what_did_not_land_is_freed_and_what_landed_is_kept(make_cache):
     assert landing.land(sub(run, 0, 2)) == 2  # then the reply broke off
     assert landing.adopt() == 2
     assert target.manager.num_cached == 2 and target.manager.num_available == target.manager.num_usable
-    assert target.allocate("a", PROMPT) == 8
-    assert same_kv(kv_of(target, target.block_table("a")[:2]), tuple(part[:, :2] for part in original))
-    target.free("a")
+    assert hit_kv(target, 2) == prefix_of(original, 2)
     with pytest.raises(IncompatibleKVPayload):
         landing.land(sub(run, 2, 4))  # a chunk after the end writes nothing
 
@@ -199,9 +208,7 @@ def test_a_chunk_is_read_straight_into_its_reserved_blocks_bit_for_bit(make_cach
     assert landing.places_wire_bytes and incoming.place(layout, landing, read_into) and incoming.placed
     assert at[0] == len(data) and landing.landed == 4
     assert landing.adopt() == 4
-    assert target.allocate("a", PROMPT) == 16
-    assert same_kv(kv_of(target, target.block_table("a")[:4]), original)
-    target.free("a")
+    assert hit_kv(target, 4) == prefix_of(original, 4)
 
 
 def test_a_chunk_damaged_on_the_way_into_its_blocks_is_refused_and_none_of_them_is_cached(make_cache):
@@ -246,9 +253,7 @@ def test_blocks_listed_as_they_land_are_prefix_hits_before_the_pull_ends_and_ado
     assert target.manager.num_cached == 3 and target.manager.num_used == 0
     with pytest.raises(RuntimeError):
         landing.adopt_landed()
-    assert target.allocate("a", PROMPT) == 12
-    assert same_kv(kv_of(target, target.block_table("a")[:3]), tuple(part[:, :3] for part in original))
-    target.free("a")
+    assert hit_kv(target, 3) == prefix_of(original, 3)
 
 
 def test_a_run_whose_first_block_hangs_from_nothing_here_is_never_listed_chunk_by_chunk(make_cache):

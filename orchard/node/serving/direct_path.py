@@ -12,8 +12,9 @@ compressor runs, which is to say where the link, not the CPU, sets a pull's pace
 
 Where the pool lives in memory numpy can address (the CPU, a Mac's unified memory), a pull's blocks
 land straight in pool blocks the engine thread reserved before the request went, and the engine thread
-caches the landed run in one call at the end (`orchard.kvcache.block_landing`): a pull into a stepping
-engine waits for two steps at most, not a step per chunk, and takes no copy from the steps' thread.
+lists them as cached (`orchard.kvcache.block_landing`) in calls the receive thread queues as chunks land,
+which a stepping engine takes between two steps while the pull goes on, and in one at the end: a pull into
+a stepping engine waits for two steps at most, not a step per chunk, and takes no copy from the steps' thread.
 A plain chunk is read by the receive thread from the socket into those blocks, checked as its bytes
 land (`orchard.kvcache.wire_transit.IncomingPayload.place`): the kernel's copy is the only one this end
 makes. A compressed chunk is inflated into a buffer first; while the engine steps, a landing thread
@@ -293,10 +294,11 @@ class _Sink:
 
 
 class _ChunkLander(_Sink):
-    """Has the engine thread cache the landed run once, at the end (`finish`), of chunks the receive thread
-    read straight into the blocks reserved for them (`orchard.kvcache.block_landing`), or that it handed
-    here from a buffer: those land on the path's landing thread, so the receive thread takes the next
-    chunk meanwhile. The first refused chunk stops the rest and ends the stream."""
+    """Has the engine thread list as cached the blocks of chunks the receive thread read straight into the
+    blocks reserved for them (`orchard.kvcache.block_landing`) as each lands (`placed`), and at the end
+    (`finish`) the rest, with those of chunks it handed here from a buffer: those land on the path's
+    landing thread, so the receive thread takes the next chunk meanwhile. The first refused chunk stops
+    the rest and ends the stream."""
 
     def __init__(self, landing: BlockLanding, result: PullResult, lander: ThreadPoolExecutor, engine):
         super().__init__(engine, result)
