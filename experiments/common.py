@@ -120,13 +120,14 @@ def save_results(name: str, data: dict) -> Path:
     return path
 
 
-def new_figure(width: float = 6.4, height: float = 4.0):
+def new_figure(width: float = 6.4, height: float = 4.0, **subplots):
+    """(figure, axes) off screen; `subplots` as `matplotlib.pyplot.subplots` takes them (nrows, ncols, ...)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt.subplots(figsize=(width, height), dpi=120)
+    return plt.subplots(figsize=(width, height), dpi=120, **subplots)
 
 
 def save_figure(fig, name: str) -> Path:

@@ -39,7 +39,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from orchard.cluster.bench.migration_report import Case, print_report, router_estimates
+from orchard.cluster.bench.migration_report import Case, print_report, router_estimates, save_report
 
 DEFAULT_LENGTHS = {"small": (32, 256, 2048), "large": (256, 2048)}
 HEARTBEAT_S = 0.5  # the node actors' heartbeat period
@@ -57,6 +57,7 @@ class BenchConfig:
     compress: str = "auto"  # the pulling node's `KVLinkConfig.compress`
     kv_dtype: str | None = None  # the nodes' KV dtype (`EngineConfig.dtype`); the model's when None
     busy: int = 0  # sequences b decodes while the throughput rows pull into it (a serving node's steps)
+    json_path: str | None = None  # where to write the report's numbers too (`migration_report.save_report`)
 
 
 #: What each of b's decoding sequences (`--busy`) holds at most: its prompt and the tokens it decodes.
@@ -346,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
                 pair.close()
     busy = f"; b decoding {config.busy} sequences while the throughput rows pull into it" if config.busy else ""
     print_report(tcp, rows, cases, openblas_in_use(), where + busy)
+    if config.json_path:
+        save_report(config.json_path, link or "loopback", tcp, rows, cases, where + busy)
     return 0
 
 
@@ -392,13 +395,15 @@ def parse_args(argv) -> tuple[BenchConfig, str | None, bool]:
                    help="the nodes' KV dtype (the demo models' own is float32); over Ray only")
     p.add_argument("--busy", type=int, default=0,
                    help="sequences the pulling node decodes while the throughput rows pull into it; over Ray only")
+    p.add_argument("--json", default=None, metavar="PATH",
+                   help="also write what the report prints to PATH, for plots (experiments/migration_rates.py); over Ray only")
     args = p.parse_args(argv)
     sizes = tuple(s for s in args.sizes.split(",") if s)
     lengths = {s: tuple(sorted(set(DEFAULT_LENGTHS.get(s, ())) | {args.prefix_tokens})) for s in sizes}
     pull_tokens = tuple(int(n) for n in args.pull_tokens.split(",") if n)
     config = BenchConfig(prefix_tokens=args.prefix_tokens, sizes=sizes, tcp_mib=args.tcp_mib, lengths=lengths,
                          pull_tokens=pull_tokens, repeats=args.repeats, compress=args.compress,
-                         kv_dtype=args.kv_dtype, busy=args.busy)
+                         kv_dtype=args.kv_dtype, busy=args.busy, json_path=args.json)
     return config, args.link, args.ray
 
 

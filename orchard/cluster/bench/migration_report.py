@@ -5,8 +5,12 @@ Shared by the loopback bench (orchard/cluster/bench/migration.py) and the namesp
 
 from __future__ import annotations
 
+import json
 import statistics
-from dataclasses import dataclass
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 
 @dataclass
@@ -65,3 +69,21 @@ def print_cases(cases: list[Case]) -> None:
               f"{estimates[1]:>13}{faster:>10}{choice:>10}{'yes' if c.router_was_right else 'no':>7}")
     right = sum(c.router_was_right for c in cases)
     print(f"router's migrate-or-recompute choice was the faster one in {right} of {len(cases)} cases")
+
+
+def save_report(path: str, link: str, tcp: list[float], rows, cases: list[Case], where: str) -> Path:
+    """The numbers `print_report` prints, as JSON at `path` with the link, the tree and the time, for plots
+    (`experiments/migration_rates.py`)."""
+    tree = _tree()
+    out = Path(path)
+    out.write_text(json.dumps({"link": link, "where": where, "tree": tree or None,
+                               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                               "tcp_Bps": tcp, "rows": rows, "cases": [asdict(c) for c in cases]}, indent=1))
+    return out
+
+
+def _tree() -> str | None:
+    """The checkout's commit, marked where tracked files differ from it."""
+    git = lambda *args: subprocess.run(["git", *args], capture_output=True, text=True, check=False).stdout.strip()  # noqa: E731
+    head = git("rev-parse", "--short", "HEAD")
+    return None if not head else head + (" with local changes" if git("status", "--porcelain", "--untracked-files=no") else "")
