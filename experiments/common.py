@@ -130,11 +130,13 @@ def new_figure(width: float = 6.4, height: float = 4.0, **subplots):
     return plt.subplots(figsize=(width, height), dpi=120, **subplots)
 
 
-def save_figure(fig, name: str) -> Path:
+def save_figure(fig, name: str, **savefig) -> Path:
+    """docs/img/<name>.png; `savefig` as `Figure.savefig` takes it (bbox_inches="tight" keeps a legend
+    placed outside the axes)."""
     IMG_DIR.mkdir(parents=True, exist_ok=True)
     path = IMG_DIR / f"{name}.png"
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, **savefig)
     return path
 
 
