@@ -304,7 +304,8 @@ class LinkStream:
         return self.sock
 
     def _receive(self) -> None:
-        """Socket to buffers, each chunk verified and decoded here before it is handed over."""
+        """Socket to buffers, or straight into the landing's blocks, each chunk verified here before it is
+        handed over (decoded) or counts as placed."""
         try:
             while (size := U64.unpack(recv_exact(self.sock, 8) or eof())[0]) != 0:
                 self._began = self._began or time.perf_counter()
