@@ -91,24 +91,23 @@ class BlockLanding:
     @contextmanager
     def placing(self, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> Iterator[list[tuple[np.ndarray, np.ndarray]]]:
         """Where the run's next blocks go, checked as `land` checks them (`hashes`, `parents` `[n, 16]` uint8,
-        `tokens` `[n, block_size]`): per layer, views of their reserved blocks' K and V (`[n, block_size,
-        heads, head dim]`; a list of one view a block where the blocks reserved are not consecutive). The
+        `tokens` `[n, block_size]`): per layer, views of their reserved blocks' K and V, in the run's order,
+        each `[k, block_size, heads, head dim]`: one view of all n where the blocks reserved are consecutive,
+        else one a block. The
         caller writes every layer; the blocks count as landed only if its body returns, so a chunk whose bytes
         turn out damaged part way leaves them reserved, never cached. Holds the landing's lock meanwhile:
         `adopt` and `release` wait for a chunk being written."""
         with self._lock:
             rows = self._next_rows(hashes, parents, tokens)
-            if isinstance(rows, slice):
-                yield [(keys[rows], values[rows]) for keys, values in zip(*self._views)]
-            else:
-                yield [([keys[i] for i in rows], [values[i] for i in rows]) for keys, values in zip(*self._views)]
+            yield [([keys[r] for r in rows], [values[r] for r in rows]) for keys, values in zip(*self._views)]
             self._hashes += [bytes(h) for h in hashes]  # as bytes: the chunk's buffer is reused once handed back
             self._parents += [bytes(p) for p in parents]
             self._tokens += [tuple(t) for t in tokens.tolist()]
             self.landed += len(hashes)
 
-    def _next_rows(self, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> slice | np.ndarray:
-        """The reserved blocks of the run's next `len(hashes)` blocks, once they are checked to be those."""
+    def _next_rows(self, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> list[slice]:
+        """The reserved blocks of the run's next `len(hashes)` blocks, once they are checked to be those, as
+        slices of the pool's blocks: one where they are consecutive, else one a block."""
         if self._done:
             raise IncompatibleKVPayload("a chunk arrived after its pull ended")
         n, start = len(hashes), self.landed
@@ -118,7 +117,8 @@ class BlockLanding:
             raise IncompatibleKVPayload("a chunk of the reply does not follow the block before it")
         if hash_block_rows(parents, tokens) != hashes.tobytes():
             raise IncompatibleKVPayload("a block's hash does not match its parent and tokens")
-        return as_slice(self.block_ids[start : start + n])
+        rows = as_slice(self.block_ids[start : start + n])
+        return [rows] if isinstance(rows, slice) else [slice(b, b + 1) for b in rows.tolist()]
 
     # ----------------------------------------------------------------- engine thread
 
@@ -173,13 +173,12 @@ class BlockLanding:
         self.manager.unpin(self._held_parent)
 
 
-def _write(rows: np.ndarray | list[np.ndarray], blocks: np.ndarray) -> None:
-    """Copy `blocks` (`[n, ...]`) into `placing`'s view of their rows, one view or one a block."""
-    if isinstance(rows, np.ndarray):
-        rows[...] = blocks
-        return
-    for row, block in zip(rows, blocks, strict=True):
-        row[...] = block
+def _write(rows: list[np.ndarray], blocks: np.ndarray) -> None:
+    """Copy `blocks` (`[n, ...]`) into `placing`'s views of their rows, in order."""
+    at = 0
+    for row in rows:
+        row[...] = blocks[at : at + len(row)]
+        at += len(row)
 
 
 def _addresses(views) -> list[int] | None:

@@ -119,10 +119,10 @@ class ChunkLayout:
             if meta[at : at + len(head)] != head:
                 return None
             at += len(head)
-            columns.append(np.frombuffer(meta[at : at + width], dtype=np.uint8))
+            columns.append(meta[at : at + width])
             at += width
-        hashes, parents, tokens = columns[0].reshape(self.n, HASH_SIZE), columns[1].reshape(self.n, HASH_SIZE), columns[2]
-        return hashes, parents, tokens.view(_TOKEN).reshape(self.n, self.block_size).astype(np.uint32, copy=False)
+        tokens = np.frombuffer(columns[2], dtype=_TOKEN).reshape(self.n, self.block_size)
+        return _rows(columns[0], HASH_SIZE, "hashes"), _rows(columns[1], HASH_SIZE, "parents"), tokens.astype(np.uint32, copy=False)
 
 
 @functools.lru_cache(maxsize=64)

@@ -79,7 +79,6 @@ class IncomingPayload:
         self.payload_size = len(self.data)  # the payload's bytes once decoded: more where a frame inflated
         self._digest = xxhash.xxh3_128()
         self._landed = 0
-        self.placed = False  # its KV went straight into pool blocks (`place`): nothing here to decode
 
     @property
     def landed_bytes(self) -> int:
@@ -110,7 +109,7 @@ class IncomingPayload:
         key_header, value_header = headers[: len(layout.key_header)], headers[len(layout.key_header) :]
         with landing.placing(*meta) as layers:
             for keys, values in layers:
-                pieces = [key_header, *_byte_views(keys), value_header, *_byte_views(values)]
+                pieces = [key_header, *map(_bytes_of, keys), value_header, *map(_bytes_of, values)]
                 read_into(pieces)
                 if headers != layout.key_header + layout.value_header:
                     raise CorruptKVPayload("KV payload of version 3 is not laid out as its size says")
@@ -121,7 +120,6 @@ class IncomingPayload:
             self._digest.update(trailer[: len(TRAILER)])
             if trailer[: len(TRAILER)] != TRAILER or self._digest.digest() != trailer[len(TRAILER) :]:
                 raise CorruptKVPayload("KV payload checksum mismatch: the bytes were damaged on the way")
-        self.placed = True
         return True
 
     def decode(self, expected: KVGeometry, expected_state: StateGeometry | None = None,
@@ -140,6 +138,6 @@ class IncomingPayload:
         return read_views(memoryview(payload), _checksum(payload), expected, expected_state)
 
 
-def _byte_views(rows: np.ndarray | list[np.ndarray]) -> list[memoryview]:
-    """`BlockLanding.placing`'s view of a layer's rows as writable bytes: one piece, or one a block."""
-    return [memoryview(row).cast("B") for row in (rows if isinstance(rows, list) else [rows])]
+def _bytes_of(rows: np.ndarray) -> memoryview:
+    """One of `BlockLanding.placing`'s views as writable bytes."""
+    return memoryview(rows).cast("B")

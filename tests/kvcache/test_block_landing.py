@@ -205,7 +205,7 @@ def test_a_chunk_is_read_straight_into_its_reserved_blocks_bit_for_bit(make_cach
     layout = layout_of_size(target.geometry, len(data))
     landed, read_into, at = arriving(data)
     incoming = landed(layout.meta_size)
-    assert landing.places_wire_bytes and incoming.place(layout, landing, read_into) and incoming.placed
+    assert landing.places_wire_bytes and incoming.place(layout, landing, read_into)
     assert at[0] == len(data) and landing.landed == 4
     assert landing.adopt() == 4
     assert hit_kv(target, 4) == prefix_of(original, 4)

@@ -350,9 +350,6 @@ class _ChunkImporter(_Sink):
         self.result.bytes += size
         self.engine.call_from_thread(lambda e: self._import(e, payload), lambda n, exc: self._settle(buffer, n, exc))
 
-    def placed(self, size: int) -> None:
-        raise RuntimeError("an importing pull has no landing to place chunks in")
-
     def _import(self, engine, payload: KVPayload) -> int:
         return 0 if self.error is not None else engine.kv.import_decoded(payload.blocks, payload.state)
 

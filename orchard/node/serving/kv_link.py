@@ -108,7 +108,7 @@ class ChunkSink(Protocol):
         """A verified chunk in `buffer` (views into it in `payload`); give the buffer back with `LinkStream.done`."""
 
     def placed(self, size: int) -> None:
-        """A chunk of `size` bytes read straight into the stream's landing."""
+        """A chunk of `size` bytes read straight into the stream's landing (only a stream given one calls it)."""
 
     def end(self) -> None:
         """Nothing more comes: the reply ended, broke off or was given up (once, before the caller learns it)."""
@@ -317,7 +317,7 @@ class LinkStream:
                 incoming = self._receive_chunk(memoryview(buffer)[:size])
                 self.wire_bytes += size
                 self._ended = time.perf_counter()
-                if incoming.placed:
+                if incoming is None:  # placed in the landing's blocks
                     self.done(buffer)
                     self._sink.placed(size)
                     continue
@@ -331,9 +331,9 @@ class LinkStream:
         except Exception as exc:  # noqa: BLE001 - whatever stops the thread must reach the caller
             self._finish(exc if isinstance(exc, OSError) else ConnectionError(f"{type(exc).__name__}: {exc}"))
 
-    def _receive_chunk(self, view: memoryview) -> IncomingPayload:
+    def _receive_chunk(self, view: memoryview) -> IncomingPayload | None:
         """One chunk of `len(view)` bytes: straight into the landing's blocks where it is a version 3
-        payload of the blocks it waits for (then `placed`), else into `view`, checksummed as it lands."""
+        payload of the blocks it waits for (then None), else into `view`, checksummed as it lands."""
         layout = layout_of_size(self.geometry, len(view)) if self._landing is not None else None
         if layout is None:
             return link_io.receive_payload(self.sock, view) or eof()
@@ -342,7 +342,7 @@ class LinkStream:
             eof()
         incoming.landed(layout.meta_size)
         if incoming.place(layout, self._landing, lambda pieces: link_io.recv_pieces(self.sock, pieces) or eof()):
-            return incoming
+            return None
         return link_io.receive_payload(self.sock, view, incoming) or eof()
 
     def _finish(self, last) -> None:

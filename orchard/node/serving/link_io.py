@@ -225,17 +225,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes | None:
 
 def recv_into(sock: socket.socket, view: memoryview) -> bool:
     """Fill `view` from `sock`; False when the peer closed first."""
-    got = 0
-    flags = _WAITALL if sock.gettimeout() is None else 0
-    while got < len(view):
-        try:
-            n = sock.recv_into(view[got:], 0, flags)
-        except BlockingIOError as exc:  # the kernel's receive timeout (`data_mode`)
-            raise TimeoutError("the KV link's peer sent nothing within its timeout") from exc
-        if n == 0:
-            return False
-        got += n
-    return True
+    return recv_pieces(sock, [view])
 
 
 def recv_pieces(sock: socket.socket, views: list[memoryview]) -> bool:
