@@ -71,7 +71,7 @@ def test_link_fit_measures_the_shaped_rate_and_the_router_recomputes_a_short_pre
 def test_a_shaped_link_carries_tcp_at_its_rate_and_close_removes_every_namespace(tmp_path):
     import subprocess
 
-    from orchard.cluster.bench.netns import tcp_throughput
+    from orchard.cluster.bench.netns import tcp_reply_throughput, tcp_throughput
 
     reason = unavailable()
     if reason:
@@ -83,6 +83,8 @@ def test_a_shaped_link_carries_tcp_at_its_rate_and_close_removes_every_namespace
         # the best of three: on a shared machine one transfer can lose a core for part of its ~0.13 s
         rate = max(tcp_throughput(lab, "a", "b", 16 << 20) for _ in range(3))
         assert 0.85 * SHAPED_Bps <= rate <= 1.02 * SHAPED_Bps
+        replies = tcp_reply_throughput(lab, "a", "b", 8 << 20, 3)  # asked by b, answered by a, as a pull is
+        assert len(replies) == 3 and 0.5 * SHAPED_Bps <= max(replies) <= 1.02 * SHAPED_Bps
         lab.shape(None)
         assert "tbf" not in lab.qdisc("a")
         assert tcp_throughput(lab, "a", "b", 16 << 20) > 2 * SHAPED_Bps  # unshaped: well past the bucket

@@ -5,7 +5,10 @@ here), one node actor on each (node "a" on the head, node "b" on the worker):
 
 1. raw TCP throughput of the loopback link with plain sockets, the ceiling to compare with:
    measured once the raylets are up, before the nodes start, and again after each model's throughput rows (on a
-   shared machine one reading swings 2x from minute to minute), percentages of their median;
+   shared machine one reading swings 2x from minute to minute), percentages of their median; and per pull
+   size, right after its pulls, `--repeats` raw request/reply exchanges of the same bytes on a kept connection
+   (`orchard.cluster.bench.netns.tcp_replies`): what asking for that many bytes costs on the path with nothing
+   of a pull's work, the direct pulls' best and median read against their best and median;
 2. migration throughput of a prefix from a to b, per size: `pull_blocks` end to end (export
    on a, transfer, checks and import on b, blocks usable by b's engine) over the direct KV
    path (`orchard.node.serving.kv_link`, the best of `--repeats`) and through Ray's object store, and Ray's
@@ -40,6 +43,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from orchard.cluster.bench.migration_report import Case, print_report, router_estimates, save_report
+from orchard.cluster.bench.netns import RawTCP
 
 DEFAULT_LENGTHS = {"small": (32, 256, 2048), "large": (256, 2048)}
 HEARTBEAT_S = 0.5  # the node actors' heartbeat period
@@ -294,9 +298,10 @@ def run_case(pair: NodePair, tokens_len: int) -> Case:
     return Case(pair.model, tokens_len, migrate_s, recompute_s, migrates, estimate, recompute_estimate)
 
 
-def throughput(pair: NodePair, config: BenchConfig) -> list[dict]:
-    """Per pull size: the direct path's best and median of `repeats` pulls, one pull through Ray,
-    and Ray's object-store transfer alone, each of a fresh prefix."""
+def throughput(pair: NodePair, config: BenchConfig, raw: RawTCP) -> list[dict]:
+    """Per pull size: the direct path's best and median of `repeats` pulls, raw TCP's of as many
+    request/reply exchanges of the same bytes, one pull through Ray, and Ray's object-store transfer
+    alone, each of a fresh prefix."""
     from orchard.node.serving.migration import MigrationConfig
 
     pair.pull(pair.seed_on_a(4 * config.block_size))  # warm: connections, buffers, workers
@@ -305,8 +310,10 @@ def throughput(pair: NodePair, config: BenchConfig) -> list[dict]:
     rows = []
     for tokens in config.pull_tokens:
         direct = sorted((pair.pull(pair.seed_on_a(tokens)) for _ in range(config.repeats)), key=lambda r: r["bytes_per_s"])
+        replies = sorted(raw.replies(direct[-1]["wire_bytes"], config.repeats))
         through_ray = pair.pull(pair.seed_on_a(tokens), via_ray=True)
-        rows.append({"size": pair.size, "tokens": tokens, "bytes": direct[-1]["bytes"], "wire_bytes": direct[-1]["wire_bytes"],
+        rows.append({"reply_Bps": replies[-1], "reply_median_Bps": replies[len(replies) // 2],
+                     "size": pair.size, "tokens": tokens, "bytes": direct[-1]["bytes"], "wire_bytes": direct[-1]["wire_bytes"],
                      "direct_Bps": direct[-1]["bytes_per_s"], "direct_median_Bps": direct[len(direct) // 2]["bytes_per_s"],
                      "ray_Bps": through_ray["bytes_per_s"],
                      "transfer_Bps": pair.transfer_only(pair.seed_on_a(tokens), chunk_blocks)})
@@ -331,16 +338,16 @@ def main(argv: list[str] | None = None) -> int:
     from orchard.cluster.runtime.ray_cluster import ensure_coordinator
 
     rows, cases = [], []
-    with _two_raylets(config, link) as (local, measure_tcp, where):
-        tcp = [measure_tcp()]
+    with _two_raylets(config, link) as (local, raw, where):
+        tcp = [raw.stream()]
         ensure_coordinator(CoordinatorConfig())
         for size in config.sizes:
             pair = NodePair(local, size, config, num_blocks_for(config, size))
             try:
                 pair.keep_decoding(config.busy)
-                rows += throughput(pair, config)
+                rows += throughput(pair, config, raw)
                 pair.stop_decoding()
-                tcp.append(measure_tcp())
+                tcp.append(raw.stream())
                 pair.warm_rates()
                 cases += [run_case(pair, n) for n in config.lengths.get(size, (config.prefix_tokens,))]
             finally:
@@ -354,17 +361,17 @@ def main(argv: list[str] | None = None) -> int:
 
 @contextmanager
 def _two_raylets(config: BenchConfig, link: str | None):
-    """(cluster, raw TCP reader, where): on loopback, or in the namespace rig over `link`."""
+    """(cluster, raw TCP readings, where): on loopback, or in the namespace rig over `link`."""
     if link is None:
         from orchard.cluster.runtime.ray_cluster import LocalCluster
 
         with LocalCluster(cpus_per_node=1, object_store_mb=400).start(extra_nodes=1) as local:
-            yield local, lambda: tcp_throughput(config.tcp_mib << 20), "two raylets on loopback (no network namespaces)"
+            yield local, RawTCP.loopback(config.tcp_mib << 20), "two raylets on loopback (no network namespaces)"
         return
     from orchard.cluster.bench.netns_ray import rig_cluster
 
-    with rig_cluster(link, min(config.tcp_mib, 64)) as (local, tcp, qdisc):
-        yield local, tcp, f"two raylets in two network namespaces, link {link} ({qdisc})"
+    with rig_cluster(link, min(config.tcp_mib, 64)) as (local, raw, qdisc):
+        yield local, raw, f"two raylets in two network namespaces, link {link} ({qdisc})"
 
 
 def _main_over_link(config: BenchConfig, link: str, openblas: bool) -> int:

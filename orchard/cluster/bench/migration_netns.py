@@ -12,7 +12,9 @@ heartbeat load, a's blocks).
 
 Per demo model size:
 1. raw TCP from a to b through the same veths and qdiscs, plain sockets, one stream:
-   before the nodes start and after each model's pulls; percentages are of their median;
+   before the nodes start and after each model's pulls; percentages are of their median; and per pull
+   size, right after its pulls, `--repeats` request/reply exchanges of the same bytes on a kept
+   connection (`orchard.cluster.bench.netns.tcp_replies`);
 2. end-to-end direct pulls (export on a, transfer, checks, import on b), best and median
    of `--repeats`, of prefixes seeded on a by import (true hashes, made-up KV: no prefill);
 3. per prefix length, the router's choice for b (`Coordinator.route` with a excluded)
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from orchard.cluster.bench.migration_report import Case, router_estimates
-from orchard.cluster.bench.netns import LINKS, NetLab, tcp_throughput, unavailable
+from orchard.cluster.bench.netns import LINKS, NetLab, RawTCP, unavailable
 from orchard.cluster.bench.netns_node import BLOCK_SIZE, NodeProcess, NodeSpec
 
 #: Prefix lengths of the router cases, 32 to 8,192 tokens (the demo models' context is 16,384).
@@ -152,16 +154,19 @@ def run_case(pair: Pair, prefix_tokens: int, repeats: int) -> Case:
                 est_transfer, est_recompute)
 
 
-def throughput(pair: Pair, config: LinkBenchConfig) -> list[dict]:
-    """Per pull size, `repeats` direct pulls of fresh prefixes: bytes, best and median bytes/s."""
+def throughput(pair: Pair, config: LinkBenchConfig, raw: RawTCP) -> list[dict]:
+    """Per pull size, `repeats` direct pulls of fresh prefixes: bytes, best and median bytes/s; and raw TCP's
+    of as many request/reply exchanges of the same bytes."""
     pair.pull(pair.seed_on_a(4 * BLOCK_SIZE)[1])  # warm: the connection, buffers, threads
     rows = []
     for tokens in config.pull_tokens:
         pulls = sorted((pair.pull(pair.seed_on_a(tokens)[1]) for _ in range(config.repeats)),
                        key=lambda p: p["bytes"] / p["seconds"])
         rates = [p["bytes"] / p["seconds"] for p in pulls]
+        replies = raw.replies(pulls[-1]["bytes"], config.repeats)
         rows.append({"size": pair.size, "tokens": tokens, "bytes": pulls[-1]["bytes"], "best_Bps": rates[-1],
-                     "median_Bps": statistics.median(rates)})
+                     "median_Bps": statistics.median(rates), "reply_Bps": max(replies),
+                     "reply_median_Bps": statistics.median(replies)})
     return rows
 
 
@@ -181,12 +186,13 @@ def run(config: LinkBenchConfig) -> tuple[list[float], list[dict], list[Case], s
         lab.build(HOSTS)
         lab.shape(LINKS[config.link])
         qdisc = lab.qdisc("a")
-        tcp.append(tcp_throughput(lab, "a", "b", config.tcp_mib << 20))
+        raw = RawTCP.across(lab, "a", "b", config.tcp_mib << 20)
+        tcp.append(raw.stream())
         for size in config.sizes:
             pair = Pair(lab, size, num_blocks_for(config, size))
             try:
-                rows += throughput(pair, config)
-                tcp.append(tcp_throughput(lab, "a", "b", config.tcp_mib << 20))
+                rows += throughput(pair, config, raw)
+                tcp.append(raw.stream())
                 pair.warm_rates()
                 cases += [run_case(pair, n, config.ttft_repeats) for n in config.cases(size)]
             finally:
@@ -196,7 +202,7 @@ def run(config: LinkBenchConfig) -> tuple[list[float], list[dict], list[Case], s
 
 def print_report(config: LinkBenchConfig, tcp: list[float], rows: list[dict], cases: list[Case], qdisc: str,
                  openblas: bool) -> None:
-    from orchard.cluster.bench.migration_report import print_cases
+    from orchard.cluster.bench.migration_report import REPLY_HEADER, REPLY_NOTE, print_cases, reply_cells
 
     gb, tcp_Bps = 1e9, statistics.median(tcp)
     shaped = LINKS[config.link]
@@ -207,10 +213,13 @@ def print_report(config: LinkBenchConfig, tcp: list[float], rows: list[dict], ca
         print(f"shaped rate {shaped / 8 / gb:.3f} GB/s; raw TCP is {100 * tcp_Bps / (shaped / 8):.0f} % of it")
     print()
     print(f"{'model':<12}{'prefix':>7}{'MiB':>7}{'direct pull GB/s':>17}{'% TCP':>7}{'% link':>7}{'median':>8}"
-          f"{'% TCP':>7}{'% link':>7}")
+          f"{'% TCP':>7}{'% link':>7}{REPLY_HEADER}")
     for row in rows:
         cells = "".join(f"{v / gb:>{w}.3f}{100 * v / tcp_Bps:>6.0f}%" + (f"{100 * v / (shaped / 8):>6.0f}%" if shaped else f"{'-':>7}")
                         for v, w in ((row["best_Bps"], 17), (row["median_Bps"], 8)))
-        print(f"{'demo-' + row['size']:<12}{row['tokens']:>7}{row['bytes'] / 2**20:>7.1f}{cells}")
+        print(f"{'demo-' + row['size']:<12}{row['tokens']:>7}{row['bytes'] / 2**20:>7.1f}{cells}"
+              + reply_cells(row["best_Bps"], row["median_Bps"], row))
+    print()
+    print(REPLY_NOTE)
     print()
     print_cases(cases)

@@ -47,15 +47,32 @@ def print_report(tcp: list[float], rows, cases: list[Case], openblas: bool, wher
           + ", ".join(f"{v / gb:.3f}" for v in tcp) + " (before the nodes, then after each model's pulls)")
     print()
     print(f"{'model':<12}{'prefix':>7}{'MiB':>7}{'wire MiB':>9}{'direct pull GB/s':>17}{'% TCP':>7}{'median':>8}{'% TCP':>7}"
-          f"{'Ray pull GB/s':>14}{'% TCP':>7}{'object store only':>18}{'% TCP':>7}")
+          f"{REPLY_HEADER}{'Ray pull GB/s':>14}{'% TCP':>7}{'object store only':>18}{'% TCP':>7}")
     for row in rows:
-        cells = [row["direct_Bps"], row["direct_median_Bps"], row["ray_Bps"], row["transfer_Bps"]]
-        widths = (17, 8, 14, 18)
         wire = row["wire_bytes"]  # the best pull's bytes on the link: fewer where compressed
+        against_tcp = lambda cells: "".join(f"{v / gb:>{w}.2f}{100 * v / tcp_Bps:>6.0f}%" for v, w in cells)  # noqa: E731
         print(f"{'demo-' + row['size']:<12}{row['tokens']:>7}{row['bytes'] / 2**20:>7.1f}{wire / 2**20:>9.1f}"
-              + "".join(f"{v / gb:>{w}.2f}{100 * v / tcp_Bps:>6.0f}%" for v, w in zip(cells, widths)))
+              + against_tcp(((row["direct_Bps"], 17), (row["direct_median_Bps"], 8)))
+              + reply_cells(row["direct_Bps"], row["direct_median_Bps"], row)
+              + against_tcp(((row["ray_Bps"], 14), (row["transfer_Bps"], 18))))
+    print()
+    print(REPLY_NOTE)
     print()
     print_cases(cases)
+
+
+#: The reply columns of both benches' pull tables (`reply_cells`), and what they are.
+REPLY_HEADER = f"{'TCP reply GB/s':>16}{'% reply':>10}"
+REPLY_NOTE = ("TCP reply: raw TCP moving the row's bytes as one request and reply on a kept connection, best / median of as "
+              "many exchanges as pulls\n(`netns.tcp_replies`); % reply: the direct pulls' best / median against them")
+
+
+def reply_cells(best_Bps: float, median_Bps: float, row: dict) -> str:
+    """The pulls' best and median against raw TCP's same-size request/reply exchanges (`RawTCP.replies`)."""
+    reply, reply_median = row["reply_Bps"], row["reply_median_Bps"]
+    rates = f"{reply / 1e9:.2f}/{reply_median / 1e9:.2f}"
+    shares = f"{100 * best_Bps / reply:.0f}/{100 * median_Bps / reply_median:.0f}%"
+    return f"{rates:>16}{shares:>10}"
 
 
 def print_cases(cases: list[Case]) -> None:

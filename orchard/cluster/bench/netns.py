@@ -28,6 +28,8 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 #: Link speeds the rig emulates: tbf rate in bits/s, or None for an unshaped veth.
@@ -150,6 +152,25 @@ def enter(namespace: str) -> None:
         os.close(fd)
 
 
+@dataclass(frozen=True)
+class RawTCP:
+    """Raw TCP from the pulls' source to their target, over the path they take: the ceilings a pull is read
+    against. `stream()`: bytes/s of one long stream (`tcp_rate`); `replies(nbytes, n)`: bytes/s of each of n
+    request/reply exchanges of `nbytes` (`tcp_replies`), a pull's shape with nothing of a pull's work."""
+
+    stream: Callable[[], float]
+    replies: Callable[[int, int], list[float]]
+
+    @classmethod
+    def loopback(cls, stream_bytes: int) -> RawTCP:
+        return cls(lambda: tcp_rate("127.0.0.1", stream_bytes), lambda nbytes, n: tcp_replies("127.0.0.1", nbytes, n))
+
+    @classmethod
+    def across(cls, lab: NetLab, source: str, target: str, stream_bytes: int) -> RawTCP:
+        return cls(lambda: tcp_throughput(lab, source, target, stream_bytes),
+                   lambda nbytes, n: tcp_reply_throughput(lab, source, target, nbytes, n))
+
+
 def tcp_throughput(lab: NetLab, source: str, target: str, nbytes: int, chunk: int = 4 << 20) -> float:
     """Bytes per second of one plain TCP stream from host `source` to host `target` (`tcp_rate`)."""
     return tcp_rate(lab.hosts[target], nbytes, chunk, lab.ns(target), lab.ns(source))
@@ -196,6 +217,65 @@ def _send(namespace, address, nbytes, chunk, result) -> None:
         result["started"] = time.perf_counter()
         for _ in range(0, nbytes, chunk):
             client.sendall(payload)
+
+
+def tcp_reply_throughput(lab: NetLab, source: str, target: str, nbytes: int, repeats: int) -> list[float]:
+    """`tcp_replies` from host `source` to host `target`: the target asks, the source answers."""
+    return tcp_replies(lab.hosts[source], nbytes, repeats, client_ns=lab.ns(target), server_ns=lab.ns(source))
+
+
+def tcp_replies(host: str, nbytes: int, repeats: int, client_ns: str | None = None, server_ns: str | None = None,
+                gap_s: float = 0.02) -> list[float]:
+    """Bytes per second of each of `repeats` exchanges on one plain TCP connection kept across them: the
+    client asks with four bytes, a listener at `host` answers with `nbytes`, timed at the client from the
+    request to the reply's last byte. A pull's shape (ask over a kept connection, read a reply of that
+    size) with nothing else: no engine thread, no pool, no checks; the fixed cost of asking and of the
+    first bytes is in it, as it is in a pull, where a long stream (`tcp_rate`) has none. The exchanges
+    are `gap_s` apart, the connection idle in between, as it is between the bench's pulls. Each end is a
+    thread, in its namespace where one is named."""
+    ready, result, errors = threading.Event(), {}, []
+    server = threading.Thread(target=_guard(_answer, errors), args=(server_ns, host, nbytes, ready, result))
+    server.start()
+    if not ready.wait(10):
+        raise RuntimeError(f"no TCP listener at {host}: {errors}")
+    client = threading.Thread(target=_guard(_ask, errors), args=(client_ns, result["address"], nbytes, repeats, gap_s, result))
+    client.start()
+    client.join()
+    server.join()
+    if errors:
+        raise errors[0]
+    return [nbytes / seconds for seconds in result["seconds"]]
+
+
+def _answer(namespace, host, nbytes, ready, result) -> None:
+    if namespace:
+        enter(namespace)
+    payload = bytes(nbytes)
+    with socket.create_server((host, 0)) as server:
+        result["address"] = server.getsockname()[:2]
+        ready.set()
+        server.settimeout(30)
+        conn, _ = server.accept()
+        with conn:
+            while conn.recv(4):
+                conn.sendall(payload)
+
+
+def _ask(namespace, address, nbytes, repeats, gap_s, result) -> None:
+    if namespace:
+        enter(namespace)
+    view, seconds = memoryview(bytearray(nbytes)), []
+    with socket.create_connection(address, timeout=30) as client:
+        for _ in range(repeats):
+            time.sleep(gap_s)
+            started, got = time.perf_counter(), 0
+            client.sendall(b"ask!")
+            while got < nbytes and (n := client.recv_into(view[got:])):
+                got += n
+            if got < nbytes:
+                raise ConnectionError(f"the reply ended after {got} of {nbytes} bytes")
+            seconds.append(time.perf_counter() - started)
+    result["seconds"] = seconds
 
 
 def _guard(fn, errors: list):

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from orchard.cluster.bench.netns import LINKS, NetLab, enter, tcp_throughput, unavailable
+from orchard.cluster.bench.netns import LINKS, NetLab, RawTCP, enter, unavailable
 from orchard.cluster.runtime.ray_cluster import NODE_RESOURCE, LocalCluster
 
 HOSTS = {"a": "2", "b": "3"}
@@ -45,7 +45,8 @@ class RigCluster(LocalCluster):
 
 @contextmanager
 def rig_cluster(link: str, tcp_mib: int, object_store_mb: int = 400):
-    """(cluster, tcp): the two raylets over `link`, and a function reading raw TCP from a to b."""
+    """(cluster, raw, qdisc): the two raylets over `link`, raw TCP's readings from a to b (`RawTCP`), and
+    the qdisc in force."""
     reason = unavailable()
     if reason:
         raise SystemExit(f"the namespace rig cannot be built here: {reason}")
@@ -53,10 +54,10 @@ def rig_cluster(link: str, tcp_mib: int, object_store_mb: int = 400):
         lab.build(HOSTS)
         lab.shape(LINKS[link])
         enter(lab.ns("a"))  # the driver, and every raylet it starts, on host a (module docstring)
-        tcp = lambda: tcp_throughput(lab, "a", "b", tcp_mib << 20)  # noqa: E731
+        raw = RawTCP.across(lab, "a", "b", tcp_mib << 20)
         with RigCluster(cpus_per_node=1, object_store_mb=object_store_mb, lab=lab).start(extra_nodes=1) as local:
             _check_addresses(set(lab.hosts.values()))
-            yield local, tcp, lab.qdisc("a")
+            yield local, raw, lab.qdisc("a")
 
 
 def _check_addresses(expected: set[str]) -> None:

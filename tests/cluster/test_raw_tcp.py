@@ -1,0 +1,55 @@
+"""The raw TCP readings the migration benches read their pulls against (`orchard.cluster.bench.netns`), and the
+pull tables' columns for them (`orchard.cluster.bench.migration_report`)."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from orchard.cluster.bench import netns
+from orchard.cluster.bench.migration_report import Case, print_report, reply_cells
+
+
+def test_each_exchange_moves_the_whole_reply_over_one_kept_connection(monkeypatch):
+    accepted = []
+    real_accept = socket.socket.accept
+
+    def accept(self):
+        pair = real_accept(self)
+        accepted.append(pair)
+        return pair
+
+    monkeypatch.setattr(socket.socket, "accept", accept)
+    rates = netns.tcp_replies("127.0.0.1", 3 << 20, 4, gap_s=0.001)
+    assert len(rates) == 4 and all(r > 0 for r in rates)
+    assert len(accepted) == 1  # one connection, kept across the exchanges as a pull's is
+
+
+def test_a_reply_cut_short_is_an_error_not_a_rate(monkeypatch):
+    def answer_half(namespace, host, nbytes, ready, result):
+        with socket.create_server((host, 0)) as server:
+            result["address"] = server.getsockname()[:2]
+            ready.set()
+            conn, _ = server.accept()
+            with conn:
+                conn.recv(4)
+                conn.sendall(bytes(nbytes // 2))
+
+    monkeypatch.setattr(netns, "_answer", answer_half)
+    with pytest.raises(ConnectionError, match="ended after"):
+        netns.tcp_replies("127.0.0.1", 1 << 20, 2, gap_s=0.001)
+
+
+def test_the_pull_table_reads_the_pulls_against_the_same_sized_replies(capsys):
+    row = {"size": "small", "tokens": 2048, "bytes": 8 << 20, "wire_bytes": 8 << 20, "direct_Bps": 1.5e9,
+           "direct_median_Bps": 1.0e9, "reply_Bps": 3.0e9, "reply_median_Bps": 2.5e9, "ray_Bps": 0.1e9,
+           "transfer_Bps": 0.3e9}
+    assert reply_cells(1.5e9, 1.0e9, row).split() == ["3.00/2.50", "50/40%"]
+    print_report([3.0e9], [row], [Case("demo-small", 32, 0.01, 0.02, True, 0.005, 0.015)], True, "loopback")
+    out = capsys.readouterr().out
+    header = next(ln for ln in out.splitlines() if "direct pull GB/s" in ln)
+    line = next(ln for ln in out.splitlines() if ln.startswith("demo-small") and "2048" in ln)
+    assert "TCP reply GB/s" in header and "% reply" in header
+    assert "3.00/2.50" in line and "50/40%" in line
+    assert "1.50" in line and "50%" in line  # the best pull against the stream, as before
