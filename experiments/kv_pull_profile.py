@@ -10,12 +10,16 @@ to more than the pull's wall time; the one nearest the wall time bounds the pull
     target: recv (socket to buffer + checksum), decode (check + parse), import (pool write, engine thread),
             place (a chunk from the socket straight into reserved pool blocks + checksum, receive thread)
 
+With `--threads` (Linux), each pull also shows every thread of both processes that ran during it: its CPU
+time and how long it waited, ready to run, for a CPU (`/proc/<pid>/task/<tid>/schedstat`), which tells
+a pull held up by its own work from one held up by the machine's other threads.
+
 Raw TCP over the same loopback, plain sockets, is measured in the same run. With `--link`
 the two processes are two hosts of the namespace rig (`orchard.cluster.bench.netns`, needs root),
 over a veth shaped to 1 or 10 Gbit/s or unshaped, and raw TCP goes through the same veths.
 
     python -m experiments.kv_pull_profile [--size large] [--tokens 8192] [--repeats 3] [--chunk-mib 4]
-                                          [--link 1gbit|10gbit|none]
+                                          [--link 1gbit|10gbit|none] [--threads]
 """
 
 from __future__ import annotations
@@ -64,6 +68,58 @@ class Stages:
             self.seconds.clear()
             self.calls.clear()
         return out
+
+
+class ThreadTimes:
+    """Per thread of this process: (name, CPU seconds, seconds waiting for a CPU), from the kernel's
+    schedstat. A pull's receive thread ends with its reply, so `keep_receive_threads` records what it
+    used as it ends, under its name."""
+
+    def __init__(self):
+        self.ended: list[tuple[str, float, float]] = []
+
+    def now(self) -> dict[int, tuple[str, float, float]]:
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        out = {}
+        for tid, name in names.items():
+            times = _schedstat(tid)
+            if times is not None:
+                out[tid] = (name, *times)
+        return out
+
+    def keep_receive_threads(self) -> None:
+        from orchard.node.serving import kv_link
+
+        real, ended = kv_link.LinkStream._receive, self.ended
+
+        def receive(stream):
+            first = _schedstat(threading.get_native_id())
+            try:
+                return real(stream)
+            finally:
+                last = _schedstat(threading.get_native_id())
+                if first and last:
+                    ended.append((threading.current_thread().name, last[0] - first[0], last[1] - first[1]))
+
+        kv_link.LinkStream._receive = receive
+
+    def since(self, before: dict) -> list[tuple[str, float, float]]:
+        """Each thread's use since `before` (a `now`), the receive threads that ended meanwhile with them."""
+        used = [(name, cpu - before[tid][1], wait - before[tid][2])
+                for tid, (name, cpu, wait) in self.now().items() if tid in before]  # a pull's receive thread has ended
+        used += self.ended
+        self.ended.clear()
+        return sorted((u for u in used if u[1] + u[2] > 50e-6), key=lambda u: -u[1])
+
+
+def _schedstat(tid: int) -> tuple[float, float] | None:
+    """(CPU seconds, seconds waiting on a run queue) of thread `tid` of this process, or None (not Linux)."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            cpu_ns, wait_ns, _ = f.read().split()
+    except OSError:
+        return None
+    return int(cpu_ns) / 1e9, int(wait_ns) / 1e9
 
 
 def _engine(size: str, num_blocks: int):
@@ -127,19 +183,21 @@ def _source_main(conn, size: str, num_blocks: int, switch_s: float, where: tuple
         enter(where[0])
     sys.setswitchinterval(switch_s)
     loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
+    threading.Thread(target=loop.run_forever, name="event-loop", daemon=True).start()
     engine = _engine(size, num_blocks)
-    stages = Stages()
+    stages, threads = Stages(), ThreadTimes()
     _instrument(stages, "source")
     path = _path("src", engine, host=where[1] if where else "127.0.0.1")
     conn.send(path.address)
+    before = threads.now()
     while True:
         command, arg = conn.recv()
         if command == "seed":
             conn.send(asyncio.run_coroutine_threadsafe(
                 engine.run_on_engine(lambda e, a=arg: _seed(path, *a)), loop).result())
+            before = threads.now()
         elif command == "stages":
-            conn.send(stages.take())
+            conn.send((stages.take(), threads.since(before)))
         else:
             break
     path.close()
@@ -162,6 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-mib", type=int, default=4, help="chunk size the target asks for")
     p.add_argument("--link", choices=("1gbit", "10gbit", "none"), default=None,
                    help="source and target in two network namespaces over a link shaped with tc (root)")
+    p.add_argument("--threads", action="store_true",
+                   help="per pull, each thread's CPU time and wait for a CPU, in both processes (Linux)")
     args = p.parse_args(argv)
     if args.link is None:
         return _profile(args, None)
@@ -194,10 +254,11 @@ def _profile(args, lab) -> int:
                          daemon=True)
     source.start()
     loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
+    threading.Thread(target=loop.run_forever, name="event-loop", daemon=True).start()
     engine = _engine(args.size, num_blocks)
-    stages = Stages()
+    stages, threads = Stages(), ThreadTimes()
     _instrument(stages, "target")
+    threads.keep_receive_threads()
     path = _path("dst", engine, args.chunk_mib, lab.hosts["b"] if lab is not None else "127.0.0.1")
     address = ours.recv()
     ours.send(("seed", (64, 1)))
@@ -205,6 +266,7 @@ def _profile(args, lab) -> int:
     ours.send(("stages", None))
     ours.recv()
     stages.take()
+    threads.since(threads.now())
     if lab is not None:
         from orchard.cluster.bench import netns
 
@@ -215,19 +277,26 @@ def _profile(args, lab) -> int:
     for i in range(args.repeats):
         ours.send(("seed", (args.tokens, i + 2)))
         hashes = ours.recv()
+        before = threads.now()
         started = time.perf_counter()
         result = _pull(loop, path, address, hashes)
         wall = time.perf_counter() - started
+        target_threads = threads.since(before)
         ours.send(("stages", None))
-        source_stages = ours.recv()
+        source_stages, source_threads = ours.recv()
         target_stages = stages.take()
         assert result.ok and result.imported == len(hashes), result
         rates.append(result.bytes_per_s)
-        pulls.append({"bytes": result.bytes, "wall_s": wall, "source": source_stages, "target": target_stages})
+        pulls.append({"bytes": result.bytes, "wall_s": wall, "source": source_stages, "target": target_stages,
+                      "threads": {"source": source_threads, "target": target_threads}})
         print(f"pull {i}: {result.bytes / 2**20:.1f} MiB in {wall * 1e3:.1f} ms "
               f"({result.bytes_per_s / 1e9:.2f} GB/s, {100 * result.bytes_per_s / tcp_Bps:.0f} % of TCP)")
         for side, table in (("source", source_stages), ("target", target_stages)):
             print(f"  {side}: " + ", ".join(f"{k} {s * 1e3:.1f} ms/{n}" for k, (s, n) in sorted(table.items())))
+        if args.threads:
+            for side, used in (("source", source_threads), ("target", target_threads)):
+                print(f"  {side} threads (CPU / waiting for a CPU, ms): "
+                      + ", ".join(f"{name} {cpu * 1e3:.2f}/{wait * 1e3:.2f}" for name, cpu, wait in used))
     print(f"raw TCP {tcp_Bps / 1e9:.2f} GB/s; pull best {max(rates) / 1e9:.2f} GB/s "
           f"({100 * max(rates) / tcp_Bps:.0f} %), median {statistics.median(rates) / 1e9:.2f} GB/s")
     save_results("kv_pull_profile", {"machine": machine_line(), "size": args.size, "tokens": args.tokens,

@@ -44,3 +44,23 @@ def test_the_elementwise_experiment_times_ops_that_agree_bit_for_bit():
         row = cpu_elementwise.measure(rows=8, repeats=2)
     assert row["swiglu same bits"] and row["rope same bits"]
     assert all(row[k] > 0 for k in row if k.endswith(" ms"))
+
+
+def test_thread_times_count_the_cpu_of_a_receive_thread_that_ended(monkeypatch):
+    import threading
+
+    from experiments import kv_pull_profile
+    from orchard.node.serving import kv_link
+
+    if kv_pull_profile._schedstat(threading.get_native_id()) is None:
+        pytest.skip("no per-thread schedstat here (Linux's)")
+    times = kv_pull_profile.ThreadTimes()
+    monkeypatch.setattr(kv_link.LinkStream, "_receive", lambda stream: sum(i * i for i in range(300_000)))
+    times.keep_receive_threads()
+    before = times.now()
+    receiver = threading.Thread(target=kv_link.LinkStream._receive, args=(None,), name="kv-link-recv")
+    receiver.start()
+    receiver.join()
+    used = {name: (cpu, wait) for name, cpu, wait in times.since(before)}
+    assert used["kv-link-recv"][0] > 1e-3  # its CPU, though the thread is gone
+    assert "kv-link-recv" not in {name for name, _, _ in times.since(times.now())}  # counted once, with its pull
