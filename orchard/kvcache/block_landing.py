@@ -3,8 +3,8 @@
 Imported chunk by chunk on the engine thread, a pull into a node that is decoding waits for the step in
 progress at every chunk, and each import's copy takes time from the steps (docs/benchmarks.md, "Pulls
 into a node that is decoding": the large demo model's 1.5-2.6x slower at the median than landed, the
-small one's faster over Ray). Here the engine thread reserves the run's blocks once, before the request
-goes (`BlockTransfer.reserve_landing`); another thread checks each chunk and writes its KV into the
+small one's faster over Ray). Here the engine thread reserves the run's blocks once, before the first chunk
+is taken (`BlockTransfer.reserve_landing`); another thread checks each chunk and writes its KV into the
 next reserved blocks through the pool's layer views: the direct path's receive thread reads it there from
 the socket (`placing`), or its landing thread copies a chunk that had to land in a buffer first (`land`);
 and the engine thread lists what landed as cached once, when the reply has ended (`adopt`), or as it

@@ -11,7 +11,7 @@ by default where the link from the same source carried its last long enough pull
 compressor runs, which is to say where the link, not the CPU, sets a pull's pace.
 
 Where the pool lives in memory numpy can address (the CPU, a Mac's unified memory), a pull's blocks
-land straight in pool blocks the engine thread reserved before the request went, and the engine thread
+land straight in pool blocks the engine thread reserved before the first chunk is taken, and the engine thread
 lists them as cached (`orchard.kvcache.block_landing`) in calls the receive thread queues as chunks land,
 which a stepping engine takes between two steps while the pull goes on, and in one at the end: a pull into
 a stepping engine waits for two steps at most, not a step per chunk, and takes no copy from the steps' thread.
@@ -87,7 +87,13 @@ class DirectPath:
         self._lander.shutdown(wait=False)
 
     async def pull(self, source_id: str, hashes: Sequence[BlockHash], resolve: Resolve) -> PullResult | None:
-        """Pull the blocks of `hashes` this node lacks from `source_id`'s listener, or None (see above)."""
+        """Pull the blocks of `hashes` this node lacks from `source_id`'s listener, or None (see above).
+
+        Over a kept connection the request goes first, for the whole run, and the engine thread looks up what
+        is held here, reserves the blocks and hands the stream its sink while the source pins and sends: that
+        hop is off the pull's path, and the receive thread takes the first chunk without waiting for the event
+        loop to wake (docs/benchmarks.md, "Asking first"). Where this node turns out to hold a leading part of the run, or has room for less of it,
+        that stream is dropped and the blocks it lacks are asked for again on a new connection."""
         started = time.perf_counter()  # the fixed cost a pull pays counts from here: lookup, hops, handshake
         address = await self._address(source_id, resolve)
         if address is None or self.key is None:
@@ -95,16 +101,26 @@ class DirectPath:
         hashes = [BlockHash(bytes(h)) for h in hashes]
         engine = self.mover.engine
         compress = self.compresses(source_id)
-        local, landing = await engine.run_on_engine(lambda e: _plan(e, hashes, places=not compress))
-        result = PullResult(source_id, requested=len(hashes), local=local, via="direct")
-        if local == len(hashes):
+        result = PullResult(source_id, requested=len(hashes), via="direct")
+        asked = self._ask_kept(source_id, hashes, compress)
+        try:
+            landing, sink = await engine.run_on_engine(lambda e: self._plan_and_take(e, hashes, compress, result, asked))
+        except BaseException:
+            if asked is not None:
+                asked.close()
+            raise
+        if asked is not None and sink is None:  # it asked for blocks held here, or for more than there is room for
+            await self._drop(asked)
+            asked = None
+        wanted = hashes[result.local :][: landing.capacity if landing is not None else None]
+        if not wanted:
             return result
-        sock = self._kept(source_id) or await self._connect(source_id, address)
-        if sock is None:
+        stream = asked or await self._ask_new(source_id, address, wanted, compress)
+        if stream is None:
             if landing is not None:
                 await engine.run_on_engine(lambda e: landing.release())
             return None
-        return await self._receive(source_id, sock, hashes[local:], result, started, landing, compress)
+        return await self._receive(source_id, stream, sink or self._take(stream, landing, result, compress), result, started)
 
     def compresses(self, source_id: str) -> bool:
         """Whether a pull from `source_id` asks for compressed chunks (`KVLinkConfig.compress`)."""
@@ -157,20 +173,60 @@ class DirectPath:
         sock.close()
         return None
 
-    async def _receive(self, source_id: str, sock, wanted: list[BlockHash], result: PullResult,
-                       started: float, landing: BlockLanding | None, compress: bool) -> PullResult:
+    def _ask_kept(self, source_id: str, hashes: list[BlockHash], compress: bool) -> LinkStream | None:
+        """A stream asking for `hashes` over the connection the last pull from `source_id` left, if any,
+        its chunks held until `take`."""
+        sock = self._kept(source_id)
+        return None if sock is None else self._ask(sock, hashes, compress)
+
+    async def _ask_new(self, source_id: str, address: str, hashes: list[BlockHash], compress: bool) -> LinkStream | None:
+        """A stream asking for `hashes` over a new connection, or None where none can be made."""
+        sock = await self._connect(source_id, address)
+        return None if sock is None else self._ask(sock, hashes, compress)
+
+    def _ask(self, sock: socket.socket, hashes: list[BlockHash], compress: bool) -> LinkStream | None:
+        """A stream whose request for `hashes` went, its chunks held until `take`; None, the connection
+        closed, where the request could not be sent (the source went away): nothing was asked yet."""
         buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(4)]  # arriving, queued, importing
+        stream = LinkStream(sock, buffers, self.mover.geometry, state_geometry=self.mover.state_geometry, taken_later=True)
+        try:
+            stream.start(hashes, chunk_size(len(hashes) * self.mover.geometry.bytes_per_block, self.config.chunk_bytes),
+                         compress=compress)
+        except OSError as exc:
+            log.info("node %s: a KV link request could not be sent (%s)", self.node_id, exc)
+            stream.close()
+            self._buffers.extend(buffers)
+            return None
+        return stream
+
+    async def _drop(self, stream: LinkStream) -> None:
+        """Give up a stream whose reply nobody takes: its connection closed, its buffers kept."""
+        stream.close()
+        await stream.stopped()
+        self._buffers.extend(stream.buffers)
+
+    def _plan_and_take(self, engine, hashes: list[BlockHash], compress: bool, result: PullResult,
+                       asked: LinkStream | None) -> tuple[BlockLanding | None, _Sink | None]:
+        """(`_plan`'s landing, the sink given to `asked` or None) (engine thread): where `asked` asked for
+        just the blocks wanted, its chunks' sink, given to it from here."""
+        result.local, landing = _plan(engine, hashes, places=not compress)
+        if asked is None or result.local or (landing is not None and landing.capacity < len(hashes)):
+            return landing, None
+        return landing, self._take(asked, landing, result, compress)
+
+    def _take(self, stream: LinkStream, landing: BlockLanding | None, result: PullResult, compress: bool) -> _Sink:
+        """The sink of `stream`'s chunks, given to it: landed in `landing` (read straight into its blocks where
+        they come plain), else imported by the engine thread."""
         engine = self.mover.engine
         sink = _ChunkLander(landing, result, self._lander, engine) if landing is not None else _ChunkImporter(engine, result)
-        placing = landing if landing is not None and not compress and landing.places_wire_bytes else None
-        stream = sink.stream = LinkStream(sock, buffers, self.mover.geometry, sink=sink,
-                                          state_geometry=self.mover.state_geometry, landing=placing)
+        sink.stream = stream
+        stream.take(sink, landing if landing is not None and not compress and landing.places_wire_bytes else None)
+        return sink
+
+    async def _receive(self, source_id: str, stream: LinkStream, sink: _Sink, result: PullResult,
+                       started: float) -> PullResult:
         try:
-            if landing is not None:
-                wanted = wanted[: landing.capacity]  # the pool had room for no more
             try:
-                stream.start(wanted, chunk_size(len(wanted) * self.mover.geometry.bytes_per_block,
-                                                self.config.chunk_bytes), compress=compress)
                 async for _ in stream.chunks():
                     pass
             finally:

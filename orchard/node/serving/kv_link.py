@@ -212,13 +212,19 @@ class LinkStream:
     """One pull's connection: chunks arrive on a thread into reused buffers, the caller awaits them."""
 
     def __init__(self, sock: socket.socket, buffers: list[bytearray], geometry, sink: ChunkSink | None = None,
-                 state_geometry=None, landing: BlockLanding | None = None):
+                 state_geometry=None, landing: BlockLanding | None = None, taken_later: bool = False):
         """`state_geometry`: a hybrid model's state pool geometry, which each chunk's state must have.
         `landing`: blocks reserved for the reply, which its version 3 chunks are read straight into
         (`IncomingPayload.place`; the sink is called with the chunks that could not be, and its `placed(size)`
-        after each of the others); the landing must take the wire's bytes as they are (`places_wire_bytes`)."""
+        after each of the others); the landing must take the wire's bytes as they are (`places_wire_bytes`).
+        `taken_later`: the sink and landing come from `take`, which may follow `start`: the request then goes
+        while the caller still reserves the blocks, and the receive thread waits for them before the first chunk."""
         self.sock, self.geometry, self._sink = sock, geometry, sink
         self.state_geometry, self._landing = state_geometry, landing
+        self._taken = threading.Event()  # the sink and landing are known: the receive thread may take chunks
+        if not taken_later:
+            self._taken.set()
+        self._closed = False
         self._told_end = False
         self._finished = False  # the receive thread has stopped: it writes no more blocks
         self._free: queue.SimpleQueue = queue.SimpleQueue()  # the receive thread blocks on it
@@ -272,11 +278,18 @@ class LinkStream:
             return None
         return self.wire_bytes / moving
 
+    def take(self, sink: ChunkSink | None, landing: BlockLanding | None) -> None:
+        """Where the chunks go, for a stream made `taken_later` (see `__init__`); once, before or after `start`."""
+        self._sink, self._landing = sink, landing
+        self._taken.set()
+
     def done(self, buffer: bytearray) -> None:
         self._free.put(buffer)
 
     def close(self) -> None:
-        """End the pull and the connection; wakes a receiver waiting for a buffer."""
+        """End the pull and the connection; wakes a receiver waiting for a buffer or for `take`."""
+        self._closed = True
+        self._taken.set()
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -309,6 +322,7 @@ class LinkStream:
         try:
             while (size := U64.unpack(recv_exact(self.sock, 8) or eof())[0]) != 0:
                 self._began = self._began or time.perf_counter()
+                self._taken.wait()  # at once but for a first chunk that came before its sink was known
                 buffer = self._next_buffer()
                 if buffer is None:
                     raise ConnectionError("the pull was given up (its stream closed)")
@@ -356,6 +370,8 @@ class LinkStream:
             self._sink.end()
 
     def _next_buffer(self) -> bytearray | None:
+        if self._closed:
+            return None
         try:
             return self._free.get_nowait()
         except queue.Empty:

@@ -390,6 +390,63 @@ def test_a_kept_connection_the_source_closed_is_replaced_by_a_fresh_one(nodes):
     assert paths["a"].server.counters.accepted == accepted + 1
 
 
+def test_over_a_kept_connection_the_request_goes_while_the_target_reserves_its_blocks(nodes, monkeypatch):
+    """The target's plan (its lookup and reservation, on its engine thread) waits here until the source
+    has begun its reply: a pull that asked only once planned would wait out the timeout here."""
+    loop, paths = nodes
+    pull(loop, paths, prompt(61))  # leaves a kept connection
+    exporting, seen = threading.Event(), []
+    server = paths["a"].server
+    real_export = server._export_layers
+
+    def export_layers(hashes):
+        exporting.set()
+        return real_export(hashes)
+
+    real_plan = direct_path._plan
+
+    def plan(engine, hashes, places):
+        seen.append(exporting.wait(5))
+        return real_plan(engine, hashes, places)
+
+    monkeypatch.setattr(server, "_export_layers", export_layers)
+    monkeypatch.setattr(direct_path, "_plan", plan)
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(62))
+    assert seen == [True]
+    assert (result.ok, result.local, result.imported) == (True, 0, 5) and (migrated, hit) == (reference, 5 * BS)
+
+
+def source_pins_none(paths) -> bool:
+    return wait_until(lambda: paths["a"].mover.engine.engine.kv.manager.num_used == 0)
+
+
+def test_a_run_partly_held_here_is_asked_for_again_from_its_first_missing_block(nodes):
+    """Asked over a kept connection before the target knew it held the run's first three blocks: that
+    reply is dropped, with its connection, and the two blocks it lacks come over a new one."""
+    loop, paths = nodes
+    pull(loop, paths, prompt(63))
+    tokens = prompt(64)
+    loop.run_until_complete(generate(paths["b"], "held-64", tokens[: 3 * BS]))
+    accepted = paths["a"].server.counters.accepted
+    result, (migrated, hit), (reference, _) = pull(loop, paths, tokens)
+    assert (result.ok, result.local, result.imported) == (True, 3, 2) and (migrated, hit) == (reference, 5 * BS)
+    assert paths["a"].server.counters.accepted == accepted + 1
+    assert source_pins_none(paths)  # the dropped reply's run was let go
+
+
+def test_a_target_with_room_for_part_of_the_run_asks_again_for_that_part(nodes, monkeypatch):
+    loop, paths = nodes
+    pull(loop, paths, prompt(65))
+    manager = paths["b"].mover.engine.engine.kv.manager
+    real_reserve = manager.reserve
+    monkeypatch.setattr(manager, "reserve", lambda count: real_reserve(min(count, 3)))
+    failures = paths["b"].mover.counters.migration_failures
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(66))
+    assert (result.ok, result.local, result.imported) == (True, 0, 3) and (migrated, hit) == (reference, 3 * BS)
+    assert paths["b"].mover.counters.migration_failures == failures
+    assert source_pins_none(paths)
+
+
 def test_pull_from_an_address_where_nothing_listens_is_no_direct_path(nodes):
     loop, paths = nodes
     with socket.socket() as probe:
