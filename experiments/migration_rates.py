@@ -3,7 +3,9 @@
 One panel a link, in GB/s: each pull size's best (bar) and median (dark inner bar) of a run, beside what
 the link carries and issue 19's target there (dashed): on loopback and across the unshaped veth, raw TCP
 over the same path (the run's median reading, its other readings as a tick each) and half of it; at 1 and
-10 Gbit/s, the shaped rate and 80 % of it. Raw TCP on loopback reads about 2 or 3.5-7 GB/s from one
+10 Gbit/s, the shaped rate and 80 % of it. Where a group holds several runs of a link, the bars are the
+medians of their bests and of their medians, each run's best is a dot, and the line is the median of what
+the runs' links carried. Raw TCP on loopback reads about 2 or 3.5-7 GB/s from one
 reading to the next on a two-core VM, so there the rates are drawn, not their share of one reading.
 Labelled groups of runs (the trees compared) sit side by side:
 
@@ -42,20 +44,28 @@ def draw(groups: dict[str, list[dict]], name: str) -> Path:
     width = 0.8 / len(groups)
     for ax, link in zip(axes[0], links):
         for g, (label, runs) in enumerate(groups.items()):
-            run = next((r for r in runs if r["link"] == link), None)
-            if run is None:
+            here = [r for r in runs if r["link"] == link]
+            if not here:
                 continue
             offset = (g - (len(groups) - 1) / 2) * width
-            xs = [i + offset for i in range(len(run["rows"]))]
-            bars = ax.bar(xs, [row["direct_Bps"] / GB for row in run["rows"]], width, label=f"{label} ({run['tree']})")
-            ax.bar(xs, [row["direct_median_Bps"] / GB for row in run["rows"]], width * 0.45, color="black", alpha=0.4,
-                   label="median" if g == 0 else None)
-            carried, readings = link_GBps(run)
+            rows = here[0]["rows"]
+            xs = [i + offset for i in range(len(rows))]
+            bests = [[run["rows"][i]["direct_Bps"] / GB for run in here] for i in range(len(rows))]
+            trees = sorted({run["tree"] for run in here})
+            bars = ax.bar(xs, [statistics.median(b) for b in bests], width, label=f"{label} ({', '.join(trees)})")
+            ax.bar(xs, [statistics.median(run["rows"][i]["direct_median_Bps"] / GB for run in here) for i in range(len(rows))],
+                   width * 0.45, color="black", alpha=0.4, label="median" if g == 0 else None)
+            if len(here) > 1:
+                for x, b in zip(xs, bests):
+                    ax.plot([x] * len(b), b, ".", color="black", markersize=4,
+                            label="each run's best" if g == 0 and x == xs[0] else None)
+            carried = statistics.median(link_GBps(run)[0] for run in here)
+            readings = [v for run in here for v in link_GBps(run)[1]]
             colour = bars.patches[0].get_facecolor() if len(groups) > 1 and readings else "gray"
             ax.axhline(carried, color=colour, linewidth=1)
             ax.axhline(carried * TARGET_SHARE[link], color=colour, linestyle="--", linewidth=1)
-            ax.plot([len(run["rows"]) - 0.45 + offset / 2] * len(readings), readings, "_", color=colour, markersize=8)
-            ax.set_xticks(range(len(run["rows"])), [f"{row['size']} {row['bytes'] / 2**20:.0f} MiB" for row in run["rows"]],
+            ax.plot([len(rows) - 0.45 + offset / 2] * len(readings), readings, "_", color=colour, markersize=8)
+            ax.set_xticks(range(len(rows)), [f"{row['size']} {row['bytes'] / 2**20:.0f} MiB" for row in rows],
                           rotation=30, ha="right", fontsize=7)
         what = "raw TCP (line), half of it (dashed)" if not LINKS.get(link) else "shaped rate (line), 80 % (dashed)"
         ax.set_title(f"{PANELS[link]}\n{what}", fontsize=8)

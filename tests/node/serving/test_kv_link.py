@@ -447,6 +447,26 @@ def test_a_target_with_room_for_part_of_the_run_asks_again_for_that_part(nodes, 
     assert source_pins_none(paths)
 
 
+def test_a_kept_connection_that_cannot_carry_the_request_is_replaced_by_a_fresh_one(nodes, monkeypatch):
+    loop, paths = nodes
+    pull(loop, paths, prompt(67))
+    real_start, refused = kv_link.LinkStream.start, []
+
+    def start(stream, *args, **kwargs):
+        if not refused:
+            refused.append(stream.sock)
+            raise BrokenPipeError("the peer went away")
+        return real_start(stream, *args, **kwargs)
+
+    monkeypatch.setattr(kv_link.LinkStream, "start", start)
+    accepted = paths["a"].server.counters.accepted
+    failures = paths["b"].mover.counters.migration_failures
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(68))
+    assert (result.ok, result.imported) == (True, 5) and (migrated, hit) == (reference, 5 * BS)
+    assert paths["a"].server.counters.accepted == accepted + 1 and refused[0].fileno() == -1  # closed
+    assert paths["b"].mover.counters.migration_failures == failures
+
+
 def test_pull_from_an_address_where_nothing_listens_is_no_direct_path(nodes):
     loop, paths = nodes
     with socket.socket() as probe:
