@@ -360,6 +360,7 @@ class LinkStream:
         return link_io.receive_payload(self.sock, view, incoming) or eof()
 
     def _finish(self, last) -> None:
+        self._taken.wait()  # a reply can end before its sink is known (a source that holds none of the run)
         self._finished = True
         self._tell_end()
         self._put(last)

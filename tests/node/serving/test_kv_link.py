@@ -467,6 +467,40 @@ def test_a_kept_connection_that_cannot_carry_the_request_is_replaced_by_a_fresh_
     assert paths["b"].mover.counters.migration_failures == failures
 
 
+def test_a_reply_that_ends_before_the_target_has_planned_still_ends_the_pull(nodes, monkeypatch):
+    """Asked first over a kept connection for blocks the source does not hold, the reply is its end marker
+    alone, and it can come before the target's engine thread has given the stream its sink: the sink is
+    still told the end, and the pull returns."""
+    loop, paths = nodes
+    pull(loop, paths, prompt(69))
+    replied = threading.Event()
+    real_send = paths["a"].server._send_chunks
+
+    def send_chunks(*args):
+        real_send(*args)
+        replied.set()
+
+    real_plan = direct_path._plan
+
+    def plan(engine, hashes, places):
+        replied.wait(5)
+        time.sleep(0.05)  # the receive thread has read the end marker
+        return real_plan(engine, hashes, places)
+
+    monkeypatch.setattr(paths["a"].server, "_send_chunks", send_chunks)
+    monkeypatch.setattr(direct_path, "_plan", plan)
+
+    async def run():
+        async def resolve(_peer):
+            return paths["a"].address
+
+        unknown = [BlockHash(bytes([n]) * 16) for n in range(3)]
+        return await asyncio.wait_for(paths["b"].pull("a", unknown, resolve), 10)
+
+    result = loop.run_until_complete(run())
+    assert replied.is_set() and (result.ok, result.local, result.imported) == (True, 0, 0)
+
+
 def test_pull_from_an_address_where_nothing_listens_is_no_direct_path(nodes):
     loop, paths = nodes
     with socket.socket() as probe:
