@@ -312,9 +312,9 @@ def throughput(pair: NodePair, config: BenchConfig, raw: RawTCP) -> list[dict]:
         direct = sorted((pair.pull(pair.seed_on_a(tokens)) for _ in range(config.repeats)), key=lambda r: r["bytes_per_s"])
         replies = sorted(raw.replies(direct[-1]["wire_bytes"], config.repeats))
         through_ray = pair.pull(pair.seed_on_a(tokens), via_ray=True)
-        rows.append({"reply_Bps": replies[-1], "reply_median_Bps": replies[len(replies) // 2],
-                     "size": pair.size, "tokens": tokens, "bytes": direct[-1]["bytes"], "wire_bytes": direct[-1]["wire_bytes"],
+        rows.append({"size": pair.size, "tokens": tokens, "bytes": direct[-1]["bytes"], "wire_bytes": direct[-1]["wire_bytes"],
                      "direct_Bps": direct[-1]["bytes_per_s"], "direct_median_Bps": direct[len(direct) // 2]["bytes_per_s"],
+                     "reply_Bps": replies[-1], "reply_median_Bps": replies[len(replies) // 2],
                      "ray_Bps": through_ray["bytes_per_s"],
                      "transfer_Bps": pair.transfer_only(pair.seed_on_a(tokens), chunk_blocks)})
     return rows

@@ -92,8 +92,9 @@ class DirectPath:
         Over a kept connection the request goes first, for the whole run, and the engine thread looks up what
         is held here, reserves the blocks and hands the stream its sink while the source pins and sends: that
         hop is off the pull's path, and the receive thread takes the first chunk without waiting for the event
-        loop to wake (docs/benchmarks.md, "Asking first"). Where this node turns out to hold a leading part of the run, or has room for less of it,
-        that stream is dropped and the blocks it lacks are asked for again on a new connection."""
+        loop to wake (docs/benchmarks.md, "Asking first"). Where this node turns out to hold a leading part of
+        the run, or has room for less of it, that stream is dropped and the blocks it lacks are asked for
+        again on a new connection."""
         started = time.perf_counter()  # the fixed cost a pull pays counts from here: lookup, hops, handshake
         address = await self._address(source_id, resolve)
         if address is None or self.key is None:
@@ -104,7 +105,7 @@ class DirectPath:
         result = PullResult(source_id, requested=len(hashes), via="direct")
         asked = self._ask_kept(source_id, hashes, compress)
         try:
-            landing, sink = await engine.run_on_engine(lambda e: self._plan_and_take(e, hashes, compress, result, asked))
+            landing, wanted, sink = await engine.run_on_engine(lambda e: self._plan_and_take(e, hashes, compress, result, asked))
         except BaseException:
             if asked is not None:
                 asked.close()
@@ -112,7 +113,6 @@ class DirectPath:
         if asked is not None and sink is None:  # it asked for blocks held here, or for more than there is room for
             await self._drop(asked)
             asked = None
-        wanted = hashes[result.local :][: landing.capacity if landing is not None else None]
         if not wanted:
             return result
         stream = asked or await self._ask_new(source_id, address, wanted, compress)
@@ -144,6 +144,7 @@ class DirectPath:
         if sock is None:
             return None
         stream = LinkStream(sock, [bytearray()], self.mover.geometry)
+        stream.take(None)
         received = 0
         try:
             stream.start([], 0, probe_bytes=nbytes)
@@ -188,7 +189,7 @@ class DirectPath:
         """A stream whose request for `hashes` went, its chunks held until `take`; None, the connection
         closed, where the request could not be sent (the source went away): nothing was asked yet."""
         buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(4)]  # arriving, queued, importing
-        stream = LinkStream(sock, buffers, self.mover.geometry, state_geometry=self.mover.state_geometry, taken_later=True)
+        stream = LinkStream(sock, buffers, self.mover.geometry, state_geometry=self.mover.state_geometry)
         try:
             stream.start(hashes, chunk_size(len(hashes) * self.mover.geometry.bytes_per_block, self.config.chunk_bytes),
                          compress=compress)
@@ -206,13 +207,15 @@ class DirectPath:
         self._buffers.extend(stream.buffers)
 
     def _plan_and_take(self, engine, hashes: list[BlockHash], compress: bool, result: PullResult,
-                       asked: LinkStream | None) -> tuple[BlockLanding | None, _Sink | None]:
-        """(`_plan`'s landing, the sink given to `asked` or None) (engine thread): where `asked` asked for
-        just the blocks wanted, its chunks' sink, given to it from here."""
+                       asked: LinkStream | None) -> tuple[BlockLanding | None, list[BlockHash], _Sink | None]:
+        """(`_plan`'s landing, the blocks to ask for: those not held here, as many as the landing has room
+        for, the sink given to `asked` or None) (engine thread): where `asked` asked for just those, its
+        chunks' sink, given to it from here."""
         result.local, landing = _plan(engine, hashes, places=not compress)
-        if asked is None or result.local or (landing is not None and landing.capacity < len(hashes)):
-            return landing, None
-        return landing, self._take(asked, landing, result, compress)
+        wanted = hashes[result.local :][: landing.capacity if landing is not None else None]
+        if asked is None or len(wanted) != len(hashes):
+            return landing, wanted, None
+        return landing, wanted, self._take(asked, landing, result, compress)
 
     def _take(self, stream: LinkStream, landing: BlockLanding | None, result: PullResult, compress: bool) -> _Sink:
         """The sink of `stream`'s chunks, given to it: landed in `landing` (read straight into its blocks where

@@ -211,19 +211,13 @@ def reply_runs(blocks: list, state: StateSnapshotData | None, per_chunk: int) ->
 class LinkStream:
     """One pull's connection: chunks arrive on a thread into reused buffers, the caller awaits them."""
 
-    def __init__(self, sock: socket.socket, buffers: list[bytearray], geometry, sink: ChunkSink | None = None,
-                 state_geometry=None, landing: BlockLanding | None = None, taken_later: bool = False):
-        """`state_geometry`: a hybrid model's state pool geometry, which each chunk's state must have.
-        `landing`: blocks reserved for the reply, which its version 3 chunks are read straight into
-        (`IncomingPayload.place`; the sink is called with the chunks that could not be, and its `placed(size)`
-        after each of the others); the landing must take the wire's bytes as they are (`places_wire_bytes`).
-        `taken_later`: the sink and landing come from `take`, which may follow `start`: the request then goes
-        while the caller still reserves the blocks, and the receive thread waits for them before the first chunk."""
-        self.sock, self.geometry, self._sink = sock, geometry, sink
-        self.state_geometry, self._landing = state_geometry, landing
+    def __init__(self, sock: socket.socket, buffers: list[bytearray], geometry, state_geometry=None):
+        """`state_geometry`: a hybrid model's state pool geometry, which each chunk's state must have. The
+        stream takes no chunk until `take` says where they go."""
+        self.sock, self.geometry, self.state_geometry = sock, geometry, state_geometry
+        self._sink: ChunkSink | None = None
+        self._landing: BlockLanding | None = None
         self._taken = threading.Event()  # the sink and landing are known: the receive thread may take chunks
-        if not taken_later:
-            self._taken.set()
         self._closed = False
         self._told_end = False
         self._finished = False  # the receive thread has stopped: it writes no more blocks
@@ -278,8 +272,13 @@ class LinkStream:
             return None
         return self.wire_bytes / moving
 
-    def take(self, sink: ChunkSink | None, landing: BlockLanding | None) -> None:
-        """Where the chunks go, for a stream made `taken_later` (see `__init__`); once, before or after `start`."""
+    def take(self, sink: ChunkSink | None, landing: BlockLanding | None = None) -> None:
+        """Where the chunks go; once, before or after `start` (after it, the request goes while the caller
+        still reserves the blocks, and the receive thread waits for this before the first chunk). `sink`:
+        None to await the chunks from `chunks`. `landing`: blocks reserved for the reply, which its version 3
+        chunks are read straight into (`IncomingPayload.place`; the sink is called with the chunks that
+        could not be, and its `placed(size)` after each of the others); the landing must take the wire's
+        bytes as they are (`places_wire_bytes`)."""
         self._sink, self._landing = sink, landing
         self._taken.set()
 
@@ -300,8 +299,6 @@ class LinkStream:
     async def stopped(self) -> None:
         """Once the receive thread writes nothing more: at once where it has ended, else once it has, the
         connection closed first so it stops reading (a pull given up part way, its landing to be freed)."""
-        if self._thread is None:  # it never started (the request could not be sent)
-            self._tell_end()
         if self._thread is None or self._finished:
             return
         self.close()

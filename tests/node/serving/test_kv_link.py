@@ -351,7 +351,8 @@ def test_a_pull_given_up_while_its_chunks_wait_for_a_buffer_ends_at_once_with_an
         await generate(paths["a"], "cache-51", tokens)
         sock = await asyncio.to_thread(connect, paths["a"].address, KEY, "a", CONFIG)
         sink = HoldingSink()
-        stream = kv_link.LinkStream(sock, [bytearray()], paths["a"].mover.geometry, sink=sink)
+        stream = kv_link.LinkStream(sock, [bytearray()], paths["a"].mover.geometry)
+        stream.take(sink)
         stream.start(hashes_of(paths["a"], tokens), CONFIG.chunk_bytes)
         await asyncio.to_thread(sink.chunks.wait, 5)
         await asyncio.sleep(0.2)  # the next chunk's length read, the thread waiting for a buffer
