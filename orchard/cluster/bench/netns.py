@@ -257,7 +257,7 @@ def _answer(namespace, host, nbytes, ready, result) -> None:
         server.settimeout(30)
         conn, _ = server.accept()
         with conn:
-            while conn.recv(4):
+            while conn.recv(4, socket.MSG_WAITALL):  # one request: its four bytes whole
                 conn.sendall(payload)
 
 
