@@ -5,7 +5,7 @@ actor's event loop only moves requests in and outputs out. Two duties beyond ser
 
 - the engine's KV events go to the coordinator from the actor's event loop, not the engine
   thread, in order (calls from one caller reach the actor in order): the first after a quiet
-  spell at once, then what the steps made meanwhile in one call at most every
+  spell within `KV_EVENTS_FIRST_S`, then what the steps made meanwhile in one call at most every
   `KV_EVENTS_GAP_S` (each Ray call costs both processes CPU: under 32 streaming clients on
   the 2-core VM the coordinator took 0.05-0.10 of a core answering one call per step);
 - every `heartbeat_s`, and soon after a request finishes (so the router does not count a
@@ -60,6 +60,11 @@ _SNAPSHOT_ATTEMPTS = 5
 _MIN_BEAT_GAP_S = 0.05
 #: KV events go to the coordinator at most this often; the router's index lags by at most this.
 KV_EVENTS_GAP_S = 0.05
+#: The first events after a quiet spell go this long after the engine handed them over, not at once: the
+#: engine call that made them settles its caller right after (a pull's closing call), and a send due at once
+#: ran before that caller on the loop, so a pull returned a Ray call later (docs/benchmarks.md, "The KV
+#: events' send after a pull").
+KV_EVENTS_FIRST_S = 0.005
 
 
 
@@ -324,9 +329,9 @@ class NodeActor:
             self._loop.call_soon_threadsafe(self._schedule_kv_events)
 
     def _schedule_kv_events(self) -> None:
-        """Loop: send now if the last send is `KV_EVENTS_GAP_S` old, else when it will be."""
+        """Loop: send in `KV_EVENTS_FIRST_S` if the last send is `KV_EVENTS_GAP_S` old, else when it will be."""
         wait = self._events_sent_at + KV_EVENTS_GAP_S - self._loop.time()
-        self._loop.call_later(max(0.0, wait), self._flush_kv_events)
+        self._loop.call_later(max(KV_EVENTS_FIRST_S, wait), self._flush_kv_events)
 
     def _flush_kv_events(self) -> None:
         with self._events_lock:
