@@ -142,11 +142,14 @@ class AsyncEngine:
         """`abort` for a caller that is not a coroutine (any thread: nothing is awaited)."""
         self._commands.put(("abort", request_id))
 
-    async def run_on_engine(self, fn):
+    async def run_on_engine(self, fn, publish: bool = True):
         """`fn(engine)` on the engine thread between two steps (KV export/import for migration).
 
         The engine owns its KV cache outright, so this is the only safe way to touch it
-        from outside; whatever `fn` raises is raised here.
+        from outside; whatever `fn` raises is raised here. The KV events the call and those
+        before it caused go to the listeners before it returns; with `publish` False they wait
+        for the next step or publishing call (a pull's reservation goes with its closing call:
+        each hand-over is a Ray call from a node actor).
         """
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
@@ -154,7 +157,7 @@ class AsyncEngine:
         def settle(result, exc) -> None:
             loop.call_soon_threadsafe(_set_result if exc is None else _set_exception, done, result if exc is None else exc)
 
-        self._commands.put(("call", fn, settle, True))
+        self._commands.put(("call", fn, settle, publish))
         return await done
 
     def call_from_thread(self, fn, settle, publish: bool = False) -> None:

@@ -124,6 +124,15 @@ def test_calls_from_a_thread_run_in_order_settle_on_the_engine_thread_and_publis
     assert len(published) == 1  # the loop call published; the four thread calls did not
 
 
+def test_a_loop_call_that_does_not_publish_leaves_its_events_to_the_next_that_does(engine):
+    published = []
+    engine.add_kv_listener(lambda events: published.append(len(events)))
+    asyncio.run(engine.run_on_engine(lambda _e: None, publish=False))
+    assert published == []
+    asyncio.run(engine.run_on_engine(lambda _e: None))
+    assert len(published) == 1
+
+
 class RecordingSink:
     """An OutputSink noting what it was handed, and on which thread."""
 

@@ -94,7 +94,9 @@ class DirectPath:
         hop is off the pull's path, and the receive thread takes the first chunk without waiting for the event
         loop to wake (docs/benchmarks.md, "Asking first"). Where this node turns out to hold a leading part of
         the run, or has room for less of it, that stream is dropped and the blocks it lacks are asked for
-        again on a new connection."""
+        again on a new connection. The KV events of the reservation (blocks evicted for it) go with the pull's
+        closing engine call, in one hand-over: a node actor sends each to the coordinator in a Ray call, which
+        would otherwise come in the middle of the pull."""
         started = time.perf_counter()  # the fixed cost a pull pays counts from here: lookup, hops, handshake
         address = await self._address(source_id, resolve)
         if address is None or self.key is None:
@@ -105,7 +107,8 @@ class DirectPath:
         result = PullResult(source_id, requested=len(hashes), via="direct")
         asked = self._ask_kept(source_id, hashes, compress)
         try:
-            landing, wanted, sink = await engine.run_on_engine(lambda e: self._plan_and_take(e, hashes, compress, result, asked))
+            landing, wanted, sink = await engine.run_on_engine(
+                lambda e: self._plan_and_take(e, hashes, compress, result, asked), publish=False)
         except BaseException:
             if asked is not None:
                 asked.close()

@@ -15,7 +15,7 @@ import pytest
 
 from orchard.kvcache import wire_compressed
 from orchard.kvcache.block_landing import BlockLanding
-from orchard.kvcache.events import BlockStored
+from orchard.kvcache.events import BlockRemoved, BlockStored
 from orchard.kvcache.hashing import BlockHash
 from orchard.kvcache.wire_transit import IncomingPayload
 from orchard.node.async_engine import AsyncEngine
@@ -322,6 +322,44 @@ def test_a_pull_returns_once_every_chunk_is_imported_and_its_kv_events_are_publi
     result, stored = loop.run_until_complete(run())
     assert (result.ok, result.imported) == (True, 12)  # six chunks of two blocks
     assert stored == hashes_of(paths["a"], tokens)
+
+
+def test_a_pull_that_evicts_to_make_room_hands_its_kv_events_over_once_with_its_closing_call():
+    """Reserving a pull's blocks in a full pool evicts cached ones; those events go to the listeners with the
+    pull's closing call, in one hand-over with the blocks it stored, not in one of their own at its start: a
+    node actor sends each hand-over to the coordinator in a Ray call."""
+    loop = asyncio.new_event_loop()
+    engines = [AsyncEngine(LLMEngine(EngineConfig(block_size=BS, num_blocks=24, max_num_batched_tokens=128)))
+               for _ in range(2)]
+    paths = {name: DirectPath(BlockMover(e), name, KEY, CONFIG) for name, e in zip("ab", engines)}
+    for path in paths.values():
+        path.start()
+    handed = []
+    tokens = prompt(41, length=BS * 12)
+
+    async def run():
+        await generate(paths["b"], "fill", prompt(40, length=BS * 20))  # b's pool nearly all cached blocks
+        await generate(paths["a"], "cache", tokens)
+        paths["b"].mover.engine.add_kv_listener(lambda events: handed.append(list(events)))
+
+        async def resolve(_peer):
+            return paths["a"].address
+
+        return await paths["b"].pull("a", hashes_of(paths["a"], tokens), resolve)
+
+    try:
+        result = loop.run_until_complete(run())
+    finally:
+        for path in paths.values():
+            path.close()
+        for e in engines:
+            e.shutdown()
+        loop.close()
+    assert (result.ok, result.imported) == (True, 12)
+    batches = [batch for batch in handed if batch]
+    assert len(batches) == 1
+    assert {type(e) for e in batches[0]} == {BlockRemoved, BlockStored}
+    assert [e.block_hash for e in batches[0] if isinstance(e, BlockStored)] == hashes_of(paths["b"], tokens)
 
 
 class HoldingSink:
