@@ -59,8 +59,9 @@ def draw(groups: dict[str, list[dict]], name: str) -> Path:
                 for x, b in zip(xs, bests):
                     ax.plot([x] * len(b), b, ".", color="black", markersize=4,
                             label="each run's best" if g == 0 and x == xs[0] else None)
-            carried = statistics.median(link_GBps(run)[0] for run in here)
-            readings = [v for run in here for v in link_GBps(run)[1]]
+            carried_each = [link_GBps(run) for run in here]
+            carried = statistics.median(rate for rate, _ in carried_each)
+            readings = [v for _, run_readings in carried_each for v in run_readings]
             colour = bars.patches[0].get_facecolor() if len(groups) > 1 and readings else "gray"
             ax.axhline(carried, color=colour, linewidth=1)
             ax.axhline(carried * TARGET_SHARE[link], color=colour, linestyle="--", linewidth=1)

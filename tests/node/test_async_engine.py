@@ -125,12 +125,19 @@ def test_calls_from_a_thread_run_in_order_settle_on_the_engine_thread_and_publis
 
 
 def test_a_loop_call_that_does_not_publish_leaves_its_events_to_the_next_that_does(engine):
+    asyncio.run(_collect(engine, "cached", list(range(10, 10 + 16 * 8))))  # blocks cached
+    asyncio.run(engine.run_on_engine(lambda _e: None))  # after the last step's events were handed over
     published = []
-    engine.add_kv_listener(lambda events: published.append(len(events)))
-    asyncio.run(engine.run_on_engine(lambda _e: None, publish=False))
+    engine.add_kv_listener(lambda events: published.append([type(e).__name__ for e in events]))
+
+    def evict(e):  # a pull's reservation in a full pool: cached blocks evicted to make room
+        landing = e.kv.reserve_landing(e.kv.root, [bytes([n]) * 16 for n in range(64)])
+        landing.release()
+
+    asyncio.run(engine.run_on_engine(evict, publish=False))
     assert published == []
     asyncio.run(engine.run_on_engine(lambda _e: None))
-    assert len(published) == 1
+    assert len(published) == 1 and "BlockRemoved" in published[0]
 
 
 class RecordingSink:

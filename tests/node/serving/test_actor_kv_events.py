@@ -10,7 +10,10 @@ import pytest
 import uvloop
 
 from orchard.kvcache.events import BlockRemoved
+from orchard.node.async_engine import AsyncEngine
+from orchard.node.engine import EngineConfig, LLMEngine
 from orchard.node.serving.actor import KV_EVENTS_GAP_S, NodeActor, NodeActorConfig
+from orchard.node.types import SamplingParams
 
 
 class _Coordinator:
@@ -71,29 +74,41 @@ def test_events_made_before_the_loop_runs_are_sent_by_the_caller():
     assert [batch for _, batch in actor._coordinator.calls] == [[0, 1]]
 
 
+@pytest.fixture
+def engine_with_cached_blocks():
+    """An engine whose pool holds cached blocks, their events already handed over."""
+    engine = AsyncEngine(LLMEngine(EngineConfig(block_size=16, num_blocks=24, max_num_batched_tokens=128)))
+
+    async def fill():
+        async for _ in engine.generate("fill", list(range(10, 10 + 16 * 20)), SamplingParams(max_tokens=2)):
+            pass
+        await engine.run_on_engine(lambda _e: None)  # after the last step's events were handed over
+
+    asyncio.run(fill())
+    yield engine
+    engine.shutdown()
+
+
 @pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
-def test_what_an_engine_call_woke_runs_before_its_events_go(loop_kind):
-    """An engine call that publishes (a pull's closing call) hands its events over and then settles its
-    caller. The caller, woken on the actor's loop, must run before the Ray call that sends those events:
-    over Ray (uvloop) a timer due at once ran first, and a pull's caller waited for that call."""
-    order = []
+def test_what_an_engine_call_woke_runs_before_its_events_go(engine_with_cached_blocks, loop_kind):
+    """An engine call that publishes (a pull's closing call; here one that evicts cached blocks) hands its
+    events to the actor and then settles its caller. The caller, woken on the actor's loop, must run before
+    the Ray call that sends those events: over Ray (uvloop) a timer due at once ran first, and a pull's caller
+    waited for that call."""
+    engine, order = engine_with_cached_blocks, []
 
     class Coordinator(_Coordinator):
         def remote(self, node_id, packed):
             order.append("events sent")
 
+    def evict(e):
+        e.kv.reserve_landing(e.kv.root, [bytes([n]) * 16 for n in range(24)]).release()
+
     async def scenario():
-        loop = asyncio.get_running_loop()
-        actor = _actor(loop)
+        actor = _actor(asyncio.get_running_loop())
         actor._coordinator = Coordinator()
-        done = loop.create_future()
-
-        def engine_call():  # as `AsyncEngine._call` with publish: the listener, then the settle
-            actor._push_kv_events([BlockRemoved(0, b"h0")])
-            loop.call_soon_threadsafe(done.set_result, None)
-
-        threading.Thread(target=engine_call).start()
-        await done
+        engine.add_kv_listener(actor._push_kv_events)
+        await engine.run_on_engine(evict)
         order.append("caller resumed")
         await asyncio.sleep(2 * KV_EVENTS_GAP_S)
 

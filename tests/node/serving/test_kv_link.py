@@ -9,6 +9,7 @@ import asyncio
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -38,21 +39,37 @@ def prompt(seed: int, length: int = 90) -> list[int]:
     return [(seed * 29 + j * 5) % 2000 + 10 for j in range(length)]
 
 
+@contextmanager
+def linked(names: str, engine_config: EngineConfig, link_config: KVLinkConfig = CONFIG):
+    """(loop, paths): an engine named by each letter of `names`, each with its direct path listening, on one
+    event loop; all closed afterwards."""
+    loop = asyncio.new_event_loop()
+    engines = [AsyncEngine(LLMEngine(engine_config)) for _ in names]
+    paths = {name: DirectPath(BlockMover(e), name, KEY, link_config) for name, e in zip(names, engines)}
+    try:
+        for path in paths.values():
+            path.start()
+        yield loop, paths
+    finally:
+        for path in paths.values():
+            path.close()
+        for e in engines:
+            e.shutdown()
+        loop.close()
+
+
 @pytest.fixture(scope="module")
 def nodes():
-    """Source "a" and target "b", each an engine with its listener, on one event loop."""
-    loop = asyncio.new_event_loop()
-    engines = [AsyncEngine(LLMEngine(EngineConfig(block_size=BS, num_blocks=64, max_num_batched_tokens=128)))
-               for _ in range(3)]
-    paths = {name: DirectPath(BlockMover(e), name, KEY, CONFIG) for name, e in zip("abc", engines)}
-    for path in paths.values():
-        path.start()
-    yield loop, paths
-    for path in paths.values():
-        path.close()
-    for e in engines:
-        e.shutdown()
-    loop.close()
+    """Source "a" and target "b" (and "c"), each an engine with its listener, on one event loop."""
+    with linked("abc", EngineConfig(block_size=BS, num_blocks=64, max_num_batched_tokens=128)) as linked_nodes:
+        yield linked_nodes
+
+
+def resolves_to(path: DirectPath):
+    """A `resolve` for `DirectPath.pull` and `probe`: any peer is at `path`'s listener."""
+    async def resolve(_peer):
+        return path.address
+    return resolve
 
 
 async def generate(path: DirectPath, request_id: str, tokens: list[int]):
@@ -157,24 +174,13 @@ def test_a_direct_pull_goes_layer_major_in_several_chunks_and_decodes_token_exac
 def test_a_bfloat16_pool_is_pulled_layer_major_straight_from_and_into_its_arrays(monkeypatch, compress):
     """bfloat16 KV (most models') has no numpy dtype: the pool's views of it are uint16 over the same
     buffers, so its pulls take the same path as any, plain or compressed, and land token exact."""
-    loop = asyncio.new_event_loop()
     config = EngineConfig(block_size=BS, num_blocks=32, max_num_batched_tokens=128, dtype="bfloat16")
-    engines = [AsyncEngine(LLMEngine(config)) for _ in range(2)]
-    paths = {name: DirectPath(BlockMover(e), name, KEY, replace(CONFIG, compress=compress)) for name, e in zip("ab", engines)}
     chunks = []
     real = kv_link.layer_pieces
     monkeypatch.setattr(kv_link, "layer_pieces", lambda geometry, chunk: chunks.append(len(chunk.hashes)) or real(geometry, chunk))
     monkeypatch.setattr(kv_link, "payload_pieces", lambda *a: pytest.fail("version 2 sent"))
-    try:
-        for path in paths.values():
-            path.start()
+    with linked("ab", config, replace(CONFIG, compress=compress)) as (loop, paths):
         result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(51))
-    finally:
-        for path in paths.values():
-            path.close()
-        for e in engines:
-            e.shutdown()
-        loop.close()
     assert paths["a"].mover.geometry.dtype == "bfloat16"
     assert (result.ok, result.imported, chunks) == (True, 5, [4, 1])
     assert (result.wire_bytes < result.bytes) == (compress == "always")
@@ -189,11 +195,7 @@ def pull_while_decoding(loop, paths, tokens):
         busy = asyncio.ensure_future(generate_many(engine, f"busy-{tokens[0]}"))
         while not engine.stats().get("running"):
             await asyncio.sleep(0.01)
-
-        async def resolve(_peer):
-            return paths["a"].address
-
-        result = await paths["b"].pull("a", hashes_of(paths["a"], tokens), resolve)
+        result = await paths["b"].pull("a", hashes_of(paths["a"], tokens), resolves_to(paths["a"]))
         running = engine.stats().get("running")
         await engine.abort(f"busy-{tokens[0]}")
         await busy
@@ -312,11 +314,7 @@ def test_a_pull_returns_once_every_chunk_is_imported_and_its_kv_events_are_publi
 
     async def run():
         await generate(paths["a"], "cache-21", tokens)
-
-        async def resolve(_peer):
-            return paths["a"].address
-
-        result = await paths["b"].pull("a", hashes_of(paths["a"], tokens), resolve)
+        result = await paths["b"].pull("a", hashes_of(paths["a"], tokens), resolves_to(paths["a"]))
         return result, [e.block_hash for e in published if isinstance(e, BlockStored)]
 
     result, stored = loop.run_until_complete(run())
@@ -328,33 +326,16 @@ def test_a_pull_that_evicts_to_make_room_hands_its_kv_events_over_once_with_its_
     """Reserving a pull's blocks in a full pool evicts cached ones; those events go to the listeners with the
     pull's closing call, in one hand-over with the blocks it stored, not in one of their own at its start: a
     node actor sends each hand-over to the coordinator in a Ray call."""
-    loop = asyncio.new_event_loop()
-    engines = [AsyncEngine(LLMEngine(EngineConfig(block_size=BS, num_blocks=24, max_num_batched_tokens=128)))
-               for _ in range(2)]
-    paths = {name: DirectPath(BlockMover(e), name, KEY, CONFIG) for name, e in zip("ab", engines)}
-    for path in paths.values():
-        path.start()
     handed = []
     tokens = prompt(41, length=BS * 12)
+    with linked("ab", EngineConfig(block_size=BS, num_blocks=24, max_num_batched_tokens=128)) as (loop, paths):
+        async def run():
+            await generate(paths["b"], "fill", prompt(40, length=BS * 20))  # b's pool nearly all cached blocks
+            await generate(paths["a"], "cache", tokens)
+            paths["b"].mover.engine.add_kv_listener(lambda events: handed.append(list(events)))
+            return await paths["b"].pull("a", hashes_of(paths["a"], tokens), resolves_to(paths["a"]))
 
-    async def run():
-        await generate(paths["b"], "fill", prompt(40, length=BS * 20))  # b's pool nearly all cached blocks
-        await generate(paths["a"], "cache", tokens)
-        paths["b"].mover.engine.add_kv_listener(lambda events: handed.append(list(events)))
-
-        async def resolve(_peer):
-            return paths["a"].address
-
-        return await paths["b"].pull("a", hashes_of(paths["a"], tokens), resolve)
-
-    try:
         result = loop.run_until_complete(run())
-    finally:
-        for path in paths.values():
-            path.close()
-        for e in engines:
-            e.shutdown()
-        loop.close()
     assert (result.ok, result.imported) == (True, 12)
     batches = [batch for batch in handed if batch]
     assert len(batches) == 1
@@ -530,11 +511,8 @@ def test_a_reply_that_ends_before_the_target_has_planned_still_ends_the_pull(nod
     monkeypatch.setattr(direct_path, "_plan", plan)
 
     async def run():
-        async def resolve(_peer):
-            return paths["a"].address
-
         unknown = [BlockHash(bytes([n]) * 16) for n in range(3)]
-        return await asyncio.wait_for(paths["b"].pull("a", unknown, resolve), 10)
+        return await asyncio.wait_for(paths["b"].pull("a", unknown, resolves_to(paths["a"])), 10)
 
     result = loop.run_until_complete(run())
     assert replied.is_set() and (result.ok, result.local, result.imported) == (True, 0, 0)
@@ -553,11 +531,7 @@ def test_pull_from_an_address_where_nothing_listens_is_no_direct_path(nodes):
 
 def test_a_probe_over_the_direct_path_times_a_verified_payload_of_the_size_asked(nodes):
     loop, paths = nodes
-
-    async def resolve(_peer):
-        return paths["a"].address
-
-    nbytes, seconds = loop.run_until_complete(paths["b"].probe("a", 1 << 20, resolve))
+    nbytes, seconds = loop.run_until_complete(paths["b"].probe("a", 1 << 20, resolves_to(paths["a"])))
     assert (1 << 20) <= nbytes < (1 << 20) + 2 * paths["a"].mover.geometry.bytes_per_block and seconds > 0
 
 
@@ -654,10 +628,7 @@ def test_the_time_a_busy_target_keeps_its_buffers_is_not_taken_for_the_links_pac
 def test_a_probe_long_enough_to_tell_the_links_rate_decides_the_first_pull(nodes, monkeypatch):
     loop, paths = nodes
     frames = compressing(paths, monkeypatch, "auto", below=1e18)  # any link is slower than this
-
-    async def resolve(_peer):
-        return paths["a"].address
-
+    resolve = resolves_to(paths["a"])
     loop.run_until_complete(paths["b"].probe("a", kv_link.RATE_MIN_BYTES // 2, resolve))
     assert paths["b"]._link_rates == {}  # too short to tell
     loop.run_until_complete(paths["b"].probe("a", 2 * kv_link.RATE_MIN_BYTES, resolve))
