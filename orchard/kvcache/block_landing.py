@@ -125,7 +125,8 @@ class BlockLanding:
     def adopt_landed(self) -> int:
         """List the blocks landed since the last call as cached, the landing going on; returns how many
         were listed. Listing costs the engine thread a few microseconds a block: called as each chunk
-        lands, it does most of that while the next chunks arrive, and leaves little for `adopt`. Raises
+        lands (between two steps of an engine that is stepping), it does most of that while the next chunks
+        arrive, and leaves little for `adopt`, which would wait for the step in progress. Raises
         `PoolMoved`, caching nothing more, where a pool buffer moved since the blocks were reserved."""
         with self._lock:
             if self._done:

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-import numpy as np
-
 from orchard.kvcache.block_landing import BlockLanding
 from orchard.kvcache.block_manager import BlockManager
 from orchard.kvcache.errors import IncompatibleKVPayload
@@ -105,8 +103,7 @@ class BlockTransfer:
             self.manager.unpin(pinned)
             return None
         records = [self.manager.block(block_id) for block_id in pinned]
-        return pinned, LayerRun(hash_rows(b.block_hash for b in records), hash_rows(b.parent_hash for b in records),
-                                token_rows(b.token_ids for b in records), np.asarray(pinned), views)
+        return pinned, LayerRun([(b.block_hash, b.parent_hash, b.token_ids) for b in records], pinned, views)
 
     def unpin_export(self, pinned: Sequence[int]) -> None:
         """Let eviction have the blocks `pin_export` held, once their pieces are sent."""
@@ -262,18 +259,21 @@ class BlockTransfer:
 class LayerRun:
     """A pinned run to send layer-major, cut into chunks on the link's thread: a chunk whose block
     ids are consecutive (a fresh pool hands them out so) is one slice of each layer's K and V, no
-    copy; any other is gathered, one copy per layer."""
+    copy; any other is gathered, one copy per layer. A chunk's hash, parent and token rows are made
+    there too, from each block's (hash, parent, tokens) as it was pinned (a pinned block keeps them):
+    the engine thread only pins, and the first chunk, which waits for it, waits less."""
 
-    def __init__(self, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray, block_ids: np.ndarray, views):
-        self.hashes, self.parents, self.tokens, self.block_ids = hashes, parents, tokens, block_ids
+    def __init__(self, blocks: list[tuple[BlockHash, BlockHash, tuple[int, ...]]], block_ids: list[int], views):
+        self.blocks, self.block_ids = blocks, block_ids
         self.key_layers, self.value_layers = views
 
     def __len__(self) -> int:
         return len(self.block_ids)
 
     def chunk(self, start: int, stop: int) -> LayerChunk:
-        rows = as_slice(self.block_ids[start:stop].tolist())
-        return LayerChunk(self.hashes[start:stop], self.parents[start:stop], self.tokens[start:stop],
+        rows, blocks = as_slice(self.block_ids[start:stop]), self.blocks[start:stop]
+        return LayerChunk(hash_rows(h for h, _, _ in blocks), hash_rows(p for _, p, _ in blocks),
+                          token_rows(t for _, _, t in blocks),
                           [layer[rows] for layer in self.key_layers], [layer[rows] for layer in self.value_layers])
 
 

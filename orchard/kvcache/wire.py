@@ -97,7 +97,7 @@ class BlockRun(Sequence[KVBlockData]):
 
 def hash_rows(hashes: Iterable[bytes]) -> np.ndarray:
     """Block hashes as a run's `[n, 16]` uint8 column (`_rows` undoes it)."""
-    return np.frombuffer(b"".join(bytes(h) for h in hashes), np.uint8).reshape(-1, HASH_SIZE)
+    return np.frombuffer(b"".join(hashes), np.uint8).reshape(-1, HASH_SIZE)
 
 
 def token_rows(token_ids: Iterable[Sequence[int]]) -> np.ndarray:

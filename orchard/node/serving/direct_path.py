@@ -12,9 +12,10 @@ compressor runs, which is to say where the link, not the CPU, sets a pull's pace
 
 Where the pool lives in memory numpy can address (the CPU, a Mac's unified memory), a pull's blocks
 land straight in pool blocks the engine thread reserved before the first chunk is taken, and the engine thread
-lists them as cached (`orchard.kvcache.block_landing`) in calls the receive thread queues as chunks land,
-which a stepping engine takes between two steps while the pull goes on, and in one at the end: a pull into
-a stepping engine waits for two steps at most, not a step per chunk, and takes no copy from the steps' thread.
+lists them as cached (`orchard.kvcache.block_landing`) in one call at the end, queued by the receive thread;
+a stepping engine also in calls queued as chunks land, which it takes between two steps while the pull goes
+on: a pull into a stepping engine waits for two steps at most, not a step per chunk, and takes no copy from
+the steps' thread.
 A plain chunk is read by the receive thread from the socket into those blocks, checked as its bytes
 land (`orchard.kvcache.wire_transit.IncomingPayload.place`): the kernel's copy is the only one this end
 makes. A compressed chunk is inflated into a buffer first; while the engine steps, a landing thread
@@ -233,13 +234,13 @@ class DirectPath:
                        started: float) -> PullResult:
         try:
             try:
-                async for _ in stream.chunks():
-                    pass
+                await asyncio.wrap_future(sink.finished)  # the reply ended and the engine thread ran `finish`
             finally:
-                await stream.stopped()  # so the sink was told the end, and queued `finish` on the engine thread
-                await asyncio.wrap_future(sink.finished)
-            if sink.error is not None:
-                raise sink.error
+                await stream.stopped()  # at once where it ended; else it is closed (the pull given up part way)
+                if not sink.finished.done():
+                    await asyncio.wrap_future(sink.finished)  # the stream told the sink the end as it stopped
+            if (failure := sink.error or stream.failure) is not None:
+                raise failure
             result.seconds = time.perf_counter() - started
             self._learn_link_rate(source_id, stream)
         except Exception as exc:  # a refused payload, or the source went away mid-reply
@@ -273,7 +274,13 @@ class DirectPath:
         return self._on_engine(lambda e: e.kv.pin_layer_export(hashes))
 
     def _release(self, pinned) -> None:  # a link thread
-        self._on_engine(lambda e: e.kv.unpin_export(pinned))
+        """Unpin a sent run on the engine thread, not waited for: the link's thread sends the reply's end marker
+        and reads the next request meanwhile, and every later call on the engine thread runs after this one."""
+        self.mover.engine.call_from_thread(lambda e: e.kv.unpin_export(pinned), self._released)
+
+    def _released(self, _result, exc: Exception | None) -> None:  # engine thread
+        if exc is not None:
+            log.error("node %s: a sent run could not be unpinned: %s", self.node_id, exc)
 
     def _on_engine(self, fn):
         """`fn(engine)` on the engine thread, waited for on the calling (link) thread: no event loop
@@ -317,14 +324,15 @@ def _plan(engine, hashes: list[BlockHash], places: bool):
     thread, which measured faster for large pulls than handing it to the landing thread."""
     kv = engine.kv
     local = local_prefix(kv, hashes)
-    if local == len(hashes) or not (places or lands(engine)):
+    if local == len(hashes) or not (places or steps(engine)):
         return local, None
     return local, kv.reserve_landing(hashes[local - 1] if local else kv.root, hashes[local:])
 
 
-def lands(engine) -> bool:
-    """Whether a pull into `engine` of compressed chunks lands its blocks off the engine thread (`_plan`):
-    while it steps."""
+def steps(engine) -> bool:
+    """Whether `engine` (an `orchard.node.engine.LLMEngine`) is stepping: it has requests. Read from any
+    thread: a pull lands compressed chunks off its thread while it steps (`_plan`), and has it list the
+    blocks landed chunk by chunk (`_ChunkLander.placed`)."""
     return engine.has_unfinished
 
 
@@ -373,11 +381,13 @@ class _ChunkLander(_Sink):
         self._lander.submit(self._land, buffer, payload)
 
     def placed(self, size: int) -> None:  # receive thread: a chunk read straight into its blocks
-        """Have the engine thread list the chunk's blocks now (`BlockLanding.adopt_landed`), queued straight
-        from here: an idle one does so while the next chunks arrive, a stepping one between two steps, and
-        either leaves `finish` only the last chunk's."""
+        """Have a stepping engine thread list the chunk's blocks now (`BlockLanding.adopt_landed`), between two
+        steps, queued straight from here, so that `finish`, which waits for the step in progress, lists only
+        the last chunk's. An idle one lists them all in `finish`: a call a chunk would wake it a chunk, and
+        its wakes took the cores the sender and this thread need (docs/benchmarks.md, "## migration")."""
         self.result.bytes += size
-        self.engine.call_from_thread(lambda e: self.landing.adopt_landed(), self._listed)
+        if steps(self.engine.engine):
+            self.engine.call_from_thread(lambda e: self.landing.adopt_landed(), self._listed)
 
     def end(self) -> None:  # receive thread, once
         """`finish` once every chunk handed to the landing thread has landed: queued from that thread after them."""

@@ -29,7 +29,10 @@ buffers of `writelines` into one (a copy of every byte), and a thread's `sendmsg
 How bytes move on a connection (the kernel's timeouts, a chunk checksummed slice by slice as
 it is sent and as it lands): `orchard.node.serving.link_io`. The receive thread also verifies each
 chunk: the kernel's receive buffer keeps filling meanwhile, and a second thread would only
-add a GIL hand-off per chunk.
+add a GIL hand-off per chunk. It starts reading once the target knows where the chunks go (`take`),
+woken by the thread that says so: woken by the first bytes instead, it was put by Linux on the
+sender's core where both ends share a machine, to wait there behind the sender while another core
+idled (docs/benchmarks.md, "## migration").
 Anything that fails before the reply starts (no address, refused, wrong node) means "no
 direct path": the caller falls back to Ray. Nothing listens unless a key is set.
 """
@@ -115,8 +118,9 @@ class ChunkSink(Protocol):
 
 
 #: The source's side of a pull, blocking the link's thread while its engine thread runs it:
-#: pin and describe the run (its blocks and, for a hybrid model, the state after them), release it.
+#: pin and describe the run (its blocks and, for a hybrid model, the state after them).
 Exporter = Callable[[list[BlockHash]], tuple[object, list, StateSnapshotData | None]]
+#: Let a pinned run go once sent: queued on the engine thread, which later calls run after (not waited for).
 Releaser = Callable[[object], None]
 #: The same for the layer-major format: the pinned handle and an `orchard.kvcache.block_transfer.LayerRun`,
 #: or None where the run cannot be laid out so (the reply then goes in version 2).
@@ -177,14 +181,16 @@ class KVLinkServer(link_io.Listener):
         self._send_chunks(conn, handle, chunks)
 
     def _send_chunks(self, conn: socket.socket, handle, chunks) -> None:
-        """Send each chunk's payload, then the end marker; release the pinned run whatever happens. `chunks`
-        is lazy: the next chunk's pieces are made while the kernel still sends what it took of the last."""
+        """Send each chunk's payload, then the end marker; release the pinned run whatever happens, before the
+        end marker goes (the kernel holds a copy of each byte it took), so that whatever the target asks of this
+        node once its pull ended comes after the release. `chunks` is lazy: the next chunk's pieces are made
+        while the kernel still sends what it took of the last."""
         try:
             for pieces in chunks:
                 self.counters.sent_bytes += link_io.send_payload(conn, pieces)
-            conn.sendall(U64.pack(0))
         finally:
             self._release(handle)
+        conn.sendall(U64.pack(0))
 
     def prepare_probes(self, sizes) -> None:
         """Encode probe payloads ahead (in the background), so a probe times the link, not the encoder."""
@@ -233,6 +239,7 @@ class LinkStream:
         self.stalled_s = 0.0  # while the receive thread waited for a buffer: the target, not the link, set the pace
         self._inflate_limit = 0
         self._thread: threading.Thread | None = None
+        self.failure: BaseException | None = None  # what ended the reply short, once it ended (`ChunkSink.end`)
 
     def start(self, hashes: Sequence[bytes], chunk_bytes: int, probe_bytes: int = 0, compress: bool = False) -> None:
         """Ask for the blocks of `hashes` (or, with `probe_bytes`, a probe payload of about that size);
@@ -251,8 +258,9 @@ class LinkStream:
 
     async def chunks(self):
         """Yields (buffer, size, payload) until the reply ends, the payload verified and decoded as
-        views into `buffer`; give the buffer back with `done` once it is imported. With a sink,
-        the receive thread hands each chunk to it instead, and this only ends or raises."""
+        views into `buffer`; give the buffer back with `done` once it is imported. A stream given a
+        sink hands each chunk to it instead and tells it the end (`ChunkSink.end`), not this: its
+        `failure` then says how the reply ended."""
         while True:
             item = await self._ready.get()
             if item is None:
@@ -262,8 +270,8 @@ class LinkStream:
             yield item
 
     def link_rate(self, min_bytes: int = RATE_MIN_BYTES) -> float | None:
-        """Bytes/s the link carried from the first chunk's first bytes landing to the last chunk's last,
-        less the time the receive thread waited for a buffer the target had not given back (chunks waiting
+        """Bytes/s the link carried from the first chunk's first bytes being read (as they land, but where
+        they came before `take`) to the last chunk's last, less the time the receive thread waited for a buffer the target had not given back (chunks waiting
         for a busy engine thread or landing thread: the target's pace, not the link's), once the reply
         ended and carried at least `min_bytes`: the link's pace, without the fixed costs before and after
         that make a short pull slow on any link; else None."""
@@ -274,7 +282,7 @@ class LinkStream:
 
     def take(self, sink: ChunkSink | None, landing: BlockLanding | None = None) -> None:
         """Where the chunks go; once, before or after `start` (after it, the request goes while the caller
-        still reserves the blocks, and the receive thread waits for this before the first chunk). `sink`:
+        still reserves the blocks, and the receive thread waits for this before it reads the reply). `sink`:
         None to await the chunks from `chunks`. `landing`: blocks reserved for the reply, which its version 3
         chunks are read straight into (`IncomingPayload.place`; the sink is called with the chunks that
         could not be, and its `placed(size)` after each of the others); the landing must take the wire's
@@ -317,9 +325,9 @@ class LinkStream:
         """Socket to buffers, or straight into the landing's blocks, each chunk verified here before it is
         handed over (decoded) or counts as placed."""
         try:
+            self._taken.wait()  # woken by this node's thread that gave the sink, not by the bytes (`take`)
             while (size := U64.unpack(recv_exact(self.sock, 8) or eof())[0]) != 0:
                 self._began = self._began or time.perf_counter()
-                self._taken.wait()  # at once but for a first chunk that came before its sink was known
                 buffer = self._next_buffer()
                 if buffer is None:
                     raise ConnectionError("the pull was given up (its stream closed)")
@@ -357,13 +365,18 @@ class LinkStream:
         return link_io.receive_payload(self.sock, view, incoming) or eof()
 
     def _finish(self, last) -> None:
+        """The reply ended (`last`: None) or broke off (`last`: why). A sink is told (`ChunkSink.end`), and
+        nothing wakes the event loop: its caller waits for what the sink does at the end, a wake of its own."""
         self._taken.wait()  # a reply can end before its sink is known (a source that holds none of the run)
         self._finished = True
-        self._tell_end()
-        self._put(last)
+        self.failure = last
+        if self._sink is not None:
+            self._tell_end()
+        else:
+            self._put(last)
 
     def _tell_end(self) -> None:
-        if self._sink is not None and not self._told_end:
+        if not self._told_end:
             self._told_end = True
             self._sink.end()
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from orchard.kvcache import wire_compressed
+from orchard.kvcache import block_transfer, wire_compressed
 from orchard.kvcache.block_landing import BlockLanding
 from orchard.kvcache.events import BlockRemoved, BlockStored
 from orchard.kvcache.hashing import BlockHash
@@ -170,6 +170,17 @@ def test_a_direct_pull_goes_layer_major_in_several_chunks_and_decodes_token_exac
     assert (migrated, hit) == (reference, 5 * BS)
 
 
+def test_the_source_engine_thread_only_pins_and_the_links_thread_makes_each_chunks_rows(nodes, monkeypatch):
+    loop, paths = nodes
+    rows_made = []
+    real = block_transfer.token_rows
+    monkeypatch.setattr(block_transfer, "token_rows", lambda tokens: rows_made.append(threading.current_thread().name)
+                        or real(tokens))
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(71))
+    assert result.ok and rows_made == ["kv-link-conn"] * 3  # a chunk each, none on the engine thread
+    assert (migrated, hit) == (reference, 5 * BS)
+
+
 @pytest.mark.parametrize("compress", ["never", "always"])
 def test_a_bfloat16_pool_is_pulled_layer_major_straight_from_and_into_its_arrays(monkeypatch, compress):
     """bfloat16 KV (most models') has no numpy dtype: the pool's views of it are uint16 over the same
@@ -210,10 +221,13 @@ async def generate_many(engine, request_id: str) -> None:
 
 
 def counting(monkeypatch, kv):
-    """Record the threads that read chunks straight into the pool, land chunks from a buffer and adopt
-    runs, and the chunks imported on the engine thread."""
-    seen = {"place": [], "land": [], "adopt": [], "import": []}
+    """Record the threads that read chunks straight into the pool, land chunks from a buffer, list landed
+    blocks as a run goes on and adopt runs, and the chunks imported on the engine thread."""
+    seen = {"place": [], "land": [], "adopt_landed": [], "adopt": [], "import": []}
     real_land, real_adopt, real_import = BlockLanding.land, BlockLanding.adopt, kv.import_decoded
+    real_adopt_landed = BlockLanding.adopt_landed
+    monkeypatch.setattr(BlockLanding, "adopt_landed", lambda self: seen["adopt_landed"].append(
+        threading.current_thread().name) or real_adopt_landed(self))
     real_place = IncomingPayload.place
     monkeypatch.setattr(IncomingPayload, "place", lambda self, *a: (placed := real_place(self, *a))
                         and seen["place"].append(threading.current_thread().name) or placed)
@@ -234,15 +248,17 @@ def test_a_stepping_targets_pull_is_read_straight_into_its_pool_and_cached_in_on
     assert running == 1 and (result.ok, result.imported, result.bytes) == (True, 5, result.wire_bytes)
     assert len(seen["place"]) == 3 and all(name == "kv-link-recv" for name in seen["place"]) and seen["land"] == []
     assert len(seen["adopt"]) == 1 and not seen["adopt"][0].startswith("kv-") and seen["import"] == []
+    assert seen["adopt_landed"] == seen["adopt"] * 3  # listed chunk by chunk between steps, on the engine thread
     assert (migrated, hit) == (reference, 5 * BS)
     assert kv.manager.num_used == 0  # every reserved block adopted or freed
 
 
-def test_an_idle_target_reads_each_chunk_straight_into_its_pool_too(nodes, monkeypatch):
+def test_an_idle_target_reads_each_chunk_straight_into_its_pool_too_and_lists_them_in_one_call(nodes, monkeypatch):
     loop, paths = nodes
     seen = counting(monkeypatch, paths["b"].mover.engine.engine.kv)
     result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(36))
     assert (result.ok, result.imported, len(seen["place"]), len(seen["adopt"])) == (True, 5, 3, 1)
+    assert seen["adopt_landed"] == []  # no engine call a chunk: the one at the end lists the run
     assert (seen["import"], seen["land"]) == ([], [])
     assert (migrated, hit) == (reference, 5 * BS)
 
@@ -347,7 +363,7 @@ class HoldingSink:
     """Keeps every chunk's buffer, as a target whose engine thread is slow to import would."""
 
     def __init__(self):
-        self.chunks, self.ended = threading.Event(), 0
+        self.chunks, self.told_end, self.ended = threading.Event(), threading.Event(), 0
 
     def __call__(self, buffer, size, payload):
         self.chunks.set()
@@ -357,6 +373,39 @@ class HoldingSink:
 
     def end(self):
         self.ended += 1
+        self.told_end.set()
+
+
+class ReturningSink(HoldingSink):
+    """Gives each chunk's buffer back at once, keeping its size."""
+
+    def __init__(self, stream):
+        super().__init__()
+        self.stream, self.sizes = stream, []
+
+    def __call__(self, buffer, size, payload):
+        self.sizes.append(size)
+        self.stream.done(buffer)
+
+
+def test_the_receive_thread_reads_nothing_of_the_reply_before_it_knows_where_the_chunks_go(nodes):
+    """The reply waits in the kernel until `take`: the thread that gives the sink wakes the receive thread."""
+    loop, paths = nodes
+    tokens = prompt(72)
+
+    async def run():
+        await generate(paths["a"], "cache-72", tokens)
+        sock = await asyncio.to_thread(connect, paths["a"].address, KEY, "a", CONFIG)
+        stream = kv_link.LinkStream(sock, [bytearray(), bytearray()], paths["a"].mover.geometry)
+        stream.start(hashes_of(paths["a"], tokens), CONFIG.chunk_bytes)
+        await asyncio.sleep(0.3)  # the source has answered by now
+        waiting = len(sock.recv(8, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        sink = ReturningSink(stream)
+        stream.take(sink)
+        assert await asyncio.to_thread(sink.told_end.wait, 5)
+        return waiting, len(sink.sizes), stream.failure, stream.release() is sock
+
+    assert loop.run_until_complete(run()) == (8, 3, None, True)  # the first chunk's length waited in the kernel
 
 
 def test_a_pull_given_up_while_its_chunks_wait_for_a_buffer_ends_at_once_with_an_error(nodes):
@@ -376,17 +425,22 @@ def test_a_pull_given_up_while_its_chunks_wait_for_a_buffer_ends_at_once_with_an
         await asyncio.to_thread(sink.chunks.wait, 5)
         await asyncio.sleep(0.2)  # the next chunk's length read, the thread waiting for a buffer
         stream.close()
-        with pytest.raises(ConnectionError):
-            await asyncio.wait_for(consume(stream), 5)
+        assert await asyncio.to_thread(sink.told_end.wait, 5)
         await stream.stopped()
-        return sink.ended, stream.release()
+        return sink.ended, type(stream.failure), stream._ready.qsize(), stream.release()
 
-    assert loop.run_until_complete(run()) == (1, None)
+    assert loop.run_until_complete(run()) == (1, ConnectionError, 0, None)  # the sink, not the event loop, told
 
 
-async def consume(stream):
-    async for _ in stream.chunks():
-        pass
+def test_the_source_unpins_a_sent_run_once_the_reply_went(nodes):
+    """The link's thread does not wait for the unpin; the engine thread runs it before any later call."""
+    loop, paths = nodes
+    tokens = prompt(73)
+    result, _, _ = pull(loop, paths, tokens)
+    source = paths["a"].mover.engine
+    refs = loop.run_until_complete(source.run_on_engine(lambda e: [
+        e.kv.manager.block(e.kv.manager.cached_block(h)).ref_count for h in hashes_of(paths["a"], tokens)]))
+    assert result.ok and refs == [0] * 5
 
 
 def test_a_second_pull_from_the_same_source_reuses_the_authenticated_connection(nodes):
