@@ -32,6 +32,25 @@ def test_each_exchange_moves_the_whole_reply_over_one_kept_connection(monkeypatc
     assert len(accepted) == 1  # one connection, kept across the exchanges as a pull's is
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="thread placement is Linux's")
+def test_a_stream_read_with_a_core_each_runs_each_end_on_its_core(monkeypatch):
+    import os
+    import threading
+
+    real, placed = netns._place, {}
+
+    def place(namespace, core):
+        real(namespace, core)
+        placed[threading.current_thread().name] = os.sched_getaffinity(0)
+
+    monkeypatch.setattr(netns, "_place", place)
+    rate = netns.tcp_rate("127.0.0.1", 8 << 20, sender_core=0, receiver_core=0)
+    free = netns.tcp_rate("127.0.0.1", 8 << 20)
+    assert rate > 0 and free > 0
+    assert sorted(map(sorted, list(placed.values())[:2])) == [[0], [0]]  # the pinned reading's two ends
+    assert all(len(cores) == len(os.sched_getaffinity(0)) for cores in list(placed.values())[2:])
+
+
 def test_a_reply_cut_short_is_an_error_not_a_rate(monkeypatch):
     def answer_half(namespace, host, nbytes, ready, result):
         with socket.create_server((host, 0)) as server:

@@ -64,3 +64,15 @@ def test_thread_times_count_the_cpu_of_a_receive_thread_that_ended(monkeypatch):
     used = {name: (cpu, wait) for name, cpu, wait in times.since(before)}
     assert used["kv-link-recv"][0] > 1e-3  # its CPU, though the thread is gone
     assert "kv-link-recv" not in {name for name, _, _ in times.since(times.now())}  # counted once, with its pull
+
+
+def test_a_cores_idle_time_within_a_pull_is_read_from_the_idle_tasks_runs():
+    from experiments import pull_core_sharing
+
+    timehist = ("   100.010000 [0001]  <idle>                              0.000      0.000      4.000 \n"
+                "   100.012000 [0000]  python[12/10]                       0.100      0.010      2.000 \n"
+                "   100.020000 [0000]  <idle>                              0.000      0.000      3.000 \n")
+    runs = pull_core_sharing.idle_runs(timehist)
+    assert runs == [(100.01, 1, 0.004), (100.02, 0, 0.003)]
+    idle = pull_core_sharing.idle_in(runs, 100.008, 100.018, cores=2)  # core 0 idled from 100.017, core 1 until 100.010
+    assert idle == pytest.approx([0.001, 0.002])

@@ -177,15 +177,18 @@ def tcp_throughput(lab: NetLab, source: str, target: str, nbytes: int, chunk: in
 
 
 def tcp_rate(host: str, nbytes: int, chunk: int = 4 << 20, receiver_ns: str | None = None,
-             sender_ns: str | None = None) -> float:
+             sender_ns: str | None = None, receiver_core: int | None = None, sender_core: int | None = None) -> float:
     """Bytes per second of one plain TCP stream to a listener at `host`, measured at the receiver
-    (first byte sent to last byte read). Each end is a thread, in its namespace where one is named."""
+    (first byte sent to last byte read). Each end is a thread, in its namespace where one is named, on its
+    core where one is named (Linux), else where the scheduler puts it."""
     ready, result, errors = threading.Event(), {}, []
-    receiver = threading.Thread(target=_guard(_receive, errors), args=(receiver_ns, host, nbytes, chunk, ready, result))
+    receiver = threading.Thread(target=_guard(_receive, errors),
+                                args=((receiver_ns, receiver_core), host, nbytes, chunk, ready, result))
     receiver.start()
     if not ready.wait(10):
         raise RuntimeError(f"no TCP receiver at {host}: {errors}")
-    sender = threading.Thread(target=_guard(_send, errors), args=(sender_ns, result["address"], nbytes, chunk, result))
+    sender = threading.Thread(target=_guard(_send, errors),
+                              args=((sender_ns, sender_core), result["address"], nbytes, chunk, result))
     sender.start()
     sender.join()
     receiver.join()
@@ -194,9 +197,16 @@ def tcp_rate(host: str, nbytes: int, chunk: int = 4 << 20, receiver_ns: str | No
     return result["received"] / (result["ended"] - result["started"])
 
 
-def _receive(namespace, host, nbytes, chunk, ready, result) -> None:
+def _place(namespace: str | None, core: int | None) -> None:
+    """Move the calling thread into `namespace` and onto `core`, each where named."""
     if namespace:
         enter(namespace)
+    if core is not None:
+        os.sched_setaffinity(0, {core})
+
+
+def _receive(where, host, nbytes, chunk, ready, result) -> None:
+    _place(*where)
     with socket.create_server((host, 0)) as server:
         result["address"] = server.getsockname()[:2]
         ready.set()
@@ -209,9 +219,8 @@ def _receive(namespace, host, nbytes, chunk, ready, result) -> None:
         result["received"], result["ended"] = got, time.perf_counter()
 
 
-def _send(namespace, address, nbytes, chunk, result) -> None:
-    if namespace:
-        enter(namespace)
+def _send(where, address, nbytes, chunk, result) -> None:
+    _place(*where)
     payload = memoryview(os.urandom(chunk))
     with socket.create_connection(address, timeout=30) as client:
         result["started"] = time.perf_counter()
