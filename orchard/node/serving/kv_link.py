@@ -154,9 +154,29 @@ class KVLinkServer(link_io.Listener):
                 data_mode(conn, self.config.io_timeout_s)
                 grow_send_buffer(conn, self.config.send_buffer_bytes)
                 while (request := _read_request(conn)) is not None:
-                    self._reply(conn, request)
+                    self._reply_from_a_new_thread(conn, request)
             except (OSError, ValueError) as exc:
                 log.info("KV link %s: connection ended: %s", self.node_id, exc)
+
+    def _reply_from_a_new_thread(self, conn: socket.socket, request: dict) -> None:
+        """`_reply` on a thread made for it, this one waiting; what it raises is raised here. Linux starts a new
+        thread on a core it finds idle, while this connection's thread, woken by the request, is put beside the
+        thread that sent it (a socket wakes its reader as a "sync" wake-up). Where both ends share a machine,
+        the reply then went from a core the target's threads needed, and most pulls ran on one core while the
+        other idled (docs/benchmarks.md, "## migration"); between machines it costs a thread a pull."""
+        failed: list[BaseException] = []
+
+        def reply() -> None:
+            try:
+                self._reply(conn, request)
+            except BaseException as exc:  # noqa: BLE001 - handed to the connection's thread
+                failed.append(exc)
+
+        sender = threading.Thread(target=reply, name="kv-link-send", daemon=True)
+        sender.start()
+        sender.join()
+        if failed:
+            raise failed[0]
 
     def _handshake(self, conn: socket.socket) -> bool:
         return auth.answer_handshake(conn, self.key, self.node_id, timeout_s=self.config.handshake_timeout_s)

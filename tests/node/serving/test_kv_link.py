@@ -170,6 +170,24 @@ def test_a_direct_pull_goes_layer_major_in_several_chunks_and_decodes_token_exac
     assert (migrated, hit) == (reference, 5 * BS)
 
 
+def test_each_reply_goes_from_a_thread_made_for_it_and_its_failure_ends_the_connection(nodes, monkeypatch):
+    loop, paths = nodes
+    senders = []
+    real = link_io.send_payload
+    monkeypatch.setattr(link_io, "send_payload", lambda sock, pieces: senders.append(threading.current_thread())
+                        or real(sock, pieces))
+    first, _, _ = pull(loop, paths, prompt(74))
+    second, _, _ = pull(loop, paths, prompt(75))
+    assert first.ok and second.ok and len(senders) == 6 and {t.name for t in senders} == {"kv-link-send"}
+    assert senders[0] is not senders[3]  # a thread a reply
+    accepted = paths["a"].server.counters.accepted
+    monkeypatch.setattr(link_io, "send_payload", lambda sock, pieces: (_ for _ in ()).throw(OSError("gone")))
+    broken, _, _ = pull(loop, paths, prompt(76))
+    monkeypatch.setattr(link_io, "send_payload", real)
+    after, _, _ = pull(loop, paths, prompt(77))
+    assert not broken.ok and after.ok and paths["a"].server.counters.accepted == accepted + 1  # a new connection
+
+
 def test_the_source_engine_thread_only_pins_and_the_links_thread_makes_each_chunks_rows(nodes, monkeypatch):
     loop, paths = nodes
     rows_made = []
@@ -177,7 +195,7 @@ def test_the_source_engine_thread_only_pins_and_the_links_thread_makes_each_chun
     monkeypatch.setattr(block_transfer, "token_rows", lambda tokens: rows_made.append(threading.current_thread().name)
                         or real(tokens))
     result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(71))
-    assert result.ok and rows_made == ["kv-link-conn"] * 3  # a chunk each, none on the engine thread
+    assert result.ok and rows_made == ["kv-link-send"] * 3  # a chunk each, none on the engine thread
     assert (migrated, hit) == (reference, 5 * BS)
 
 
