@@ -58,6 +58,7 @@ class DirectPath:
         self._buffers: list[bytearray] = []  # receive buffers kept across pulls: no page faults on the next
         self._idle: dict[str, tuple[socket.socket, float]] = {}  # per source: a connection and when it was left
         self._link_rates: dict[str, float] = {}  # per source: the link's bytes/s in the last pull that tells
+        self._compressed_in_a_row: dict[str, int] = {}  # per source: pulls asked compressed since the last plain one
         self._lander = ThreadPoolExecutor(1, thread_name_prefix="kv-land")  # writes landing chunks into the pool
 
     @property
@@ -127,11 +128,20 @@ class DirectPath:
         return await self._receive(source_id, stream, sink or self._take(stream, landing, result, compress), result, started)
 
     def compresses(self, source_id: str) -> bool:
-        """Whether a pull from `source_id` asks for compressed chunks (`KVLinkConfig.compress`)."""
+        """Whether the next pull from `source_id` asks for compressed chunks (`KVLinkConfig.compress`). Under
+        "auto", every `RECHECK_AFTER + 1`-th pull in a row that would be compressed goes plain instead: a
+        compressed reply's pace is the slower of the link and the source's compressor, so on a fast link
+        whose one reading came out slow (its cores busy meanwhile) compressed pulls would otherwise tell
+        too slow a rate, pull after pull, at a tenth of the link's speed; a plain one tells the link's."""
         if self.config.compress != "auto":
             return self.config.compress == "always"
         rate = self._link_rates.get(source_id)
-        return rate is not None and rate < self.config.compress_below_bytes_per_s
+        if rate is None or rate >= self.config.compress_below_bytes_per_s:
+            self._compressed_in_a_row.pop(source_id, None)
+            return False
+        in_a_row = self._compressed_in_a_row.get(source_id, 0)
+        self._compressed_in_a_row[source_id] = 0 if in_a_row >= RECHECK_AFTER else in_a_row + 1
+        return in_a_row < RECHECK_AFTER
 
     def _learn_link_rate(self, source_id: str, stream: LinkStream) -> None:
         """Keep the link's rate a finished reply tells (`LinkStream.link_rate`), for `compresses`."""
@@ -290,6 +300,9 @@ class DirectPath:
             fn, lambda result, exc: done.set_result(result) if exc is None else done.set_exception(exc))
         return done.result(self.config.io_timeout_s)
 
+
+#: Under "auto", compressed pulls from one source before a plain one re-reads its link (`compresses`).
+RECHECK_AFTER = 4
 
 #: A pull is cut into at least this many chunks where `MIN_CHUNK_BYTES` allows: one chunk's
 #: encode, checks and pool write are not overlapped with anything (the pipeline filling and

@@ -678,6 +678,19 @@ def test_auto_compresses_where_the_links_last_pull_long_enough_to_tell_ran_below
     assert third.ok and len(frames) == 3 and third.wire_bytes == third.bytes
 
 
+def test_auto_pulls_plain_once_after_every_few_compressed_in_a_row_to_read_the_link_again(nodes, monkeypatch):
+    """A compressed reply goes at the slower of the link and the compressor: a fast link read slow once would
+    otherwise stay compressed, its pulls telling the compressor's pace."""
+    _, paths = nodes
+    path = paths["b"]
+    monkeypatch.setattr(path, "_link_rates", {"slow": 1.0, "fast": 1e12})
+    asks = [path.compresses("slow") for _ in range(2 * direct_path.RECHECK_AFTER + 2)]
+    assert asks == 2 * ([True] * direct_path.RECHECK_AFTER + [False])
+    assert not path.compresses("fast") and not path.compresses("unknown")
+    path._link_rates["slow"] = 1e12  # the plain pull read it fast
+    assert not path.compresses("slow") and "slow" not in path._compressed_in_a_row
+
+
 def test_the_time_a_busy_target_keeps_its_buffers_is_not_taken_for_the_links_pace(nodes, monkeypatch):
     """A pull of more chunks than the receive thread has buffers, whose first import takes the target's
     engine thread a second (as a busy node's step would): the receive thread waits, the link does not;
