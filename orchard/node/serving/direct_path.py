@@ -8,7 +8,8 @@ recomputes the rest), never a second try over Ray.
 
 A pull asks for compressed chunks (`orchard.kvcache.wire_compressed`) as `KVLinkConfig.compress` says:
 by default where the link from the same source carried its last long enough pull slower than a
-compressor runs, which is to say where the link, not the CPU, sets a pull's pace.
+compressor runs, which is to say where the link, not the CPU, sets a pull's pace; every fifth such pull
+in a row goes plain, to read the link again (`compresses`).
 
 Where the pool lives in memory numpy can address (the CPU, a Mac's unified memory), a pull's blocks
 land straight in pool blocks the engine thread reserved before the first chunk is taken, and the engine thread
