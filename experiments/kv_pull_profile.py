@@ -204,6 +204,23 @@ def _source_main(conn, size: str, num_blocks: int, switch_s: float, where: tuple
     engine.shutdown()
 
 
+def spawn_with_pipe(target, *args, daemon: bool = True):
+    """(our end of a pipe, a process running `target(its end, *args)`), started: spawned, so that it has its
+    own interpreter and GIL, as a node actor has. A daemon process ends with this one, but may start none."""
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    process = ctx.Process(target=target, args=(theirs, *args), daemon=daemon)
+    process.start()
+    return ours, process
+
+
+def event_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop, running on a thread of its own (a node actor's pulls run on its loop)."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, name="event-loop", daemon=True).start()
+    return loop
+
+
 def _pull(loop, path, address: str, hashes: list[bytes]):
     async def resolve(_peer):
         return address
@@ -248,13 +265,8 @@ def _profile(args, lab) -> int:
     sys.setswitchinterval(args.switch_ms / 1e3)
     num_blocks = (args.repeats + 1) * args.tokens // 16 + 64
     where = (lab.ns("a"), lab.hosts["a"]) if lab is not None else None
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    source = ctx.Process(target=_source_main, args=(theirs, args.size, num_blocks, args.switch_ms / 1e3, where),
-                         daemon=True)
-    source.start()
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, name="event-loop", daemon=True).start()
+    ours, source = spawn_with_pipe(_source_main, args.size, num_blocks, args.switch_ms / 1e3, where)
+    loop = event_loop()
     engine = _engine(args.size, num_blocks)
     stages, threads = Stages(), ThreadTimes()
     _instrument(stages, "target")

@@ -21,15 +21,12 @@ pull's time against the idle time of its idler core) to docs/img/pull_core_shari
 from __future__ import annotations
 
 import argparse
-import asyncio
-import multiprocessing as mp
 import os
 import re
 import signal
 import statistics
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -52,12 +49,8 @@ def _target(conn, size: str, tokens: int, pulls: int, cores: tuple[int, int] | N
     if cores is not None:
         os.sched_setaffinity(0, {cores[1]})
     num_blocks = (pulls + 2) * tokens // 16 + 64
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    source = ctx.Process(target=_source, args=(theirs, size, num_blocks, cores[0] if cores else None), daemon=True)
-    source.start()
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, name="event-loop", daemon=True).start()
+    ours, source = kp.spawn_with_pipe(_source, size, num_blocks, cores[0] if cores else None)
+    loop = kp.event_loop()
     engine = kp._engine(size, num_blocks)
     path = kp._path("dst", engine)
     address = ours.recv()
@@ -121,9 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             time.sleep(1.0)
             for mode, pinned in MODES.items():
-                ours, theirs = mp.get_context("spawn").Pipe()
-                target = mp.get_context("spawn").Process(target=_target, args=(theirs, args.size, args.tokens, args.pulls, pinned))
-                target.start()
+                ours, target = kp.spawn_with_pipe(_target, args.size, args.tokens, args.pulls, pinned, daemon=False)
                 results[mode] = ours.recv()
                 target.join(30)
                 print(f"{mode}: {args.pulls} pulls done")

@@ -9,7 +9,7 @@ recomputes the rest), never a second try over Ray.
 A pull asks for compressed chunks (`orchard.kvcache.wire_compressed`) as `KVLinkConfig.compress` says:
 by default where the link from the same source carried its last long enough pull slower than a
 compressor runs, which is to say where the link, not the CPU, sets a pull's pace; every fifth such pull
-in a row goes plain, to read the link again (`compresses`).
+in a row goes plain, to read the link again (`compress_next`).
 
 Where the pool lives in memory numpy can address (the CPU, a Mac's unified memory), a pull's blocks
 land straight in pool blocks the engine thread reserved before the first chunk is taken, and the engine thread
@@ -106,7 +106,7 @@ class DirectPath:
             return None
         hashes = [BlockHash(bytes(h)) for h in hashes]
         engine = self.mover.engine
-        compress = self.compresses(source_id)
+        compress = self.compress_next(source_id)
         result = PullResult(source_id, requested=len(hashes), via="direct")
         asked = self._ask_kept(source_id, hashes, compress)
         try:
@@ -128,12 +128,13 @@ class DirectPath:
             return None
         return await self._receive(source_id, stream, sink or self._take(stream, landing, result, compress), result, started)
 
-    def compresses(self, source_id: str) -> bool:
-        """Whether the next pull from `source_id` asks for compressed chunks (`KVLinkConfig.compress`). Under
-        "auto", every `RECHECK_AFTER + 1`-th pull in a row that would be compressed goes plain instead: a
-        compressed reply's pace is the slower of the link and the source's compressor, so on a fast link
-        whose one reading came out slow (its cores busy meanwhile) compressed pulls would otherwise tell
-        too slow a rate, pull after pull, at a tenth of the link's speed; a plain one tells the link's."""
+    def compress_next(self, source_id: str) -> bool:
+        """Whether the pull from `source_id` about to be asked for goes compressed (`KVLinkConfig.compress`);
+        the answer counts that pull, so ask once a pull. Under "auto", every `RECHECK_AFTER + 1`-th pull in a
+        row that would be compressed goes plain instead: a compressed reply's pace is the slower of the link
+        and the source's compressor, so on a fast link whose one reading came out slow (its cores busy
+        meanwhile) compressed pulls would otherwise tell too slow a rate, pull after pull, at a tenth of the
+        link's speed; a plain one tells the link's."""
         if self.config.compress != "auto":
             return self.config.compress == "always"
         rate = self._link_rates.get(source_id)
@@ -145,13 +146,13 @@ class DirectPath:
         return in_a_row < RECHECK_AFTER
 
     def _learn_link_rate(self, source_id: str, stream: LinkStream) -> None:
-        """Keep the link's rate a finished reply tells (`LinkStream.link_rate`), for `compresses`."""
+        """Keep the link's rate a finished reply tells (`LinkStream.link_rate`), for `compress_next`."""
         if (rate := stream.link_rate()) is not None:
             self._link_rates[source_id] = rate
 
     async def probe(self, source_id: str, nbytes: int, resolve: Resolve) -> tuple[int, float] | None:
         """(bytes, seconds) of fetching and verifying a probe payload over the direct path, or None. A probe
-        long enough to tell the link's rate (`LinkStream.link_rate`) tells `compresses` too, so the first
+        long enough to tell the link's rate (`LinkStream.link_rate`) tells `compress_next` too, so the first
         pull over a slow link (a node probes each peer's link as it joins) already goes compressed."""
         started = time.perf_counter()
         address = await self._address(source_id, resolve)
@@ -302,7 +303,7 @@ class DirectPath:
         return done.result(self.config.io_timeout_s)
 
 
-#: Under "auto", compressed pulls from one source before a plain one re-reads its link (`compresses`).
+#: Under "auto", compressed pulls from one source before a plain one re-reads its link (`compress_next`).
 RECHECK_AFTER = 4
 
 #: A pull is cut into at least this many chunks where `MIN_CHUNK_BYTES` allows: one chunk's

@@ -291,8 +291,9 @@ class LinkStream:
 
     def link_rate(self, min_bytes: int = RATE_MIN_BYTES) -> float | None:
         """Bytes/s the link carried from the first chunk's first bytes being read (as they land, but where
-        they came before `take`) to the last chunk's last, less the time the receive thread waited for a buffer the target had not given back (chunks waiting
-        for a busy engine thread or landing thread: the target's pace, not the link's), once the reply
+        they came before `take`) to the last chunk's last, less the time the receive thread waited for a
+        buffer the target had not given back (chunks waiting for a busy engine thread or landing thread:
+        the target's pace, not the link's), once the reply
         ended and carried at least `min_bytes`: the link's pace, without the fixed costs before and after
         that make a short pull slow on any link; else None."""
         moving = self._ended - self._began - self.stalled_s

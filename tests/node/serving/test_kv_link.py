@@ -6,6 +6,7 @@ failure counted and the request recomputed exactly."""
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import threading
 import time
@@ -416,14 +417,17 @@ def test_the_receive_thread_reads_nothing_of_the_reply_before_it_knows_where_the
         sock = await asyncio.to_thread(connect, paths["a"].address, KEY, "a", CONFIG)
         stream = kv_link.LinkStream(sock, [bytearray(), bytearray()], paths["a"].mover.geometry)
         stream.start(hashes_of(paths["a"], tokens), CONFIG.chunk_bytes)
-        await asyncio.sleep(0.3)  # the source has answered by now
-        waiting = len(sock.recv(8, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        readable, _, _ = await asyncio.to_thread(select.select, [sock], [], [], 5)  # the source has answered
+        await asyncio.sleep(0.1)  # and the receive thread had time to read, were it reading
+        waiting = sock.recv(8, socket.MSG_PEEK | socket.MSG_DONTWAIT) if readable else b""
         sink = ReturningSink(stream)
         stream.take(sink)
         assert await asyncio.to_thread(sink.told_end.wait, 5)
-        return waiting, len(sink.sizes), stream.failure, stream.release() is sock
+        return waiting, sink.sizes, stream.failure, stream.release() is sock
 
-    assert loop.run_until_complete(run()) == (8, 3, None, True)  # the first chunk's length waited in the kernel
+    waiting, sizes, failure, kept = loop.run_until_complete(run())
+    assert len(sizes) == 3 and (failure, kept) == (None, True)
+    assert link_io.U64.unpack(waiting) == (sizes[0],)  # the first chunk's length, still unread in the kernel
 
 
 def test_a_pull_given_up_while_its_chunks_wait_for_a_buffer_ends_at_once_with_an_error(nodes):
@@ -684,11 +688,11 @@ def test_auto_pulls_plain_once_after_every_few_compressed_in_a_row_to_read_the_l
     _, paths = nodes
     path = paths["b"]
     monkeypatch.setattr(path, "_link_rates", {"slow": 1.0, "fast": 1e12})
-    asks = [path.compresses("slow") for _ in range(2 * direct_path.RECHECK_AFTER + 2)]
+    asks = [path.compress_next("slow") for _ in range(2 * direct_path.RECHECK_AFTER + 2)]
     assert asks == 2 * ([True] * direct_path.RECHECK_AFTER + [False])
-    assert not path.compresses("fast") and not path.compresses("unknown")
+    assert not path.compress_next("fast") and not path.compress_next("unknown")
     path._link_rates["slow"] = 1e12  # the plain pull read it fast
-    assert not path.compresses("slow") and "slow" not in path._compressed_in_a_row
+    assert not path.compress_next("slow") and "slow" not in path._compressed_in_a_row
 
 
 def test_the_time_a_busy_target_keeps_its_buffers_is_not_taken_for_the_links_pace(nodes, monkeypatch):
