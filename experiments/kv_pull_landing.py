@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import multiprocessing as mp
 import statistics
-import threading
 import time
 
 from experiments import kv_pull_profile as kp
@@ -60,12 +58,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print_header(f"direct pulls, landed or imported ({args.size}, {args.tokens} tokens, target decoding {args.busy})")
     num_blocks = (2 * args.repeats + 4) * args.tokens // 16 + 256
-    ctx = mp.get_context("spawn")
-    ours, theirs = ctx.Pipe()
-    source = ctx.Process(target=kp._source_main, args=(theirs, args.size, num_blocks, 0.005, None), daemon=True)
-    source.start()
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
+    ours, source = kp.spawn_with_pipe(kp._source_main, args.size, num_blocks, 0.005, None)
+    loop = kp.event_loop()
     engine = kp._engine(args.size, num_blocks)
     path = kp._path("dst", engine)
     address = ours.recv()

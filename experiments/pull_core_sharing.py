@@ -71,11 +71,11 @@ def _target(conn, size: str, tokens: int, pulls: int, cores: tuple[int, int] | N
     conn.send((windows, [tcp_rate("127.0.0.1", 256 << 20, **placed) for _ in range(5)]))
 
 
-def idle_in(timehist: list[tuple[float, int, float]], start: float, end: float, cores: int) -> list[float]:
-    """Seconds each core idled within [start, end]: `timehist` holds (when the idle task stopped, core,
-    how long it had run)."""
+def idle_in(runs: list[tuple[float, int, float]], start: float, end: float, cores: int) -> list[float]:
+    """Seconds each core idled within [start, end]: `runs` are the idle task's (`idle_runs`: when it
+    stopped, core, how long it had run)."""
     idle = [0.0] * cores
-    for stopped, core, ran in timehist:
+    for stopped, core, ran in runs:
         overlap = min(stopped, end) - max(stopped - ran, start)
         if overlap > 0 and core < cores:
             idle[core] += overlap
@@ -121,11 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             perf.send_signal(signal.SIGINT)
             perf.wait(60)
-        timehist = read_timehist(data)
+        runs = read_timehist(data)
     rows = {}
     for mode, (windows, tcp) in results.items():
         pulls = [{"ms": (end - start) * 1e3, "GBps": nbytes / (end - start) / 1e9,
-                  "idle_ms": [x * 1e3 for x in idle_in(timehist, start, end, cores)]} for start, end, nbytes in windows]
+                  "idle_ms": [x * 1e3 for x in idle_in(runs, start, end, cores)]} for start, end, nbytes in windows]
         rows[mode] = {"pulls": pulls, "tcp_GBps": [x / 1e9 for x in tcp]}
         ms = sorted(p["ms"] for p in pulls)
         idler = [max(p["idle_ms"]) for p in pulls]

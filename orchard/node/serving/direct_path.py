@@ -142,7 +142,7 @@ class DirectPath:
             self._compressed_in_a_row.pop(source_id, None)
             return False
         in_a_row = self._compressed_in_a_row.get(source_id, 0)
-        self._compressed_in_a_row[source_id] = 0 if in_a_row >= RECHECK_AFTER else in_a_row + 1
+        self._compressed_in_a_row[source_id] = (in_a_row + 1) % (RECHECK_AFTER + 1)
         return in_a_row < RECHECK_AFTER
 
     def _learn_link_rate(self, source_id: str, stream: LinkStream) -> None:
