@@ -1,4 +1,4 @@
-"""A pull's blocks landed straight in the pool off the engine thread, cached once at the end.
+"""A pull's blocks landed straight in the pool off the engine thread, then cached by the engine.
 
 Imported chunk by chunk on the engine thread, a pull into a node that is decoding waits for the step in
 progress at every chunk, and each import's copy takes time from the steps (docs/benchmarks.md, "Pulls
@@ -7,8 +7,9 @@ small one's faster over Ray). Here the engine thread reserves the run's blocks o
 is taken (`BlockTransfer.reserve_landing`); another thread checks each chunk and writes its KV into the
 next reserved blocks through the pool's layer views: the direct path's receive thread reads it there from
 the socket (`placing`), or its landing thread copies a chunk that had to land in a buffer first (`land`);
-and the engine thread lists what landed as cached once, when the reply has ended (`adopt`), or as it
-lands and then once more (`adopt_landed`, then `adopt`).
+and the engine lists what landed as cached once, when the reply has ended (`adopt`), or as it
+lands and then once more (`adopt_landed`, then `adopt`): on its own thread, or on a thread it is lent
+to while it idles (`orchard.node.command_queue`), never on both at once.
 
 Reserved blocks belong to no sequence and hold no hash, so no step reads or writes them and no prefix
 lookup finds them before `adopt`; whatever did not land goes back to the free queue there. The block
@@ -38,7 +39,7 @@ from orchard.kvcache.wire import BlockRun, KVBlockData, wire_dtype
 
 class BlockLanding:
     """The reserved blocks of one pull, filled in order by `land` (any one thread), cached by `adopt`
-    (the engine thread, once)."""
+    (the engine's turn, once)."""
 
     def __init__(self, manager: BlockManager, pool: KVPool, views, wanted: Sequence[BlockHash], block_ids: list[int],
                  held_parent: list[int], chains: Callable[[BlockHash], bool]):
@@ -120,13 +121,13 @@ class BlockLanding:
         rows = as_slice(self.block_ids[start : start + n])
         return [rows] if isinstance(rows, slice) else [slice(b, b + 1) for b in rows.tolist()]
 
-    # ----------------------------------------------------------------- engine thread
+    # ----------------------------------------------------------------- the engine's turn (its thread or a loan)
 
     def adopt_landed(self) -> int:
         """List the blocks landed since the last call as cached, the landing going on; returns how many
-        were listed. Listing costs the engine thread a few microseconds a block: called as each chunk
-        lands (between two steps of an engine that is stepping), it does most of that while the next chunks
-        arrive, and leaves little for `adopt`, which would wait for the step in progress. Raises
+        were listed. Listing costs a few microseconds a block: called as each chunk lands (between two
+        steps of an engine that is stepping), it does most of that while the next chunks arrive, and leaves
+        little for `adopt`, which would wait for the step in progress. Raises
         `PoolMoved`, caching nothing more, where a pool buffer moved since the blocks were reserved."""
         with self._lock:
             if self._done:
@@ -149,7 +150,7 @@ class BlockLanding:
             self.manager.unpin(self._held_parent)
 
     def _list(self, landed: int) -> int:
-        """List blocks `[listed, landed)` of the run (engine thread); the run's first block is listed only
+        """List blocks `[listed, landed)` of the run (the engine's turn); the run's first block is listed only
         where its parent is reachable here, and nothing after a first that was not."""
         start = self._listed
         if landed == start or self._unreachable:

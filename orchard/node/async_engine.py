@@ -1,8 +1,10 @@
 """An asyncio face on the engine: one thread runs `step()`, coroutines stream results.
 
 MLX work is synchronous and heavy, so it must not run on the event loop. The engine
-thread owns the engine outright; coroutines talk to it only through a command queue
-(add, abort) and per-request asyncio queues fed with `call_soon_threadsafe`.
+thread owns the engine; coroutines talk to it only through a command queue
+(add, abort) and per-request asyncio queues fed with `call_soon_threadsafe`. While it waits
+idle, another thread may run a call on the engine itself (`call_here_if_idle`), the engine
+thread starting nothing meanwhile.
 A consumer that stops iterating (a client gone) aborts its request at once.
 
 A request can instead hand the engine thread an `OutputSink` (`start`): the thread then
@@ -17,13 +19,13 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 import mlx.core as mx
 
+from orchard.node.command_queue import CommandQueue
 from orchard.node.engine import EngineConfig, LLMEngine
 from orchard.node.model.loader import evaluate_held_arrays
 from orchard.node.types import RequestOutput, SamplingParams
@@ -74,7 +76,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         evaluate_held_arrays(engine.model.model)  # the engine thread cannot evaluate this thread's lazy arrays
-        self._commands: queue.Queue = queue.Queue()
+        self._commands = CommandQueue()
         self._streams: dict[str, OutputSink] = {}  # request id -> its sink; only the engine thread changes it
         self._stopped = threading.Event()
         self._stats: dict = engine.stats()
@@ -100,7 +102,8 @@ class AsyncEngine:
         return self.engine.model.name
 
     def add_kv_listener(self, callback) -> None:
-        """`callback(events)` runs on the engine thread after each step with that step's KV events."""
+        """`callback(events)` runs after each step with that step's KV events, and after each publishing call
+        with the call's: on the engine thread, or for a call run while it idled, on the thread that ran it."""
         self._kv_listeners.append(callback)
 
     async def generate(
@@ -169,6 +172,18 @@ class AsyncEngine:
         while its bytes move."""
         self._commands.put(("call", fn, settle, publish))
 
+    def call_here_if_idle(self, fn, settle, publish: bool = False) -> None:
+        """`call_from_thread`, but run on the calling thread at once where the engine thread waits idle with
+        nothing queued (`orchard.node.command_queue`), `settle` too: no thread is woken for it. Queued as
+        `call_from_thread` queues it otherwise, and from the engine thread itself."""
+        if not self._commands.borrow():
+            self._commands.put(("call", fn, settle, publish))
+            return
+        try:
+            self._call(fn, settle, publish)
+        finally:
+            self._commands.give_back()
+
     def stats(self) -> dict:
         """The last stats the engine thread published (safe from any thread)."""
         return self._stats
@@ -231,16 +246,12 @@ class AsyncEngine:
             _hand(stream.failed, request_id, exc)
 
     def _apply_commands(self, block: bool) -> None:
-        try:
-            cmd = self._commands.get(timeout=_IDLE_WAIT_S) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            self._apply(cmd)
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
+        """Run what is queued, and what is queued meanwhile; waiting for a command first if `block`."""
+        commands = self._commands.take(_IDLE_WAIT_S) if block else self._commands.take_nowait()
+        while commands:
+            for cmd in commands:
+                self._apply(cmd)
+            commands = self._commands.take_nowait()
 
     def _apply(self, cmd: tuple) -> None:
         if cmd[0] == "add":

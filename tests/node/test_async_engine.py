@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -122,6 +123,44 @@ def test_calls_from_a_thread_run_in_order_settle_on_the_engine_thread_and_publis
     assert settled == [(0, None), (1, None), (None, "ValueError"), (3, None)]
     assert len(set(engine_thread)) == 1 and engine_thread[0] is not threading.current_thread()
     assert len(published) == 1  # the loop call published; the four thread calls did not
+
+
+def test_a_call_made_while_the_engine_idles_runs_on_the_callers_thread_and_publishes_there(engine):
+    here = threading.current_thread()
+    published, ran = [], []
+    engine.add_kv_listener(lambda events: published.append(threading.current_thread()))
+    for _ in range(400):  # until the engine thread waits for commands (it warms up first)
+        engine.call_here_if_idle(lambda _e: None, lambda _result, _exc: ran.append(threading.current_thread()), publish=True)
+        if ran and ran[-1] is here:  # run here: nothing was queued, so every earlier call had run
+            break
+        time.sleep(0.005)
+    assert ran[-1] is here and published[-1] is here and engine._thread.is_alive()
+
+
+def test_calls_made_here_while_idle_never_overtake_calls_queued_before_them(engine):
+    order, done = [], threading.Event()
+    for n in range(200):
+        engine.call_from_thread(lambda _e, n=n: order.append(("queued", n)), lambda *_: None)
+        engine.call_here_if_idle(lambda _e, n=n: order.append(("here", n)), lambda *_: None)
+    engine.call_from_thread(lambda _e: done.set(), lambda *_: None)
+    assert done.wait(10)
+    assert order == [(kind, n) for n in range(200) for kind in ("queued", "here")]
+
+
+def test_a_call_made_while_the_engine_steps_runs_on_the_engine_thread_between_steps(engine):
+    async def call_while_stepping():
+        stream = engine.generate("busy", list(range(10, 40)), SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True))
+        await stream.__anext__()  # stepping now
+        settled = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        engine.call_here_if_idle(lambda e: (threading.current_thread(), e.has_unfinished),
+                                 lambda result, exc: loop.call_soon_threadsafe(settled.set_result, result))
+        result = await settled
+        await stream.aclose()
+        return result
+
+    thread, stepping = asyncio.run(call_while_stepping())
+    assert thread is engine._thread and stepping
 
 
 def test_a_loop_call_that_does_not_publish_leaves_its_events_to_the_next_that_does(engine):

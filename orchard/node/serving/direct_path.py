@@ -12,9 +12,10 @@ compressor runs, which is to say where the link, not the CPU, sets a pull's pace
 in a row goes plain, to read the link again (`compress_next`).
 
 Where the pool lives in memory numpy can address (the CPU, a Mac's unified memory), a pull's blocks
-land straight in pool blocks the engine thread reserved before the first chunk is taken, and the engine thread
-lists them as cached (`orchard.kvcache.block_landing`) in one call at the end, queued by the receive thread;
-a stepping engine also in calls queued as chunks land, which it takes between two steps while the pull goes
+land straight in pool blocks the engine thread reserved before the first chunk is taken, and the engine
+lists them as cached (`orchard.kvcache.block_landing`) as each chunk lands and once more at the end. An idle
+engine is lent to the receive thread for that (`AsyncEngine.call_here_if_idle`), which then wakes no other
+thread; a stepping one takes the calls the receive thread queues between two steps while the pull goes
 on: a pull into a stepping engine waits for two steps at most, not a step per chunk, and takes no copy from
 the steps' thread.
 A plain chunk is read by the receive thread from the socket into those blocks, checked as its bytes
@@ -246,7 +247,7 @@ class DirectPath:
                        started: float) -> PullResult:
         try:
             try:
-                await asyncio.wrap_future(sink.finished)  # the reply ended and the engine thread ran `finish`
+                await asyncio.wrap_future(sink.finished)  # the reply ended and the engine ran `finish`
             finally:
                 await stream.stopped()  # at once where it ended; else it is closed (the pull given up part way)
                 if not sink.finished.done():
@@ -286,19 +287,21 @@ class DirectPath:
         return self._on_engine(lambda e: e.kv.pin_layer_export(hashes))
 
     def _release(self, pinned) -> None:  # a link thread
-        """Unpin a sent run on the engine thread, not waited for: the link's thread sends the reply's end marker
-        and reads the next request meanwhile, and every later call on the engine thread runs after this one."""
-        self.mover.engine.call_from_thread(lambda e: e.kv.unpin_export(pinned), self._released)
+        """Unpin a sent run: here where the engine idles (`AsyncEngine.call_here_if_idle`), else queued on the
+        engine thread and not waited for, the link's thread sending the reply's end marker and reading the next
+        request meanwhile; every later call on the engine runs after this one."""
+        self.mover.engine.call_here_if_idle(lambda e: e.kv.unpin_export(pinned), self._released)
 
-    def _released(self, _result, exc: Exception | None) -> None:  # engine thread
+    def _released(self, _result, exc: Exception | None) -> None:  # the engine's turn
         if exc is not None:
             log.error("node %s: a sent run could not be unpinned: %s", self.node_id, exc)
 
     def _on_engine(self, fn):
-        """`fn(engine)` on the engine thread, waited for on the calling (link) thread: no event loop
-        in between, so a pull's source side does not wait for a busy actor's loop to wake."""
+        """`fn(engine)` on the calling (link) thread where the engine idles, else on the engine thread, waited
+        for here (`AsyncEngine.call_here_if_idle`): no event loop in between, so a pull's source side does not
+        wait for a busy actor's loop to wake, nor for an idle engine thread to."""
         done: Future = Future()
-        self.mover.engine.call_from_thread(
+        self.mover.engine.call_here_if_idle(
             fn, lambda result, exc: done.set_result(result) if exc is None else done.set_exception(exc))
         return done.result(self.config.io_timeout_s)
 
@@ -352,9 +355,9 @@ def steps(engine) -> bool:
 
 
 class _Sink:
-    """What both sinks do once the reply ends: have the engine thread run `finish` after every call they
-    queued there, and publish the KV events of the pull (`AsyncEngine.call_from_thread`), queued straight
-    from the thread that saw the end; `finished` settles once it ran."""
+    """What both sinks do once the reply ends: have the engine run `finish` after every call they queued
+    there, and publish the KV events of the pull, from the thread that saw the end: there where the engine
+    idles, else queued for the engine thread (`AsyncEngine.call_here_if_idle`); `finished` settles once it ran."""
 
     def __init__(self, engine, result: PullResult):
         self.engine, self.result = engine, result
@@ -365,13 +368,13 @@ class _Sink:
     def end(self) -> None:  # receive thread, once
         self._queue_finish()
 
-    def finish(self, engine) -> None:  # engine thread, after every call the pull queued there
+    def finish(self, engine) -> None:  # the engine's turn, after every call the pull queued there
         return None
 
     def _queue_finish(self) -> None:
-        self.engine.call_from_thread(self.finish, self._settle_finish, publish=True)
+        self.engine.call_here_if_idle(self.finish, self._settle_finish, publish=True)
 
-    def _settle_finish(self, _result, exc: Exception | None) -> None:  # engine thread
+    def _settle_finish(self, _result, exc: Exception | None) -> None:  # the engine's turn
         if exc is not None:
             self.finished.set_exception(exc)
         else:
@@ -379,7 +382,7 @@ class _Sink:
 
 
 class _ChunkLander(_Sink):
-    """Has the engine thread list as cached the blocks of chunks the receive thread read straight into the
+    """Has the engine list as cached the blocks of chunks the receive thread read straight into the
     blocks reserved for them (`orchard.kvcache.block_landing`) as each lands (`placed`), and at the end
     (`finish`) the rest, with those of chunks it handed here from a buffer: those land on the path's
     landing thread, so the receive thread takes the next chunk meanwhile. The first refused chunk stops
@@ -396,19 +399,20 @@ class _ChunkLander(_Sink):
         self._lander.submit(self._land, buffer, payload)
 
     def placed(self, size: int) -> None:  # receive thread: a chunk read straight into its blocks
-        """Have a stepping engine thread list the chunk's blocks now (`BlockLanding.adopt_landed`), between two
-        steps, queued straight from here, so that `finish`, which waits for the step in progress, lists only
-        the last chunk's. An idle one lists them all in `finish`: a call a chunk would wake it a chunk, and
-        its wakes took the cores the sender and this thread need (docs/benchmarks.md, "## migration")."""
+        """List the chunk's blocks now (`BlockLanding.adopt_landed`): on this thread where the engine idles
+        (`AsyncEngine.call_here_if_idle`), while the source's next bytes fill the socket's buffers, else queued
+        straight from here for a stepping engine thread to take between two steps. Either way `finish` (which
+        a stepping engine takes after the step in progress) lists only what is left: on two cores, 8 MiB
+        pulls into an idle engine ran 1.93 GB/s at the median listed so, 1.66 listed all at the end by a
+        woken engine thread (docs/benchmarks.md, "## migration")."""
         self.result.bytes += size
-        if steps(self.engine.engine):
-            self.engine.call_from_thread(lambda e: self.landing.adopt_landed(), self._listed)
+        self.engine.call_here_if_idle(lambda e: self.landing.adopt_landed(), self._listed)
 
     def end(self) -> None:  # receive thread, once
         """`finish` once every chunk handed to the landing thread has landed: queued from that thread after them."""
         self._lander.submit(self._queue_finish) if self._handed else self._queue_finish()
 
-    def _listed(self, listed: int | None, exc: Exception | None) -> None:  # engine thread
+    def _listed(self, listed: int | None, exc: Exception | None) -> None:  # the engine's turn
         if exc is not None and self.error is None:
             self.error = exc
             self.stream.close()
@@ -424,7 +428,7 @@ class _ChunkLander(_Sink):
         finally:
             self.stream.done(buffer)
 
-    def finish(self, engine) -> None:  # engine thread, once the reply ended or broke off and every chunk landed
+    def finish(self, engine) -> None:  # the engine's turn, once the reply ended or broke off and every chunk landed
         self.result.imported += self.landing.adopt()
 
 

@@ -272,12 +272,14 @@ def test_a_stepping_targets_pull_is_read_straight_into_its_pool_and_cached_in_on
     assert kv.manager.num_used == 0  # every reserved block adopted or freed
 
 
-def test_an_idle_target_reads_each_chunk_straight_into_its_pool_too_and_lists_them_in_one_call(nodes, monkeypatch):
+def test_an_idle_target_reads_each_chunk_straight_into_its_pool_and_lists_it_on_the_receive_thread(nodes, monkeypatch):
+    """The idle engine is lent to the receive thread: it lists each chunk as it lands and closes the pull, and
+    the engine thread is not woken for either."""
     loop, paths = nodes
     seen = counting(monkeypatch, paths["b"].mover.engine.engine.kv)
     result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(36))
-    assert (result.ok, result.imported, len(seen["place"]), len(seen["adopt"])) == (True, 5, 3, 1)
-    assert seen["adopt_landed"] == []  # no engine call a chunk: the one at the end lists the run
+    assert (result.ok, result.imported, len(seen["place"])) == (True, 5, 3)
+    assert seen["adopt_landed"] == ["kv-link-recv"] * 3 and seen["adopt"] == ["kv-link-recv"]
     assert (seen["import"], seen["land"]) == ([], [])
     assert (migrated, hit) == (reference, 5 * BS)
 
@@ -452,6 +454,34 @@ def test_a_pull_given_up_while_its_chunks_wait_for_a_buffer_ends_at_once_with_an
         return sink.ended, type(stream.failure), stream._ready.qsize(), stream.release()
 
     assert loop.run_until_complete(run()) == (1, ConnectionError, 0, None)  # the sink, not the event loop, told
+
+
+def test_an_idle_source_pins_and_unpins_on_its_links_thread_and_a_stepping_one_on_its_engine_thread(nodes, monkeypatch):
+    loop, paths = nodes
+    kv = paths["a"].mover.engine.engine.kv
+    seen = {"pin": [], "unpin": []}
+    for name, method in (("pin", "pin_layer_export"), ("unpin", "unpin_export")):
+        real = getattr(kv, method)
+        monkeypatch.setattr(kv, method, lambda *a, real=real, name=name: seen[name].append(
+            threading.current_thread().name) or real(*a))
+    idle, _, _ = pull(loop, paths, prompt(141))
+    assert idle.ok and seen == {"pin": ["kv-link-send"], "unpin": ["kv-link-send"]}
+    seen["pin"].clear(), seen["unpin"].clear()
+    source = paths["a"].mover.engine
+
+    async def pull_while_the_source_decodes():
+        tokens = prompt(142)
+        await generate(paths["a"], "cache-142", tokens)
+        busy = asyncio.ensure_future(generate_many(source, "busy-142"))
+        while not source.stats().get("running"):
+            await asyncio.sleep(0.01)
+        result = await paths["b"].pull("a", hashes_of(paths["a"], tokens), resolves_to(paths["a"]))
+        await source.abort("busy-142")
+        await busy
+        return result
+
+    stepping = loop.run_until_complete(pull_while_the_source_decodes())
+    assert stepping.ok and seen == {"pin": ["orchard-engine"], "unpin": ["orchard-engine"]}
 
 
 def test_the_source_unpins_a_sent_run_once_the_reply_went(nodes):
