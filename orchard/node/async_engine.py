@@ -175,7 +175,9 @@ class AsyncEngine:
     def call_here_if_idle(self, fn, settle, publish: bool = False) -> None:
         """`call_from_thread`, but run on the calling thread at once where the engine thread waits idle with
         nothing queued (`orchard.node.command_queue`), `settle` too: no thread is woken for it. Queued as
-        `call_from_thread` queues it otherwise, and from the engine thread itself."""
+        `call_from_thread` queues it otherwise, and from the engine thread itself. Only for calls that make
+        no MLX array (bookkeeping, numpy views of evaluated arrays): MLX evaluates an array only on the thread
+        whose stream made it."""
         if not self._commands.borrow():
             self._commands.put(("call", fn, settle, publish))
             return

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
@@ -209,6 +210,10 @@ def test_a_direct_pull_carries_the_state_and_resumes_exactly(running, monkeypatc
     (source, target), model = running
     layered = []  # a hybrid run travels in version 2, whose payload carries the state
     monkeypatch.setattr(kv_link, "layer_pieces", lambda *a: layered.append(a) or pytest.fail("layer-major for a hybrid model"))
+    exported_on = []  # its state is copied out through MLX: on the engine thread, never on an idle engine's caller
+    real_export = source.engine.kv.pin_export
+    monkeypatch.setattr(source.engine.kv, "pin_export", lambda hashes: exported_on.append(threading.current_thread().name)
+                        or real_export(hashes))
     config = KVLinkConfig(chunk_bytes=source.engine.kv.geometry.bytes_per_block, handshake_timeout_s=2.0, compress=compress)
     paths = {name: DirectPath(BlockMover(e), name, KEY, config) for name, e in zip("ab", (source, target))}
     for path in paths.values():
@@ -232,3 +237,4 @@ def test_a_direct_pull_carries_the_state_and_resumes_exactly(running, monkeypatc
     assert (result.wire_bytes < result.bytes) == (compress == "always")  # the state inside the frame too
     assert (tokens, hit) == (reference(model, prompt)[0], 12)
     assert layered == [] and source.engine.kv.pin_layer_export(source.engine.kv.block_hashes(prompt)) is None
+    assert exported_on == ["orchard-engine"]

@@ -281,10 +281,13 @@ class DirectPath:
         return self._addresses[source_id]
 
     def _export(self, hashes: list[BlockHash]):  # a link thread
-        return self._on_engine(lambda e: e.kv.pin_export(hashes))
+        """Pin the run for wire format version 2 on the engine thread: for a hybrid model that copies its state
+        out through MLX, which evaluates an array only on the thread whose stream made it."""
+        return self._on_engine(lambda e: e.kv.pin_export(hashes), here_if_idle=False)
 
     def _export_layers(self, hashes: list[BlockHash]):  # a link thread
-        return self._on_engine(lambda e: e.kv.pin_layer_export(hashes))
+        """Pin the run for the layer-major format: bookkeeping and views of the pool, here where the engine idles."""
+        return self._on_engine(lambda e: e.kv.pin_layer_export(hashes), here_if_idle=True)
 
     def _release(self, pinned) -> None:  # a link thread
         """Unpin a sent run: here where the engine idles (`AsyncEngine.call_here_if_idle`), else queued on the
@@ -296,13 +299,14 @@ class DirectPath:
         if exc is not None:
             log.error("node %s: a sent run could not be unpinned: %s", self.node_id, exc)
 
-    def _on_engine(self, fn):
-        """`fn(engine)` on the calling (link) thread where the engine idles, else on the engine thread, waited
-        for here (`AsyncEngine.call_here_if_idle`): no event loop in between, so a pull's source side does not
-        wait for a busy actor's loop to wake, nor for an idle engine thread to."""
+    def _on_engine(self, fn, here_if_idle: bool):
+        """`fn(engine)` on the engine thread, or with `here_if_idle` on the calling (link) thread where the engine
+        idles (`AsyncEngine.call_here_if_idle`), waited for here: no event loop in between, so a pull's source
+        side does not wait for a busy actor's loop to wake, nor, where it may, for an idle engine thread to."""
         done: Future = Future()
-        self.mover.engine.call_here_if_idle(
-            fn, lambda result, exc: done.set_result(result) if exc is None else done.set_exception(exc))
+        engine = self.mover.engine
+        call = engine.call_here_if_idle if here_if_idle else engine.call_from_thread
+        call(fn, lambda result, exc: done.set_result(result) if exc is None else done.set_exception(exc))
         return done.result(self.config.io_timeout_s)
 
 
