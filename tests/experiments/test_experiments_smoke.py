@@ -76,3 +76,25 @@ def test_a_cores_idle_time_within_a_pull_is_read_from_the_idle_tasks_runs():
     assert runs == [(100.01, 1, 0.004), (100.02, 0, 0.003)]
     idle = pull_core_sharing.idle_in(runs, 100.008, 100.018, cores=2)  # core 0 idled from 100.017, core 1 until 100.010
     assert idle == pytest.approx([0.001, 0.002])
+
+
+def test_the_lending_experiment_switches_a_pull_between_queued_and_lent_engine_calls():
+    from experiments import kv_pull_lending
+    from orchard.node.async_engine import AsyncEngine
+    from orchard.node.serving import direct_path
+
+    built = AsyncEngine.call_here_if_idle, direct_path._ChunkLander.placed
+    try:
+        kv_pull_lending.use("queued")
+        assert AsyncEngine.call_here_if_idle is not built[0] and direct_path._ChunkLander.placed is not built[1]
+        calls = []
+
+        class Engine:
+            def call_from_thread(self, fn, settle, publish=False):
+                calls.append(publish)
+
+        AsyncEngine.call_here_if_idle(Engine(), None, None, True)  # queued, whether or not the engine idles
+        assert calls == [True]
+    finally:
+        kv_pull_lending.use("lent")
+    assert (AsyncEngine.call_here_if_idle, direct_path._ChunkLander.placed) == built
