@@ -1,14 +1,15 @@
 """What lending an idle engine to a pull's threads is worth: direct pulls with it and without it, interleaved.
 
-A direct pull (`orchard.node.serving.direct_path`) makes four calls on an engine: the source pins its run,
-the target lists each chunk's blocks as cached, closes the pull, and the source unpins the run. Queued on
-an idle engine thread, each call costs two thread wake-ups, and on two cores each wake-up waits for a core
-the transfer's threads hold. Lent (`orchard.node.command_queue`), the idle engine runs the call on the thread
-that makes it. Two modes, taken in turns over the same two processes:
+A direct pull (`orchard.node.serving.direct_path`) into an idle engine makes three calls on engines: the source
+pins its run, the target closes the pull (lists its blocks as cached), the source unpins the run. Queued on an
+idle engine thread, each call costs two thread wake-ups, and on two cores each wake-up waits for a core the
+transfer's threads hold. Lent (`orchard.node.command_queue`), the idle engine runs the call on the thread that
+makes it. Three modes, taken in turns over the same two processes:
 
-- "queued": every call queued on the engine thread, and an idle target engine lists the whole run in the
-  closing call, not chunk by chunk (how pulls ran before engines were lent);
-- "lent": as built.
+- "queued": every call queued on the engine thread (how pulls ran before engines were lent);
+- "lent": as built;
+- "lent, listed as landed": lent, and the target's receive thread also lists each chunk's blocks as it lands,
+  not all of them at the end (tried, not kept).
 
 Raw TCP over the same loopback is read before and after the pulls. Each pull moves a fresh prefix.
 
@@ -32,27 +33,25 @@ from orchard.cluster.bench.migration import tcp_throughput
 from orchard.node.async_engine import AsyncEngine
 from orchard.node.serving import direct_path
 
-MODES = ("queued", "lent")
+MODES = ("queued", "lent", "lent, listed as landed")
 _LENT = AsyncEngine.call_here_if_idle
-_LISTED_AS_LANDED = direct_path._ChunkLander.placed
+_PLACED = direct_path._ChunkLander.placed
 
 
 def _queued(engine, fn, settle, publish=False):
     engine.call_from_thread(fn, settle, publish)
 
 
-def _placed_when_stepping(sink, size):
-    """`_ChunkLander.placed` before lending: a chunk's blocks listed as it lands only by a stepping engine."""
+def _listed_as_landed(sink, size):
+    """`_ChunkLander.placed` listing every chunk's blocks as it lands, on the receive thread where the engine idles."""
     sink.result.bytes += size
-    if direct_path.steps(sink.engine.engine):
-        sink.engine.call_from_thread(lambda e: sink.landing.adopt_landed(), sink._listed)
+    sink.engine.call_here_if_idle(lambda e: sink.landing.adopt_landed(), sink._listed)
 
 
 def use(mode: str) -> None:
     """Make this process's pulls run as `mode` says."""
-    queued = mode == "queued"
-    AsyncEngine.call_here_if_idle = _queued if queued else _LENT
-    direct_path._ChunkLander.placed = _placed_when_stepping if queued else _LISTED_AS_LANDED
+    AsyncEngine.call_here_if_idle = _queued if mode == "queued" else _LENT
+    direct_path._ChunkLander.placed = _listed_as_landed if mode == "lent, listed as landed" else _PLACED
 
 
 def _source(conn, size: str, num_blocks: int) -> None:

@@ -85,8 +85,10 @@ def test_the_lending_experiment_switches_a_pull_between_queued_and_lent_engine_c
 
     built = AsyncEngine.call_here_if_idle, direct_path._ChunkLander.placed
     try:
+        kv_pull_lending.use("lent, listed as landed")
+        assert AsyncEngine.call_here_if_idle is built[0] and direct_path._ChunkLander.placed is not built[1]
         kv_pull_lending.use("queued")
-        assert AsyncEngine.call_here_if_idle is not built[0] and direct_path._ChunkLander.placed is not built[1]
+        assert AsyncEngine.call_here_if_idle is not built[0] and direct_path._ChunkLander.placed is built[1]
         calls = []
 
         class Engine:

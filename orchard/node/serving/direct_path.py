@@ -13,10 +13,10 @@ in a row goes plain, to read the link again (`compress_next`).
 
 Where the pool lives in memory numpy can address (the CPU, a Mac's unified memory), a pull's blocks
 land straight in pool blocks the engine thread reserved before the first chunk is taken, and the engine
-lists them as cached (`orchard.kvcache.block_landing`) as each chunk lands and once more at the end. An idle
-engine is lent to the receive thread for that (`AsyncEngine.call_here_if_idle`), which then wakes no other
-thread; a stepping one takes the calls the receive thread queues between two steps while the pull goes
-on: a pull into a stepping engine waits for two steps at most, not a step per chunk, and takes no copy from
+lists them as cached (`orchard.kvcache.block_landing`) in one call at the end, which the receive thread runs
+itself where the engine idles (`AsyncEngine.call_here_if_idle`: no thread is woken for it); a stepping
+engine also in calls queued as chunks land, which it takes between two steps while the pull goes on: a
+pull into a stepping engine waits for two steps at most, not a step per chunk, and takes no copy from
 the steps' thread.
 A plain chunk is read by the receive thread from the socket into those blocks, checked as its bytes
 land (`orchard.kvcache.wire_transit.IncomingPayload.place`): the kernel's copy is the only one this end
@@ -386,9 +386,9 @@ class _Sink:
 
 
 class _ChunkLander(_Sink):
-    """Has the engine list as cached the blocks of chunks the receive thread read straight into the
-    blocks reserved for them (`orchard.kvcache.block_landing`) as each lands (`placed`), and at the end
-    (`finish`) the rest, with those of chunks it handed here from a buffer: those land on the path's
+    """Has a stepping engine list as cached the blocks of chunks the receive thread read straight into the
+    blocks reserved for them (`orchard.kvcache.block_landing`) as each lands (`placed`), and the engine at the
+    end (`finish`) the rest, with those of chunks it handed here from a buffer: those land on the path's
     landing thread, so the receive thread takes the next chunk meanwhile. The first refused chunk stops
     the rest and ends the stream."""
 
@@ -403,14 +403,14 @@ class _ChunkLander(_Sink):
         self._lander.submit(self._land, buffer, payload)
 
     def placed(self, size: int) -> None:  # receive thread: a chunk read straight into its blocks
-        """List the chunk's blocks now (`BlockLanding.adopt_landed`): on this thread where the engine idles
-        (`AsyncEngine.call_here_if_idle`), while the source's next bytes fill the socket's buffers, else queued
-        straight from here for a stepping engine thread to take between two steps. Either way `finish` (which
-        a stepping engine takes after the step in progress) lists only what is left: on two cores, 8 MiB
-        pulls into an idle engine ran 1.93 GB/s at the median listed so, 1.66 listed all at the end by a
-        woken engine thread (docs/benchmarks.md, "## migration")."""
+        """Have a stepping engine thread list the chunk's blocks now (`BlockLanding.adopt_landed`), between two
+        steps, queued straight from here, so that `finish`, which waits for the step in progress, lists only
+        the last chunk's. An idle engine lists them all in `finish`, which this thread then runs itself
+        (`_Sink.end`): listed here chunk by chunk instead, the listing slowed this thread, the pull's slowest
+        stage, on 4 and 16 cores (docs/benchmarks.md, "## migration")."""
         self.result.bytes += size
-        self.engine.call_here_if_idle(lambda e: self.landing.adopt_landed(), self._listed)
+        if steps(self.engine.engine):
+            self.engine.call_from_thread(lambda e: self.landing.adopt_landed(), self._listed)
 
     def end(self) -> None:  # receive thread, once
         """`finish` once every chunk handed to the landing thread has landed: queued from that thread after them."""

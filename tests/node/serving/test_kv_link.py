@@ -272,14 +272,14 @@ def test_a_stepping_targets_pull_is_read_straight_into_its_pool_and_cached_in_on
     assert kv.manager.num_used == 0  # every reserved block adopted or freed
 
 
-def test_an_idle_target_reads_each_chunk_straight_into_its_pool_and_lists_it_on_the_receive_thread(nodes, monkeypatch):
-    """The idle engine is lent to the receive thread: it lists each chunk as it lands and closes the pull, and
-    the engine thread is not woken for either."""
+def test_an_idle_target_reads_each_chunk_straight_into_its_pool_too_and_lists_them_in_one_call_on_its_receive_thread(
+        nodes, monkeypatch):
+    """The idle engine is lent to the receive thread for the closing call: no engine thread is woken."""
     loop, paths = nodes
     seen = counting(monkeypatch, paths["b"].mover.engine.engine.kv)
     result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(36))
     assert (result.ok, result.imported, len(seen["place"])) == (True, 5, 3)
-    assert seen["adopt_landed"] == ["kv-link-recv"] * 3 and seen["adopt"] == ["kv-link-recv"]
+    assert seen["adopt_landed"] == [] and seen["adopt"] == ["kv-link-recv"]  # one call at the end, on that thread
     assert (seen["import"], seen["land"]) == ([], [])
     assert (migrated, hit) == (reference, 5 * BS)
 
