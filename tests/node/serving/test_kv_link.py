@@ -277,6 +277,9 @@ def test_an_idle_target_reads_each_chunk_straight_into_its_pool_too_and_lists_th
     """The idle engine is lent to the receive thread for the closing call: no engine thread is woken."""
     loop, paths = nodes
     seen = counting(monkeypatch, paths["b"].mover.engine.engine.kv)
+    real_finish = kv_link.LinkStream._finish  # the reply's end waits until the engine thread is back waiting:
+    monkeypatch.setattr(kv_link.LinkStream, "_finish",  # on a loaded machine it may still be leaving `_plan`'s call
+                        lambda stream, last: until_idle(paths["b"].mover.engine) or real_finish(stream, last))
     result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(36))
     assert (result.ok, result.imported, len(seen["place"])) == (True, 5, 3)
     assert seen["adopt_landed"] == [] and seen["adopt"] == ["kv-link-recv"]  # one call at the end, on that thread
@@ -456,6 +459,16 @@ def test_a_pull_given_up_while_its_chunks_wait_for_a_buffer_ends_at_once_with_an
     assert loop.run_until_complete(run()) == (1, ConnectionError, 0, None)  # the sink, not the event loop, told
 
 
+def until_idle(engine: AsyncEngine, timeout_s: float = 5.0) -> None:
+    """Wait until `engine`'s thread waits for commands, as it does between requests once a step's outputs
+    and events are handed over."""
+    deadline = time.monotonic() + timeout_s
+    while not engine._commands.borrow():
+        assert time.monotonic() < deadline, "the engine thread never went idle"
+        time.sleep(0.001)
+    engine._commands.give_back()
+
+
 def test_an_idle_source_pins_and_unpins_on_its_links_thread_and_a_stepping_one_on_its_engine_thread(nodes, monkeypatch):
     loop, paths = nodes
     kv = paths["a"].mover.engine.engine.kv
@@ -464,10 +477,13 @@ def test_an_idle_source_pins_and_unpins_on_its_links_thread_and_a_stepping_one_o
         real = getattr(kv, method)
         monkeypatch.setattr(kv, method, lambda *a, real=real, name=name: seen[name].append(
             threading.current_thread().name) or real(*a))
-    idle, _, _ = pull(loop, paths, prompt(141))
+    source = paths["a"].mover.engine
+    tokens = prompt(141)
+    loop.run_until_complete(generate(paths["a"], "cache-141", tokens))
+    until_idle(source)  # its last step handed over: a call made now is lent, not queued
+    idle = loop.run_until_complete(paths["b"].pull("a", hashes_of(paths["a"], tokens), resolves_to(paths["a"])))
     assert idle.ok and seen == {"pin": ["kv-link-send"], "unpin": ["kv-link-send"]}
     seen["pin"].clear(), seen["unpin"].clear()
-    source = paths["a"].mover.engine
 
     async def pull_while_the_source_decodes():
         tokens = prompt(142)
