@@ -25,10 +25,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import threading
 
 from experiments import kv_pull_profile as kp
-from experiments.common import new_figure, print_header, save_figure, save_results
+from experiments.common import markdown_table, new_figure, print_header, save_figure, save_results
 from orchard.cluster.bench.migration import tcp_throughput
 from orchard.node.async_engine import AsyncEngine
 from orchard.node.serving import direct_path
@@ -133,17 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     title = f"direct KV pulls, engine calls queued or lent ({args.size}, {args.tokens} tokens)"
     print_header(title)
-    threading.current_thread().name = "bench"
     measured = measure(args.size, args.tokens, args.rounds, args.pulls)
     rows = {mode: summary(r) for mode, r in measured["rates"].items()}
     tcp = measured["tcp_GBps"]
     print(f"raw TCP {tcp[0]:.2f} GB/s before, {tcp[1]:.2f} after")
-    print("| mode | pulls | best GB/s | p80 GB/s | median GB/s |\n|---|---|---|---|---|")
-    for mode, row in rows.items():
-        print(f"| {mode} | {len(measured['rates'][mode])} | {row['best']:.2f} | {row['p80']:.2f} | {row['median']:.2f} |")
+    print(markdown_table(["mode", "pulls", "best GB/s", "p80 GB/s", "median GB/s"],
+                         [[mode, len(measured["rates"][mode]), *(f"{row[k]:.2f}" for k in ("best", "p80", "median"))]
+                          for mode, row in rows.items()]))
     name = "kv_pull_lending" if (args.size, args.tokens) == ("small", 2048) else f"kv_pull_lending_{args.size}_{args.tokens}"
-    save_results(name, {"size": args.size, "tokens": args.tokens, "rounds": args.rounds,
-                                     "pulls": args.pulls, "summary": rows, **measured})
+    save_results(name, {"size": args.size, "tokens": args.tokens, "rounds": args.rounds, "pulls": args.pulls,
+                        "summary": rows, **measured})
     print(f"plot: {plot(measured['rates'], tcp, title, name)}")
     return 0
 

@@ -179,7 +179,7 @@ class AsyncEngine:
         no MLX array (bookkeeping, numpy views of evaluated arrays): MLX evaluates an array only on the thread
         whose stream made it."""
         if not self._commands.borrow():
-            self._commands.put(("call", fn, settle, publish))
+            self.call_from_thread(fn, settle, publish)
             return
         try:
             self._call(fn, settle, publish)

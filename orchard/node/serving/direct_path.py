@@ -370,12 +370,12 @@ class _Sink:
         self.finished: Future = Future()
 
     def end(self) -> None:  # receive thread, once
-        self._queue_finish()
+        self._run_finish()
 
     def finish(self, engine) -> None:  # the engine's turn, after every call the pull queued there
         return None
 
-    def _queue_finish(self) -> None:
+    def _run_finish(self) -> None:
         self.engine.call_here_if_idle(self.finish, self._settle_finish, publish=True)
 
     def _settle_finish(self, _result, exc: Exception | None) -> None:  # the engine's turn
@@ -413,8 +413,8 @@ class _ChunkLander(_Sink):
             self.engine.call_from_thread(lambda e: self.landing.adopt_landed(), self._listed)
 
     def end(self) -> None:  # receive thread, once
-        """`finish` once every chunk handed to the landing thread has landed: queued from that thread after them."""
-        self._lander.submit(self._queue_finish) if self._handed else self._queue_finish()
+        """`finish` once every chunk handed to the landing thread has landed: asked for from that thread after them."""
+        self._lander.submit(self._run_finish) if self._handed else self._run_finish()
 
     def _listed(self, listed: int | None, exc: Exception | None) -> None:  # the engine's turn
         if exc is not None and self.error is None:
