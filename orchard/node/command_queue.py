@@ -11,6 +11,11 @@ Calls still run one at a time and in the order each thread made them:
   queued before it has run;
 - `take` returns nothing while the engine is lent, so the engine thread starts no command or step
   until the loan ends.
+
+Ending a loan wakes the engine thread only where it has something to take (commands queued during the
+loan) or waits for the loan alone (its wait for a command timed out meanwhile). Woken otherwise, it finds
+nothing and waits again, but on two cores the wake-up took the core from the thread that ended the loan,
+a pull's sender with the end of its reply still to send (docs/benchmarks.md, "## migration").
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ class CommandQueue:
         self._queue: deque = deque()
         self._idle = False  # the engine thread waits in `take`
         self._lent = False  # another thread runs a call on the engine (`borrow` to `give_back`)
+        self._awaiting_loan_end = False  # the engine thread waits for the loan to end, whatever is queued
 
     def put(self, command) -> None:
         """Queue `command` (any thread)."""
@@ -40,8 +46,10 @@ class CommandQueue:
         with self._ready:
             self._idle = True
             self._ready.wait_for(lambda: self._queue and not self._lent, timeout_s)
+            self._awaiting_loan_end = True
             while self._lent:
                 self._ready.wait()
+            self._awaiting_loan_end = False
             self._idle = False
             return self._drain()
 
@@ -60,10 +68,12 @@ class CommandQueue:
             return True
 
     def give_back(self) -> None:
-        """End the loan `borrow` made: the engine thread may take commands again."""
+        """End the loan `borrow` made: the engine thread may take commands again, and is woken where it has
+        any to take or waits for this alone."""
         with self._ready:
             self._lent = False
-            self._ready.notify_all()
+            if self._queue or self._awaiting_loan_end:
+                self._ready.notify_all()
 
     def _drain(self) -> list:
         commands = list(self._queue)

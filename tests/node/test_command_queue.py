@@ -44,6 +44,35 @@ def test_take_returns_nothing_while_the_engine_is_lent_and_the_commands_queued_m
     assert taken == [["after the loan"]]
 
 
+class CountingCondition(threading.Condition):
+    """A condition that counts the wake-ups it sends."""
+
+    def __init__(self):
+        super().__init__(threading.Lock())
+        self.wakes = 0
+
+    def notify(self, n: int = 1) -> None:
+        self.wakes += 1
+        super().notify(n)
+
+    def notify_all(self) -> None:
+        self.wakes += 1
+        super().notify_all()
+
+
+def test_a_loan_ended_with_nothing_queued_leaves_the_waiting_engine_thread_asleep():
+    queue = CommandQueue()
+    queue._ready = counting = CountingCondition()
+    thread, taken = waiting_in_take(queue)
+    assert borrow_once_idle(queue)
+    queue.give_back()
+    assert counting.wakes == 0  # nothing to take: the engine thread is not woken to find that out
+    assert thread.is_alive() and taken == []
+    queue.put("next")
+    thread.join(2.0)
+    assert taken == [["next"]] and counting.wakes == 1
+
+
 def test_an_engine_waiting_past_its_timeout_while_lent_takes_nothing_until_the_loan_ends():
     queue = CommandQueue()
     thread, taken = waiting_in_take(queue, timeout_s=0.01)
