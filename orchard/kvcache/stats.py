@@ -9,7 +9,7 @@ that length, which `contiguous_waste` computes for the same workload.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,12 @@ class KVStats:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "fragmentation": self.fragmentation, "prefix_hit_rate": self.prefix_hit_rate}
+        """The counters and the two ratios; read once an engine step and once a pull (plain ints: no deep copy)."""
+        counters = {name: getattr(self, name) for name in _KV_STATS_FIELDS}
+        return {**counters, "fragmentation": self.fragmentation, "prefix_hit_rate": self.prefix_hit_rate}
+
+
+_KV_STATS_FIELDS = tuple(f.name for f in fields(KVStats))
 
 
 def contiguous_waste(seq_lens: Iterable[int], max_len: int) -> float:
