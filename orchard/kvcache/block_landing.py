@@ -34,7 +34,7 @@ from orchard.kvcache.block_manager import BlockManager
 from orchard.kvcache.errors import IncompatibleKVPayload, PoolMoved
 from orchard.kvcache.hashing import HASH_SIZE, BlockHash, hash_block_rows
 from orchard.kvcache.pool import KVPool, as_slice
-from orchard.kvcache.wire import BlockRun, KVBlockData, wire_dtype
+from orchard.kvcache.wire import BlockRun, KVBlockData, row_bytes, wire_dtype
 
 
 class BlockLanding:
@@ -101,8 +101,8 @@ class BlockLanding:
         with self._lock:
             rows = self._next_rows(hashes, parents, tokens)
             yield [([keys[r] for r in rows], [values[r] for r in rows]) for keys, values in zip(*self._views)]
-            self._hashes += [bytes(h) for h in hashes]  # as bytes: the chunk's buffer is reused once handed back
-            self._parents += [bytes(p) for p in parents]
+            self._hashes += row_bytes(hashes)  # as bytes: the chunk's buffer is reused once handed back
+            self._parents += row_bytes(parents)
             self._tokens += [tuple(t) for t in tokens.tolist()]
             self.landed += len(hashes)
 

@@ -85,10 +85,10 @@ class BlockRun(Sequence[KVBlockData]):
 
     def hash_list(self) -> list[bytes]:
         """The blocks' hashes as bytes, in order."""
-        return _rows(self.hashes)
+        return row_bytes(self.hashes)
 
     def parent_list(self) -> list[bytes]:
-        return _rows(self.parents)
+        return row_bytes(self.parents)
 
     def is_chained(self) -> bool:
         """Whether each block's parent is the block before it (a prefix run, as a pull sends)."""
@@ -96,7 +96,7 @@ class BlockRun(Sequence[KVBlockData]):
 
 
 def hash_rows(hashes: Iterable[bytes]) -> np.ndarray:
-    """Block hashes as a run's `[n, 16]` uint8 column (`_rows` undoes it)."""
+    """Block hashes as a run's `[n, 16]` uint8 column (`row_bytes` undoes it)."""
     return np.frombuffer(b"".join(hashes), np.uint8).reshape(-1, HASH_SIZE)
 
 
@@ -105,7 +105,9 @@ def token_rows(token_ids: Iterable[Sequence[int]]) -> np.ndarray:
     return np.array(list(token_ids), dtype=np.uint32)
 
 
-def _rows(array: np.ndarray) -> list[bytes]:
+def row_bytes(array: np.ndarray) -> list[bytes]:
+    """Each row of a `[n, width]` uint8 array as bytes: one copy of the array, then a slice a row, a few
+    times faster than `bytes(row)` a row, which makes an array view of each first."""
     flat, width = array.tobytes(), array.shape[1]
     return [flat[i : i + width] for i in range(0, len(flat), width)]
 

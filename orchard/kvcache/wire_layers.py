@@ -96,12 +96,12 @@ class ChunkLayout:
     num_layers: int
     block_size: int
 
-    @property
+    @functools.cached_property
     def meta_size(self) -> int:
         """Bytes from the payload's start to its first layer's K header: the envelope, hashes, parents, token ids."""
         return sum(map(len, self.heads)) + self.n * (2 * HASH_SIZE + self.block_size * _TOKEN.itemsize)
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         """The whole payload's bytes, checksum included."""
         layer = len(self.key_header) + self.key_bytes + len(self.value_header) + self.value_bytes
@@ -138,10 +138,12 @@ def chunk_layout(geometry: KVGeometry, n: int) -> ChunkLayout:
                        geometry.num_layers, geometry.block_size)
 
 
+@functools.lru_cache(maxsize=64)
 def layout_of_size(geometry: KVGeometry, size: int) -> ChunkLayout | None:
-    """The layout of a version 3 payload of `size` bytes, or None where no number of blocks makes that size.
-    A block adds the same bytes whatever `n`, but for a header or two a few bytes wider past 255 or 65,535
-    bytes, far fewer than a block's: so `n` is that quotient, or one either side of it."""
+    """The layout of a version 3 payload of `size` bytes, or None where no number of blocks makes that size
+    (asked once a chunk received: a pull's chunks share a size or two). A block adds the same bytes whatever
+    `n`, but for a header or two a few bytes wider past 255 or 65,535 bytes, far fewer than a block's: so `n`
+    is that quotient, or one either side of it."""
     one = chunk_layout(geometry, 1)
     per_block = chunk_layout(geometry, 2).size - one.size
     guess = 1 + (size - one.size) // per_block
