@@ -24,7 +24,7 @@ STATE = "state"
 #: `object.__setattr__` (0.67 us an event against 0.17 here), and a pull's closing call lists a block an event,
 #: 128 for 2,048 tokens of the small demo model (docs/benchmarks.md, "## migration"). Each pickles as its class
 #: and its fields (`__reduce__`), as a node and the coordinator do every batch: 128 events in 73 us, and back
-#: in 45, against 105 and 81 frozen. Nothing changes an event once made.
+#: in 45, against 105 and 81 frozen.
 
 
 @dataclass(slots=True)
