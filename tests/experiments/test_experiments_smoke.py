@@ -100,3 +100,34 @@ def test_the_lending_experiment_switches_a_pull_between_queued_and_lent_engine_c
     finally:
         kv_pull_lending.use("lent")
     assert (AsyncEngine.call_here_if_idle, direct_path._ChunkLander.placed) == built
+
+
+def test_a_pulls_timeline_reads_each_mark_from_the_pulls_start_and_the_fastest_fifths_median():
+    import asyncio
+
+    from experiments import kv_pull_timeline as tl
+
+    def step(x):
+        return x + 1
+
+    async def astep(x):
+        return x + 2
+
+    marked, amarked = tl._marked(step, "source: run pinned", "end"), tl._marked(astep, "target: pull entered", "start")
+    tl.take_marks()
+    assert marked(1) == 2 and asyncio.run(amarked(1)) == 3
+    assert [key for key, _ in tl.take_marks()] == ["source: run pinned", "target: pull entered"]
+
+    def pull(start, wall):
+        marks = [("source: request read", start - 1.0),  # the request before this pull's: left out
+                 ("target: pull entered", start), ("source: chunk sent", start + 0.001),
+                 ("source: chunk sent", start + 0.003), ("target: pull returned", start + wall)]
+        return wall, tl.offsets(marks)
+
+    wall, offsets = pull(100.0, 0.004)
+    assert offsets == pytest.approx({"target: pull entered": 0.0, "source: chunk sent (first)": 1.0,
+                                     "source: chunk sent (last)": 3.0, "target: pull returned": 4.0})
+    pulls = [pull(10.0 * i, 0.004 + 0.001 * i) for i in range(10)]  # the fastest fifth: the first two
+    rows = {key: (fast, everyone) for key, fast, everyone in tl.timeline(pulls)}
+    assert rows["target: pull returned"] == pytest.approx((4.5, 8.5))
+    assert [key for key, _, _ in tl.timeline(pulls)][0] == "target: pull entered"

@@ -1,0 +1,189 @@
+"""Where a direct pull's time goes, in order: marks on both sides of each pull, read on a clock both share.
+
+Two processes on loopback, as in `experiments.kv_pull_profile`: the source holds a prefix seeded by import, the
+target pulls it over `orchard.node.serving.kv_link` as a node actor's `pull_blocks` does. A mark is the
+`time.perf_counter` reading (CLOCK_MONOTONIC on Linux, which every process reads alike) taken as a function on
+the pull's path starts or returns (`MARKS`). A mark reached more than once in a pull (a chunk sent, a chunk's
+first bytes read) is shown at its first and its last.
+
+    python -m experiments.kv_pull_timeline [--size small] [--tokens 2048] [--pulls 100]
+
+Prints each mark, in the order they come, in ms from the pull's start (`DirectPath.pull` entered): the median
+over the fastest fifth of the pulls, and over all of them. The numbers go to
+experiments/results/kv_pull_timeline.json (for another size or prefix, kv_pull_timeline_<size>_<tokens>.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import importlib
+import statistics
+import time
+
+from experiments import kv_pull_profile as kp
+from experiments.common import markdown_table, print_header, save_results
+
+#: (side, label, module, attribute path, "start" or "end"): where a mark is taken.
+MARKS = (
+    ("target", "pull entered", "orchard.node.serving.direct_path", "DirectPath.pull", "start"),
+    ("target", "request being sent", "orchard.node.serving.kv_link", "LinkStream.start", "start"),
+    ("source", "request read", "orchard.node.serving.kv_link", "_read_request", "end"),
+    ("source", "reply thread running", "orchard.node.serving.kv_link", "KVLinkServer._reply", "start"),
+    ("source", "run pinned", "orchard.node.serving.direct_path", "DirectPath._export_layers", "end"),
+    ("target", "blocks reserved", "orchard.node.serving.direct_path", "DirectPath._plan_and_take", "end"),
+    ("source", "chunk sent", "orchard.node.serving.link_io", "send_payload", "start"),
+    ("target", "chunk's first bytes read", "orchard.node.serving.kv_link", "LinkStream._receive_chunk", "start"),
+    ("source", "reply ended", "orchard.node.serving.kv_link", "KVLinkServer._reply", "end"),
+    ("target", "reply ended", "orchard.node.serving.kv_link", "LinkStream._finish", "start"),
+    ("target", "blocks listed", "orchard.kvcache.block_landing", "BlockLanding.adopt", "end"),
+    ("target", "pull returned", "orchard.node.serving.direct_path", "DirectPath.pull", "end"),
+)
+REPEATED = {"chunk sent", "chunk's first bytes read"}  # marks reached once a chunk
+START = "target: pull entered"
+
+_marks: list[tuple[str, float]] = []  # (side: label, perf_counter) of this process, in the order taken
+
+
+def install(side: str) -> None:
+    """Wrap every function `MARKS` names for `side`, in this process, to take its marks."""
+    for mark_side, label, module, path, when in MARKS:
+        if mark_side != side:
+            continue
+        owner = importlib.import_module(module)
+        *outer, name = path.split(".")
+        for part in outer:
+            owner = getattr(owner, part)
+        setattr(owner, name, _marked(getattr(owner, name), f"{side}: {label}", when))
+
+
+def _marked(fn, key: str, when: str):
+    if asyncio.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def marked_async(*args, **kwargs):
+            if when == "start":
+                _marks.append((key, time.perf_counter()))
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                if when == "end":
+                    _marks.append((key, time.perf_counter()))
+        return marked_async
+
+    @functools.wraps(fn)
+    def marked(*args, **kwargs):
+        if when == "start":
+            _marks.append((key, time.perf_counter()))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if when == "end":
+                _marks.append((key, time.perf_counter()))
+    return marked
+
+
+def take_marks() -> list[tuple[str, float]]:
+    taken = list(_marks)
+    _marks.clear()
+    return taken
+
+
+def offsets(marks: list[tuple[str, float]]) -> dict[str, float]:
+    """ms from the pull's start to each mark of one pull (both sides' marks, any order): a repeated mark's first
+    and last as "<mark> (first)" and "<mark> (last)", any other mark's first. Marks before the start are left out
+    (a connection's thread reading the request before this pull's)."""
+    start = min(t for key, t in marks if key == START)
+    out: dict[str, float] = {}
+    for key, t in sorted(marks, key=lambda m: m[1]):
+        if t < start:
+            continue
+        ms = (t - start) * 1e3
+        if key.split(": ", 1)[1] in REPEATED:
+            out.setdefault(f"{key} (first)", ms)
+            out[f"{key} (last)"] = ms
+        else:
+            out.setdefault(key, ms)
+    return out
+
+
+def timeline(pulls: list[tuple[float, dict[str, float]]]) -> list[tuple[str, float, float]]:
+    """(mark, median ms over the fastest fifth of `pulls`, median ms over all), in the order of the first: `pulls` are
+    (wall seconds, `offsets`) each."""
+    fastest = sorted(pulls, key=lambda p: p[0])[: max(1, len(pulls) // 5)]
+    keys = {key for _, marks in pulls for key in marks}
+
+    def median(of, key):
+        values = [marks[key] for _, marks in of if key in marks]
+        return statistics.median(values) if values else float("nan")
+
+    rows = [(key, median(fastest, key), median(pulls, key)) for key in keys]
+    return sorted(rows, key=lambda row: (row[1], row[2]))
+
+
+def _source(conn, size: str, num_blocks: int) -> None:
+    """The source node: answers "seed" (a fresh prefix's hashes), "marks" (this process's, then cleared), "stop"."""
+    install("source")
+    loop = kp.event_loop()
+    engine = kp._engine(size, num_blocks)
+    path = kp._path("src", engine)
+    conn.send(path.address)
+    while (message := conn.recv())[0] != "stop":
+        command, arg = message
+        if command == "marks":
+            conn.send(take_marks())
+        else:
+            conn.send(asyncio.run_coroutine_threadsafe(engine.run_on_engine(lambda e, a=arg: kp._seed(path, *a)), loop).result())
+    path.close()
+    engine.shutdown()
+
+
+def measure(size: str, tokens: int, pulls: int) -> list[tuple[float, dict[str, float]]]:
+    """(wall seconds, `offsets`) of each of `pulls` pulls of a fresh prefix of `tokens` tokens."""
+    num_blocks = (pulls + 2) * tokens // 16 + 64
+    ours, source = kp.spawn_with_pipe(_source, size, num_blocks)
+    install("target")
+    loop = kp.event_loop()
+    engine = kp._engine(size, num_blocks)
+    path = kp._path("dst", engine)
+    address = ours.recv()
+    ours.send(("seed", (64, 1)))
+    kp._pull(loop, path, address, ours.recv())  # connects and proves the key: every pull after reuses that
+    measured = []
+    try:
+        for seed in range(2, pulls + 2):
+            ours.send(("seed", (tokens, seed)))
+            hashes = ours.recv()
+            take_marks()
+            started = time.perf_counter()
+            result = kp._pull(loop, path, address, hashes)
+            wall = time.perf_counter() - started
+            assert result.ok and result.imported == len(hashes), result
+            ours.send(("marks", None))
+            measured.append((wall, offsets(take_marks() + ours.recv())))
+    finally:
+        kp.stop(ours, source, path, engine)
+    return measured
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="small")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--pulls", type=int, default=100)
+    args = p.parse_args(argv)
+    print_header(f"a direct KV pull's timeline ({args.size}, {args.tokens} tokens, {args.pulls} pulls)")
+    pulls = measure(args.size, args.tokens, args.pulls)
+    rows = timeline(pulls)
+    walls = sorted(wall for wall, _ in pulls)
+    print(f"pull wall time: fastest fifth's median {statistics.median(walls[: max(1, len(walls) // 5)]) * 1e3:.2f} ms, "
+          f"all {statistics.median(walls) * 1e3:.2f} ms")
+    print(markdown_table(["mark", "ms, fastest fifth", "ms, all"], [[key, f"{a:.2f}", f"{b:.2f}"] for key, a, b in rows]))
+    name = "kv_pull_timeline" if (args.size, args.tokens) == ("small", 2048) else f"kv_pull_timeline_{args.size}_{args.tokens}"
+    save_results(name, {"size": args.size, "tokens": args.tokens, "walls_s": walls,
+                        "rows": [{"mark": key, "fastest_fifth_ms": a, "all_ms": b} for key, a, b in rows]})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
