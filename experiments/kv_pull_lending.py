@@ -23,7 +23,6 @@ experiments/results/kv_pull_lending.json, each mode's spread of pull rates to do
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 
 from experiments import kv_pull_profile as kp
@@ -55,32 +54,19 @@ def use(mode: str) -> None:
 
 def _source(conn, size: str, num_blocks: int) -> None:
     """The source node: answers "mode" (switch), "seed" (a fresh prefix's hashes), "stop"."""
-    loop = kp.event_loop()
-    engine = kp._engine(size, num_blocks)
-    path = kp._path("src", engine)
-    conn.send(path.address)
-    while (message := conn.recv())[0] != "stop":
-        command, arg = message
-        if command == "mode":
-            use(arg)
-            conn.send(arg)
-        else:
-            conn.send(asyncio.run_coroutine_threadsafe(engine.run_on_engine(lambda e, a=arg: kp._seed(path, *a)), loop).result())
-    path.close()
-    engine.shutdown()
+    kp.source_node(conn, size, num_blocks, _switch)
+
+
+def _switch(command: str, mode: str) -> str:
+    use(mode)
+    return mode
 
 
 def measure(size: str, tokens: int, rounds: int, pulls: int) -> dict:
     """{mode: [GB/s of each pull]} and raw TCP before and after, the modes taken in turns, `pulls` at a time."""
     num_blocks = (rounds * pulls * len(MODES) + 2) * tokens // 16 + 64
     tcp_before = tcp_throughput(256 << 20)
-    ours, source = kp.spawn_with_pipe(_source, size, num_blocks)
-    loop = kp.event_loop()
-    engine = kp._engine(size, num_blocks)
-    path = kp._path("dst", engine)
-    address = ours.recv()
-    ours.send(("seed", (64, 1)))
-    kp._pull(loop, path, address, ours.recv())  # connects and proves the key: every pull after reuses that
+    ours, source, loop, engine, path, address = kp.pull_pair(_source, size, num_blocks)
     rates: dict[str, list[float]] = {mode: [] for mode in MODES}
     seed = 1
     try:

@@ -214,6 +214,38 @@ def spawn_with_pipe(target, *args, daemon: bool = True):
     return ours, process
 
 
+def source_node(conn, size: str, num_blocks: int, answer) -> None:
+    """A pull's source, in a process of its own (`spawn_with_pipe`): sends its link's address over `conn`, then
+    answers "seed" with a fresh prefix's hashes (`_seed`, (tokens, seed)) and any other command but "stop" with
+    `answer(command, arg)`."""
+    loop = event_loop()
+    engine = _engine(size, num_blocks)
+    path = _path("src", engine)
+    conn.send(path.address)
+    while (message := conn.recv())[0] != "stop":
+        command, arg = message
+        if command == "seed":
+            conn.send(asyncio.run_coroutine_threadsafe(engine.run_on_engine(lambda e, a=arg: _seed(path, *a)), loop).result())
+        else:
+            conn.send(answer(command, arg))
+    path.close()
+    engine.shutdown()
+
+
+def pull_pair(source, size: str, num_blocks: int):
+    """(our end of the pipe, the source's process, event loop, engine, path, the source's address) of a target here
+    and a source spawned to run `source(conn, size, num_blocks)`, once a first small pull has connected the two and
+    proved the key: every pull after reuses that connection. `stop` ends both."""
+    ours, process = spawn_with_pipe(source, size, num_blocks)
+    loop = event_loop()
+    engine = _engine(size, num_blocks)
+    path = _path("dst", engine)
+    address = ours.recv()
+    ours.send(("seed", (64, 1)))
+    _pull(loop, path, address, ours.recv())
+    return ours, process, loop, engine, path, address
+
+
 def event_loop() -> asyncio.AbstractEventLoop:
     """A new event loop, running on a thread of its own (a node actor's pulls run on its loop)."""
     loop = asyncio.new_event_loop()

@@ -124,31 +124,14 @@ def timeline(pulls: list[tuple[float, dict[str, float]]]) -> list[tuple[str, flo
 def _source(conn, size: str, num_blocks: int) -> None:
     """The source node: answers "seed" (a fresh prefix's hashes), "marks" (this process's, then cleared), "stop"."""
     install("source")
-    loop = kp.event_loop()
-    engine = kp._engine(size, num_blocks)
-    path = kp._path("src", engine)
-    conn.send(path.address)
-    while (message := conn.recv())[0] != "stop":
-        command, arg = message
-        if command == "marks":
-            conn.send(take_marks())
-        else:
-            conn.send(asyncio.run_coroutine_threadsafe(engine.run_on_engine(lambda e, a=arg: kp._seed(path, *a)), loop).result())
-    path.close()
-    engine.shutdown()
+    kp.source_node(conn, size, num_blocks, lambda command, arg: take_marks())
 
 
 def measure(size: str, tokens: int, pulls: int) -> list[tuple[float, dict[str, float]]]:
     """(wall seconds, `offsets`) of each of `pulls` pulls of a fresh prefix of `tokens` tokens."""
     num_blocks = (pulls + 2) * tokens // 16 + 64
-    ours, source = kp.spawn_with_pipe(_source, size, num_blocks)
     install("target")
-    loop = kp.event_loop()
-    engine = kp._engine(size, num_blocks)
-    path = kp._path("dst", engine)
-    address = ours.recv()
-    ours.send(("seed", (64, 1)))
-    kp._pull(loop, path, address, ours.recv())  # connects and proves the key: every pull after reuses that
+    ours, source, loop, engine, path, address = kp.pull_pair(_source, size, num_blocks)
     measured = []
     try:
         for seed in range(2, pulls + 2):
