@@ -59,27 +59,28 @@ def install(side: str) -> None:
 
 
 def _marked(fn, key: str, when: str):
+    """`fn` (a function or a coroutine function) taking the mark `key` as it starts or as it returns (`when`)."""
+    def mark(at: str) -> None:
+        if at == when:
+            _marks.append((key, time.perf_counter()))
+
     if asyncio.iscoroutinefunction(fn):
         @functools.wraps(fn)
         async def marked_async(*args, **kwargs):
-            if when == "start":
-                _marks.append((key, time.perf_counter()))
+            mark("start")
             try:
                 return await fn(*args, **kwargs)
             finally:
-                if when == "end":
-                    _marks.append((key, time.perf_counter()))
+                mark("end")
         return marked_async
 
     @functools.wraps(fn)
     def marked(*args, **kwargs):
-        if when == "start":
-            _marks.append((key, time.perf_counter()))
+        mark("start")
         try:
             return fn(*args, **kwargs)
         finally:
-            if when == "end":
-                _marks.append((key, time.perf_counter()))
+            mark("end")
     return marked
 
 

@@ -9,7 +9,7 @@ that length, which `contiguous_waste` computes for the same workload.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,7 @@ class KVStats:
     def to_dict(self) -> dict:
         """The counters and the two ratios. The counters are ints, so they are read as they are, without
         `dataclasses.asdict`'s deep copy (eight times the time, in the engine call that ends a pull)."""
-        counters = {name: getattr(self, name) for name in _KV_STATS_FIELDS}
-        return {**counters, "fragmentation": self.fragmentation, "prefix_hit_rate": self.prefix_hit_rate}
-
-
-_KV_STATS_FIELDS = tuple(f.name for f in fields(KVStats))
+        return {**vars(self), "fragmentation": self.fragmentation, "prefix_hit_rate": self.prefix_hit_rate}
 
 
 def contiguous_waste(seq_lens: Iterable[int], max_len: int) -> float:

@@ -12,10 +12,10 @@ Calls still run one at a time and in the order each thread made them:
 - `take` returns nothing while the engine is lent, so the engine thread starts no command or step
   until the loan ends.
 
-Ending a loan wakes the engine thread only where it has something to take (commands queued during the
-loan) or waits for the loan alone (its wait for a command timed out meanwhile). Woken otherwise, it finds
-nothing and waits again, but on two cores the wake-up took the core from the thread that ended the loan,
-a pull's sender with the end of its reply still to send (docs/benchmarks.md, "## migration").
+Ending a loan wakes the engine thread only where commands were queued during it. Woken otherwise, it would
+find nothing and wait again, but on two cores the wake-up took the core from the thread that ended the loan,
+a pull's sender with the end of its reply still to send (docs/benchmarks.md, "## migration"). An engine thread
+whose wait timed out during a loan looks again each `timeout_s` until the loan ends, and then takes nothing.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ class CommandQueue:
         self._queue: deque = deque()
         self._idle = False  # the engine thread waits in `take`
         self._lent = False  # another thread runs a call on the engine (`borrow` to `give_back`)
-        self._awaiting_loan_end = False  # the engine thread waits for the loan to end, whatever is queued
 
     def put(self, command) -> None:
         """Queue `command` (any thread)."""
@@ -46,10 +45,8 @@ class CommandQueue:
         with self._ready:
             self._idle = True
             self._ready.wait_for(lambda: self._queue and not self._lent, timeout_s)
-            self._awaiting_loan_end = True
-            while self._lent:
-                self._ready.wait()
-            self._awaiting_loan_end = False
+            while self._lent:  # timed out during a loan: nothing is taken until it ends
+                self._ready.wait(timeout_s)
             self._idle = False
             return self._drain()
 
@@ -68,11 +65,11 @@ class CommandQueue:
             return True
 
     def give_back(self) -> None:
-        """End the loan `borrow` made: the engine thread may take commands again, and is woken where it has
-        any to take or waits for this alone."""
+        """End the loan `borrow` made: the engine thread may take commands again, and is woken where there are
+        any to take."""
         with self._ready:
             self._lent = False
-            if self._queue or self._awaiting_loan_end:
+            if self._queue:
                 self._ready.notify_all()
 
     def _drain(self) -> list:
