@@ -1,0 +1,248 @@
+"""What a pull's bytes cost before any of the pull's own work: raw TCP replies of a pull's size, step by
+step closer to what a pull must do with them, beside direct pulls, in one pair of processes.
+
+The migration bench reads a pull against raw TCP replies of the same bytes (`orchard.cluster.bench.netns.tcp_replies`):
+the source sends one buffer again and again and the target reads into one buffer again and again, so both stay in
+the CPU's caches. A pull cannot: the source reads blocks from its pool, wherever they are, and the target writes
+into blocks it reserved, which nothing has touched lately; both ends checksum every byte (`orchard.kvcache.wire`).
+Each step adds one of those:
+
+- `raw, hot, bench's reads`: the bench's raw TCP replies (one buffer each end, read as `recv_into` returns);
+- `raw, hot`: the same, each reply read in one call that returns once it is whole (`MSG_WAITALL`), as the link
+  reads;
+- `raw, memory`: each reply sent from, and read into, the next slice of a region far larger than the caches;
+- `raw, memory, checksummed`: as the link sends and lands a payload (`link_io.send_payload`, checksummed batch by
+  batch before it goes; `link_io.receive_payload`, slice by slice as it lands), from and into the regions;
+- `raw, memory, checksummed beside`: the same bytes and checksum, each batch or slice checksummed on a thread of
+  its own at each end while the link's thread sends the next or reads it: what the checksum costs where a
+  core is free to take it;
+- `pull, checksums on the link's threads` and `pull, checksums on threads of their own`: a direct pull of a
+  fresh prefix, as the bench times it, each end taking its checksums as `KVLinkConfig.checksum_thread` says
+  (the default picks the second where the process may run on four cores or more).
+
+    python -m experiments.kv_pull_floor [--size small] [--tokens 2048] [--rounds 10] [--per-round 6]
+
+The steps run in turns of `--per-round` of each, interleaved, so each sees the machine alike. Prints best, p80
+and median GB/s of each, and each one's best and median as a share of the bench's raw TCP's. The numbers go to
+experiments/results/kv_pull_floor.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import numpy as np
+import xxhash
+
+from experiments import kv_pull_profile as kp
+from experiments.common import markdown_table, print_header, save_results
+from orchard.node.serving import link_io
+from orchard.node.serving.kv_link import KVLinkConfig, usable_cores
+
+STEPS = ("raw, hot, bench's reads", "raw, hot", "raw, memory", "raw, memory, checksummed",
+         "raw, memory, checksummed beside")
+REGION_BYTES = 1 << 30  # each end's region: well past any last-level cache here
+
+
+PULLS = {"pull, checksums on the link's threads": False, "pull, checksums on threads of their own": True}
+
+
+def _answer(command: str, arg, path) -> object:
+    """The source process's side: "checksum_thread" sets where its replies take their checksums; "serve" starts
+    a raw step: listen, answer each four-byte ask with `nbytes` as `step` says, in a thread; returns the port."""
+    if command == "checksum_thread":
+        return _checksum_thread(path, arg)
+    if command != "serve":
+        raise ValueError(command)
+    step, nbytes = arg
+    server = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=_serve, args=(server, step, nbytes), daemon=True).start()
+    return server.getsockname()[1]
+
+
+def _serve(server: socket.socket, step: str, nbytes: int) -> None:
+    conn, _ = server.accept()
+    server.close()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as the link's: a checksum's 16 bytes go at once
+    slices = _Slices(nbytes, nbytes if step.startswith("raw, hot") else REGION_BYTES)
+    helper = ThreadPoolExecutor(1)
+    with conn:
+        while conn.recv(4, socket.MSG_WAITALL):
+            if step.startswith("raw, hot"):
+                conn.sendall(slices.first)
+            elif step == "raw, memory":
+                conn.sendall(slices.next())
+            elif step == "raw, memory, checksummed":
+                link_io.send_payload(conn, [slices.next()])
+            else:
+                _send_beside(conn, slices.next(), helper)
+
+
+def _send_beside(conn: socket.socket, data: memoryview, helper: ThreadPoolExecutor) -> None:
+    """`link_io.send_payload` of one piece, its checksum taken on `helper` batch by batch as the batches go."""
+    digest = xxhash.xxh3_128()
+    conn.sendall(link_io.U64.pack(len(data) + 16))
+    for start in range(0, len(data), link_io.BATCH_BYTES):
+        batch = data[start : start + link_io.BATCH_BYTES]
+        helper.submit(digest.update, batch)
+        link_io.send_pieces(conn, [batch])
+    conn.sendall(helper.submit(digest.digest).result())
+
+
+def _receive_beside(sock: socket.socket, view: memoryview, helper: ThreadPoolExecutor) -> bool:
+    """`link_io.receive_payload` with each slice's checksum taken on `helper` while the next lands; compared."""
+    digest, body = xxhash.xxh3_128(), view[:-16]
+    for start in range(0, len(body), link_io.LANDING_BYTES):
+        part = body[start : start + link_io.LANDING_BYTES]
+        if not link_io.recv_into(sock, part):
+            return False
+        helper.submit(digest.update, part)
+    if not link_io.recv_into(sock, view[-16:]):
+        return False
+    if helper.submit(digest.digest).result() != view[-16:]:
+        raise ValueError("checksum mismatch")
+    return True
+
+
+def _checksum_thread(path, on: bool) -> bool:
+    """Have `path`'s pulls and replies take their checksums on a checksum thread (`on`) or on the link's threads."""
+    path.config = replace(path.config, checksum_thread=on)
+    path.server.config = replace(path.server.config, checksum_thread=on)
+    return on
+
+
+class _Slices:
+    """Consecutive `nbytes` slices of a region of `region_bytes`, in turn; every page written once first, so
+    none faults later."""
+
+    def __init__(self, nbytes: int, region_bytes: int):
+        self.region = np.full(region_bytes, 7, dtype=np.uint8)
+        self.view = memoryview(self.region)
+        self.nbytes, self.count, self.at = nbytes, region_bytes // nbytes, 0
+        self.first = self.view[:nbytes]
+
+    def next(self) -> memoryview:
+        self.at = (self.at + 1) % self.count
+        return self.view[self.at * self.nbytes : (self.at + 1) * self.nbytes]
+
+
+class _Asker:
+    """The target's side of a raw step: ask, read the reply as the step says, time it."""
+
+    def __init__(self, port: int, step: str, nbytes: int):
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.step, self.nbytes = step, nbytes
+        self.helper = ThreadPoolExecutor(1)
+        room = nbytes + link_io.U64.size + 16  # a payload's length and checksum too
+        self.slices = _Slices(room, room if step.startswith("raw, hot") else REGION_BYTES)
+
+    def once(self) -> float:
+        started = time.perf_counter()
+        self.sock.sendall(b"ask!")
+        if self.step == STEPS[0]:
+            ok = _read_as_the_bench(self.sock, self.slices.first[: self.nbytes])
+        elif self.step == "raw, hot":
+            ok = link_io.recv_into(self.sock, self.slices.first[: self.nbytes])
+        elif self.step == "raw, memory":
+            ok = link_io.recv_into(self.sock, self.slices.next()[: self.nbytes])
+        else:
+            size = link_io.U64.unpack(link_io.recv_exact(self.sock, 8))[0]
+            if self.step == "raw, memory, checksummed":
+                ok = link_io.receive_payload(self.sock, self.slices.next()[:size]) is not None
+            else:
+                ok = _receive_beside(self.sock, self.slices.next()[:size], self.helper)
+        if not ok:
+            raise ConnectionError("the source closed mid-reply")
+        return self.nbytes / (time.perf_counter() - started)
+
+
+def _read_as_the_bench(sock: socket.socket, view: memoryview) -> bool:
+    """`tcp_replies`' reading: `recv_into` the rest until the reply is whole."""
+    got = 0
+    while got < len(view) and (n := sock.recv_into(view[got:])):
+        got += n
+    return got == len(view)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", default="small")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--per-round", type=int, default=6)
+    args = p.parse_args(argv)
+    print_header(f"a pull's bytes, step by step ({args.size}, {args.tokens} tokens)")
+    print(f"checksum threads by default here: {KVLinkConfig().uses_checksum_thread()} ({usable_cores()} usable cores)")
+    pulls = args.rounds * args.per_round
+    num_blocks = (pulls + 2) * args.tokens // 16 + 64
+    source = functools.partial(kp.source_node, answer=_answer)
+    ours, process, loop, engine, path, address = kp.pull_pair(source, args.size, num_blocks)
+    try:
+        rates = _run(args, ours, loop, path, address)
+    finally:
+        kp.stop(ours, process, path, engine)
+    _report(args, rates)
+    return 0
+
+
+def _run(args, ours, loop, path, address) -> dict[str, list[float]]:
+    ours.send(("seed", (args.tokens, 2)))
+    first = kp._pull(loop, path, address, ours.recv())
+    nbytes = first.bytes  # what a pull's rate is counted over
+    askers = {}
+    for step in STEPS:
+        ours.send(("serve", (step, nbytes)))
+        askers[step] = _Asker(ours.recv(), step, nbytes)
+        askers[step].once()  # warm: the connection, the pages
+    rates: dict[str, list[float]] = {step: [] for step in (*STEPS, *PULLS)}
+    seed = 3
+    for done in range(args.rounds):
+        for step in STEPS:
+            for _ in range(args.per_round):
+                time.sleep(0.005)  # idle between replies, as between the bench's pulls
+                rates[step].append(askers[step].once())
+        for step, on in PULLS.items():
+            ours.send(("checksum_thread", on))
+            _checksum_thread(path, ours.recv())
+            for _ in range(args.per_round):
+                ours.send(("seed", (args.tokens, seed)))
+                seed += 1
+                hashes = ours.recv()
+                time.sleep(0.005)
+                rates[step].append(_pulled(loop, path, address, hashes))
+        print(f"round {done + 1}/{args.rounds}", flush=True)
+    for asker in askers.values():
+        asker.sock.close()
+    return rates
+
+
+def _pulled(loop, path, address: str, hashes: list[bytes]) -> float:
+    """The bytes/s of one pull of `hashes`, as the bench counts them; raises where it failed."""
+    result = kp._pull(loop, path, address, hashes)
+    if not result.ok or result.imported != len(hashes):
+        raise RuntimeError(f"a pull failed: {result}")
+    return result.bytes_per_s
+
+
+def _report(args, rates: dict[str, list[float]]) -> None:
+    hot = sorted(rates[STEPS[0]], reverse=True)
+    hot_best, hot_median = hot[0], hot[len(hot) // 2]
+    rows = []
+    for step, values in rates.items():
+        ranked = sorted(values, reverse=True)
+        rows.append([step, f"{ranked[0] / 1e9:.2f}", f"{ranked[len(ranked) // 5] / 1e9:.2f}",
+                     f"{ranked[len(ranked) // 2] / 1e9:.2f}", f"{100 * ranked[0] / hot_best:.0f} %",
+                     f"{100 * ranked[len(ranked) // 2] / hot_median:.0f} %"])
+    print(markdown_table(["step", "best GB/s", "p80 GB/s", "median GB/s", "best, of the bench's raw", "median, of its"], rows))
+    save_results("kv_pull_floor", {"size": args.size, "tokens": args.tokens, "rates_Bps": rates})
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
