@@ -51,28 +51,42 @@ def checksum_thread(name: str) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(1, thread_name_prefix=name)
 
 
+#: Pieces go to the checksum thread in hand-overs of at least this many bytes: each costs the link's thread a
+#: future and, where the checksum thread waits, a wake-up, and a pull's pieces may be one layer's K of a run each.
+HAND_OVER_BYTES = 512 << 10
+
+
 class _Digest:
     """A payload's running xxh3_128, taken here or on a checksum thread (`checksum_thread`)."""
 
     def __init__(self, beside: Executor | None):
         self._digest, self._beside = xxhash.xxh3_128(), beside
-        self._last: Future | None = None  # the checksum thread's last batch: it runs after every one before
+        self._held: list[Piece] = []  # taken, not handed over yet
+        self._held_bytes = 0
+        self._last: Future | None = None  # the checksum thread's last hand-over: it runs after every one before
 
     def take(self, pieces: Sequence[Piece]) -> None:
         """Add `pieces` (which nothing may write until `settle`) to the checksum, here or on the thread."""
         if self._beside is None:
             _update(self._digest, pieces)
-        else:
-            self._last = self._beside.submit(_update, self._digest, pieces)
+            return
+        self._held += pieces
+        self._held_bytes += sum(map(len, pieces))
+        if self._held_bytes >= HAND_OVER_BYTES:
+            self._last = self._beside.submit(_update, self._digest, self._held)
+            self._held, self._held_bytes = [], 0
 
     def settle(self) -> None:
-        """Return once every batch handed to the checksum thread is hashed (at once where there is none)."""
+        """Return once the checksum thread reads none of the pieces taken (at once where there is none)."""
         if self._last is not None:
             wait([self._last])
 
     def digest(self) -> bytes:
         if self._last is not None:
             self._last.result()  # raises what the checksum thread raised
+        if self._held:  # the last few, here: handed over, they would wait for a wake-up
+            _update(self._digest, self._held)
+            self._held, self._held_bytes = [], 0
         return self._digest.digest()
 
 

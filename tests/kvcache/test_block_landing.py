@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from orchard.kvcache import wire_transit
 from orchard.kvcache.errors import CorruptKVPayload, IncompatibleKVPayload, PoolMoved
 from orchard.kvcache.events import BlockStored
 from orchard.kvcache.wire import BlockRun
@@ -193,11 +194,13 @@ def arriving(data: bytes):
 
 
 @pytest.fixture(params=["here", "beside"])
-def checksums(request):
-    """Where the receiver takes its checksum: on the reading thread (None), or on a checksum thread."""
+def checksums(request, monkeypatch):
+    """Where the receiver takes its checksum: on the reading thread (None), or on a checksum thread, handed
+    each layer (a test's chunk is far smaller than a hand-over)."""
     if request.param == "here":
         yield None
         return
+    monkeypatch.setattr(wire_transit, "HAND_OVER_BYTES", 1)
     thread = checksum_thread("test-checksum")
     yield thread
     thread.shutdown()

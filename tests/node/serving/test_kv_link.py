@@ -669,6 +669,7 @@ def test_the_checksum_is_taken_on_a_thread_of_its_own_where_the_config_says_so(n
     loop, paths = nodes
     checksum_threads(paths, monkeypatch, on)
     monkeypatch.setattr(paths["b"], "config", replace(paths["b"].config, compress="never"))
+    monkeypatch.setattr(wire_transit, "HAND_OVER_BYTES", 1)  # every piece as it comes: a demo chunk is small
     hashed_on, real = set(), wire_transit._update
     monkeypatch.setattr(wire_transit, "_update",
                         lambda digest, pieces: hashed_on.add(threading.current_thread().name.split("_")[0]) or real(digest, pieces))
@@ -683,6 +684,7 @@ def test_damaged_replies_are_refused_counted_and_the_request_recomputes(nodes, m
     loop, paths = nodes
     server = paths["a"].server
     checksum_threads(paths, monkeypatch, on)
+    monkeypatch.setattr(wire_transit, "HAND_OVER_BYTES", 20_000)  # a demo chunk in several hand-overs
     monkeypatch.setattr(paths["b"], "config", replace(paths["b"].config, compress="never"))  # plain payloads
     if damage == "flipped":
         real = link_io.send_pieces

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
+from orchard.kvcache import wire_transit
 from orchard.kvcache.errors import CorruptKVPayload
 from orchard.kvcache.geometry import KVGeometry
 from orchard.kvcache.hashing import hash_block, root_hash
@@ -42,6 +43,7 @@ def pieces(n: int = 100) -> list[BlockPieces]:
 def small_slices(monkeypatch):
     monkeypatch.setattr(link_io, "BATCH_BYTES", 20_000)
     monkeypatch.setattr(link_io, "LANDING_BYTES", 30_000)
+    monkeypatch.setattr(wire_transit, "HAND_OVER_BYTES", 25_000)
 
 
 def send_in_background(fn) -> threading.Thread:
