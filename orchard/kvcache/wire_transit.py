@@ -65,14 +65,16 @@ class _Digest:
         self._held_bytes = 0
         self._last: Future | None = None  # the checksum thread's last hand-over: it runs after every one before
 
-    def take(self, pieces: Sequence[Piece]) -> None:
-        """Add `pieces` (which nothing may write until `settle`) to the checksum, here or on the thread."""
+    def take(self, pieces: Sequence[Piece], last: bool = False) -> None:
+        """Add `pieces` (which nothing may write until `settle`) to the checksum, here or on the thread. The
+        `last` of a payload are hashed here, when the digest is asked for: handed over, the link's thread
+        would wait for the checksum thread to hash them, and to wake it, at every chunk's end."""
         if self._beside is None:
             _update(self._digest, pieces)
             return
         self._held += pieces
         self._held_bytes += sum(map(len, pieces))
-        if self._held_bytes >= HAND_OVER_BYTES:
+        if self._held_bytes >= HAND_OVER_BYTES and not last:
             self._last = self._beside.submit(_update, self._digest, self._held)
             self._held, self._held_bytes = [], 0
 
@@ -118,7 +120,7 @@ class OutgoingPayload:
                 batch.append(self.pieces[i])
                 nbytes += len(self.pieces[i])
                 i += 1
-            self._digest.take(batch)
+            self._digest.take(batch, last=i == n)
             self._handed_out = i
             yield batch
 
@@ -156,7 +158,7 @@ class IncomingPayload:
             raise ValueError(f"bytes land in order within the payload: {self._landed} landed, then up to {end}")
         covered = max(0, len(self.data) - CHECKSUM_SIZE)  # the checksum does not cover itself
         if self._landed < covered:
-            self._digest.take([self.data[self._landed : min(end, covered)]])
+            self._digest.take([self.data[self._landed : min(end, covered)]], last=end >= covered)
         self._landed = end
 
     def settle(self) -> None:
@@ -176,18 +178,18 @@ class IncomingPayload:
             return False
         try:
             with landing.placing(*meta) as layers:
-                for keys, values in layers:
-                    self._place_layer(layout, read_into, keys, values)
+                for i, (keys, values) in enumerate(layers):
+                    self._place_layer(layout, read_into, keys, values, last=i == len(layers) - 1)
                 trailer = memoryview(bytearray(len(TRAILER) + CHECKSUM_SIZE))
                 read_into([trailer])
-                self._digest.take([trailer[: len(TRAILER)]])
+                self._digest.take([trailer[: len(TRAILER)]], last=True)
                 if trailer[: len(TRAILER)] != TRAILER or self._digest.digest() != trailer[len(TRAILER) :]:
                     raise CorruptKVPayload("KV payload checksum mismatch: the bytes were damaged on the way")
         finally:
             self.settle()  # a landing given up frees its blocks: no thread may still read them
         return True
 
-    def _place_layer(self, layout: ChunkLayout, read_into, keys, values) -> None:
+    def _place_layer(self, layout: ChunkLayout, read_into, keys, values, last: bool) -> None:
         """One layer's K and V read into `placing`'s views, with their headers, checksummed as they landed. The
         headers land in a buffer of their own each layer: the checksum thread may still be reading the last."""
         key_size = len(layout.key_header)
@@ -196,7 +198,7 @@ class IncomingPayload:
         read_into(pieces)
         if headers != layout.key_header + layout.value_header:
             raise CorruptKVPayload("KV payload of version 3 is not laid out as its size says")
-        self._digest.take(pieces)
+        self._digest.take(pieces, last)
 
     def decode(self, expected: KVGeometry, expected_state: StateGeometry | None = None,
                inflate_limit: int = 0) -> KVPayload:
