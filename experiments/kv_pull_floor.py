@@ -11,14 +11,13 @@ Each step adds one of those:
 - `raw, hot`: the same, each reply read in one call that returns once it is whole (`MSG_WAITALL`), as the link
   reads;
 - `raw, memory`: each reply sent from, and read into, the next slice of a region far larger than the caches;
-- `raw, memory, checksummed`: as the link sends and lands a payload (`link_io.send_payload`, checksummed batch by
-  batch before it goes; `link_io.receive_payload`, slice by slice as it lands), from and into the regions;
-- `raw, memory, checksummed beside`: the same bytes and checksum, each batch or slice checksummed on a thread of
-  its own at each end while the link's thread sends the next or reads it: what the checksum costs where a
-  core is free to take it;
-- `pull, checksums on the link's threads` and `pull, checksums on threads of their own`: a direct pull of a
-  fresh prefix, as the bench times it, each end taking its checksums as `KVLinkConfig.checksum_thread` says
-  (the default picks the second where the process may run on four cores or more).
+- `raw, memory, checksummed`: each reply a payload as the link sends and lands one (`link_io.send_payload`,
+  `link_io.receive_payload`): the sender checksums each batch before it goes, the receiver each slice once it
+  landed, and compares; from and into the regions;
+- `raw, memory, checksummed beside`: the same, each batch or slice checksummed on a thread of its own at each
+  end while the link's thread sends the next or reads it: what the checksum costs where a core is free to
+  take it. (The same inside a pull made pulls slower: docs/benchmarks.md, "## migration".)
+- `pull`: a direct pull of a fresh prefix, as the bench times it.
 
     python -m experiments.kv_pull_floor [--size small] [--tokens 2048] [--rounds 10] [--per-round 6]
 
@@ -34,8 +33,7 @@ import functools
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import xxhash
@@ -43,21 +41,16 @@ import xxhash
 from experiments import kv_pull_profile as kp
 from experiments.common import markdown_table, print_header, save_results
 from orchard.node.serving import link_io
-from orchard.node.serving.kv_link import KVLinkConfig, usable_cores
 
 STEPS = ("raw, hot, bench's reads", "raw, hot", "raw, memory", "raw, memory, checksummed",
          "raw, memory, checksummed beside")
 REGION_BYTES = 1 << 30  # each end's region: well past any last-level cache here
+SENT_BYTE = 7  # what every byte the source sends holds; the target's regions start as zeros
 
 
-PULLS = {"pull, checksums on the link's threads": False, "pull, checksums on threads of their own": True}
-
-
-def _answer(command: str, arg, path) -> object:
-    """The source process's side: "checksum_thread" sets where its replies take their checksums; "serve" starts
-    a raw step: listen, answer each four-byte ask with `nbytes` as `step` says, in a thread; returns the port."""
-    if command == "checksum_thread":
-        return _checksum_thread(path, arg)
+def _answer(command: str, arg) -> object:
+    """The source process's side of a raw step: listen, answer each four-byte ask with `nbytes` as `step`
+    says, in a thread; returns the listener's port."""
     if command != "serve":
         raise ValueError(command)
     step, nbytes = arg
@@ -70,7 +63,7 @@ def _serve(server: socket.socket, step: str, nbytes: int) -> None:
     conn, _ = server.accept()
     server.close()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as the link's: a checksum's 16 bytes go at once
-    slices = _Slices(nbytes, nbytes if step.startswith("raw, hot") else REGION_BYTES)
+    slices = _Slices(nbytes, nbytes if step.startswith("raw, hot") else REGION_BYTES, SENT_BYTE)
     helper = ThreadPoolExecutor(1)
     with conn:
         while conn.recv(4, socket.MSG_WAITALL):
@@ -78,51 +71,54 @@ def _serve(server: socket.socket, step: str, nbytes: int) -> None:
                 conn.sendall(slices.first)
             elif step == "raw, memory":
                 conn.sendall(slices.next())
-            elif step == "raw, memory, checksummed":
-                link_io.send_payload(conn, [slices.next()])
             else:
-                _send_beside(conn, slices.next(), helper)
+                _send_checksummed(conn, slices.next(), helper if step.endswith("beside") else None)
 
 
-def _send_beside(conn: socket.socket, data: memoryview, helper: ThreadPoolExecutor) -> None:
-    """`link_io.send_payload` of one piece, its checksum taken on `helper` batch by batch as the batches go."""
+def _send_checksummed(conn: socket.socket, data: memoryview, helper: ThreadPoolExecutor | None) -> None:
+    """One payload as the link sends it: its length, its bytes in batches of `link_io.BATCH_BYTES`, each
+    checksummed before it goes (on `helper` meanwhile, where given), then the checksum."""
     digest = xxhash.xxh3_128()
     conn.sendall(link_io.U64.pack(len(data) + 16))
     for start in range(0, len(data), link_io.BATCH_BYTES):
         batch = data[start : start + link_io.BATCH_BYTES]
-        helper.submit(digest.update, batch)
+        _checksum(helper, digest.update, batch)
         link_io.send_pieces(conn, [batch])
-    conn.sendall(helper.submit(digest.digest).result())
+    conn.sendall(_checksum(helper, digest.digest).result())
 
 
-def _receive_beside(sock: socket.socket, view: memoryview, helper: ThreadPoolExecutor) -> bool:
-    """`link_io.receive_payload` with each slice's checksum taken on `helper` while the next lands; compared."""
+def _receive_checksummed(sock: socket.socket, view: memoryview, helper: ThreadPoolExecutor | None) -> bool:
+    """One payload of `len(view)` bytes as the link lands it: in slices of `link_io.LANDING_BYTES`, each
+    checksummed once it landed (on `helper` while the next lands, where given); raises where the checksum
+    differs, False where the peer left first."""
     digest, body = xxhash.xxh3_128(), view[:-16]
     for start in range(0, len(body), link_io.LANDING_BYTES):
         part = body[start : start + link_io.LANDING_BYTES]
         if not link_io.recv_into(sock, part):
             return False
-        helper.submit(digest.update, part)
+        _checksum(helper, digest.update, part)
     if not link_io.recv_into(sock, view[-16:]):
         return False
-    if helper.submit(digest.digest).result() != view[-16:]:
-        raise ValueError("checksum mismatch")
+    if _checksum(helper, digest.digest).result() != view[-16:]:
+        raise ValueError("a raw payload's checksum differs")
     return True
 
 
-def _checksum_thread(path, on: bool) -> bool:
-    """Have `path`'s pulls and replies take their checksums on a checksum thread (`on`) or on the link's threads."""
-    path.config = replace(path.config, checksum_thread=on)
-    path.server.config = replace(path.server.config, checksum_thread=on)
-    return on
+def _checksum(helper: ThreadPoolExecutor | None, fn, *args) -> Future:
+    """`fn(*args)` on `helper` (in the order handed to it), or here, as a future either way."""
+    if helper is not None:
+        return helper.submit(fn, *args)
+    done: Future = Future()
+    done.set_result(fn(*args))
+    return done
 
 
 class _Slices:
     """Consecutive `nbytes` slices of a region of `region_bytes`, in turn; every page written once first, so
     none faults later."""
 
-    def __init__(self, nbytes: int, region_bytes: int):
-        self.region = np.full(region_bytes, 7, dtype=np.uint8)
+    def __init__(self, nbytes: int, region_bytes: int, fill: int = 0):
+        self.region = np.full(region_bytes, fill, dtype=np.uint8)
         self.view = memoryview(self.region)
         self.nbytes, self.count, self.at = nbytes, region_bytes // nbytes, 0
         self.first = self.view[:nbytes]
@@ -154,10 +150,7 @@ class _Asker:
             ok = link_io.recv_into(self.sock, self.slices.next()[: self.nbytes])
         else:
             size = link_io.U64.unpack(link_io.recv_exact(self.sock, 8))[0]
-            if self.step == "raw, memory, checksummed":
-                ok = link_io.receive_payload(self.sock, self.slices.next()[:size]) is not None
-            else:
-                ok = _receive_beside(self.sock, self.slices.next()[:size], self.helper)
+            ok = _receive_checksummed(self.sock, self.slices.next()[:size], self.helper if self.step.endswith("beside") else None)
         if not ok:
             raise ConnectionError("the source closed mid-reply")
         return self.nbytes / (time.perf_counter() - started)
@@ -179,7 +172,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--per-round", type=int, default=6)
     args = p.parse_args(argv)
     print_header(f"a pull's bytes, step by step ({args.size}, {args.tokens} tokens)")
-    print(f"checksum threads by default here: {KVLinkConfig().uses_checksum_thread()} ({usable_cores()} usable cores)")
     pulls = args.rounds * args.per_round
     num_blocks = (pulls + 2) * args.tokens // 16 + 64
     source = functools.partial(kp.source_node, answer=_answer)
@@ -201,22 +193,19 @@ def _run(args, ours, loop, path, address) -> dict[str, list[float]]:
         ours.send(("serve", (step, nbytes)))
         askers[step] = _Asker(ours.recv(), step, nbytes)
         askers[step].once()  # warm: the connection, the pages
-    rates: dict[str, list[float]] = {step: [] for step in (*STEPS, *PULLS)}
+    rates: dict[str, list[float]] = {step: [] for step in (*STEPS, "pull")}
     seed = 3
     for done in range(args.rounds):
         for step in STEPS:
             for _ in range(args.per_round):
                 time.sleep(0.005)  # idle between replies, as between the bench's pulls
                 rates[step].append(askers[step].once())
-        for step, on in PULLS.items():
-            ours.send(("checksum_thread", on))
-            _checksum_thread(path, ours.recv())
-            for _ in range(args.per_round):
-                ours.send(("seed", (args.tokens, seed)))
-                seed += 1
-                hashes = ours.recv()
-                time.sleep(0.005)
-                rates[step].append(_pulled(loop, path, address, hashes))
+        for _ in range(args.per_round):
+            ours.send(("seed", (args.tokens, seed)))
+            seed += 1
+            hashes = ours.recv()
+            time.sleep(0.005)
+            rates["pull"].append(_pulled(loop, path, address, hashes))
         print(f"round {done + 1}/{args.rounds}", flush=True)
     for asker in askers.values():
         asker.sock.close()

@@ -57,7 +57,7 @@ def _source(conn, size: str, num_blocks: int) -> None:
     kp.source_node(conn, size, num_blocks, _switch)
 
 
-def _switch(command: str, mode: str, _path) -> str:
+def _switch(command: str, mode: str) -> str:
     use(mode)
     return mode
 

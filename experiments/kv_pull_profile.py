@@ -217,7 +217,7 @@ def spawn_with_pipe(target, *args, daemon: bool = True):
 def source_node(conn, size: str, num_blocks: int, answer) -> None:
     """A pull's source, in a process of its own (`spawn_with_pipe`): sends its link's address over `conn`, then
     answers "seed" with a fresh prefix's hashes (`_seed`, (tokens, seed)) and any other command but "stop" with
-    `answer(command, arg, path)`, `path` the source's `DirectPath`."""
+    `answer(command, arg)`."""
     loop = event_loop()
     engine = _engine(size, num_blocks)
     path = _path("src", engine)
@@ -227,7 +227,7 @@ def source_node(conn, size: str, num_blocks: int, answer) -> None:
         if command == "seed":
             conn.send(asyncio.run_coroutine_threadsafe(engine.run_on_engine(lambda e, a=arg: _seed(path, *a)), loop).result())
         else:
-            conn.send(answer(command, arg, path))
+            conn.send(answer(command, arg))
     path.close()
     engine.shutdown()
 

@@ -125,7 +125,7 @@ def timeline(pulls: list[tuple[float, dict[str, float]]]) -> list[tuple[str, flo
 def _source(conn, size: str, num_blocks: int) -> None:
     """The source node: answers "seed" (a fresh prefix's hashes), "marks" (this process's, then cleared), "stop"."""
     install("source")
-    kp.source_node(conn, size, num_blocks, lambda command, arg, path: take_marks())
+    kp.source_node(conn, size, num_blocks, lambda command, arg: take_marks())
 
 
 def measure(size: str, tokens: int, pulls: int) -> list[tuple[float, dict[str, float]]]:

@@ -131,3 +131,25 @@ def test_a_pulls_timeline_reads_each_mark_from_the_pulls_start_and_the_fastest_f
     rows = {key: (fast, everyone) for key, fast, everyone in tl.timeline(pulls)}
     assert rows["target: pull returned"] == pytest.approx((4.5, 8.5))
     assert [key for key, _, _ in tl.timeline(pulls)][0] == "target: pull entered"
+
+
+def test_the_floors_raw_steps_each_carry_a_replys_bytes_whole(monkeypatch):
+    """Each raw step of `kv_pull_floor` moves the source's bytes into the target's slice, the checksummed ones
+    with their checksum compared, and a checksum that differs is refused."""
+    import socket
+
+    from experiments import kv_pull_floor as floor
+
+    monkeypatch.setattr(floor, "REGION_BYTES", 4 << 20)
+    nbytes = 300_000
+    for step in floor.STEPS:
+        asker = floor._Asker(floor._answer("serve", (step, nbytes)), step, nbytes)
+        with asker.sock:
+            assert asker.once() > 0 and asker.once() > 0
+            at = asker.slices.at * asker.slices.nbytes  # the slice the last reply landed in
+            assert bytes(asker.slices.view[at : at + nbytes]) == bytes([floor.SENT_BYTE]) * nbytes, step
+    a, b = socket.socketpair()
+    with a, b:
+        a.sendall(bytes(100) + bytes(16))  # a payload whose checksum is not its bytes'
+        with pytest.raises(ValueError, match="checksum differs"):
+            floor._receive_checksummed(b, memoryview(bytearray(116)), None)

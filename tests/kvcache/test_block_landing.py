@@ -7,12 +7,11 @@ import numpy as np
 import pytest
 import xxhash
 
-from orchard.kvcache import wire_transit
 from orchard.kvcache.errors import CorruptKVPayload, IncompatibleKVPayload, PoolMoved
 from orchard.kvcache.events import BlockStored
 from orchard.kvcache.wire import BlockRun
-from orchard.kvcache.wire_layers import TRAILER, LayerChunk, layer_pieces, layout_of_size
-from orchard.kvcache.wire_transit import IncomingPayload, checksum_thread
+from orchard.kvcache.wire_layers import LayerChunk, layer_pieces, layout_of_size
+from orchard.kvcache.wire_transit import IncomingPayload
 from tests.kvcache.caches import kv_of, prefill, same_kv
 
 PROMPT = list(range(100, 117))  # four full blocks and one token
@@ -184,8 +183,8 @@ def arriving(data: bytes):
             piece[:] = data[at[0] : at[0] + len(piece)]
             at[0] += len(piece)
 
-    def landed(meta: int, beside=None) -> IncomingPayload:
-        incoming = IncomingPayload(bytearray(len(data)), beside)
+    def landed(meta: int) -> IncomingPayload:
+        incoming = IncomingPayload(bytearray(len(data)))
         read_into([incoming.data[:meta]])
         incoming.landed(meta)
         return incoming
@@ -193,21 +192,8 @@ def arriving(data: bytes):
     return landed, read_into, at
 
 
-@pytest.fixture(params=["here", "beside"])
-def checksums(request, monkeypatch):
-    """Where the receiver takes its checksum: on the reading thread (None), or on a checksum thread, handed
-    each layer (a test's chunk is far smaller than a hand-over)."""
-    if request.param == "here":
-        yield None
-        return
-    monkeypatch.setattr(wire_transit, "HAND_OVER_BYTES", 1)
-    thread = checksum_thread("test-checksum")
-    yield thread
-    thread.shutdown()
-
-
 @pytest.mark.parametrize("order", ["consecutive", "scattered"])
-def test_a_chunk_is_read_straight_into_its_reserved_blocks_bit_for_bit(make_cache, order, checksums):
+def test_a_chunk_is_read_straight_into_its_reserved_blocks_bit_for_bit(make_cache, order):
     """The KV goes from the reader into the pool, one piece a layer or one a block where the reserved
     blocks are scattered, and the run is cached as if it had landed from a buffer."""
     source, target = make_cache(), make_cache()
@@ -218,24 +204,23 @@ def test_a_chunk_is_read_straight_into_its_reserved_blocks_bit_for_bit(make_cach
     data = v3_payload(target, run)
     layout = layout_of_size(target.geometry, len(data))
     landed, read_into, at = arriving(data)
-    incoming = landed(layout.meta_size, checksums)
+    incoming = landed(layout.meta_size)
     assert landing.places_wire_bytes and incoming.place(layout, landing, read_into)
     assert at[0] == len(data) and landing.landed == 4
     assert landing.adopt() == 4
     assert hit_kv(target, 4) == prefix_of(original, 4)
 
 
-@pytest.mark.parametrize("where", ["first layer's K", "last layer's V"])
-def test_a_chunk_damaged_on_the_way_into_its_blocks_is_refused_and_none_of_them_is_cached(make_cache, checksums, where):
+def test_a_chunk_damaged_on_the_way_into_its_blocks_is_refused_and_none_of_them_is_cached(make_cache):
     source, target = make_cache(), make_cache()
     hashes, run, _ = held_run(source)
     landing = target.reserve_landing(target.root, hashes)
     data = bytearray(v3_payload(target, run))
     layout = layout_of_size(target.geometry, len(data))
-    data[layout.meta_size + 10 if where == "first layer's K" else -len(TRAILER) - 16 - 3] ^= 0x08
+    data[layout.meta_size + 10] ^= 0x08  # in the first layer's K
     landed, read_into, _ = arriving(bytes(data))
     with pytest.raises(CorruptKVPayload):
-        landed(layout.meta_size, checksums).place(layout, landing, read_into)
+        landed(layout.meta_size).place(layout, landing, read_into)
     assert landing.landed == 0 and landing.adopt() == 0
     assert target.manager.num_cached == 0 and target.manager.num_free == target.manager.num_usable
 

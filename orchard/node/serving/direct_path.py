@@ -41,7 +41,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from orchard.kvcache.block_landing import BlockLanding
 from orchard.kvcache.hashing import BlockHash
 from orchard.kvcache.wire import KVPayload
-from orchard.kvcache.wire_transit import checksum_thread
 from orchard.node.serving.kv_link import KVLinkConfig, KVLinkServer, LinkStream, connect
 from orchard.node.serving.link_auth import LinkRefused
 from orchard.node.serving.migration import BlockMover, PullResult, local_prefix
@@ -63,7 +62,6 @@ class DirectPath:
         self._link_rates: dict[str, float] = {}  # per source: the link's bytes/s in the last pull that tells
         self._compressed_in_a_row: dict[str, int] = {}  # per source: pulls asked compressed since the last plain one
         self._lander = ThreadPoolExecutor(1, thread_name_prefix="kv-land")  # writes landing chunks into the pool
-        self._checksums = checksum_thread("kv-checksum")  # where the config says so (`KVLinkConfig.checksum_thread`)
 
     @property
     def address(self) -> str | None:
@@ -91,7 +89,6 @@ class DirectPath:
             sock.close()
         self._idle.clear()
         self._lander.shutdown(wait=False)
-        self._checksums.shutdown(wait=False)
 
     async def pull(self, source_id: str, hashes: Sequence[BlockHash], resolve: Resolve) -> PullResult | None:
         """Pull the blocks of `hashes` this node lacks from `source_id`'s listener, or None (see above).
@@ -163,7 +160,7 @@ class DirectPath:
         sock = None if address is None or self.key is None else await self._connect(source_id, address)
         if sock is None:
             return None
-        stream = LinkStream(sock, [bytearray()], self.mover.geometry, beside=self._beside())
+        stream = LinkStream(sock, [bytearray()], self.mover.geometry)
         stream.take(None)
         received = 0
         try:
@@ -209,8 +206,7 @@ class DirectPath:
         """A stream whose request for `hashes` went, its chunks held until `take`; None, the connection
         closed, where the request could not be sent (the source went away): nothing was asked yet."""
         buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(4)]  # arriving, queued, importing
-        stream = LinkStream(sock, buffers, self.mover.geometry, state_geometry=self.mover.state_geometry,
-                            beside=self._beside())
+        stream = LinkStream(sock, buffers, self.mover.geometry, state_geometry=self.mover.state_geometry)
         try:
             stream.start(hashes, chunk_size(len(hashes) * self.mover.geometry.bytes_per_block, self.config.chunk_bytes),
                          compress=compress)
@@ -220,10 +216,6 @@ class DirectPath:
             self._buffers.extend(buffers)
             return None
         return stream
-
-    def _beside(self):
-        """The thread a stream checksums its chunks on, or None for its own (`KVLinkConfig.uses_checksum_thread`)."""
-        return self._checksums if self.config.uses_checksum_thread() else None
 
     async def _drop(self, stream: LinkStream) -> None:
         """Give up a stream whose reply nobody takes: its connection closed, its buffers kept."""

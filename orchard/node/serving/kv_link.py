@@ -41,13 +41,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -61,7 +60,7 @@ from orchard.kvcache.wire import KVPayload, StateSnapshotData
 from orchard.kvcache.wire_batch import record_layout
 from orchard.kvcache.wire_layers import layer_pieces, layout_of_size
 from orchard.kvcache.wire_stream import payload_pieces
-from orchard.kvcache.wire_transit import IncomingPayload, checksum_thread
+from orchard.kvcache.wire_transit import IncomingPayload
 from orchard.node.serving import link_auth as auth
 from orchard.node.serving import link_io
 from orchard.node.serving.link_io import U32, U64, data_mode, eof, grow_send_buffer, recv_exact
@@ -92,29 +91,10 @@ class KVLinkConfig:
     # or Wi-Fi (docs/benchmarks.md, "## migration").
     compress: str = "auto"
     compress_below_bytes_per_s: float = 250e6
-    # Each end checksums the bytes it sends or lands on a thread of its own, beside the link's thread
-    # (`orchard.kvcache.wire_transit.checksum_thread`): True, False, or None for where this process may run
-    # on `CHECKSUM_THREAD_MIN_CORES` cores or more. On two cores both threads of one end, and the other end's
-    # where it shares the machine, take turns on the same cores, and the hand-over only adds (docs/benchmarks.md).
-    checksum_thread: bool | None = None
 
     def __post_init__(self):
         if self.compress not in COMPRESS_MODES:
             raise ValueError(f"compress is one of {COMPRESS_MODES}, not {self.compress!r}")
-
-    def uses_checksum_thread(self) -> bool:
-        return self.checksum_thread if self.checksum_thread is not None else usable_cores() >= CHECKSUM_THREAD_MIN_CORES
-
-
-CHECKSUM_THREAD_MIN_CORES = 4
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity, where the platform tells it; else the machine's)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS
-        return os.cpu_count() or 1
 
 
 @dataclass
@@ -159,14 +139,10 @@ class KVLinkServer(link_io.Listener):
         self.counters = LinkCounters()
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-link-encode")  # probes, made ahead
         self._probes: dict[int, bytes] = {}
-        # Takes the checksum of every reply's chunks where the config says so: one thread for all, as it hashes
-        # several GB/s, more than the replies' links carry between them.
-        self._checksums = checksum_thread("kv-link-checksum")
 
     def close(self) -> None:
         super().close()
         self._encoder.shutdown(wait=False)
-        self._checksums.shutdown(wait=False)
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
@@ -229,10 +205,9 @@ class KVLinkServer(link_io.Listener):
         end marker goes (the kernel holds a copy of each byte it took), so that whatever the target asks of this
         node once its pull ended comes after the release. `chunks` is lazy: the next chunk's pieces are made
         while the kernel still sends what it took of the last."""
-        beside = self._checksums if self.config.uses_checksum_thread() else None
         try:
             for pieces in chunks:
-                self.counters.sent_bytes += link_io.send_payload(conn, pieces, beside)
+                self.counters.sent_bytes += link_io.send_payload(conn, pieces)
         finally:
             self._release(handle)
         conn.sendall(U64.pack(0))
@@ -262,12 +237,10 @@ def reply_runs(blocks: list, state: StateSnapshotData | None, per_chunk: int) ->
 class LinkStream:
     """One pull's connection: chunks arrive on a thread into reused buffers, the caller awaits them."""
 
-    def __init__(self, sock: socket.socket, buffers: list[bytearray], geometry, state_geometry=None,
-                 beside: Executor | None = None):
-        """`state_geometry`: a hybrid model's state pool geometry, which each chunk's state must have; `beside`:
-        a `checksum_thread` to checksum the chunks on as they land, or None to checksum them on the stream's
-        thread. The stream takes no chunk until `take` says where they go."""
-        self.sock, self.geometry, self.state_geometry, self._beside = sock, geometry, state_geometry, beside
+    def __init__(self, sock: socket.socket, buffers: list[bytearray], geometry, state_geometry=None):
+        """`state_geometry`: a hybrid model's state pool geometry, which each chunk's state must have. The
+        stream takes no chunk until `take` says where they go."""
+        self.sock, self.geometry, self.state_geometry = sock, geometry, state_geometry
         self._sink: ChunkSink | None = None
         self._landing: BlockLanding | None = None
         self._taken = threading.Event()  # the sink and landing are known: the receive thread may take chunks
@@ -403,8 +376,8 @@ class LinkStream:
         payload of the blocks it waits for (then None), else into `view`, checksummed as it lands."""
         layout = layout_of_size(self.geometry, len(view)) if self._landing is not None else None
         if layout is None:
-            return link_io.receive_payload(self.sock, view, beside=self._beside) or eof()
-        incoming = IncomingPayload(view, self._beside)
+            return link_io.receive_payload(self.sock, view) or eof()
+        incoming = IncomingPayload(view)
         if not link_io.recv_into(self.sock, view[: layout.meta_size]):
             eof()
         incoming.landed(layout.meta_size)

@@ -9,8 +9,7 @@ non-blocking socket polled) returns to Python, and asks for the GIL, every few K
 A payload goes out in batches of about `BATCH_BYTES`, each checksummed just before it is
 sent, and comes in slices of `LANDING_BYTES`, each checksummed just after it landed
 (`orchard.kvcache.wire_transit`): the checksum and the kernel's copy then read the same bytes once
-from memory between them, the second read from the CPU's cache. Given a checksum thread, each batch or slice
-is checksummed there instead, while this thread sends the next or reads it.
+from memory between them, the second read from the CPU's cache.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import socket
 import struct
 import threading
 from collections.abc import Callable, Coroutine
-from concurrent.futures import Executor
 
 from orchard.kvcache.wire_transit import IncomingPayload, OutgoingPayload
 
@@ -174,38 +172,29 @@ class Listener:
             threading.Thread(target=self.serve, args=(conn,), name=f"{self.name}-conn", daemon=True).start()
 
 
-def send_payload(sock: socket.socket, pieces: list, beside: Executor | None = None) -> int:
+def send_payload(sock: socket.socket, pieces: list) -> int:
     """Send one payload (`orchard.kvcache.wire_stream.payload_pieces`: all but its checksum) after its u64
-    length, checksumming it batch by batch as it goes (on `beside`, a `checksum_thread`, where given) and
-    sending the checksum last; its size. Returns or raises once nothing reads the pieces any more."""
-    outgoing = OutgoingPayload(pieces, beside)
-    try:
-        head = [U64.pack(outgoing.size)]
-        for batch in outgoing.batches(BATCH_BYTES, MAX_PIECES - 1):
-            send_pieces(sock, head + batch)
-            head = []
-        send_pieces(sock, [*head, outgoing.checksum()])
-    finally:
-        outgoing.settle()
+    length, checksumming it batch by batch as it goes and sending the checksum last; its size."""
+    outgoing = OutgoingPayload(pieces)
+    head = [U64.pack(outgoing.size)]
+    for batch in outgoing.batches(BATCH_BYTES, MAX_PIECES - 1):
+        send_pieces(sock, head + batch)
+        head = []
+    send_pieces(sock, [*head, outgoing.checksum()])
     return outgoing.size
 
 
-def receive_payload(sock: socket.socket, buffer, incoming: IncomingPayload | None = None,
-                    beside: Executor | None = None) -> IncomingPayload | None:
-    """Fill `buffer` (exactly one payload's size) slice by slice, each checksummed as it lands (on `beside`, a
-    `checksum_thread`, where given), or the rest of `incoming`'s, where its first bytes landed already; None
-    when the peer closed first. `decode` the answer: it refuses a checksum that differs. Returns or raises once
-    nothing reads the buffer any more."""
-    incoming = incoming or IncomingPayload(buffer, beside)
+def receive_payload(sock: socket.socket, buffer, incoming: IncomingPayload | None = None) -> IncomingPayload | None:
+    """Fill `buffer` (exactly one payload's size) slice by slice, each checksummed as it lands (or the
+    rest of `incoming`'s, where its first bytes landed already); None when the peer closed first.
+    `decode` the answer: it refuses a checksum that differs."""
+    incoming = incoming or IncomingPayload(buffer)
     size = len(incoming.data)
-    try:
-        for start in range(incoming.landed_bytes, size, LANDING_BYTES):
-            end = min(size, start + LANDING_BYTES)
-            if not recv_into(sock, incoming.data[start:end]):
-                return None
-            incoming.landed(end)
-    finally:
-        incoming.settle()
+    for start in range(incoming.landed_bytes, size, LANDING_BYTES):
+        end = min(size, start + LANDING_BYTES)
+        if not recv_into(sock, incoming.data[start:end]):
+            return None
+        incoming.landed(end)
     return incoming
 
 

@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 
-from orchard.kvcache import block_transfer, wire_compressed, wire_transit
+from orchard.kvcache import block_transfer, wire_compressed
 from orchard.kvcache.block_landing import BlockLanding
 from orchard.kvcache.events import BlockRemoved, BlockStored
 from orchard.kvcache.hashing import BlockHash
@@ -175,14 +175,14 @@ def test_each_reply_goes_from_a_thread_made_for_it_and_its_failure_ends_the_conn
     loop, paths = nodes
     senders = []
     real = link_io.send_payload
-    monkeypatch.setattr(link_io, "send_payload", lambda sock, pieces, beside: senders.append(threading.current_thread())
-                        or real(sock, pieces, beside))
+    monkeypatch.setattr(link_io, "send_payload", lambda sock, pieces: senders.append(threading.current_thread())
+                        or real(sock, pieces))
     first, _, _ = pull(loop, paths, prompt(74))
     second, _, _ = pull(loop, paths, prompt(75))
     assert first.ok and second.ok and len(senders) == 6 and {t.name for t in senders} == {"kv-link-send"}
     assert senders[0] is not senders[3]  # a thread a reply
     accepted = paths["a"].server.counters.accepted
-    monkeypatch.setattr(link_io, "send_payload", lambda sock, pieces, beside: (_ for _ in ()).throw(OSError("gone")))
+    monkeypatch.setattr(link_io, "send_payload", lambda sock, pieces: (_ for _ in ()).throw(OSError("gone")))
     broken, _, _ = pull(loop, paths, prompt(76))
     monkeypatch.setattr(link_io, "send_payload", real)
     after, _, _ = pull(loop, paths, prompt(77))
@@ -657,36 +657,10 @@ def test_a_probe_over_the_direct_path_times_a_verified_payload_of_the_size_asked
     assert (1 << 20) <= nbytes < (1 << 20) + 2 * paths["a"].mover.geometry.bytes_per_block and seconds > 0
 
 
-def checksum_threads(paths, monkeypatch, on: bool) -> None:
-    """Have both ends of every pull take their checksums on a checksum thread (`on`) or on the link's thread."""
-    for path in paths.values():
-        monkeypatch.setattr(path, "config", replace(path.config, checksum_thread=on))
-        monkeypatch.setattr(path.server, "config", replace(path.server.config, checksum_thread=on))
-
-
-@pytest.mark.parametrize("on", [True, False])
-def test_the_checksum_is_taken_on_a_thread_of_its_own_where_the_config_says_so(nodes, monkeypatch, on):
-    loop, paths = nodes
-    checksum_threads(paths, monkeypatch, on)
-    monkeypatch.setattr(paths["b"], "config", replace(paths["b"].config, compress="never"))
-    monkeypatch.setattr(wire_transit, "HAND_OVER_BYTES", 1)  # every piece as it comes: a demo chunk is small
-    monkeypatch.setattr(link_io, "BATCH_BYTES", 20_000)  # several batches a chunk
-    hashed_on, real = set(), wire_transit._update
-    monkeypatch.setattr(wire_transit, "_update",
-                        lambda digest, pieces: hashed_on.add(threading.current_thread().name.split("_")[0]) or real(digest, pieces))
-    result, (after, hit), (reference, _) = pull(loop, paths, prompt(81 if on else 82))
-    assert (result.ok, result.imported) == (True, 5) and (after, hit) == (reference, 5 * BS)
-    links = {"kv-link-send", "kv-link-recv"}  # each payload's last pieces are hashed there either way
-    assert hashed_on == ({"kv-link-checksum", "kv-checksum", *links} if on else links)
-
-
-@pytest.mark.parametrize("on", [True, False], ids=["checksum thread", "link's thread"])
 @pytest.mark.parametrize("damage", ["flipped", "cut-off", "foreign"])
-def test_damaged_replies_are_refused_counted_and_the_request_recomputes(nodes, monkeypatch, damage, on):
+def test_damaged_replies_are_refused_counted_and_the_request_recomputes(nodes, monkeypatch, damage):
     loop, paths = nodes
     server = paths["a"].server
-    checksum_threads(paths, monkeypatch, on)
-    monkeypatch.setattr(wire_transit, "HAND_OVER_BYTES", 20_000)  # a demo chunk in several hand-overs
     monkeypatch.setattr(paths["b"], "config", replace(paths["b"].config, compress="never"))  # plain payloads
     if damage == "flipped":
         real = link_io.send_pieces
@@ -700,7 +674,7 @@ def test_damaged_replies_are_refused_counted_and_the_request_recomputes(nodes, m
 
         monkeypatch.setattr(link_io, "send_pieces", flipped)
     elif damage == "cut-off":
-        def cut_off(sock, pieces, beside=None):
+        def cut_off(sock, pieces):
             sock.sendall(link_io.U64.pack(sum(map(len, pieces)) + 16) + bytes(pieces[0])[:100])  # the length promises more
             sock.shutdown(socket.SHUT_RDWR)
             return 100
@@ -709,8 +683,7 @@ def test_damaged_replies_are_refused_counted_and_the_request_recomputes(nodes, m
     else:
         monkeypatch.setattr(server, "geometry", replace(server.geometry, model_fingerprint="another-model"))
     failures = paths["b"].mover.counters.migration_failures
-    seed = {"flipped": 11, "cut-off": 12, "foreign": 13}[damage] + (100 if on else 0)
-    result, (after, hit), (reference, _) = pull(loop, paths, prompt(seed))
+    result, (after, hit), (reference, _) = pull(loop, paths, prompt({"flipped": 11, "cut-off": 12, "foreign": 13}[damage]))
     expected = {"flipped": "CorruptKVPayload", "cut-off": "ConnectionError", "foreign": "IncompatibleKVPayload"}
     assert (result.ok, result.imported) == (False, 0) and expected[damage] in result.error
     assert paths["b"].mover.counters.migration_failures == failures + 1

@@ -1,6 +1,6 @@
 """A payload over a real socket pair as the KV link moves it: sent in checksummed batches, received
-in checksummed slices (each end checksumming on its own thread or on a checksum thread), read back whole;
-cut off, or damaged after its batch was checksummed, it is never read as blocks. Frames a gateway link's engine thread sends (`FrameSender`): never
+in checksummed slices, read back whole; cut off, or damaged after its batch was checksummed,
+it is never read as blocks. Frames a gateway link's engine thread sends (`FrameSender`): never
 blocking it, in order, nothing after the peer left."""
 
 from __future__ import annotations
@@ -8,18 +8,14 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
-from orchard.kvcache import wire_transit
 from orchard.kvcache.errors import CorruptKVPayload
 from orchard.kvcache.geometry import KVGeometry
 from orchard.kvcache.hashing import hash_block, root_hash
 from orchard.kvcache.wire_stream import BlockPieces, decode_views, payload_pieces
-from orchard.kvcache.wire_transit import checksum_thread
 from orchard.node.serving import link_io
 from tests.kvcache.wire_pieces import encode_pieces
 
@@ -43,7 +39,6 @@ def pieces(n: int = 100) -> list[BlockPieces]:
 def small_slices(monkeypatch):
     monkeypatch.setattr(link_io, "BATCH_BYTES", 20_000)
     monkeypatch.setattr(link_io, "LANDING_BYTES", 30_000)
-    monkeypatch.setattr(wire_transit, "HAND_OVER_BYTES", 25_000)
 
 
 def send_in_background(fn) -> threading.Thread:
@@ -52,26 +47,15 @@ def send_in_background(fn) -> threading.Thread:
     return thread
 
 
-@pytest.fixture(params=["here", "beside"])
-def checksums(request):
-    """Where each end takes its checksum: on the link's thread (None), or on a checksum thread of its own."""
-    if request.param == "here":
-        yield None
-        return
-    thread = checksum_thread("test-checksum")
-    yield thread
-    thread.shutdown()
-
-
-def test_a_payload_sent_in_batches_lands_in_slices_as_the_blocks_sent(small_slices, checksums):
+def test_a_payload_sent_in_batches_lands_in_slices_as_the_blocks_sent(small_slices):
     blocks = pieces()
     expected = b"".join(bytes(p) for p in encode_pieces(GEOMETRY, blocks))
     a, b = socket.socketpair()
     with a, b:
         sizes = []
-        sender = send_in_background(lambda: sizes.append(link_io.send_payload(a, payload_pieces(GEOMETRY, blocks), checksums)))
+        sender = send_in_background(lambda: sizes.append(link_io.send_payload(a, payload_pieces(GEOMETRY, blocks))))
         size = link_io.U64.unpack(link_io.recv_exact(b, 8))[0]
-        incoming = link_io.receive_payload(b, bytearray(size), beside=checksums)
+        incoming = link_io.receive_payload(b, bytearray(size))
         sender.join(5)
         assert sizes == [size] == [len(expected)] and bytes(incoming.data) == expected
         for ours, theirs in zip(incoming.decode(GEOMETRY).blocks, decode_views(bytearray(expected), GEOMETRY), strict=True):
@@ -87,7 +71,7 @@ def test_a_payload_cut_off_between_slices_is_no_payload(small_slices):
         assert link_io.receive_payload(b, bytearray(len(payload))) is None
 
 
-def test_a_byte_damaged_after_its_batch_was_checksummed_is_refused(small_slices, monkeypatch, checksums):
+def test_a_byte_damaged_after_its_batch_was_checksummed_is_refused(small_slices, monkeypatch):
     real, calls = link_io.send_pieces, []
 
     def damaging(sock, batch):
@@ -101,48 +85,13 @@ def test_a_byte_damaged_after_its_batch_was_checksummed_is_refused(small_slices,
     monkeypatch.setattr(link_io, "send_pieces", damaging)
     a, b = socket.socketpair()
     with a, b:
-        sender = send_in_background(lambda: link_io.send_payload(a, payload_pieces(GEOMETRY, pieces()), checksums))
+        sender = send_in_background(lambda: link_io.send_payload(a, payload_pieces(GEOMETRY, pieces())))
         size = link_io.U64.unpack(link_io.recv_exact(b, 8))[0]
-        incoming = link_io.receive_payload(b, bytearray(size), beside=checksums)
+        incoming = link_io.receive_payload(b, bytearray(size))
         sender.join(5)
         assert len(calls) > 3  # several batches went out
         with pytest.raises(CorruptKVPayload, match="checksum"):
             incoming.decode(GEOMETRY)
-
-
-class SlowChecksums(ThreadPoolExecutor):
-    """A checksum thread that takes its time over each batch, and keeps what it was handed."""
-
-    def __init__(self):
-        super().__init__(1)
-        self.handed: list = []
-
-    def submit(self, fn, *args):
-        future = super().submit(lambda: time.sleep(0.01) or fn(*args))
-        self.handed.append(future)
-        return future
-
-
-def test_neither_end_returns_while_its_checksum_thread_still_reads_the_bytes(small_slices):
-    """A sender's pieces are the pool's blocks, unpinned once the reply ends; a receiver's buffer or blocks are
-    written again once it returns: so both wait for the checksum thread, also where the peer went away."""
-    payload = b"".join(bytes(p) for p in encode_pieces(GEOMETRY, pieces()))
-    with SlowChecksums() as sender_side, SlowChecksums() as receiver_side:
-        a, b = socket.socketpair()
-        with a, b:
-            sender = send_in_background(lambda: link_io.send_payload(a, payload_pieces(GEOMETRY, pieces()), sender_side))
-            size = link_io.U64.unpack(link_io.recv_exact(b, 8))[0]
-            assert link_io.receive_payload(b, bytearray(size), beside=receiver_side) is not None
-            assert receiver_side.handed and all(f.done() for f in receiver_side.handed)
-            sender.join(5)
-            assert len(sender_side.handed) > 1 and all(f.done() for f in sender_side.handed)
-        a, b = socket.socketpair()
-        with b:
-            with a:
-                a.sendall(payload[:45_000])  # one slice and a half, then gone
-            handed = len(receiver_side.handed)
-            assert link_io.receive_payload(b, bytearray(len(payload)), beside=receiver_side) is None
-            assert len(receiver_side.handed) > handed and all(f.done() for f in receiver_side.handed)
 
 
 def test_pieces_apart_in_memory_are_filled_in_order_from_bytes_sent_in_dribs_and_drabs():
