@@ -11,9 +11,9 @@ Each step adds one of those:
 - `raw, hot`: the same, each reply read in one call that returns once it is whole (`MSG_WAITALL`), as the link
   reads;
 - `raw, memory`: each reply sent from, and read into, the next slice of a region far larger than the caches;
-- `raw, memory, checksummed`: each reply a payload as the link sends and lands one (`link_io.send_payload`,
-  `link_io.receive_payload`): the sender checksums each batch before it goes, the receiver each slice once it
-  landed, and compares; from and into the regions;
+- `raw, memory, checksummed`: each reply a payload sent and landed as `link_io.send_payload` and
+  `link_io.receive_payload` do it: the sender checksums each batch before it goes, the receiver each slice once
+  it landed, and compares; from and into the regions;
 - `raw, memory, checksummed beside`: the same, each batch or slice checksummed on a thread of its own at each
   end while the link's thread sends the next or reads it: what the checksum costs where a core is free to
   take it. (The same inside a pull made pulls slower: docs/benchmarks.md, "## migration".)
