@@ -40,6 +40,7 @@ import xxhash
 
 from experiments import kv_pull_profile as kp
 from experiments.common import markdown_table, print_header, save_results
+from orchard.cluster.bench.netns import read_reply
 from orchard.node.serving import link_io
 
 STEPS = ("raw, hot, bench's reads", "raw, hot", "raw, memory", "raw, memory, checksummed",
@@ -64,7 +65,7 @@ def _serve(server: socket.socket, step: str, nbytes: int) -> None:
     server.close()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as the link's: a checksum's 16 bytes go at once
     slices = _Slices(nbytes, nbytes if step.startswith("raw, hot") else REGION_BYTES, SENT_BYTE)
-    helper = ThreadPoolExecutor(1)
+    helper = _helper(step)
     with conn:
         while conn.recv(4, socket.MSG_WAITALL):
             if step.startswith("raw, hot"):
@@ -72,7 +73,14 @@ def _serve(server: socket.socket, step: str, nbytes: int) -> None:
             elif step == "raw, memory":
                 conn.sendall(slices.next())
             else:
-                _send_checksummed(conn, slices.next(), helper if step.endswith("beside") else None)
+                _send_checksummed(conn, slices.next(), helper)
+    if helper is not None:
+        helper.shutdown()
+
+
+def _helper(step: str) -> ThreadPoolExecutor | None:
+    """The thread a step takes its checksums on, beside the link's thread; None where it takes them there."""
+    return ThreadPoolExecutor(1) if step.endswith("beside") else None
 
 
 def _send_checksummed(conn: socket.socket, data: memoryview, helper: ThreadPoolExecutor | None) -> None:
@@ -135,7 +143,7 @@ class _Asker:
         self.sock = socket.create_connection(("127.0.0.1", port))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.step, self.nbytes = step, nbytes
-        self.helper = ThreadPoolExecutor(1)
+        self.helper = _helper(step)
         room = nbytes + link_io.U64.size + 16  # a payload's length and checksum too
         self.slices = _Slices(room, room if step.startswith("raw, hot") else REGION_BYTES)
 
@@ -143,25 +151,23 @@ class _Asker:
         started = time.perf_counter()
         self.sock.sendall(b"ask!")
         if self.step == STEPS[0]:
-            ok = _read_as_the_bench(self.sock, self.slices.first[: self.nbytes])
+            ok = read_reply(self.sock, self.slices.first[: self.nbytes]) == self.nbytes
         elif self.step == "raw, hot":
             ok = link_io.recv_into(self.sock, self.slices.first[: self.nbytes])
         elif self.step == "raw, memory":
             ok = link_io.recv_into(self.sock, self.slices.next()[: self.nbytes])
         else:
             size = link_io.U64.unpack(link_io.recv_exact(self.sock, 8))[0]
-            ok = _receive_checksummed(self.sock, self.slices.next()[:size], self.helper if self.step.endswith("beside") else None)
+            ok = _receive_checksummed(self.sock, self.slices.next()[:size], self.helper)
         if not ok:
             raise ConnectionError("the source closed mid-reply")
         return self.nbytes / (time.perf_counter() - started)
 
-
-def _read_as_the_bench(sock: socket.socket, view: memoryview) -> bool:
-    """`tcp_replies`' reading: `recv_into` the rest until the reply is whole."""
-    got = 0
-    while got < len(view) and (n := sock.recv_into(view[got:])):
-        got += n
-    return got == len(view)
+    def close(self) -> None:
+        """Close the connection (the source's thread for this step then ends) and the checksum thread, if any."""
+        self.sock.close()
+        if self.helper is not None:
+            self.helper.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,7 +214,7 @@ def _run(args, ours, loop, path, address) -> dict[str, list[float]]:
             rates["pull"].append(_pulled(loop, path, address, hashes))
         print(f"round {done + 1}/{args.rounds}", flush=True)
     for asker in askers.values():
-        asker.sock.close()
+        asker.close()
     return rates
 
 

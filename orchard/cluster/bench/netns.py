@@ -277,14 +277,21 @@ def _ask(namespace, address, nbytes, repeats, gap_s, result) -> None:
     with socket.create_connection(address, timeout=30) as client:
         for _ in range(repeats):
             time.sleep(gap_s)
-            started, got = time.perf_counter(), 0
+            started = time.perf_counter()
             client.sendall(b"ask!")
-            while got < nbytes and (n := client.recv_into(view[got:])):
-                got += n
-            if got < nbytes:
+            if (got := read_reply(client, view)) < nbytes:
                 raise ConnectionError(f"the reply ended after {got} of {nbytes} bytes")
             seconds.append(time.perf_counter() - started)
     result["seconds"] = seconds
+
+
+def read_reply(sock: socket.socket, view: memoryview) -> int:
+    """Fill `view` with `recv_into` calls, each taking what has arrived, until it is full or the peer closed;
+    the bytes read (`tcp_replies`' reading, which the migration bench reads pulls against)."""
+    got = 0
+    while got < len(view) and (n := sock.recv_into(view[got:])):
+        got += n
+    return got
 
 
 def _guard(fn, errors: list):
