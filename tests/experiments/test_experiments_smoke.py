@@ -155,3 +155,20 @@ def test_the_floors_raw_steps_each_carry_a_replys_bytes_whole(monkeypatch):
         a.sendall(bytes(100) + bytes(16))  # a payload whose checksum is not its bytes'
         with pytest.raises(ValueError, match="checksum differs"):
             floor._receive_checksummed(b, memoryview(bytearray(116)), None)
+
+
+def test_the_checksum_rates_time_the_links_own_checksum_and_a_copy_from_both_places():
+    """`checksum_rates` hashes as a link's end does (its digest is the wire format's one-shot xxh3_128 of the
+    bytes, whatever the batch size) and times the hash and a copy, from cache and from memory, at each size."""
+    import xxhash
+
+    from experiments import checksum_rates
+
+    data = memoryview(np.random.default_rng(1).integers(0, 256, 1_000_003, dtype=np.uint8))
+    assert checksum_rates.stream_digest(data, batch_bytes=65_536) == xxhash.xxh3_128_digest(data)
+    assert checksum_rates.stream_digest(data) == xxhash.xxh3_128_digest(data)
+    rows = checksum_rates.measure([4096, 65_536], region_bytes=1 << 20, repeats=3)
+    assert {(r["bytes"], r["from"], r["work"]) for r in rows} == {
+        (size, where, work) for size in (4096, 65_536) for where in ("cache", "memory")
+        for work in ("xxh3_128, the link's batches", "copy")}
+    assert all(r["best_Bps"] >= r["median_Bps"] > 0 for r in rows)

@@ -1,0 +1,91 @@
+"""What the wire format's checksum costs a core, beside what the kernel's copy of the same bytes costs it.
+
+Every byte a pull moves is checksummed twice, once at each end (xxh3_128, `orchard.kvcache.wire_transit`): the
+sender hashes each batch just before the kernel copies it, the receiver each slice just after the kernel copied it.
+Against raw TCP, each end's core then does its copy and a hash. This script times, on one core, the hash as the
+link takes it (a running `xxh3_128` fed in the link's batch size) and a plain copy, each from the CPU's cache (one
+buffer again and again) and from memory (consecutive slices of a region far larger than the caches).
+
+On x86 the rate depends on which vector unit xxh3 runs on: xxhash 4.1 picks SSE2, AVX2 or AVX-512 at run time,
+earlier wheels ran SSE2 alone. The header line says which xxhash and which units the CPU has.
+
+    python -m experiments.checksum_rates [--sizes 524288,8388608] [--region-mib 1024] [--repeats 200]
+
+The numbers go to experiments/results/checksum_rates.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from experiments.common import markdown_table, print_header, save_results
+from orchard.node.serving.link_io import BATCH_BYTES
+
+
+def stream_digest(view: memoryview, batch_bytes: int = BATCH_BYTES) -> bytes:
+    """xxh3_128 of `view` fed `batch_bytes` at a time, as a link's end takes it."""
+    digest = xxhash.xxh3_128()
+    for start in range(0, len(view), batch_bytes):
+        digest.update(view[start : start + batch_bytes])
+    return digest.digest()
+
+
+def vector_units() -> str:
+    """The x86 vector units xxh3 may pick from, as /proc/cpuinfo lists them ('' elsewhere)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    flags = set(cpuinfo.read_text().split()) if cpuinfo.exists() else set()
+    return " ".join(unit for unit in ("sse2", "avx2", "avx512f") if unit in flags)
+
+
+def _rates(work: Callable[[int], object], starts: list[int], size: int, repeats: int) -> tuple[float, float]:
+    """Best and median bytes/s of `work(start)` over `repeats` calls, each at the next of `starts`."""
+    work(starts[0])
+    rates = []
+    for i in range(repeats):
+        started = time.perf_counter()
+        work(starts[i % len(starts)])
+        rates.append(size / (time.perf_counter() - started))
+    return max(rates), statistics.median(rates)
+
+
+def measure(sizes: list[int], region_bytes: int, repeats: int) -> list[dict]:
+    """One row a (size, from where, work): best and median bytes/s."""
+    region = np.random.default_rng(0).integers(0, 256, region_bytes, dtype=np.uint8)
+    target = np.zeros_like(region)
+    source = memoryview(region)
+    rows = []
+    for size in sizes:
+        works = {"xxh3_128, the link's batches": lambda start, size=size: stream_digest(source[start : start + size]),
+                 "copy": lambda start, size=size: np.copyto(target[start : start + size], region[start : start + size])}
+        for where, starts in (("cache", [0]), ("memory", list(range(0, region_bytes - size + 1, size)))):
+            for name, work in works.items():
+                best, median = _rates(work, starts, size, repeats)
+                rows.append({"bytes": size, "from": where, "work": name, "best_Bps": best, "median_Bps": median})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default=f"{BATCH_BYTES},{8 << 20}", help="bytes a call, comma-separated")
+    p.add_argument("--region-mib", type=int, default=1024)
+    p.add_argument("--repeats", type=int, default=200)
+    args = p.parse_args(argv)
+    print_header("the checksum's cost on one core, beside a copy")
+    print(f"xxhash {xxhash.VERSION} (xxHash {xxhash.XXHASH_VERSION}); x86 vector units: {vector_units() or '-'}")
+    rows = measure([int(s) for s in args.sizes.split(",")], args.region_mib << 20, args.repeats)
+    print(markdown_table(["bytes", "from", "work", "best GB/s", "median GB/s"],
+                         [[r["bytes"], r["from"], r["work"], f"{r['best_Bps'] / 1e9:.1f}", f"{r['median_Bps'] / 1e9:.1f}"]
+                          for r in rows]))
+    save_results("checksum_rates", {"xxhash": xxhash.VERSION, "vector_units": vector_units(), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
