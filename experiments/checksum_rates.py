@@ -9,7 +9,14 @@ buffer again and again) and from memory (consecutive slices of a region far larg
 On x86 the rate depends on which vector unit xxh3 runs on: xxhash 4.1 picks SSE2, AVX2 or AVX-512 at run time,
 earlier wheels ran SSE2 alone. The header line says which xxhash and which units the CPU has.
 
+A pull's bytes come in pieces: a layer's K or V of a chunk's blocks, or of each run of blocks reserved for it,
+and the headers between them; each is one `update`. xxhash before 4.0 let the GIL go for every update, so a
+thread hashing pieces waits for the GIL once a piece wherever another thread of the process wants it; 4.x keeps
+it for 64 KiB or less. The second table hashes 8 MiB in pieces of each size alone, and beside a thread that
+does what a link's thread does (a short system call, then a little Python, again and again).
+
     python -m experiments.checksum_rates [--sizes 524288,8388608] [--region-mib 1024] [--repeats 200]
+                                         [--pieces 8192,32768,131072]
 
 The numbers go to experiments/results/checksum_rates.json.
 """
@@ -17,7 +24,9 @@ The numbers go to experiments/results/checksum_rates.json.
 from __future__ import annotations
 
 import argparse
+import socket
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -71,11 +80,49 @@ def measure(sizes: list[int], region_bytes: int, repeats: int) -> list[dict]:
     return rows
 
 
+PIECES_BYTES = 8 << 20  # hashed in pieces, for the second table: a small model's 2,048-token pull
+
+
+def pieces_rates(piece_bytes: int, repeats: int) -> tuple[float, float]:
+    """Median bytes/s of hashing `PIECES_BYTES` in pieces of `piece_bytes`, one `update` each: alone, and beside
+    a thread busy as a link's thread is."""
+    data = np.random.default_rng(2).integers(0, 256, PIECES_BYTES, dtype=np.uint8)
+    pieces = [memoryview(data)[i : i + piece_bytes] for i in range(0, PIECES_BYTES, piece_bytes)]
+
+    def hash_pieces(_start: int) -> bytes:
+        digest = xxhash.xxh3_128()
+        for piece in pieces:
+            digest.update(piece)
+        return digest.digest()
+
+    alone = _rates(hash_pieces, [0], PIECES_BYTES, repeats)[1]
+    stop = threading.Event()
+    busy = threading.Thread(target=_busy_as_a_link, args=(stop,), daemon=True)
+    busy.start()
+    try:
+        beside = _rates(hash_pieces, [0], PIECES_BYTES, repeats)[1]
+    finally:
+        stop.set()
+        busy.join()
+    return alone, beside
+
+
+def _busy_as_a_link(stop: threading.Event) -> None:
+    """A short system call (the GIL let go), then a little Python, until `stop`."""
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        while not stop.is_set():
+            ours.send(b"x" * 64)
+            theirs.recv(64)
+            sum(range(200))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default=f"{BATCH_BYTES},{8 << 20}", help="bytes a call, comma-separated")
     p.add_argument("--region-mib", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=200)
+    p.add_argument("--pieces", default="8192,32768,131072", help="piece sizes for the second table, comma-separated")
     args = p.parse_args(argv)
     print_header("the checksum's cost on one core, beside a copy")
     print(f"xxhash {xxhash.VERSION} (xxHash {xxhash.XXHASH_VERSION}); x86 vector units: {vector_units() or '-'}")
@@ -83,7 +130,12 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(["bytes", "from", "work", "best GB/s", "median GB/s"],
                          [[r["bytes"], r["from"], r["work"], f"{r['best_Bps'] / 1e9:.1f}", f"{r['median_Bps'] / 1e9:.1f}"]
                           for r in rows]))
-    save_results("checksum_rates", {"xxhash": xxhash.VERSION, "vector_units": vector_units(), "rows": rows})
+    pieces = {int(size): pieces_rates(int(size), max(3, args.repeats // 10)) for size in args.pieces.split(",")}
+    print(f"\n{PIECES_BYTES >> 20} MiB hashed in pieces, one update each (median GB/s):")
+    print(markdown_table(["piece bytes", "alone", "beside a busy thread"],
+                         [[size, f"{alone / 1e9:.1f}", f"{beside / 1e9:.1f}"] for size, (alone, beside) in pieces.items()]))
+    save_results("checksum_rates", {"xxhash": xxhash.VERSION, "vector_units": vector_units(), "rows": rows,
+                                    "pieces_Bps": {size: {"alone": a, "beside_busy": b} for size, (a, b) in pieces.items()}})
     return 0
 
 

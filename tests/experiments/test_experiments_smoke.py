@@ -172,3 +172,15 @@ def test_the_checksum_rates_time_the_links_own_checksum_and_a_copy_from_both_pla
         (size, where, work) for size in (4096, 65_536) for where in ("cache", "memory")
         for work in ("xxh3_128, the link's batches", "copy")}
     assert all(r["best_Bps"] >= r["median_Bps"] > 0 for r in rows)
+
+
+def test_the_checksum_rates_hash_pieces_alone_and_beside_a_busy_thread_that_stops(monkeypatch):
+    """The second table's two rates come back, and its busy thread ends with the measurement."""
+    import threading
+
+    from experiments import checksum_rates
+
+    monkeypatch.setattr(checksum_rates, "PIECES_BYTES", 1 << 20)
+    before = threading.active_count()
+    alone, beside = checksum_rates.pieces_rates(64 << 10, repeats=3)
+    assert alone > 0 and beside > 0 and threading.active_count() == before
