@@ -87,3 +87,14 @@ def test_a_payload_of_another_model_landed_in_slices_is_incompatible():
     payload = b"".join(bytes(p) for p in encode_pieces(other, as_pieces(blocks(3))))
     with pytest.raises(IncompatibleKVPayload, match="model_fingerprint"):
         land(payload, 512).decode(GEOMETRY)
+
+
+def test_the_checksum_is_the_xxh3_128_every_release_of_xxhash_computes():
+    """Nodes on different installs must agree on a payload's checksum: xxhash 4.1 picks SSE2, AVX2 or AVX-512 at
+    run time where 3.x ran SSE2 alone. Pinned: the xxh3_128 of no bytes (xxHash's own test vector) and of 1 MiB,
+    which takes the vectorized path, taken batch by batch as a sender takes it."""
+    assert OutgoingPayload([]).checksum().hex() == "99aa06d3014798d86001c324468d497f"
+    data = memoryview(bytes(range(256)) * 4099)
+    outgoing = OutgoingPayload([data[i : i + 10_000] for i in range(0, len(data), 10_000)])
+    assert sum(1 for _ in outgoing.batches(64 << 10, 16)) > 1
+    assert outgoing.checksum().hex() == "3eb413071bb36356ebd7da7da24295f8"
