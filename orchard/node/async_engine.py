@@ -145,22 +145,33 @@ class AsyncEngine:
         """`abort` for a caller that is not a coroutine (any thread: nothing is awaited)."""
         self._commands.put(("abort", request_id))
 
-    async def run_on_engine(self, fn, publish: bool = True):
+    async def run_on_engine(self, fn, publish: bool = True, here_if_idle: bool = False):
         """`fn(engine)` on the engine thread between two steps (KV export/import for migration).
 
         The engine owns its KV cache outright, so this is the only safe way to touch it
         from outside; whatever `fn` raises is raised here. The KV events the call and those
         before it caused go to the listeners before it returns; with `publish` False they wait
         for the next step or publishing call (a pull's reservation goes with its closing call:
-        each hand-over is a Ray call from a node actor).
+        each hand-over is a Ray call from a node actor). With `here_if_idle`, where the engine thread
+        waits idle with nothing queued, `fn` runs at once on this, the event loop's, thread
+        (`call_here_if_idle`, for the calls it allows): no thread is woken, neither the engine's for the
+        call nor the loop's for its answer.
         """
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
+        caller = threading.get_ident()
 
         def settle(result, exc) -> None:
-            loop.call_soon_threadsafe(_set_result if exc is None else _set_exception, done, result if exc is None else exc)
+            setter, value = (_set_result, result) if exc is None else (_set_exception, exc)
+            if threading.get_ident() == caller:  # run here: the engine was lent to this thread
+                setter(done, value)
+            else:
+                loop.call_soon_threadsafe(setter, done, value)
 
-        self._commands.put(("call", fn, settle, publish))
+        if here_if_idle:
+            self.call_here_if_idle(fn, settle, publish)
+        else:
+            self._commands.put(("call", fn, settle, publish))
         return await done
 
     def call_from_thread(self, fn, settle, publish: bool = False) -> None:

@@ -137,6 +137,22 @@ def test_a_call_made_while_the_engine_idles_runs_on_the_callers_thread_and_publi
     assert ran[-1] is here and published[-1] is here and engine._thread.is_alive()
 
 
+def test_a_loop_call_that_may_run_here_runs_on_the_loops_thread_while_idle_and_raises_what_it_raised(engine):
+    here = threading.current_thread()
+
+    async def calls():
+        for _ in range(400):  # until the engine thread waits for commands (it warms up first)
+            if await engine.run_on_engine(lambda _e: threading.current_thread(), here_if_idle=True) is here:
+                break
+            await asyncio.sleep(0.005)
+        ran = await engine.run_on_engine(lambda _e: threading.current_thread(), here_if_idle=True)
+        with pytest.raises(ValueError, match="refused"):
+            await engine.run_on_engine(lambda _e: (_ for _ in ()).throw(ValueError("refused")), here_if_idle=True)
+        return ran
+
+    assert asyncio.run(calls()) is here and engine._thread.is_alive()
+
+
 def test_calls_made_here_while_idle_never_overtake_calls_queued_before_them(engine):
     order, done = [], threading.Event()
     for n in range(200):

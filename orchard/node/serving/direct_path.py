@@ -93,10 +93,11 @@ class DirectPath:
     async def pull(self, source_id: str, hashes: Sequence[BlockHash], resolve: Resolve) -> PullResult | None:
         """Pull the blocks of `hashes` this node lacks from `source_id`'s listener, or None (see above).
 
-        Over a kept connection the request goes first, for the whole run, and the engine thread looks up what
-        is held here, reserves the blocks and hands the stream its sink while the source pins and sends: that
-        hop is off the pull's path, and the receive thread takes the first chunk without waiting for the event
-        loop to wake (docs/benchmarks.md, "Asking first"). Where this node turns out to hold a leading part of
+        Over a kept connection the request goes first, for the whole run, and the engine looks up what is held
+        here, reserves the blocks and hands the stream its sink while the source pins and sends: that work is
+        off the pull's path, and the receive thread takes the first chunk without waiting for the event loop
+        to wake (docs/benchmarks.md, "Asking first"). An idle engine does it on this, the loop's, thread
+        (`AsyncEngine.run_on_engine`'s `here_if_idle`): its thread is not woken for it. Where this node turns out to hold a leading part of
         the run, or has room for less of it, that stream is dropped and the blocks it lacks are asked for
         again on a new connection. The KV events of the reservation (blocks evicted for it) go with the pull's
         closing engine call, in one hand-over: a node actor sends each to the coordinator in a Ray call, which
@@ -112,7 +113,7 @@ class DirectPath:
         asked = self._ask_kept(source_id, hashes, compress)
         try:
             landing, wanted, sink = await engine.run_on_engine(
-                lambda e: self._plan_and_take(e, hashes, compress, result, asked), publish=False)
+                lambda e: self._plan_and_take(e, hashes, compress, result, asked), publish=False, here_if_idle=True)
         except BaseException:
             if asked is not None:
                 asked.close()

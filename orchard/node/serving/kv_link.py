@@ -64,6 +64,7 @@ from orchard.kvcache.wire_transit import IncomingPayload
 from orchard.node.serving import link_auth as auth
 from orchard.node.serving import link_io
 from orchard.node.serving.link_io import U32, U64, data_mode, eof, grow_send_buffer, recv_exact
+from orchard.node.serving.link_threads import KeptThreads
 from orchard.node.serving.migration import probe_payload
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ log = logging.getLogger(__name__)
 _MAX_REQUEST = 64 << 20
 COMPRESS_MODES = ("auto", "always", "never")
 RATE_MIN_BYTES = 1 << 20  # a reply shorter than this says too little of its link's rate
+SENDERS = KeptThreads("kv-link-send")  # each reply's sending (`KVLinkServer`)
 
 
 @dataclass(frozen=True)
@@ -154,29 +156,17 @@ class KVLinkServer(link_io.Listener):
                 data_mode(conn, self.config.io_timeout_s)
                 grow_send_buffer(conn, self.config.send_buffer_bytes)
                 while (request := _read_request(conn)) is not None:
-                    self._reply_from_a_new_thread(conn, request)
+                    self._reply_on_another_thread(conn, request)
             except (OSError, ValueError) as exc:
                 log.info("KV link %s: connection ended: %s", self.node_id, exc)
 
-    def _reply_from_a_new_thread(self, conn: socket.socket, request: dict) -> None:
-        """`_reply` on a thread made for it, this one waiting; what it raises is raised here. Linux starts a new
-        thread on a core it finds idle, while this connection's thread, woken by the request, is put beside the
-        thread that sent it (a socket wakes its reader as a "sync" wake-up). Where both ends share a machine,
-        the reply then went from a core the target's threads needed, and most pulls ran on one core while the
-        other idled (docs/benchmarks.md, "## migration"); between machines it costs a thread a pull."""
-        failed: list[BaseException] = []
-
-        def reply() -> None:
-            try:
-                self._reply(conn, request)
-            except BaseException as exc:  # noqa: BLE001 - handed to the connection's thread
-                failed.append(exc)
-
-        sender = threading.Thread(target=reply, name="kv-link-send", daemon=True)
-        sender.start()
-        sender.join()
-        if failed:
-            raise failed[0]
+    def _reply_on_another_thread(self, conn: socket.socket, request: dict) -> None:
+        """`_reply` on a thread other than this one (`SENDERS`), this one waiting; what it raises is raised here.
+        A socket wakes its reader as a "sync" wake-up, which Linux answers by putting the reader beside the
+        thread that sent: where both ends share a machine, a reply sent from this connection's thread went from
+        a core the target's threads needed, and most pulls ran on one core while the other idled
+        (docs/benchmarks.md, "## migration"). The sending thread is woken through a queue instead."""
+        SENDERS.run(lambda: self._reply(conn, request)).result()
 
     def _handshake(self, conn: socket.socket) -> bool:
         return auth.answer_handshake(conn, self.key, self.node_id, timeout_s=self.config.handshake_timeout_s)

@@ -171,16 +171,20 @@ def test_a_direct_pull_goes_layer_major_in_several_chunks_and_decodes_token_exac
     assert (migrated, hit) == (reference, 5 * BS)
 
 
-def test_each_reply_goes_from_a_thread_made_for_it_and_its_failure_ends_the_connection(nodes, monkeypatch):
+def test_each_reply_goes_from_a_kept_thread_not_the_connections_and_its_failure_ends_the_connection(nodes, monkeypatch):
     loop, paths = nodes
-    senders = []
-    real = link_io.send_payload
+    senders, readers = [], []
+    real, real_read = link_io.send_payload, kv_link._read_request
     monkeypatch.setattr(link_io, "send_payload", lambda sock, pieces: senders.append(threading.current_thread())
                         or real(sock, pieces))
+    monkeypatch.setattr(kv_link, "_read_request", lambda conn: readers.append(threading.current_thread())
+                        or real_read(conn))
     first, _, _ = pull(loop, paths, prompt(74))
+    made = kv_link.SENDERS.made
     second, _, _ = pull(loop, paths, prompt(75))
     assert first.ok and second.ok and len(senders) == 6 and {t.name for t in senders} == {"kv-link-send"}
-    assert senders[0] is not senders[3]  # a thread a reply
+    assert not set(senders) & set(readers)  # never the connection's own thread
+    assert kv_link.SENDERS.made == made  # the second reply went from a thread kept idle, none made for it
     accepted = paths["a"].server.counters.accepted
     monkeypatch.setattr(link_io, "send_payload", lambda sock, pieces: (_ for _ in ()).throw(OSError("gone")))
     broken, _, _ = pull(loop, paths, prompt(76))
@@ -467,6 +471,36 @@ def until_idle(engine: AsyncEngine, timeout_s: float = 5.0) -> None:
         assert time.monotonic() < deadline, "the engine thread never went idle"
         time.sleep(0.001)
     engine._commands.give_back()
+
+
+def test_an_idle_target_plans_its_pull_on_its_event_loops_thread_and_a_stepping_one_on_its_engine_thread(
+        nodes, monkeypatch):
+    loop, paths = nodes
+    target = paths["b"]
+    planned = []
+    real = target._plan_and_take
+    monkeypatch.setattr(target, "_plan_and_take", lambda *a: planned.append(threading.current_thread().name)
+                        or real(*a))
+    tokens = prompt(143)
+    loop.run_until_complete(generate(paths["a"], "cache-143", tokens))
+    until_idle(target.mover.engine)
+    idle = loop.run_until_complete(target.pull("a", hashes_of(paths["a"], tokens), resolves_to(paths["a"])))
+    assert idle.ok and idle.imported == len(tokens) // BS and planned == [threading.current_thread().name]
+    planned.clear()
+
+    async def pull_while_the_target_decodes():
+        tokens = prompt(144)
+        await generate(paths["a"], "cache-144", tokens)
+        busy = asyncio.ensure_future(generate_many(target.mover.engine, "busy-144"))
+        while not target.mover.engine.stats().get("running"):
+            await asyncio.sleep(0.01)
+        result = await target.pull("a", hashes_of(paths["a"], tokens), resolves_to(paths["a"]))
+        await target.mover.engine.abort("busy-144")
+        await busy
+        return result, tokens
+
+    stepping, tokens = loop.run_until_complete(pull_while_the_target_decodes())
+    assert stepping.ok and stepping.imported == len(tokens) // BS and planned == ["orchard-engine"]
 
 
 def test_an_idle_source_pins_and_unpins_on_its_links_thread_and_a_stepping_one_on_its_engine_thread(nodes, monkeypatch):

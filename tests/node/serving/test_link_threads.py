@@ -1,0 +1,29 @@
+"""The link's kept threads: work handed to an idle thread, a new one only where none is idle."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from orchard.node.serving.link_threads import KeptThreads
+
+
+def test_work_runs_on_a_named_daemon_thread_and_its_result_or_failure_comes_back():
+    threads = KeptThreads("worker")
+    ran = threads.run(lambda: threading.current_thread()).result(5)
+    assert ran is not threading.current_thread() and ran.name == "worker" and ran.daemon
+    with pytest.raises(ValueError, match="refused"):
+        threads.run(lambda: (_ for _ in ()).throw(ValueError("refused"))).result(5)
+    assert threads.run(lambda: threading.current_thread()).result(5) is ran  # the one thread, kept
+    assert threads.made == 1
+
+
+def test_work_handed_while_every_thread_is_busy_gets_a_thread_of_its_own():
+    threads, release = KeptThreads("worker"), threading.Event()
+    busy = [threads.run(release.wait) for _ in range(3)]  # each blocks until released: none is idle for the next
+    assert threads.made == 3
+    release.set()
+    assert all(f.result(5) for f in busy)
+    names = {threads.run(lambda: threading.current_thread()).result(5) for _ in range(5)}
+    assert threads.made == 3 and len(names) <= 3  # one at a time, each on a thread kept idle
