@@ -97,9 +97,9 @@ class DirectPath:
         here, reserves the blocks and hands the stream its sink while the source pins and sends: that work is
         off the pull's path, and the receive thread takes the first chunk without waiting for the event loop
         to wake (docs/benchmarks.md, "Asking first"). An idle engine does it on this, the loop's, thread
-        (`AsyncEngine.run_on_engine`'s `here_if_idle`): its thread is not woken for it. Where this node turns out to hold a leading part of
-        the run, or has room for less of it, that stream is dropped and the blocks it lacks are asked for
-        again on a new connection. The KV events of the reservation (blocks evicted for it) go with the pull's
+        (`AsyncEngine.run_on_engine`'s `here_if_idle`): its thread is not woken for it. Where this node turns
+        out to hold a leading part of the run, or has room for less of it, that stream is dropped and the
+        blocks it lacks are asked for again on a new connection. The KV events of the reservation (blocks evicted for it) go with the pull's
         closing engine call, in one hand-over: a node actor sends each to the coordinator in a Ray call, which
         would otherwise come in the middle of the pull."""
         started = time.perf_counter()  # the fixed cost a pull pays counts from here: lookup, hops, handshake
