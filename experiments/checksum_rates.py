@@ -27,14 +27,13 @@ import argparse
 import socket
 import statistics
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import xxhash
 
-from experiments.common import markdown_table, print_header, save_results
+from experiments.common import markdown_table, median_time, print_header, save_results, timed
 from orchard.node.serving.link_io import BATCH_BYTES
 
 
@@ -56,11 +55,7 @@ def vector_units() -> str:
 def _rates(work: Callable[[int], object], starts: list[int], size: int, repeats: int) -> tuple[float, float]:
     """Best and median bytes/s of `work(start)` over `repeats` calls, each at the next of `starts`."""
     work(starts[0])
-    rates = []
-    for i in range(repeats):
-        started = time.perf_counter()
-        work(starts[i % len(starts)])
-        rates.append(size / (time.perf_counter() - started))
+    rates = [size / timed(lambda i=i: work(starts[i % len(starts)])) for i in range(repeats)]
     return max(rates), statistics.median(rates)
 
 
@@ -89,18 +84,18 @@ def pieces_rates(piece_bytes: int, repeats: int) -> tuple[float, float]:
     data = np.random.default_rng(2).integers(0, 256, PIECES_BYTES, dtype=np.uint8)
     pieces = [memoryview(data)[i : i + piece_bytes] for i in range(0, PIECES_BYTES, piece_bytes)]
 
-    def hash_pieces(_start: int) -> bytes:
+    def hash_pieces() -> bytes:
         digest = xxhash.xxh3_128()
         for piece in pieces:
             digest.update(piece)
         return digest.digest()
 
-    alone = _rates(hash_pieces, [0], PIECES_BYTES, repeats)[1]
+    alone = PIECES_BYTES / median_time(hash_pieces, repeats)
     stop = threading.Event()
     busy = threading.Thread(target=_busy_as_a_link, args=(stop,), daemon=True)
     busy.start()
     try:
-        beside = _rates(hash_pieces, [0], PIECES_BYTES, repeats)[1]
+        beside = PIECES_BYTES / median_time(hash_pieces, repeats)
     finally:
         stop.set()
         busy.join()

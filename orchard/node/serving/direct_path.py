@@ -97,11 +97,12 @@ class DirectPath:
         here, reserves the blocks and hands the stream its sink while the source pins and sends: that work is
         off the pull's path, and the receive thread takes the first chunk without waiting for the event loop
         to wake (docs/benchmarks.md, "Asking first"). An idle engine does it on this, the loop's, thread
-        (`AsyncEngine.run_on_engine`'s `here_if_idle`): its thread is not woken for it. Where this node turns
-        out to hold a leading part of the run, or has room for less of it, that stream is dropped and the
-        blocks it lacks are asked for again on a new connection. The KV events of the reservation (blocks evicted for it) go with the pull's
-        closing engine call, in one hand-over: a node actor sends each to the coordinator in a Ray call, which
-        would otherwise come in the middle of the pull."""
+        (`AsyncEngine.run_on_engine`'s `here_if_idle`; not with a cold tier, `_plans_here_if_idle`): its thread
+        is not woken for it. Where this node turns out to hold a leading part of the run, or has room for less
+        of it, that stream is dropped and the blocks it lacks are asked for again on a new connection. The KV
+        events of the reservation (blocks evicted for it) go with the pull's closing engine call, in one
+        hand-over: a node actor sends each to the coordinator in a Ray call, which would otherwise come in the
+        middle of the pull."""
         started = time.perf_counter()  # the fixed cost a pull pays counts from here: lookup, hops, handshake
         address = await self._address(source_id, resolve)
         if address is None or self.key is None:
@@ -113,7 +114,8 @@ class DirectPath:
         asked = self._ask_kept(source_id, hashes, compress)
         try:
             landing, wanted, sink = await engine.run_on_engine(
-                lambda e: self._plan_and_take(e, hashes, compress, result, asked), publish=False, here_if_idle=True)
+                lambda e: self._plan_and_take(e, hashes, compress, result, asked), publish=False,
+                here_if_idle=_plans_here_if_idle(engine))
         except BaseException:
             if asked is not None:
                 asked.close()
@@ -350,6 +352,13 @@ def _plan(engine, hashes: list[BlockHash], places: bool):
     if local == len(hashes) or not (places or steps(engine)):
         return local, None
     return local, kv.reserve_landing(hashes[local - 1] if local else kv.root, hashes[local:])
+
+
+def _plans_here_if_idle(engine) -> bool:
+    """Whether a pull may reserve its blocks off the engine thread while the engine idles: a reservation may
+    evict cached blocks, and with a cold tier each is spilled to disk read out through MLX
+    (`KVCache._spill`), which makes arrays only the engine thread may make (`AsyncEngine.call_here_if_idle`)."""
+    return engine.engine.kv.cold is None
 
 
 def steps(engine) -> bool:

@@ -503,6 +503,25 @@ def test_an_idle_target_plans_its_pull_on_its_event_loops_thread_and_a_stepping_
     assert stepping.ok and stepping.imported == len(tokens) // BS and planned == ["orchard-engine"]
 
 
+def test_a_target_with_a_cold_tier_plans_its_pull_on_its_engine_thread_even_while_idle(nodes, monkeypatch, tmp_path):
+    """Its reservation may spill evicted blocks to disk through MLX, which only the engine thread may do."""
+    from orchard.kvcache.cold_tier import ColdTier
+
+    loop, paths = nodes
+    target = paths["b"]
+    kv = target.mover.engine.engine.kv
+    monkeypatch.setattr(kv, "cold", ColdTier(tmp_path, kv.geometry, 1 << 20))
+    planned = []
+    real = target._plan_and_take
+    monkeypatch.setattr(target, "_plan_and_take", lambda *a: planned.append(threading.current_thread().name)
+                        or real(*a))
+    tokens = prompt(145)
+    loop.run_until_complete(generate(paths["a"], "cache-145", tokens))
+    until_idle(target.mover.engine)
+    result = loop.run_until_complete(target.pull("a", hashes_of(paths["a"], tokens), resolves_to(paths["a"])))
+    assert result.ok and result.imported == len(tokens) // BS and planned == ["orchard-engine"]
+
+
 def test_an_idle_source_pins_and_unpins_on_its_links_thread_and_a_stepping_one_on_its_engine_thread(nodes, monkeypatch):
     loop, paths = nodes
     kv = paths["a"].mover.engine.engine.kv
