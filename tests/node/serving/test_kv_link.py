@@ -473,18 +473,29 @@ def until_idle(engine: AsyncEngine, timeout_s: float = 5.0) -> None:
     engine._commands.give_back()
 
 
-def test_an_idle_target_plans_its_pull_on_its_event_loops_thread_and_a_stepping_one_on_its_engine_thread(
-        nodes, monkeypatch):
-    loop, paths = nodes
-    target = paths["b"]
+def planning_threads(monkeypatch, target: DirectPath) -> list[str]:
+    """The names of the threads `target` plans its pulls on, in order, as they plan them."""
     planned = []
     real = target._plan_and_take
     monkeypatch.setattr(target, "_plan_and_take", lambda *a: planned.append(threading.current_thread().name)
                         or real(*a))
-    tokens = prompt(143)
-    loop.run_until_complete(generate(paths["a"], "cache-143", tokens))
-    until_idle(target.mover.engine)
-    idle = loop.run_until_complete(target.pull("a", hashes_of(paths["a"], tokens), resolves_to(paths["a"])))
+    return planned
+
+
+def pull_into_idle(loop, paths, n: int):
+    """Cache `prompt(n)` on a, pull it into b once b's engine idles: (the result, the tokens)."""
+    tokens = prompt(n)
+    loop.run_until_complete(generate(paths["a"], f"cache-{n}", tokens))
+    until_idle(paths["b"].mover.engine)
+    return loop.run_until_complete(paths["b"].pull("a", hashes_of(paths["a"], tokens), resolves_to(paths["a"]))), tokens
+
+
+def test_an_idle_target_plans_its_pull_on_its_event_loops_thread_and_a_stepping_one_on_its_engine_thread(
+        nodes, monkeypatch):
+    loop, paths = nodes
+    target = paths["b"]
+    planned = planning_threads(monkeypatch, target)
+    idle, tokens = pull_into_idle(loop, paths, 143)
     assert idle.ok and idle.imported == len(tokens) // BS and planned == [threading.current_thread().name]
     planned.clear()
 
@@ -508,17 +519,10 @@ def test_a_target_with_a_cold_tier_plans_its_pull_on_its_engine_thread_even_whil
     from orchard.kvcache.cold_tier import ColdTier
 
     loop, paths = nodes
-    target = paths["b"]
-    kv = target.mover.engine.engine.kv
+    kv = paths["b"].mover.engine.engine.kv
     monkeypatch.setattr(kv, "cold", ColdTier(tmp_path, kv.geometry, 1 << 20))
-    planned = []
-    real = target._plan_and_take
-    monkeypatch.setattr(target, "_plan_and_take", lambda *a: planned.append(threading.current_thread().name)
-                        or real(*a))
-    tokens = prompt(145)
-    loop.run_until_complete(generate(paths["a"], "cache-145", tokens))
-    until_idle(target.mover.engine)
-    result = loop.run_until_complete(target.pull("a", hashes_of(paths["a"], tokens), resolves_to(paths["a"])))
+    planned = planning_threads(monkeypatch, paths["b"])
+    result, tokens = pull_into_idle(loop, paths, 145)
     assert result.ok and result.imported == len(tokens) // BS and planned == ["orchard-engine"]
 
 
