@@ -184,3 +184,19 @@ def test_the_checksum_rates_hash_pieces_alone_and_beside_a_busy_thread_that_stop
     before = threading.active_count()
     alone, beside = checksum_rates.pieces_rates(64 << 10, repeats=3)
     assert alone > 0 and beside > 0 and threading.active_count() == before
+
+
+@pytest.mark.parametrize("name", ["thread, Event", "thread, SimpleQueue", "event loop, call_soon_threadsafe",
+                                  "process, TCP, blocking", "process, TCP, spinning"])
+def test_each_wake_latency_hand_over_comes_back_once_a_hand_over_and_takes_positive_time(name):
+    """Every hand-over `wake_latency` times arrives, each read after it was handed (a delay read before the
+    hand-over, as an operand order mistake would give, is negative), and nothing it started lingers."""
+    import threading
+
+    from experiments import wake_latency
+
+    before = threading.active_count()
+    delays = wake_latency.HAND_OVERS[name](5, 0.001)
+    assert len(delays) == 5 and all(0 < d < 1.0 for d in delays)
+    assert threading.active_count() == before
+    assert set(wake_latency.summary(delays)) == {"median_us", "p10_us", "p90_us"}
