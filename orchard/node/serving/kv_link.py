@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import socket
 import threading
@@ -72,7 +73,17 @@ log = logging.getLogger(__name__)
 _MAX_REQUEST = 64 << 20
 COMPRESS_MODES = ("auto", "always", "never")
 RATE_MIN_BYTES = 1 << 20  # a reply shorter than this says too little of its link's rate
-SENDERS = KeptThreads("kv-link-send")  # each reply's sending (`KVLinkServer`)
+SENDERS = KeptThreads("kv-link-send")  # each reply's sending, where it does not go from the connection's thread
+#: A process that may run on this many cores or fewer sends each reply from a kept thread (`KVLinkConfig`).
+FEW_CORES = 2
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity where the OS tells it (Linux), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity to ask
+        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,13 @@ class KVLinkConfig:
     # or Wi-Fi (docs/benchmarks.md, "## migration").
     compress: str = "auto"
     compress_below_bytes_per_s: float = 250e6
+    # Each reply sent from a thread kept for replies (`SENDERS`) rather than from its connection's: True,
+    # False, or None for where this process may run on `FEW_CORES` cores or fewer (`usable_cores`). A socket
+    # wakes its reader as a "sync" wake-up, which Linux answers by putting the reader beside the thread that
+    # sent: where both ends of a pull share a machine of two cores, a reply sent from the connection's thread
+    # held the core the target's threads needed. With more cores the hand-over to another thread is one more
+    # wake-up before the first chunk, for nothing (docs/benchmarks.md, "## migration").
+    reply_from_kept_thread: bool | None = None
 
     def __post_init__(self):
         if self.compress not in COMPRESS_MODES:
@@ -139,6 +157,8 @@ class KVLinkServer(link_io.Listener):
         self.key, self.node_id, self.geometry = key, node_id, geometry
         self._export, self._release, self._export_layers = export, release, export_layers
         self.counters = LinkCounters()
+        kept = self.config.reply_from_kept_thread
+        self.replies_from_kept_threads = usable_cores() <= FEW_CORES if kept is None else kept
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-link-encode")  # probes, made ahead
         self._probes: dict[int, bytes] = {}
 
@@ -156,17 +176,18 @@ class KVLinkServer(link_io.Listener):
                 data_mode(conn, self.config.io_timeout_s)
                 grow_send_buffer(conn, self.config.send_buffer_bytes)
                 while (request := _read_request(conn)) is not None:
-                    self._reply_on_another_thread(conn, request)
+                    self._answer(conn, request)
             except (OSError, ValueError) as exc:
                 log.info("KV link %s: connection ended: %s", self.node_id, exc)
 
-    def _reply_on_another_thread(self, conn: socket.socket, request: dict) -> None:
-        """`_reply` on a thread other than this one (`SENDERS`), this one waiting; what it raises is raised here.
-        A socket wakes its reader as a "sync" wake-up, which Linux answers by putting the reader beside the
-        thread that sent: where both ends share a machine, a reply sent from this connection's thread went from
-        a core the target's threads needed, and most pulls ran on one core while the other idled
-        (docs/benchmarks.md, "## migration"). The sending thread is woken through a queue instead."""
-        SENDERS.run(lambda: self._reply(conn, request)).result()
+    def _answer(self, conn: socket.socket, request: dict) -> None:
+        """`_reply` on this, the connection's, thread, or where `replies_from_kept_threads` on a kept thread
+        (`SENDERS`, woken through a queue), this one waiting; what it raises is raised here either way
+        (`KVLinkConfig.reply_from_kept_thread` says why both)."""
+        if self.replies_from_kept_threads:
+            SENDERS.run(lambda: self._reply(conn, request)).result()
+        else:
+            self._reply(conn, request)
 
     def _handshake(self, conn: socket.socket) -> bool:
         return auth.answer_handshake(conn, self.key, self.node_id, timeout_s=self.config.handshake_timeout_s)

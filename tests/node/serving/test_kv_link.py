@@ -33,7 +33,9 @@ from orchard.node.types import SamplingParams
 BS = 16
 KEY = auth.link_key("a-cluster-token-of-at-least-32-characters")
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-CONFIG = KVLinkConfig(chunk_bytes=2 * 65536, handshake_timeout_s=2.0)  # two demo blocks a chunk: several chunks
+# Two demo blocks a chunk: several chunks. Replies from kept threads whatever this machine's cores (the default's
+# choice, `test_replies_go_from_kept_threads_by_default_only_where_the_process_has_two_cores_or_fewer`).
+CONFIG = KVLinkConfig(chunk_bytes=2 * 65536, handshake_timeout_s=2.0, reply_from_kept_thread=True)
 
 
 def prompt(seed: int, length: int = 90) -> list[int]:
@@ -171,26 +173,51 @@ def test_a_direct_pull_goes_layer_major_in_several_chunks_and_decodes_token_exac
     assert (migrated, hit) == (reference, 5 * BS)
 
 
-def test_each_reply_goes_from_a_kept_thread_not_the_connections_and_its_failure_ends_the_connection(nodes, monkeypatch):
-    loop, paths = nodes
+@pytest.mark.parametrize("kept", [True, False])
+def test_each_reply_goes_from_a_kept_thread_or_the_connections_own_as_configured_and_its_failure_ends_it(monkeypatch, kept):
     senders, readers = [], []
     real, real_read = link_io.send_payload, kv_link._read_request
     monkeypatch.setattr(link_io, "send_payload", lambda sock, pieces: senders.append(threading.current_thread())
                         or real(sock, pieces))
     monkeypatch.setattr(kv_link, "_read_request", lambda conn: readers.append(threading.current_thread())
                         or real_read(conn))
-    first, _, _ = pull(loop, paths, prompt(74))
-    made = kv_link.SENDERS.made
-    second, _, _ = pull(loop, paths, prompt(75))
-    assert first.ok and second.ok and len(senders) == 6 and {t.name for t in senders} == {"kv-link-send"}
-    assert not set(senders) & set(readers)  # never the connection's own thread
-    assert kv_link.SENDERS.made == made  # the second reply went from a thread kept idle, none made for it
-    accepted = paths["a"].server.counters.accepted
-    monkeypatch.setattr(link_io, "send_payload", lambda sock, pieces: (_ for _ in ()).throw(OSError("gone")))
-    broken, _, _ = pull(loop, paths, prompt(76))
-    monkeypatch.setattr(link_io, "send_payload", real)
-    after, _, _ = pull(loop, paths, prompt(77))
-    assert not broken.ok and after.ok and paths["a"].server.counters.accepted == accepted + 1  # a new connection
+    engine_config = EngineConfig(block_size=BS, num_blocks=64, max_num_batched_tokens=128)
+    with linked("ab", engine_config, replace(CONFIG, reply_from_kept_thread=kept)) as (loop, paths):
+        first, _, _ = pull(loop, paths, prompt(74))
+        made = kv_link.SENDERS.made
+        second, _, _ = pull(loop, paths, prompt(75))
+        assert first.ok and second.ok and len(senders) == 6
+        if kept:
+            assert {t.name for t in senders} == {"kv-link-send"} and not set(senders) & set(readers)
+            assert kv_link.SENDERS.made == made  # the second reply went from a thread kept idle, none made for it
+        else:
+            assert {t.name for t in senders} == {"kv-link-conn"} and set(senders) == set(readers)
+        accepted = paths["a"].server.counters.accepted
+        monkeypatch.setattr(link_io, "send_payload", lambda sock, pieces: (_ for _ in ()).throw(OSError("gone")))
+        broken, _, _ = pull(loop, paths, prompt(76))
+        monkeypatch.setattr(link_io, "send_payload", real)
+        after, _, _ = pull(loop, paths, prompt(77))
+        assert not broken.ok and after.ok and paths["a"].server.counters.accepted == accepted + 1  # a new connection
+
+
+@pytest.mark.parametrize(("cores", "configured", "kept"), [(1, None, True), (2, None, True), (3, None, False),
+                                                           (16, None, False), (2, False, False), (16, True, True)])
+def test_replies_go_from_kept_threads_by_default_only_where_the_process_has_two_cores_or_fewer(monkeypatch, cores,
+                                                                                                configured, kept):
+    monkeypatch.setattr(kv_link, "usable_cores", lambda: cores)
+    server = kv_link.KVLinkServer(KEY, "a", None, export=None, release=None,
+                                  config=KVLinkConfig(reply_from_kept_thread=configured))
+    try:
+        assert server.replies_from_kept_threads is kept
+    finally:
+        server.close()
+
+
+def test_the_usable_cores_are_those_the_process_may_run_on():
+    import os
+
+    expected = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert kv_link.usable_cores() == expected >= 1
 
 
 def test_the_source_engine_thread_only_pins_and_the_links_thread_makes_each_chunks_rows(nodes, monkeypatch):
