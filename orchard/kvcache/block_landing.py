@@ -155,7 +155,7 @@ class BlockLanding:
         start = self._listed
         if landed == start or self._unreachable:
             return 0
-        if _addresses(self.pool.layer_views()) != self._addresses:
+        if self.pool.buffer_addresses() != self._addresses:
             raise PoolMoved("the KV pool's buffers moved while a pull's blocks landed in them")
         if start == 0 and self.manager.cached_block(self._hashes[0]) is None and not self._chains(self._parents[0]):
             self._unreachable = True
@@ -184,5 +184,6 @@ def _write(rows: list[np.ndarray], blocks: np.ndarray) -> None:
 
 
 def _addresses(views) -> list[int] | None:
-    """Where each of the pool's layer views begins (None without views): a moved buffer shows here."""
+    """Where each of the pool's layer views begins (None without views), every K view's, then every V view's, as
+    `KVPool.buffer_addresses` lists the buffers: a moved buffer shows as a difference between the two."""
     return None if views is None else [view.__array_interface__["data"][0] for part in views for view in part]

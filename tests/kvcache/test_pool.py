@@ -205,3 +205,28 @@ def test_a_step_writes_in_place_while_layer_views_are_held(dtype):
     assert mx.get_peak_memory() - before < pool.nbytes // 8
     written = key_views[1][2, 3:5]  # slots 35 and 36: block 2, offsets 3 and 4
     assert same_bits(written, pool.read_blocks([2])[0][1, 0, 3:5]) and written.any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_buffer_addresses_are_where_the_layer_views_begin_and_move_only_with_a_layers_buffer(dtype):
+    """A landing lists the blocks written through its views only where these still match the views' addresses
+    (`orchard.kvcache.block_landing`): they must agree while the buffers stay, a step's write in place included,
+    and differ once a layer's buffer is another."""
+    import mlx.core as mx
+
+    from orchard.kernels.kv_write import write_kv
+    from orchard.kvcache.block_landing import _addresses
+
+    geometry = tiny_geometry(dtype)
+    pool = KVPool(geometry, num_blocks=5)
+    views = pool.layer_views()
+    assert pool.buffer_addresses() == _addresses(views) and len(set(_addresses(views))) == 2 * geometry.num_layers
+    rows = mx.ones((1, geometry.num_kv_heads, geometry.head_dim), dtype=getattr(mx, dtype))
+    pool.keys[0], pool.values[0] = write_kv(pool.keys[0], pool.values[0], rows, rows, [5])
+    mx.eval(*pool.keys, *pool.values)
+    assert pool.buffer_addresses() == _addresses(views)  # written in place
+    kept = pool.values[-1]  # held, so the copy cannot take its buffer
+    pool.values[-1] = kept * 1  # as a step that wrote the layer out of place
+    mx.eval(pool.values[-1])
+    moved = pool.buffer_addresses()
+    assert moved[:-1] == _addresses(views)[:-1] and moved[-1] != _addresses(views)[-1]
