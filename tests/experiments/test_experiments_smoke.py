@@ -200,3 +200,10 @@ def test_each_wake_latency_hand_over_comes_back_once_a_hand_over_and_takes_posit
     assert len(delays) == 5 and all(0 < d < 1.0 for d in delays)
     assert threading.active_count() == before
     assert set(wake_latency.summary(delays)) == {"median_us", "p10_us", "p90_us"}
+
+
+def test_pool_addresses_times_both_ways_of_reading_the_same_addresses():
+    from experiments import pool_addresses
+
+    row = pool_addresses.measure(2, "bfloat16", repeats=3, num_blocks=4)
+    assert row["layers"] == 2 and row["views_s"] > 0 and row["buffers_s"] > 0
