@@ -112,7 +112,10 @@ class KVPool:
         if not _host_memory():
             return None
         mx.eval(*self.keys, *self.values)
-        keys, values = [self._host_view(layer) for layer in self.keys], [self._host_view(layer) for layer in self.values]
+        try:
+            keys, values = [self._host_view(layer) for layer in self.keys], [self._host_view(layer) for layer in self.values]
+        except BufferError:  # a bfloat16 layer that is not one run of memory exports no bytes to read as uint16
+            return None
         if not all(view.flags.c_contiguous and view.flags.writeable for view in keys + values):
             return None  # a broadcast or strided array: writing through it would not mean one block
         return keys, values
@@ -120,8 +123,8 @@ class KVPool:
     def buffer_addresses(self) -> list[int] | None:
         """Where every layer's K buffer, then every layer's V buffer, begins, or None where `layer_views` would
         give none: what a pull's landing compares before it lists blocks written through views it took at its
-        start (`orchard.kvcache.block_landing`). Read through each array's buffer with no numpy view made, which
-        costs a few microseconds an array, more than the listing of a chunk's blocks for a model of 32 layers."""
+        start (`orchard.kvcache.block_landing`). Read through each array's buffer with no numpy view made: a few
+        times cheaper than reading them off `layer_views` (`experiments/pool_addresses.py`)."""
         if not _host_memory():
             return None
         mx.eval(*self.keys, *self.values)

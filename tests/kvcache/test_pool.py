@@ -230,3 +230,24 @@ def test_the_buffer_addresses_are_where_the_layer_views_begin_and_move_only_with
     mx.eval(pool.values[-1])
     moved = pool.buffer_addresses()
     assert moved[:-1] == _addresses(views)[:-1] and moved[-1] != _addresses(views)[-1]
+
+
+def test_there_are_no_buffer_addresses_where_there_are_no_layer_views(monkeypatch):
+    """A device whose arrays numpy cannot address gives no views, and so no addresses to compare them with."""
+    from orchard.kvcache import pool as pool_module
+
+    pool = KVPool(tiny_geometry("float16"), num_blocks=5)
+    monkeypatch.setattr(pool_module, "_host_memory", lambda: False)
+    assert pool.layer_views() is None and pool.buffer_addresses() is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_layer_that_is_not_one_run_of_memory_gives_neither_views_nor_addresses(dtype):
+    """Writing through a view of a broadcast layer would not mean one block: a pull then lands no block straight
+    in the pool, and no landing compares addresses."""
+    import mlx.core as mx
+
+    pool = KVPool(tiny_geometry(dtype), num_blocks=5)
+    shape = pool.keys[0].shape
+    pool.keys[0] = mx.broadcast_to(mx.zeros((1, *shape[1:]), dtype=pool.keys[0].dtype), shape)
+    assert pool.layer_views() is None and pool.buffer_addresses() is None
