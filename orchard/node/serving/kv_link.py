@@ -109,7 +109,8 @@ class KVLinkConfig:
     # wakes its reader as a "sync" wake-up, which Linux answers by putting the reader beside the thread that
     # sent: where both ends of a pull share a machine of two cores, a reply sent from the connection's thread
     # held the core the target's threads needed. With more cores the hand-over to another thread is one more
-    # wake-up before the first chunk, for nothing (docs/benchmarks.md, "## migration").
+    # wake-up before the first chunk, for nothing (measured at two cores and at sixteen: docs/benchmarks.md,
+    # "## migration").
     reply_from_kept_thread: bool | None = None
 
     def __post_init__(self):
