@@ -17,19 +17,24 @@ from __future__ import annotations
 import argparse
 
 from experiments.common import markdown_table, median_time, print_header, save_results
-from orchard.kvcache.block_landing import _addresses
 from orchard.kvcache.geometry import KVGeometry
 from orchard.kvcache.pool import KVPool
+
+
+def view_addresses(views) -> list[int]:
+    """Where each of `KVPool.layer_views`' views begins, every K view's then every V view's: the check's reading
+    before `KVPool.buffer_addresses`."""
+    return [view.__array_interface__["data"][0] for part in views for view in part]
 
 
 def measure(layers: int, dtype: str, repeats: int, num_blocks: int = 512) -> dict:
     """Median seconds of each way for a pool of `layers` layers of `dtype` (8 KV heads of 64, blocks of 16)."""
     pool = KVPool(KVGeometry("addresses", layers, 8, 64, 16, dtype), num_blocks)
-    if pool.buffer_addresses() != _addresses(pool.layer_views()):
+    if pool.buffer_addresses() != view_addresses(pool.layer_views()):
         raise RuntimeError("the two ways read different addresses")
     return {
         "layers": layers, "dtype": dtype,
-        "views_s": median_time(lambda: _addresses(pool.layer_views()), repeats),
+        "views_s": median_time(lambda: view_addresses(pool.layer_views()), repeats),
         "buffers_s": median_time(pool.buffer_addresses, repeats),
     }
 

@@ -53,8 +53,15 @@ def thread_event(count: int, gap_s: float) -> list[float]:
             ring.clear()
             ack.set()
 
-    return _drive(waiter, count, gap_s, lambda: (stamp.__setitem__(0, time.perf_counter()), ring.set()),
-                  lambda: (ack.wait(), ack.clear()), delays)
+    def hand() -> None:
+        stamp[0] = time.perf_counter()
+        ring.set()
+
+    def acknowledged() -> None:
+        ack.wait()
+        ack.clear()
+
+    return _drive(waiter, count, gap_s, hand, acknowledged, delays)
 
 
 def thread_queue(count: int, gap_s: float) -> list[float]:

@@ -50,7 +50,7 @@ class BlockLanding:
         self.manager, self.pool, self.block_ids = manager, pool, block_ids
         self._wanted = b"".join(bytes(h) for h in wanted[: len(block_ids)])
         self._held_parent, self._chains = held_parent, chains
-        self._views, self._addresses = views, _addresses(views)
+        self._views, self._addresses = views, pool.buffer_addresses()  # the views' buffers, read off the same arrays
         self._hashes: list[bytes] = []  # of the blocks landed, in order: what `adopt` lists them under
         self._parents: list[bytes] = []
         self._tokens: list[tuple[int, ...]] = []
@@ -182,8 +182,3 @@ def _write(rows: list[np.ndarray], blocks: np.ndarray) -> None:
         row[...] = blocks[at : at + len(row)]
         at += len(row)
 
-
-def _addresses(views) -> list[int] | None:
-    """Where each of the pool's layer views begins (None without views), every K view's, then every V view's, as
-    `KVPool.buffer_addresses` lists the buffers: a moved buffer shows as a difference between the two."""
-    return None if views is None else [view.__array_interface__["data"][0] for part in views for view in part]

@@ -213,11 +213,16 @@ def test_replies_go_from_kept_threads_by_default_only_where_the_process_has_two_
         server.close()
 
 
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="the OS sets no affinity")
 def test_the_usable_cores_are_those_the_process_may_run_on():
-    import os
+    """A node pinned to one core (taskset, a container's cpuset) counts one, whatever the machine has."""
+    import subprocess
+    import sys
 
-    expected = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert kv_link.usable_cores() == expected >= 1
+    pinned = ("import os; from orchard.node.serving import kv_link; "
+              "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); print(kv_link.usable_cores())")
+    assert subprocess.run([sys.executable, "-c", pinned], capture_output=True, text=True, check=True).stdout.strip() == "1"
+    assert kv_link.usable_cores() >= 1
 
 
 def test_the_source_engine_thread_only_pins_and_the_links_thread_makes_each_chunks_rows(nodes, monkeypatch):
