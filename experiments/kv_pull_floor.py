@@ -17,7 +17,11 @@ Each step adds one of those:
 - `raw, memory, checksummed beside`: the same, each batch or slice checksummed on a thread of its own at each
   end while the link's thread sends the next or reads it: what the checksum costs where a core is free to
   take it. (The same inside a pull made pulls slower: docs/benchmarks.md, "## migration".)
-- `pull`: a direct pull of a fresh prefix, as the bench times it.
+- `raw, memory, two connections` and `raw, memory, checksummed, two connections`: each reply in two halves,
+  each on a connection of its own, sent by a thread of its own and read by one of its own (the asking thread
+  and a kept one): what spreading a pull's chunks over two connections could give where cores are free.
+- `pull, one connection` and `pull, two connections`: a direct pull of a fresh prefix, as the bench times it,
+  its run asked for over one connection, then in two parts over two (`KVLinkConfig.connections_per_pull`).
 
     python -m experiments.kv_pull_floor [--size small] [--tokens 2048] [--rounds 10] [--per-round 6]
 
@@ -34,6 +38,7 @@ import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import numpy as np
 import xxhash
@@ -44,33 +49,45 @@ from orchard.cluster.bench.netns import read_reply
 from orchard.node.serving import link_io
 
 STEPS = ("raw, hot, bench's reads", "raw, hot", "raw, memory", "raw, memory, checksummed",
-         "raw, memory, checksummed beside")
+         "raw, memory, checksummed beside", "raw, memory, two connections", "raw, memory, checksummed, two connections")
+TWO = ", two connections"
+PULLS = {"pull, one connection": 1, "pull, two connections": 2}  # the pull steps: connections a pull spreads over
 REGION_BYTES = 1 << 30  # each end's region: well past any last-level cache here
 SENT_BYTE = 7  # what every byte the source sends holds; the target's regions start as zeros
 
 
 def _answer(command: str, arg) -> object:
-    """The source process's side of a raw step: listen, answer each four-byte ask with `nbytes` as `step`
-    says, in a thread; returns the listener's port."""
+    """The source process's side of a raw step: listen, answer each four-byte ask on each of the step's
+    connections with its part of `nbytes` as `step` says, a thread a connection; returns the listener's port."""
     if command != "serve":
         raise ValueError(command)
     step, nbytes = arg
     server = socket.create_server(("127.0.0.1", 0))
-    threading.Thread(target=_serve, args=(server, step, nbytes), daemon=True).start()
+    threading.Thread(target=_accept, args=(server, step, nbytes), daemon=True).start()
     return server.getsockname()[1]
 
 
-def _serve(server: socket.socket, step: str, nbytes: int) -> None:
-    conn, _ = server.accept()
-    server.close()
+def _accept(server: socket.socket, step: str, nbytes: int) -> None:
+    with server:
+        for part in _parts(step, nbytes):
+            threading.Thread(target=_serve, args=(server.accept()[0], step, part), daemon=True).start()
+
+
+def _parts(step: str, nbytes: int) -> list[int]:
+    """The bytes each of the step's connections carries of an `nbytes` reply."""
+    return [nbytes - nbytes // 2, nbytes // 2] if step.endswith(TWO) else [nbytes]
+
+
+def _serve(conn: socket.socket, step: str, nbytes: int) -> None:
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as the link's: a checksum's 16 bytes go at once
-    slices = _Slices(nbytes, nbytes if step.startswith("raw, hot") else REGION_BYTES, SENT_BYTE)
+    region = nbytes if step.startswith("raw, hot") else REGION_BYTES // len(_parts(step, nbytes))
+    slices = _Slices(nbytes, region, SENT_BYTE)
     helper = _helper(step)
     with conn:
         while conn.recv(4, socket.MSG_WAITALL):
             if step.startswith("raw, hot"):
                 conn.sendall(slices.first)
-            elif step == "raw, memory":
+            elif "checksummed" not in step:
                 conn.sendall(slices.next())
             else:
                 _send_checksummed(conn, slices.next(), helper)
@@ -137,34 +154,61 @@ class _Slices:
 
 
 class _Asker:
-    """The target's side of a raw step: ask, read the reply as the step says, time it."""
+    """The target's side of a raw step: ask on each of the step's connections, read each part of the reply as
+    the step says (the second on a kept thread, the first here meanwhile), time the whole."""
 
     def __init__(self, port: int, step: str, nbytes: int):
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.step, self.nbytes = step, nbytes
-        self.helper = _helper(step)
-        room = nbytes + link_io.U64.size + 16  # a payload's length and checksum too
-        self.slices = _Slices(room, room if step.startswith("raw, hot") else REGION_BYTES)
+        parts = _parts(step, nbytes)
+        self.parts = [_Part(port, step, part, REGION_BYTES // len(parts)) for part in parts]
+        self.reader = ThreadPoolExecutor(1) if len(self.parts) > 1 else None
+
+    @property
+    def slices(self) -> _Slices:
+        """Where the first connection's replies land."""
+        return self.parts[0].slices
 
     def once(self) -> float:
         started = time.perf_counter()
-        self.sock.sendall(b"ask!")
-        if self.step == STEPS[0]:
-            ok = read_reply(self.sock, self.slices.first[: self.nbytes]) == self.nbytes
-        elif self.step == "raw, hot":
-            ok = link_io.recv_into(self.sock, self.slices.first[: self.nbytes])
-        elif self.step == "raw, memory":
-            ok = link_io.recv_into(self.sock, self.slices.next()[: self.nbytes])
-        else:
-            size = link_io.U64.unpack(link_io.recv_exact(self.sock, 8))[0]
-            ok = _receive_checksummed(self.sock, self.slices.next()[:size], self.helper)
+        for part in self.parts:
+            part.sock.sendall(b"ask!")
+        beside = [self.reader.submit(part.read) for part in self.parts[1:]]
+        ok = self.parts[0].read() and all(future.result() for future in beside)
         if not ok:
             raise ConnectionError("the source closed mid-reply")
         return self.nbytes / (time.perf_counter() - started)
 
     def close(self) -> None:
-        """Close the connection (the source's thread for this step then ends) and the checksum thread, if any."""
+        """Close the connections (the source's threads for this step then end) and the threads, if any."""
+        for part in self.parts:
+            part.close()
+        if self.reader is not None:
+            self.reader.shutdown()
+
+
+class _Part:
+    """One connection of a raw step and where its replies land."""
+
+    def __init__(self, port: int, step: str, nbytes: int, region_bytes: int):
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.step, self.nbytes = step, nbytes
+        self.helper = _helper(step)
+        room = nbytes + link_io.U64.size + 16  # a payload's length and checksum too
+        self.slices = _Slices(room, room if step.startswith("raw, hot") else region_bytes)
+
+    def read(self) -> bool:
+        """This connection's part of one reply; False where the source closed first."""
+        if self.step == STEPS[0]:
+            return read_reply(self.sock, self.slices.first[: self.nbytes]) == self.nbytes
+        if self.step == "raw, hot":
+            return link_io.recv_into(self.sock, self.slices.first[: self.nbytes])
+        if "checksummed" not in self.step:
+            return link_io.recv_into(self.sock, self.slices.next()[: self.nbytes])
+        size = link_io.U64.unpack(link_io.recv_exact(self.sock, 8))[0]
+        return _receive_checksummed(self.sock, self.slices.next()[:size], self.helper)
+
+    def close(self) -> None:
         self.sock.close()
         if self.helper is not None:
             self.helper.shutdown()
@@ -199,19 +243,21 @@ def _run(args, ours, loop, path, address) -> dict[str, list[float]]:
         ours.send(("serve", (step, nbytes)))
         askers[step] = _Asker(ours.recv(), step, nbytes)
         askers[step].once()  # warm: the connection, the pages
-    rates: dict[str, list[float]] = {step: [] for step in (*STEPS, "pull")}
+    rates: dict[str, list[float]] = {step: [] for step in (*STEPS, *PULLS)}
     seed = 3
     for done in range(args.rounds):
         for step in STEPS:
             for _ in range(args.per_round):
                 time.sleep(0.005)  # idle between replies, as between the bench's pulls
                 rates[step].append(askers[step].once())
-        for _ in range(args.per_round):
-            ours.send(("seed", (args.tokens, seed)))
-            seed += 1
-            hashes = ours.recv()
-            time.sleep(0.005)
-            rates["pull"].append(_pulled(loop, path, address, hashes))
+        for step, connections in PULLS.items():
+            path.config = replace(path.config, connections_per_pull=connections)
+            for _ in range(args.per_round):
+                ours.send(("seed", (args.tokens, seed)))
+                seed += 1
+                hashes = ours.recv()
+                time.sleep(0.005)
+                rates[step].append(_pulled(loop, path, address, hashes))
         print(f"round {done + 1}/{args.rounds}", flush=True)
     for asker in askers.values():
         asker.close()

@@ -6,7 +6,10 @@ target pulls it over `orchard.node.serving.kv_link` as a node actor's `pull_bloc
 the pull's path starts or returns (`MARKS`). A mark reached more than once in a pull (a chunk sent, a chunk's
 first bytes read) is shown at its first and its last.
 
-    python -m experiments.kv_pull_timeline [--size small] [--tokens 2048] [--pulls 100]
+    python -m experiments.kv_pull_timeline [--size small] [--tokens 2048] [--pulls 100] [--connections N]
+
+`--connections`: the connections each pull spreads its run over (`KVLinkConfig.connections_per_pull`; by default
+as this machine's cores decide).
 
 Prints each mark, in the order they come, in ms from the pull's start (`DirectPath.pull` entered): the median
 over the fastest fifth of the pulls, and over all of them. The numbers go to
@@ -21,6 +24,7 @@ import functools
 import importlib
 import statistics
 import time
+from dataclasses import replace
 
 from experiments import kv_pull_profile as kp
 from experiments.common import markdown_table, print_header, save_results
@@ -128,11 +132,13 @@ def _source(conn, size: str, num_blocks: int) -> None:
     kp.source_node(conn, size, num_blocks, lambda command, arg: take_marks())
 
 
-def measure(size: str, tokens: int, pulls: int) -> list[tuple[float, dict[str, float]]]:
-    """(wall seconds, `offsets`) of each of `pulls` pulls of a fresh prefix of `tokens` tokens."""
+def measure(size: str, tokens: int, pulls: int, connections: int | None = None) -> list[tuple[float, dict[str, float]]]:
+    """(wall seconds, `offsets`) of each of `pulls` pulls of a fresh prefix of `tokens` tokens, each over
+    `connections` connections (None: as the config's default decides)."""
     num_blocks = (pulls + 2) * tokens // 16 + 64
     install("target")
     ours, source, loop, engine, path, address = kp.pull_pair(_source, size, num_blocks)
+    path.config = replace(path.config, connections_per_pull=connections)
     measured = []
     try:
         for seed in range(2, pulls + 2):
@@ -155,9 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="small")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--pulls", type=int, default=100)
+    p.add_argument("--connections", type=int, default=None)
     args = p.parse_args(argv)
-    print_header(f"a direct KV pull's timeline ({args.size}, {args.tokens} tokens, {args.pulls} pulls)")
-    pulls = measure(args.size, args.tokens, args.pulls)
+    print_header(f"a direct KV pull's timeline ({args.size}, {args.tokens} tokens, {args.pulls} pulls, "
+                 f"connections: {args.connections or 'default'})")
+    pulls = measure(args.size, args.tokens, args.pulls, args.connections)
     rows = timeline(pulls)
     walls = sorted(wall for wall, _ in pulls)
     print(f"pull wall time: fastest fifth's median {statistics.median(walls[: max(1, len(walls) // 5)]) * 1e3:.2f} ms, "

@@ -11,6 +11,9 @@ and the engine lists what landed as cached once, when the reply has ended (`adop
 lands and then once more (`adopt_landed`, then `adopt`): on its own thread, or on a thread it is lent
 to while it idles (`orchard.node.command_queue`), never on both at once.
 
+A run pulled over several connections lands in parts (`parts`): each part's blocks in order, by its own
+thread, the parts at once; what counts as landed is the run's leading blocks with none missing between.
+
 Reserved blocks belong to no sequence and hold no hash, so no step reads or writes them and no prefix
 lookup finds them before `adopt`; whatever did not land goes back to the free queue there. The block
 before the run, where this pool holds it, is held meanwhile, so reserving cannot evict the parent the
@@ -51,19 +54,31 @@ class BlockLanding:
         self._wanted = b"".join(bytes(h) for h in wanted[: len(block_ids)])
         self._held_parent, self._chains = held_parent, chains
         self._views, self._addresses = views, pool.buffer_addresses()  # the views' buffers, read off the same arrays
-        self._hashes: list[bytes] = []  # of the blocks landed, in order: what `adopt` lists them under
-        self._parents: list[bytes] = []
-        self._tokens: list[tuple[int, ...]] = []
-        self.landed = 0  # leading blocks of the run written into their reserved blocks
+        n = len(block_ids)
+        self._hashes: list[bytes | None] = [None] * n  # of each block landed, by its place in the run
+        self._parents: list[bytes | None] = [None] * n
+        self._tokens: list[tuple[int, ...] | None] = [None] * n
+        self._claimed = [False] * n  # being written or written: no second chunk may write it
+        self._filled = [False] * n  # written whole
+        self.landed = 0  # leading blocks of the run written into their reserved blocks, none missing between
         self._listed = 0  # leading blocks of the run listed as cached (`adopt_landed`, `adopt`)
         self._unreachable = False  # the run's first block hangs from nothing here: none of it is listed
         self._done = False  # adopted or released: no block of it may be written any more
-        self._lock = threading.Lock()  # a chunk lands whole before its blocks can be adopted or freed
+        self._writing = 0  # chunks being written now
+        self._lock = threading.Condition()  # a chunk lands whole before its blocks can be adopted or freed
 
     @property
     def capacity(self) -> int:
         """Blocks this landing can take: those reserved."""
         return len(self.block_ids)
+
+    def parts(self, sizes: Sequence[int]) -> list[LandingPart]:
+        """The run's consecutive parts of `sizes` blocks (their sum at most `capacity`), each to land on a
+        thread of its own, in order within it, while the others land."""
+        if sum(sizes) > self.capacity or min(sizes, default=1) < 1:
+            raise ValueError(f"parts of {list(sizes)} blocks in a landing of {self.capacity}")
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [LandingPart(self, start, size) for start, size in zip(starts, sizes)]
 
     # ----------------------------------------------------------------- landing thread
 
@@ -71,17 +86,7 @@ class BlockLanding:
         """Check a chunk (the run's next blocks, in order, each hash following from its parent and
         tokens) and write its KV into their reserved blocks; returns how many landed. Raises
         `IncompatibleKVPayload`, writing nothing, for a chunk that is not the run's next blocks."""
-        if not isinstance(blocks, BlockRun):  # a version 2 payload read block by block
-            if any(b.parent_hash is None for b in blocks):
-                raise IncompatibleKVPayload("a migrated block has no parent")
-            blocks = BlockRun.of(blocks)
-        if len(blocks) == 0:
-            return 0
-        with self.placing(blocks.hashes, blocks.parents, blocks.tokens) as layers:
-            for layer, (key_rows, value_rows) in enumerate(layers):
-                _write(key_rows, blocks.keys[:, layer])
-                _write(value_rows, blocks.values[:, layer])
-        return len(blocks)
+        return _land(self.placing, blocks)
 
     @property
     def places_wire_bytes(self) -> bool:
@@ -90,34 +95,60 @@ class BlockLanding:
         return self._views[0][0].dtype.str == wire_dtype(self.pool.geometry).str
 
     @contextmanager
-    def placing(self, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> Iterator[list[tuple[np.ndarray, np.ndarray]]]:
+    def placing(self, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray,
+                at: int | None = None) -> Iterator[list[tuple[np.ndarray, np.ndarray]]]:
         """Where the run's next blocks go, checked as `land` checks them (`hashes`, `parents` `[n, 16]` uint8,
         `tokens` `[n, block_size]`): per layer, views of their reserved blocks' K and V, in the run's order,
         each `[k, block_size, heads, head dim]`: one view of all n where the blocks reserved are consecutive,
         else one a block. The
         caller writes every layer; the blocks count as landed only if its body returns, so a chunk whose bytes
         turn out damaged part way leaves them reserved, never cached. Holds the landing's lock meanwhile:
-        `adopt` and `release` wait for a chunk being written."""
+        `adopt` and `release` wait for a chunk being written. `at`: the run's place of the first block (a part's,
+        `LandingPart`), else the first not landed."""
         with self._lock:
-            rows = self._next_rows(hashes, parents, tokens)
+            start = self.landed if at is None else at
+            rows = self._claim(start, hashes, parents, tokens)
+            self._writing += 1
+        try:
             yield [([keys[r] for r in rows], [values[r] for r in rows]) for keys, values in zip(*self._views)]
-            self._hashes += row_bytes(hashes)  # as bytes: the chunk's buffer is reused once handed back
-            self._parents += row_bytes(parents)
-            self._tokens += [tuple(t) for t in tokens.tolist()]
-            self.landed += len(hashes)
+            with self._lock:
+                self._filled_in(start, hashes, parents, tokens)
+        except BaseException:
+            with self._lock:
+                self._claimed[start : start + len(hashes)] = [False] * len(hashes)
+            raise
+        finally:
+            with self._lock:
+                self._writing -= 1
+                self._lock.notify_all()
 
-    def _next_rows(self, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> list[slice]:
-        """The reserved blocks of the run's next `len(hashes)` blocks, once they are checked to be those, as
-        slices of the pool's blocks: one where they are consecutive, else one a block."""
+    def _filled_in(self, start: int, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> None:
+        """Blocks `[start, start + n)` were written whole: keep what lists them, move `landed` past them where
+        the run's blocks before are written too (under the lock)."""
+        end = start + len(hashes)
+        self._hashes[start:end] = row_bytes(hashes)  # as bytes: the chunk's buffer is reused once handed back
+        self._parents[start:end] = row_bytes(parents)
+        self._tokens[start:end] = [tuple(t) for t in tokens.tolist()]
+        self._filled[start:end] = [True] * len(hashes)
+        while self.landed < self.capacity and self._filled[self.landed]:
+            self.landed += 1
+
+    def _claim(self, start: int, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> list[slice]:
+        """The reserved blocks of the run's `len(hashes)` blocks from `start`, once they are checked to be
+        those and marked as being written, as slices of the pool's blocks: one where they are consecutive,
+        else one a block (under the lock)."""
         if self._done:
             raise IncompatibleKVPayload("a chunk arrived after its pull ended")
-        n, start = len(hashes), self.landed
+        n = len(hashes)
         if start + n > self.capacity or hashes.tobytes() != self._wanted[start * HASH_SIZE : (start + n) * HASH_SIZE]:
             raise IncompatibleKVPayload("a chunk of the reply is not the next blocks of the run asked for")
+        if any(self._claimed[start : start + n]):
+            raise IncompatibleKVPayload("a chunk of the reply repeats blocks already landed")
         if start and parents[0].tobytes() != self._wanted[(start - 1) * HASH_SIZE : start * HASH_SIZE]:
             raise IncompatibleKVPayload("a chunk of the reply does not follow the block before it")
         if hash_block_rows(parents, tokens) != hashes.tobytes():
             raise IncompatibleKVPayload("a block's hash does not match its parent and tokens")
+        self._claimed[start : start + n] = [True] * n
         rows = as_slice(self.block_ids[start : start + n])
         return [rows] if isinstance(rows, slice) else [slice(b, b + 1) for b in rows.tolist()]
 
@@ -139,15 +170,24 @@ class BlockLanding:
         """List the landed blocks not listed yet as cached (those not cached here meanwhile) and free
         every other reserved block; returns how many were listed. Once only. Raises `PoolMoved`,
         caching nothing more, where a pool buffer moved while blocks landed in it."""
-        with self._lock:
-            if self._done:
-                raise RuntimeError("a landing is adopted once")
-            self._done = True
+        self._end("a landing is adopted once")
         try:
             return self._list(self.landed)
         finally:
             self.manager.unpin(list(reversed(self.block_ids)))  # the chain's head ends most recent
             self.manager.unpin(self._held_parent)
+
+    def _end(self, again: str | None) -> bool:
+        """Take no chunk more, once every chunk being written has landed or failed; False where it had ended
+        already (raises RuntimeError(`again`) instead, where given)."""
+        with self._lock:
+            if self._done:
+                if again is not None:
+                    raise RuntimeError(again)
+                return False
+            self._done = True
+            self._lock.wait_for(lambda: self._writing == 0)
+        return True
 
     def _list(self, landed: int) -> int:
         """List blocks `[listed, landed)` of the run (the engine's turn); the run's first block is listed only
@@ -167,12 +207,51 @@ class BlockLanding:
 
     def release(self) -> None:
         """Free every reserved block, caching none (a pull that never asked); a landing adopted does nothing."""
-        with self._lock:
-            if self._done:
-                return
-            self._done = True
+        if not self._end(None):
+            return
         self.manager.unpin(self.block_ids)
         self.manager.unpin(self._held_parent)
+
+
+class LandingPart:
+    """Consecutive blocks of a landing's run (`BlockLanding.parts`), landed in order by one thread as the
+    landing's other parts land on theirs: `land` and `placing` as the landing's, from the part's start."""
+
+    def __init__(self, landing: BlockLanding, start: int, size: int):
+        self.landing, self.start, self.capacity = landing, start, size
+        self.landed = 0  # the part's leading blocks written
+
+    @property
+    def places_wire_bytes(self) -> bool:
+        return self.landing.places_wire_bytes
+
+    def land(self, blocks: Sequence[KVBlockData]) -> int:
+        """`BlockLanding.land`, of the part's next blocks."""
+        return _land(self.placing, blocks)
+
+    @contextmanager
+    def placing(self, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> Iterator[list[tuple[np.ndarray, np.ndarray]]]:
+        """`BlockLanding.placing` of the part's next blocks; refused (`IncompatibleKVPayload`) past its end."""
+        if self.landed + len(hashes) > self.capacity:
+            raise IncompatibleKVPayload("a chunk of the reply runs past the blocks its connection asked for")
+        with self.landing.placing(hashes, parents, tokens, at=self.start + self.landed) as layers:
+            yield layers
+        self.landed += len(hashes)
+
+
+def _land(placing, blocks: Sequence[KVBlockData]) -> int:
+    """`BlockLanding.land` through `placing` (a landing's or a part's)."""
+    if not isinstance(blocks, BlockRun):  # a version 2 payload read block by block
+        if any(b.parent_hash is None for b in blocks):
+            raise IncompatibleKVPayload("a migrated block has no parent")
+        blocks = BlockRun.of(blocks)
+    if len(blocks) == 0:
+        return 0
+    with placing(blocks.hashes, blocks.parents, blocks.tokens) as layers:
+        for layer, (key_rows, value_rows) in enumerate(layers):
+            _write(key_rows, blocks.keys[:, layer])
+            _write(value_rows, blocks.values[:, layer])
+    return len(blocks)
 
 
 def _write(rows: list[np.ndarray], blocks: np.ndarray) -> None:

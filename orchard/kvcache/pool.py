@@ -56,7 +56,7 @@ def _owner(array: np.ndarray):
     return base.obj if isinstance(base, memoryview) else base
 
 
-def _host_memory() -> bool:
+def host_memory() -> bool:
     """Whether MLX arrays live in memory numpy can address: the CPU, or Metal's unified memory."""
     return mx.default_device() == mx.cpu or mx.metal.is_available()
 
@@ -109,7 +109,7 @@ class KVPool:
         reuses the buffer, `orchard.kernels.kv_write`), and costs no copy while views are held. So an
         export may hold them on another thread across steps for pinned blocks, which no step writes.
         """
-        if not _host_memory():
+        if not host_memory():
             return None
         mx.eval(*self.keys, *self.values)
         try:
@@ -125,7 +125,7 @@ class KVPool:
         give none: what a pull's landing compares before it lists blocks written through views it took at its
         start (`orchard.kvcache.block_landing`). Read through each array's buffer with no numpy view made: a few
         times cheaper than reading them off `layer_views` (`experiments/pool_addresses.py`)."""
-        if not _host_memory():
+        if not host_memory():
             return None
         mx.eval(*self.keys, *self.values)
         buffers = [memoryview(layer) for layer in (*self.keys, *self.values)]

@@ -134,8 +134,9 @@ def test_a_pulls_timeline_reads_each_mark_from_the_pulls_start_and_the_fastest_f
 
 
 def test_the_floors_raw_steps_each_carry_a_replys_bytes_whole(monkeypatch):
-    """Each raw step of `kv_pull_floor` moves the source's bytes into the target's slice, the checksummed ones
-    with their checksum compared, and a checksum that differs is refused."""
+    """Each raw step of `kv_pull_floor` moves the source's bytes into the target's slice (each connection's part
+    into its own, where a step has two), the checksummed ones with their checksum compared, and a checksum that
+    differs is refused."""
     import socket
 
     from experiments import kv_pull_floor as floor
@@ -146,8 +147,10 @@ def test_the_floors_raw_steps_each_carry_a_replys_bytes_whole(monkeypatch):
         asker = floor._Asker(floor._answer("serve", (step, nbytes)), step, nbytes)
         try:
             assert asker.once() > 0 and asker.once() > 0
-            at = asker.slices.at * asker.slices.nbytes  # the slice the last reply landed in
-            assert bytes(asker.slices.view[at : at + nbytes]) == bytes([floor.SENT_BYTE]) * nbytes, step
+            assert sum(part.nbytes for part in asker.parts) == nbytes
+            for part in asker.parts:
+                at = part.slices.at * part.slices.nbytes  # the slice the last reply landed in
+                assert bytes(part.slices.view[at : at + part.nbytes]) == bytes([floor.SENT_BYTE]) * part.nbytes, step
         finally:
             asker.close()
     a, b = socket.socketpair()

@@ -267,3 +267,91 @@ def test_a_run_whose_first_block_hangs_from_nothing_here_is_never_listed_chunk_b
     landing.land(sub(run, 3, 4))
     assert landing.adopt_landed() == 0 and landing.adopt() == 0
     assert target.manager.num_cached == 0 and target.manager.num_free == target.manager.num_usable
+
+
+# ---- a run in parts, landed at once (a pull over several connections) ----------------------
+
+
+def test_a_runs_parts_land_on_threads_of_their_own_in_any_order_and_only_its_leading_blocks_count(make_cache):
+    """The second part lands whole before the first: nothing is landed or listed until the first has too."""
+    source, target = make_cache(), make_cache()
+    hashes, run, original = held_run(source)
+    landing = target.reserve_landing(target.root, hashes)
+    first, second = landing.parts([3, 1])
+    worker = threading.Thread(target=second.land, args=(sub(run, 3, 4),))
+    worker.start()
+    worker.join()
+    assert landing.landed == 0 and landing.adopt_landed() == 0
+    assert target.manager.cached_block(hashes[3]) is None
+    assert first.land(sub(run, 0, 2)) == 2 and landing.landed == 2
+    assert first.land(sub(run, 2, 3)) == 1 and landing.landed == 4
+    assert landing.adopt() == 4
+    assert target.manager.num_cached == 4 and target.manager.num_used == 0
+    assert hit_kv(target, 4) == prefix_of(original, 4)
+
+
+def test_a_part_takes_only_its_own_blocks_in_order_and_none_twice(make_cache):
+    source, target = make_cache(), make_cache()
+    hashes, run, _ = held_run(source)
+    landing = target.reserve_landing(target.root, hashes)
+    with pytest.raises(ValueError):
+        landing.parts([3, 2])  # more than was reserved
+    first, second = landing.parts([2, 2])
+    before = kv_of(target, landing.block_ids)
+    for part, chunk in ((first, sub(run, 0, 3)), (second, sub(run, 0, 1)), (second, sub(run, 3, 4))):
+        with pytest.raises(IncompatibleKVPayload):
+            part.land(chunk)  # past the part's end; another part's blocks; not the part's next block
+    assert same_kv(kv_of(target, landing.block_ids), before)
+    assert second.land(sub(run, 2, 4)) == 2
+    with pytest.raises(IncompatibleKVPayload):
+        landing.land(sub(run, 2, 3))  # landed already, by the part
+    assert first.land(sub(run, 0, 2)) == 2 and landing.adopt() == 4
+
+
+def test_what_a_part_after_a_missing_one_landed_is_freed_not_listed(make_cache):
+    """The first part's reply broke off after one block: the second part's blocks hang from a block that
+    never landed, and go back to the free queue with the rest."""
+    source, target = make_cache(), make_cache()
+    hashes, run, original = held_run(source)
+    landing = target.reserve_landing(target.root, hashes)
+    first, second = landing.parts([2, 2])
+    second.land(sub(run, 2, 4))
+    first.land(sub(run, 0, 1))
+    assert landing.adopt() == 1
+    assert target.manager.num_cached == 1 and target.manager.num_available == target.manager.num_usable
+    assert hit_kv(target, 1) == prefix_of(original, 1)
+
+
+def test_parts_are_written_at_once_and_adopting_waits_for_a_part_being_written(make_cache):
+    source, target = make_cache(), make_cache()
+    hashes, run, original = held_run(source)
+    landing = target.reserve_landing(target.root, hashes)
+    first, second = landing.parts([2, 2])
+    writing, go_on, adopted = threading.Event(), threading.Event(), []
+
+    def write_second():
+        chunk = sub(run, 2, 4)
+        with second.placing(chunk.hashes, chunk.parents, chunk.tokens) as layers:
+            writing.set()
+            go_on.wait(5)
+            for layer, (keys, values) in enumerate(layers):
+                at = 0
+                for key_rows, value_rows in zip(keys, values):
+                    key_rows[...] = chunk.keys[at : at + len(key_rows), layer]
+                    value_rows[...] = chunk.values[at : at + len(value_rows), layer]
+                    at += len(key_rows)
+
+    writer = threading.Thread(target=write_second)
+    writer.start()
+    assert writing.wait(5)
+    lander = threading.Thread(target=first.land, args=(sub(run, 0, 2),))
+    lander.start()
+    lander.join(5)
+    assert not lander.is_alive()  # another part landed while the second was being written
+    adopter = threading.Thread(target=lambda: adopted.append(landing.adopt()))
+    adopter.start()
+    adopter.join(0.2)
+    assert adopter.is_alive()  # waiting for the second part
+    go_on.set()
+    writer.join(5), adopter.join(5)
+    assert adopted == [4] and hit_kv(target, 4) == prefix_of(original, 4)

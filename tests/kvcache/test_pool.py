@@ -236,7 +236,7 @@ def test_there_are_no_buffer_addresses_where_there_are_no_layer_views(monkeypatc
     from orchard.kvcache import pool as pool_module
 
     pool = KVPool(tiny_geometry("float16"), num_blocks=5)
-    monkeypatch.setattr(pool_module, "_host_memory", lambda: False)
+    monkeypatch.setattr(pool_module, "host_memory", lambda: False)
     assert pool.layer_views() is None and pool.buffer_addresses() is None
 
 

@@ -24,9 +24,14 @@ makes. A compressed chunk is inflated into a buffer first; while the engine step
 copies it into the reserved blocks as the next one arrives; into an idle engine, its thread imports
 each as it arrives.
 
-A connection whose reply ended whole is kept for the next pull from the same source (one
-per source, for half the listener's idle timeout): a pull of a few MiB otherwise spends as
-long connecting and proving the key as moving its bytes.
+A plain pull of more than one chunk goes over several connections at once where the process has the
+cores (`KVLinkConfig.connections_per_pull`): its run in consecutive parts of whole chunks, one a
+connection, each read by its connection's receive thread into its own part of the landing
+(`BlockLanding.parts`), so that copying and checksumming the bytes is not one thread's work at each end.
+
+A connection whose reply ended whole is kept for the next pull from the same source (as many as a pull
+uses, for half the listener's idle timeout): a pull of a few MiB otherwise spends as long connecting and
+proving the key as moving its bytes.
 """
 
 from __future__ import annotations
@@ -34,14 +39,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from orchard.kvcache.block_landing import BlockLanding
+from orchard.kvcache.block_landing import BlockLanding, LandingPart
 from orchard.kvcache.hashing import BlockHash
+from orchard.kvcache.pool import host_memory
 from orchard.kvcache.wire import KVPayload
-from orchard.node.serving.kv_link import KVLinkConfig, KVLinkServer, LinkStream, connect
+from orchard.node.serving.kv_link import RATE_MIN_BYTES, KVLinkConfig, KVLinkServer, LinkStream, connect
 from orchard.node.serving.link_auth import LinkRefused
 from orchard.node.serving.migration import BlockMover, PullResult, local_prefix
 
@@ -58,7 +65,7 @@ class DirectPath:
         self.server: KVLinkServer | None = None
         self._addresses: dict[str, str] = {}
         self._buffers: list[bytearray] = []  # receive buffers kept across pulls: no page faults on the next
-        self._idle: dict[str, tuple[socket.socket, float]] = {}  # per source: a connection and when it was left
+        self._idle: dict[str, list[tuple[socket.socket, float]]] = {}  # per source: connections, when each was left
         self._link_rates: dict[str, float] = {}  # per source: the link's bytes/s in the last pull that tells
         self._compressed_in_a_row: dict[str, int] = {}  # per source: pulls asked compressed since the last plain one
         self._lander = ThreadPoolExecutor(1, thread_name_prefix="kv-land")  # writes landing chunks into the pool
@@ -85,8 +92,9 @@ class DirectPath:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
-        for sock, _ in self._idle.values():
-            sock.close()
+        for kept in self._idle.values():
+            for sock, _ in kept:
+                sock.close()
         self._idle.clear()
         self._lander.shutdown(wait=False)
 
@@ -117,20 +125,21 @@ class DirectPath:
                 lambda e: self._plan_and_take(e, hashes, compress, result, asked), publish=False,
                 here_if_idle=_plans_here_if_idle(engine))
         except BaseException:
-            if asked is not None:
-                asked.close()
+            for stream in asked:
+                stream.close()
             raise
-        if asked is not None and sink is None:  # it asked for blocks held here, or for more than there is room for
-            await self._drop(asked)
-            asked = None
+        if asked and sink is None:  # it asked for blocks held here, or for more than there is room for
+            for stream in asked:
+                await self._drop(stream)
+            asked = []
         if not wanted:
             return result
-        stream = asked or await self._ask_new(source_id, address, wanted, compress)
-        if stream is None:
+        streams = asked or await self._ask_new(source_id, address, wanted, compress, split=landing is not None)
+        if not streams:
             if landing is not None:
                 await engine.run_on_engine(lambda e: landing.release())
             return None
-        return await self._receive(source_id, stream, sink or self._take(stream, landing, result, compress), result, started)
+        return await self._receive(source_id, streams, sink or self._take(streams, landing, result, compress), result, started)
 
     def compress_next(self, source_id: str) -> bool:
         """Whether the pull from `source_id` about to be asked for goes compressed (`KVLinkConfig.compress`);
@@ -149,10 +158,14 @@ class DirectPath:
         self._compressed_in_a_row[source_id] = (in_a_row + 1) % (RECHECK_AFTER + 1)
         return in_a_row < RECHECK_AFTER
 
-    def _learn_link_rate(self, source_id: str, stream: LinkStream) -> None:
-        """Keep the link's rate a finished reply tells (`LinkStream.link_rate`), for `compress_next`."""
-        if (rate := stream.link_rate()) is not None:
-            self._link_rates[source_id] = rate
+    def _learn_link_rate(self, source_id: str, streams: Sequence[LinkStream]) -> None:
+        """Keep the link's rate a finished reply tells (`LinkStream.link_rate`, once its connections carried
+        `RATE_MIN_BYTES` between them: the sum of theirs, for they shared the link at once), for `compress_next`."""
+        if sum(stream.wire_bytes for stream in streams) < RATE_MIN_BYTES:
+            return
+        rates = [stream.link_rate(min_bytes=0) for stream in streams]
+        if None not in rates:
+            self._link_rates[source_id] = sum(rates)
 
     async def probe(self, source_id: str, nbytes: int, resolve: Resolve) -> tuple[int, float] | None:
         """(bytes, seconds) of fetching and verifying a probe payload over the direct path, or None. A probe
@@ -173,7 +186,7 @@ class DirectPath:
                 stream.done(buffer)
         finally:
             stream.close()
-        self._learn_link_rate(source_id, stream)
+        self._learn_link_rate(source_id, [stream])
         return received, time.perf_counter() - started
 
     async def _connect(self, source_id: str, address: str):
@@ -184,35 +197,85 @@ class DirectPath:
             self._addresses.pop(source_id, None)
             return None
 
-    def _kept(self, source_id: str) -> socket.socket | None:
-        """The connection the last pull from `source_id` left, if still open and fresh."""
-        sock, left = self._idle.pop(source_id, (None, 0.0))
-        if sock is None:
-            return None
-        if time.monotonic() - left < self.config.io_timeout_s / 2 and _open(sock):
-            return sock
-        sock.close()
-        return None
+    def _kept(self, source_id: str) -> list[socket.socket]:
+        """The connections the last pulls from `source_id` left that are still open and fresh (taken)."""
+        kept = []
+        for sock, left in self._idle.pop(source_id, []):
+            if time.monotonic() - left < self.config.io_timeout_s / 2 and _open(sock):
+                kept.append(sock)
+            else:
+                sock.close()
+        return kept
 
-    def _ask_kept(self, source_id: str, hashes: list[BlockHash], compress: bool) -> LinkStream | None:
-        """A stream asking for `hashes` over the connection the last pull from `source_id` left, if any,
-        its chunks held until `take`."""
-        sock = self._kept(source_id)
-        return None if sock is None else self._ask(sock, hashes, compress)
+    def _keep(self, source_id: str, socks: Sequence[socket.socket]) -> None:
+        """Keep connections whose replies ended whole for the next pulls from `source_id`."""
+        self._idle.setdefault(source_id, []).extend((sock, time.monotonic()) for sock in socks)
 
-    async def _ask_new(self, source_id: str, address: str, hashes: list[BlockHash], compress: bool) -> LinkStream | None:
-        """A stream asking for `hashes` over a new connection, or None where none can be made."""
-        sock = await self._connect(source_id, address)
-        return None if sock is None else self._ask(sock, hashes, compress)
+    def _parts(self, hashes: list[BlockHash], compress: bool, split: bool = True) -> list[list[BlockHash]]:
+        """`hashes` in the consecutive parts a pull asks for, a connection each (`KVLinkConfig.connections_per_pull`):
+        whole chunks each, as near equal as chunks allow, no more parts than chunks. One unless `split`; one for
+        compressed chunks, whose pace is the link's; one for a hybrid model's run, which is one chunk; one where
+        the pool is not in host memory, whose chunks are imported by the engine thread in the order they come
+        (a landing takes parts in any order: `BlockLanding.parts`)."""
+        connections = self.config.pull_connections()
+        if connections == 1 or not split or compress or self.mover.state_geometry is not None or not host_memory():
+            return [hashes]
+        per_chunk = max(1, self._chunk_bytes(hashes) // self.mover.geometry.bytes_per_block)  # as the source cuts them
+        chunks = -(-len(hashes) // per_chunk)
+        per_part = -(-chunks // min(connections, chunks)) * per_chunk
+        return [hashes[i : i + per_part] for i in range(0, len(hashes), per_part)]
 
-    def _ask(self, sock: socket.socket, hashes: list[BlockHash], compress: bool) -> LinkStream | None:
+    def _chunk_bytes(self, hashes: Sequence[BlockHash]) -> int:
+        return chunk_size(len(hashes) * self.mover.geometry.bytes_per_block, self.config.chunk_bytes)
+
+    def _ask_kept(self, source_id: str, hashes: list[BlockHash], compress: bool) -> list[LinkStream]:
+        """Streams asking for `hashes`' parts (`_parts`) over connections the last pulls from `source_id`
+        left, where they left one for each part, their chunks held until `take`; else none."""
+        parts = self._parts(hashes, compress)
+        kept = self._kept(source_id)
+        if len(kept) < len(parts):
+            self._keep(source_id, kept)
+            return []
+        self._keep(source_id, kept[len(parts) :])
+        return self._ask_parts(source_id, kept[: len(parts)], parts, self._chunk_bytes(hashes), compress)
+
+    async def _ask_new(self, source_id: str, address: str, hashes: list[BlockHash], compress: bool,
+                       split: bool) -> list[LinkStream]:
+        """Streams asking for `hashes`' parts (`_parts`) over kept connections and new ones, or none where a
+        connection cannot be made."""
+        parts = self._parts(hashes, compress, split)
+        socks = self._kept(source_id)[: len(parts)]
+        made = await asyncio.gather(*(self._connect(source_id, address) for _ in range(len(parts) - len(socks))))
+        socks += [sock for sock in made if sock is not None]
+        if len(socks) < len(parts):
+            for sock in socks:
+                sock.close()
+            return []
+        return self._ask_parts(source_id, socks, parts, self._chunk_bytes(hashes), compress)
+
+    def _ask_parts(self, source_id: str, socks: list[socket.socket], parts: list[list[BlockHash]], chunk_bytes: int,
+                   compress: bool) -> list[LinkStream]:
+        """A stream a part, each over its connection, or none where a request could not be sent: the streams
+        that asked already are closed, the connections not asked on yet kept for the next pull."""
+        streams = []
+        for at, (sock, part) in enumerate(zip(socks, parts)):
+            stream = self._ask(sock, part, chunk_bytes, compress)
+            if stream is None:
+                for asked in streams:
+                    asked.close()
+                    self._buffers.extend(asked.buffers)
+                self._keep(source_id, socks[at + 1 :])
+                return []
+            streams.append(stream)
+        return streams
+
+    def _ask(self, sock: socket.socket, hashes: list[BlockHash], chunk_bytes: int, compress: bool) -> LinkStream | None:
         """A stream whose request for `hashes` went, its chunks held until `take`; None, the connection
         closed, where the request could not be sent (the source went away): nothing was asked yet."""
         buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(4)]  # arriving, queued, importing
         stream = LinkStream(sock, buffers, self.mover.geometry, state_geometry=self.mover.state_geometry)
         try:
-            stream.start(hashes, chunk_size(len(hashes) * self.mover.geometry.bytes_per_block, self.config.chunk_bytes),
-                         compress=compress)
+            stream.start(hashes, chunk_bytes, compress=compress)
         except OSError as exc:
             log.info("node %s: a KV link request could not be sent (%s)", self.node_id, exc)
             stream.close()
@@ -227,46 +290,52 @@ class DirectPath:
         self._buffers.extend(stream.buffers)
 
     def _plan_and_take(self, engine, hashes: list[BlockHash], compress: bool, result: PullResult,
-                       asked: LinkStream | None) -> tuple[BlockLanding | None, list[BlockHash], _Sink | None]:
+                       asked: list[LinkStream]) -> tuple[BlockLanding | None, list[BlockHash], _Sink | None]:
         """(`_plan`'s landing, the blocks to ask for: those not held here, as many as the landing has room
-        for, the sink given to `asked` or None) (engine thread): where `asked` asked for just those, its
-        chunks' sink, given to it from here."""
+        for, the sink given to `asked` or None) (engine thread): where `asked` asked for just those, and in
+        parts only where they land in a landing, its chunks' sink, given to it from here."""
         result.local, landing = _plan(engine, hashes, places=not compress)
         wanted = hashes[result.local :][: landing.capacity if landing is not None else None]
-        if asked is None or len(wanted) != len(hashes):
+        if not asked or len(wanted) != len(hashes) or (landing is None and len(asked) > 1):
             return landing, wanted, None
         return landing, wanted, self._take(asked, landing, result, compress)
 
-    def _take(self, stream: LinkStream, landing: BlockLanding | None, result: PullResult, compress: bool) -> _Sink:
-        """The sink of `stream`'s chunks, given to it: landed in `landing` (read straight into its blocks where
-        they come plain), else imported by the engine thread."""
+    def _take(self, streams: list[LinkStream], landing: BlockLanding | None, result: PullResult, compress: bool) -> _Sink:
+        """The sink of the streams' chunks, given to each: landed in `landing`, each stream's in its part
+        (read straight into its blocks where they come plain), else imported by the engine thread."""
         engine = self.mover.engine
-        sink = _ChunkLander(landing, result, self._lander, engine) if landing is not None else _ChunkImporter(engine, result)
-        sink.stream = stream
-        stream.take(sink, landing if landing is not None and not compress and landing.places_wire_bytes else None)
+        if landing is None:
+            sink = _ChunkImporter(engine, result, streams)
+            for stream in streams:
+                stream.take(_StreamSink(sink, stream, None))
+            return sink
+        sink = _ChunkLander(landing, result, self._lander, engine, streams)
+        places = not compress and landing.places_wire_bytes
+        for stream, part in zip(streams, landing.parts([stream.asked_blocks for stream in streams])):
+            stream.take(_StreamSink(sink, stream, part), part if places else None)
         return sink
 
-    async def _receive(self, source_id: str, stream: LinkStream, sink: _Sink, result: PullResult,
+    async def _receive(self, source_id: str, streams: list[LinkStream], sink: _Sink, result: PullResult,
                        started: float) -> PullResult:
         try:
             try:
-                await asyncio.wrap_future(sink.finished)  # the reply ended and the engine ran `finish`
+                await asyncio.wrap_future(sink.finished)  # every reply ended and the engine ran `finish`
             finally:
-                await stream.stopped()  # at once where it ended; else it is closed (the pull given up part way)
+                for stream in streams:  # at once where it ended; else it is closed (the pull given up part way)
+                    await stream.stopped()
                 if not sink.finished.done():
-                    await asyncio.wrap_future(sink.finished)  # the stream told the sink the end as it stopped
-            if (failure := sink.error or stream.failure) is not None:
+                    await asyncio.wrap_future(sink.finished)  # the streams told the sink the end as they stopped
+            if (failure := sink.error or sink.failure) is not None:
                 raise failure
             result.seconds = time.perf_counter() - started
-            self._learn_link_rate(source_id, stream)
+            self._learn_link_rate(source_id, streams)
         except Exception as exc:  # a refused payload, or the source went away mid-reply
             self.mover._failed(result, sink.error or exc)
         finally:
-            kept = stream.release()
-            if kept is not None:
-                self._idle[source_id] = (kept, time.monotonic())
-            self._buffers.extend(stream.buffers)
-            result.wire_bytes = stream.wire_bytes
+            self._keep(source_id, [sock for sock in (stream.release() for stream in streams) if sock is not None])
+            for stream in streams:
+                self._buffers.extend(stream.buffers)
+            result.wire_bytes = sum(stream.wire_bytes for stream in streams)
         self.mover.counters.migrated_blocks += result.imported
         self.mover.counters.migrated_bytes += result.bytes
         return result
@@ -369,17 +438,42 @@ def steps(engine) -> bool:
 
 
 class _Sink:
-    """What both sinks do once the reply ends: have the engine run `finish` after every call they queued
-    there, and publish the KV events of the pull, from the thread that saw the end: there where the engine
-    idles, else queued for the engine thread (`AsyncEngine.call_here_if_idle`); `finished` settles once it ran."""
+    """What both sinks do once every stream's reply ends: have the engine run `finish` after every call they
+    queued there, and publish the KV events of the pull, from the thread that saw the last end: there where
+    the engine idles, else queued for the engine thread (`AsyncEngine.call_here_if_idle`); `finished` settles
+    once it ran. A stream that ends short ends the others: its part's blocks are missing, and the blocks
+    after them are not cached (`BlockLanding.landed`)."""
 
-    def __init__(self, engine, result: PullResult):
-        self.engine, self.result = engine, result
-        self.stream: LinkStream | None = None
+    def __init__(self, engine, result: PullResult, streams: Sequence[LinkStream]):
+        self.engine, self.result, self.streams = engine, result, list(streams)
         self.error: Exception | None = None
+        self.failure: BaseException | None = None  # what ended the first stream that ended short
         self.finished: Future = Future()
+        self._ends = len(self.streams)  # streams whose end is still to come
+        self._lock = threading.Lock()  # the receive threads' counts
 
-    def end(self) -> None:  # receive thread, once
+    def received(self, size: int) -> None:  # a receive thread
+        with self._lock:
+            self.result.bytes += size
+
+    def stream_ended(self, stream: LinkStream) -> None:  # its receive thread, once
+        with self._lock:
+            first_failure = stream.failure is not None and self.failure is None
+            if first_failure:
+                self.failure = stream.failure
+            self._ends -= 1
+            last = self._ends == 0
+        if first_failure:
+            self.stop()
+        if last:
+            self.end()
+
+    def stop(self) -> None:
+        """Nothing more of the pull is wanted: close every stream."""
+        for stream in self.streams:
+            stream.close()
+
+    def end(self) -> None:  # the receive thread of the last stream to end
         self._run_finish()
 
     def finish(self, engine) -> None:  # the engine's turn, after every call the pull queued there
@@ -395,72 +489,90 @@ class _Sink:
             self.finished.set_result(None)
 
 
-class _ChunkLander(_Sink):
-    """Has a stepping engine list as cached the blocks of chunks the receive thread read straight into the
-    blocks reserved for them (`orchard.kvcache.block_landing`) as each lands (`placed`), and the engine at the
-    end (`finish`) the rest, with those of chunks it handed here from a buffer: those land on the path's
-    landing thread, so the receive thread takes the next chunk meanwhile. The first refused chunk stops
-    the rest and ends the stream."""
+class _StreamSink:
+    """One stream's chunks, told to its pull's sink with the stream they came on and the part of the landing
+    they land in (`orchard.node.serving.kv_link.ChunkSink`)."""
 
-    def __init__(self, landing: BlockLanding, result: PullResult, lander: ThreadPoolExecutor, engine):
-        super().__init__(engine, result)
+    def __init__(self, sink: _Sink, stream: LinkStream, part: LandingPart | None):
+        self.sink, self.stream, self.part = sink, stream, part
+
+    def __call__(self, buffer: bytearray, size: int, payload: KVPayload) -> None:  # receive thread
+        self.sink.chunk(self, buffer, size, payload)
+
+    def placed(self, size: int) -> None:  # receive thread
+        self.sink.placed(size)
+
+    def end(self) -> None:  # receive thread, once
+        self.sink.stream_ended(self.stream)
+
+
+class _ChunkLander(_Sink):
+    """Has a stepping engine list as cached the blocks of chunks the receive threads read straight into the
+    blocks reserved for them (`orchard.kvcache.block_landing`) as each lands (`placed`), and the engine at the
+    end (`finish`) the rest, with those of chunks a stream handed here from a buffer: those land in the
+    stream's part on the path's landing thread, so the receive thread takes the next chunk meanwhile. The first
+    refused chunk stops the rest and ends the streams."""
+
+    def __init__(self, landing: BlockLanding, result: PullResult, lander: ThreadPoolExecutor, engine,
+                 streams: Sequence[LinkStream]):
+        super().__init__(engine, result, streams)
         self.landing, self._lander = landing, lander
         self._handed = False  # a chunk went to the landing thread
 
-    def __call__(self, buffer: bytearray, size: int, payload: KVPayload) -> None:  # receive thread
-        self.result.bytes += size
+    def chunk(self, via: _StreamSink, buffer: bytearray, size: int, payload: KVPayload) -> None:  # receive thread
+        self.received(size)
         self._handed = True
-        self._lander.submit(self._land, buffer, payload)
+        self._lander.submit(self._land, via, buffer, payload)
 
     def placed(self, size: int) -> None:  # receive thread: a chunk read straight into its blocks
-        """Have a stepping engine thread list the chunk's blocks now (`BlockLanding.adopt_landed`), between two
+        """Have a stepping engine thread list the landed blocks now (`BlockLanding.adopt_landed`), between two
         steps, queued straight from here, so that `finish`, which waits for the step in progress, lists only
-        the last chunk's. An idle engine lists them all in `finish`, which this thread then runs itself
-        (`_Sink.end`): listed here chunk by chunk instead, the listing slowed this thread, the pull's slowest
-        stage, on 4 and 16 cores (docs/benchmarks.md, "## migration")."""
-        self.result.bytes += size
+        the last chunk's. An idle engine lists them all in `finish`, which the last receive thread then runs
+        itself (`_Sink.end`): listed here chunk by chunk instead, the listing slowed this thread, the pull's
+        slowest stage, on 4 and 16 cores (docs/benchmarks.md, "## migration")."""
+        self.received(size)
         if steps(self.engine.engine):
             self.engine.call_from_thread(lambda e: self.landing.adopt_landed(), self._listed)
 
-    def end(self) -> None:  # receive thread, once
+    def end(self) -> None:  # the receive thread of the last stream to end
         """`finish` once every chunk handed to the landing thread has landed: asked for from that thread after them."""
         self._lander.submit(self._run_finish) if self._handed else self._run_finish()
 
     def _listed(self, listed: int | None, exc: Exception | None) -> None:  # the engine's turn
         if exc is not None and self.error is None:
             self.error = exc
-            self.stream.close()
+            self.stop()
         self.result.imported += listed or 0
 
-    def _land(self, buffer: bytearray, payload: KVPayload) -> None:  # landing thread
+    def _land(self, via: _StreamSink, buffer: bytearray, payload: KVPayload) -> None:  # landing thread
         try:
             if self.error is None:
-                self.landing.land(payload.blocks)
+                via.part.land(payload.blocks)
         except Exception as exc:  # a chunk that is not the run's next blocks: nothing more is wanted
             self.error = exc
-            self.stream.close()
+            self.stop()
         finally:
-            self.stream.done(buffer)
+            via.stream.done(buffer)
 
-    def finish(self, engine) -> None:  # the engine's turn, once the reply ended or broke off and every chunk landed
+    def finish(self, engine) -> None:  # the engine's turn, once the replies ended or broke off and every chunk landed
         self.result.imported += self.landing.adopt()
 
 
 class _ChunkImporter(_Sink):
     """Imports each verified chunk on the engine thread, queued straight from the receive thread
     (`AsyncEngine.call_from_thread`), so no chunk waits for the event loop to wake; the first
-    refused chunk stops the rest and ends the stream."""
+    refused chunk stops the rest and ends the streams."""
 
-    def __call__(self, buffer: bytearray, size: int, payload: KVPayload) -> None:  # receive thread
-        self.result.bytes += size
-        self.engine.call_from_thread(lambda e: self._import(e, payload), lambda n, exc: self._settle(buffer, n, exc))
+    def chunk(self, via: _StreamSink, buffer: bytearray, size: int, payload: KVPayload) -> None:  # receive thread
+        self.received(size)
+        self.engine.call_from_thread(lambda e: self._import(e, payload), lambda n, exc: self._settle(via, buffer, n, exc))
 
     def _import(self, engine, payload: KVPayload) -> int:
         return 0 if self.error is not None else engine.kv.import_decoded(payload.blocks, payload.state)
 
-    def _settle(self, buffer: bytearray, imported: int | None, exc: Exception | None) -> None:  # engine thread
+    def _settle(self, via: _StreamSink, buffer: bytearray, imported: int | None, exc: Exception | None) -> None:  # engine thread
         if exc is not None and self.error is None:
             self.error = exc
-            self.stream.close()  # nothing more of this reply is wanted
+            self.stop()  # nothing more of this reply is wanted
         self.result.imported += imported or 0
-        self.stream.done(buffer)
+        via.stream.done(buffer)

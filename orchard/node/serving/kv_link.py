@@ -74,8 +74,10 @@ _MAX_REQUEST = 64 << 20
 COMPRESS_MODES = ("auto", "always", "never")
 RATE_MIN_BYTES = 1 << 20  # a reply shorter than this says too little of its link's rate
 SENDERS = KeptThreads("kv-link-send")  # each reply's sending, where it does not go from the connection's thread
-#: A process that may run on this many cores or fewer sends each reply from a kept thread (`KVLinkConfig`).
+#: A process that may run on this many cores or fewer sends each reply from a kept thread and pulls over one
+#: connection at a time (`KVLinkConfig`).
 FEW_CORES = 2
+MANY_CORES_CONNECTIONS = 2  # a pull's connections where the process has more cores (`KVLinkConfig.connections_per_pull`)
 
 
 def usable_cores() -> int:
@@ -112,10 +114,23 @@ class KVLinkConfig:
     # wake-up before the first chunk, for nothing (measured at two cores and at sixteen: docs/benchmarks.md,
     # "## migration").
     reply_from_kept_thread: bool | None = None
+    # A plain pull of more than one chunk asks for its run in consecutive parts of whole chunks, each over a
+    # connection of its own, at once: each end then has a thread a connection that copies and checksums its
+    # part's bytes, where one thread did all of them. None: `MANY_CORES_CONNECTIONS` where this process may
+    # run on more than `FEW_CORES` cores, else one (docs/benchmarks.md, "## migration").
+    connections_per_pull: int | None = None
 
     def __post_init__(self):
         if self.compress not in COMPRESS_MODES:
             raise ValueError(f"compress is one of {COMPRESS_MODES}, not {self.compress!r}")
+        if self.connections_per_pull is not None and self.connections_per_pull < 1:
+            raise ValueError(f"connections_per_pull is at least 1, not {self.connections_per_pull}")
+
+    def pull_connections(self) -> int:
+        """The connections a pull may spread its run over (`connections_per_pull`, None resolved here)."""
+        if self.connections_per_pull is not None:
+            return self.connections_per_pull
+        return MANY_CORES_CONNECTIONS if usable_cores() > FEW_CORES else 1
 
 
 @dataclass
@@ -266,6 +281,7 @@ class LinkStream:
             self._free.put(buffer)
         self.buffers = buffers
         self.ended = False  # the reply's end marker arrived: the connection can serve another pull
+        self.asked_blocks = 0  # the blocks the request asked for (`start`)
         self.wire_bytes = 0  # the chunks' bytes as they came over the link (fewer than their payloads' if compressed)
         self._began = self._ended = 0.0  # when the first chunk's bytes began to land, when the last chunk's had
         self.stalled_s = 0.0  # while the receive thread waited for a buffer: the target, not the link, set the pace
@@ -277,6 +293,7 @@ class LinkStream:
         """Ask for the blocks of `hashes` (or, with `probe_bytes`, a probe payload of about that size);
         layer-major unless a hybrid model's, which needs the state that only version 2 carries; with
         `compress`, each chunk as a compressed frame, which inflates to no more than all it asked for."""
+        self.asked_blocks = 0 if probe_bytes else len(hashes)
         ask = {"probe": probe_bytes} if probe_bytes else {"hashes": [bytes(h) for h in hashes], "chunk_bytes": chunk_bytes}
         if not probe_bytes and self.state_geometry is None:
             ask["layer_major"] = True

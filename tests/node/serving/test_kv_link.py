@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 
 from orchard.kvcache import block_transfer, wire_compressed
-from orchard.kvcache.block_landing import BlockLanding
+from orchard.kvcache.block_landing import BlockLanding, LandingPart
 from orchard.kvcache.events import BlockRemoved, BlockStored
 from orchard.kvcache.hashing import BlockHash
 from orchard.kvcache.wire_transit import IncomingPayload
@@ -35,7 +35,8 @@ KEY = auth.link_key("a-cluster-token-of-at-least-32-characters")
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 # Two demo blocks a chunk: several chunks. Replies from kept threads whatever this machine's cores (the default's
 # choice, `test_replies_go_from_kept_threads_by_default_only_where_the_process_has_two_cores_or_fewer`).
-CONFIG = KVLinkConfig(chunk_bytes=2 * 65536, handshake_timeout_s=2.0, reply_from_kept_thread=True)
+# One connection a pull unless a test says (`nodes` runs each test over one connection and over two).
+CONFIG = KVLinkConfig(chunk_bytes=2 * 65536, handshake_timeout_s=2.0, reply_from_kept_thread=True, connections_per_pull=1)
 
 
 def prompt(seed: int, length: int = 90) -> list[int]:
@@ -61,10 +62,13 @@ def linked(names: str, engine_config: EngineConfig, link_config: KVLinkConfig = 
         loop.close()
 
 
-@pytest.fixture(scope="module")
-def nodes():
-    """Source "a" and target "b" (and "c"), each an engine with its listener, on one event loop."""
-    with linked("abc", EngineConfig(block_size=BS, num_blocks=64, max_num_batched_tokens=128)) as linked_nodes:
+@pytest.fixture(scope="module", params=[1, 2], ids=["one connection", "two connections"])
+def nodes(request):
+    """Source "a" and target "b" (and "c"), each an engine with its listener, on one event loop; pulls over one
+    connection, then (a second set of nodes) over two at once: a 90-token prompt's five blocks are three chunks,
+    asked for as four blocks on one connection and one on the other."""
+    config = replace(CONFIG, connections_per_pull=request.param)
+    with linked("abc", EngineConfig(block_size=BS, num_blocks=64, max_num_batched_tokens=128), config) as linked_nodes:
         yield linked_nodes
 
 
@@ -169,7 +173,9 @@ def test_a_direct_pull_goes_layer_major_in_several_chunks_and_decodes_token_exac
     real = kv_link.layer_pieces
     monkeypatch.setattr(kv_link, "layer_pieces", lambda geometry, chunk: chunks.append(len(chunk.hashes)) or real(geometry, chunk))
     result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(31))
-    assert (result.ok, result.imported, chunks) == (True, 5, [2, 2, 1])
+    assert (result.ok, result.imported, sorted(chunks)) == (True, 5, [1, 2, 2])
+    if paths["b"].config.pull_connections() == 1:
+        assert chunks == [2, 2, 1]  # in the run's order (over two connections, 4 blocks on one and 1 on the other)
     assert (migrated, hit) == (reference, 5 * BS)
 
 
@@ -211,6 +217,54 @@ def test_replies_go_from_kept_threads_by_default_only_where_the_process_has_two_
         assert server.replies_from_kept_threads is kept
     finally:
         server.close()
+
+
+@pytest.mark.parametrize(("cores", "configured", "connections"), [(1, None, 1), (2, None, 1), (3, None, 2),
+                                                                  (16, None, 2), (16, 1, 1), (2, 3, 3)])
+def test_pulls_spread_over_two_connections_by_default_only_where_the_process_has_more_than_two_cores(
+        monkeypatch, cores, configured, connections):
+    monkeypatch.setattr(kv_link, "usable_cores", lambda: cores)
+    assert KVLinkConfig(connections_per_pull=configured).pull_connections() == connections
+    with pytest.raises(ValueError):
+        KVLinkConfig(connections_per_pull=0)
+
+
+def test_a_pull_over_two_connections_asks_for_its_run_in_parts_of_whole_chunks_each_placed_by_a_thread_of_its_own(
+        monkeypatch):
+    """Five blocks, two a chunk: four blocks asked on one connection and one on the other, each part read
+    straight into the pool by its own receive thread; both connections kept for the next pull."""
+    asked, placers = [], set()
+    real_read, real_place = kv_link._read_request, IncomingPayload.place
+    monkeypatch.setattr(kv_link, "_read_request", lambda conn: (request := real_read(conn)) and asked.append(
+        len(request["hashes"])) or request)
+    monkeypatch.setattr(IncomingPayload, "place", lambda self, *a: (placed := real_place(self, *a))
+                        and placers.add(threading.get_ident()) or placed)
+    engine_config = EngineConfig(block_size=BS, num_blocks=64, max_num_batched_tokens=128)
+    with linked("ab", engine_config, replace(CONFIG, connections_per_pull=2)) as (loop, paths):
+        result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(78))
+        assert (result.ok, result.imported, sorted(asked), len(placers)) == (True, 5, [1, 4], 2)
+        assert (migrated, hit) == (reference, 5 * BS)
+        accepted = paths["a"].server.counters.accepted
+        again, (migrated, hit), (reference, _) = pull(loop, paths, prompt(79, length=40))  # two blocks: one chunk
+        assert (again.ok, again.imported, sorted(asked)) == (True, 2, [1, 2, 4])
+        assert (migrated, hit) == (reference, 2 * BS) and paths["a"].server.counters.accepted == accepted
+        assert len(paths["b"]._idle["a"]) == 2  # the one the last pull did not use is still kept
+
+
+def test_a_pull_over_two_connections_whose_source_holds_part_of_the_run_caches_its_leading_blocks_only(monkeypatch):
+    """The source holds three of eight blocks: the first connection's reply carries those three, the second's
+    none; the blocks reserved for the rest are freed."""
+    engine_config = EngineConfig(block_size=BS, num_blocks=64, max_num_batched_tokens=128)
+    with linked("ab", engine_config, replace(CONFIG, connections_per_pull=2)) as (loop, paths):
+        tokens = prompt(80, length=8 * BS + 3)
+        loop.run_until_complete(generate(paths["a"], "held-80", tokens[: 3 * BS + 1]))
+        result = loop.run_until_complete(paths["b"].pull("a", hashes_of(paths["a"], tokens), resolves_to(paths["a"])))
+        assert (result.ok, result.requested, result.imported) == (True, 8, 3)
+        manager = paths["b"].mover.engine.engine.kv.manager
+        assert manager.num_cached == 3 and manager.num_used == 0
+        (migrated, hit), (reference, _) = loop.run_until_complete(generate(paths["b"], "after-80", tokens[: 3 * BS + 1])), \
+            loop.run_until_complete(generate(paths["a"], "again-80", tokens[: 3 * BS + 1]))
+        assert (migrated, hit) == (reference, 3 * BS)
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "sched_setaffinity"), reason="the OS sets no affinity")
@@ -279,14 +333,14 @@ def counting(monkeypatch, kv):
     """Record the threads that read chunks straight into the pool, land chunks from a buffer, list landed
     blocks as a run goes on and adopt runs, and the chunks imported on the engine thread."""
     seen = {"place": [], "land": [], "adopt_landed": [], "adopt": [], "import": []}
-    real_land, real_adopt, real_import = BlockLanding.land, BlockLanding.adopt, kv.import_decoded
+    real_land, real_adopt, real_import = LandingPart.land, BlockLanding.adopt, kv.import_decoded
     real_adopt_landed = BlockLanding.adopt_landed
     monkeypatch.setattr(BlockLanding, "adopt_landed", lambda self: seen["adopt_landed"].append(
         threading.current_thread().name) or real_adopt_landed(self))
     real_place = IncomingPayload.place
     monkeypatch.setattr(IncomingPayload, "place", lambda self, *a: (placed := real_place(self, *a))
                         and seen["place"].append(threading.current_thread().name) or placed)
-    monkeypatch.setattr(BlockLanding, "land", lambda self, blocks: seen["land"].append(threading.current_thread().name)
+    monkeypatch.setattr(LandingPart, "land", lambda self, blocks: seen["land"].append(threading.current_thread().name)
                         or real_land(self, blocks))
     monkeypatch.setattr(BlockLanding, "adopt", lambda self: seen["adopt"].append(threading.current_thread().name)
                         or real_adopt(self))
@@ -567,7 +621,7 @@ def test_an_idle_source_pins_and_unpins_on_its_links_thread_and_a_stepping_one_o
         monkeypatch.setattr(kv, method, lambda *a, real=real, name=name: seen[name].append(
             threading.current_thread().name) or real(*a))
     source = paths["a"].mover.engine
-    tokens = prompt(141)
+    tokens = prompt(141, length=40)  # one chunk: one request, over one connection or two
     loop.run_until_complete(generate(paths["a"], "cache-141", tokens))
     until_idle(source)  # its last step handed over: a call made now is lent, not queued
     idle = loop.run_until_complete(paths["b"].pull("a", hashes_of(paths["a"], tokens), resolves_to(paths["a"])))
@@ -575,7 +629,7 @@ def test_an_idle_source_pins_and_unpins_on_its_links_thread_and_a_stepping_one_o
     seen["pin"].clear(), seen["unpin"].clear()
 
     async def pull_while_the_source_decodes():
-        tokens = prompt(142)
+        tokens = prompt(142, length=40)
         await generate(paths["a"], "cache-142", tokens)
         busy = asyncio.ensure_future(generate_many(source, "busy-142"))
         while not source.stats().get("running"):
@@ -612,7 +666,7 @@ def test_a_second_pull_from_the_same_source_reuses_the_authenticated_connection(
 def test_a_kept_connection_the_source_closed_is_replaced_by_a_fresh_one(nodes):
     loop, paths = nodes
     pull(loop, paths, prompt(5))
-    kept, _ = paths["b"]._idle["a"]
+    (kept, _), *_ = paths["b"]._idle["a"]
     kept.shutdown(socket.SHUT_WR)  # the listener reads the end and closes its side
     assert wait_until(lambda: kept.recv(1, socket.MSG_PEEK) == b"")
     accepted = paths["a"].server.counters.accepted
