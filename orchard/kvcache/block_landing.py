@@ -102,9 +102,11 @@ class BlockLanding:
         each `[k, block_size, heads, head dim]`: one view of all n where the blocks reserved are consecutive,
         else one a block. The
         caller writes every layer; the blocks count as landed only if its body returns, so a chunk whose bytes
-        turn out damaged part way leaves them reserved, never cached. Holds the landing's lock meanwhile:
-        `adopt` and `release` wait for a chunk being written. `at`: the run's place of the first block (a part's,
-        `LandingPart`), else the first not landed."""
+        turn out damaged part way leaves them reserved, never cached. `adopt` and `release` wait for a chunk
+        being written; the landing's lock is not held meanwhile, so other parts' chunks are written at once.
+        `at`: the run's place of the first block (a part's, `LandingPart`), else the first not landed."""
+        if hash_block_rows(parents, tokens) != hashes.tobytes():
+            raise IncompatibleKVPayload("a block's hash does not match its parent and tokens")
         with self._lock:
             start = self.landed if at is None else at
             rows = self._claim(start, hashes, parents, tokens)
@@ -134,8 +136,8 @@ class BlockLanding:
             self.landed += 1
 
     def _claim(self, start: int, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> list[slice]:
-        """The reserved blocks of the run's `len(hashes)` blocks from `start`, once they are checked to be
-        those and marked as being written, as slices of the pool's blocks: one where they are consecutive,
+        """The reserved blocks of the run's `len(hashes)` blocks from `start` (whose hashes follow from their
+        parents and tokens), once they are checked to be those and marked as being written, as slices of the pool's blocks: one where they are consecutive,
         else one a block (under the lock)."""
         if self._done:
             raise IncompatibleKVPayload("a chunk arrived after its pull ended")
@@ -146,8 +148,6 @@ class BlockLanding:
             raise IncompatibleKVPayload("a chunk of the reply repeats blocks already landed")
         if start and parents[0].tobytes() != self._wanted[(start - 1) * HASH_SIZE : start * HASH_SIZE]:
             raise IncompatibleKVPayload("a chunk of the reply does not follow the block before it")
-        if hash_block_rows(parents, tokens) != hashes.tobytes():
-            raise IncompatibleKVPayload("a block's hash does not match its parent and tokens")
         self._claimed[start : start + n] = [True] * n
         rows = as_slice(self.block_ids[start : start + n])
         return [rows] if isinstance(rows, slice) else [slice(b, b + 1) for b in rows.tolist()]

@@ -494,3 +494,11 @@ def test_router_load_seconds_uses_measured_rates():
     (load, prefill), = Router().load_seconds(coord.membership.candidates("m")).values()
     assert prefill == pytest.approx(1 / 500)
     assert load == pytest.approx(1000 / 500 + 2 / 100)
+
+
+def test_the_migration_bench_takes_the_connections_a_pull_spreads_over():
+    from orchard.cluster.bench.migration import parse_args
+
+    config, link, via_ray = parse_args(["--connections", "2", "--sizes", "small"])
+    assert (config.connections, config.sizes, link, via_ray) == (2, ("small",), None, False)
+    assert parse_args([])[0].connections is None  # the pulling node's cores decide

@@ -59,6 +59,7 @@ class BenchConfig:
     block_size: int = 16
     lengths: dict = field(default_factory=lambda: dict(DEFAULT_LENGTHS))
     compress: str = "auto"  # the pulling node's `KVLinkConfig.compress`
+    connections: int | None = None  # the pulling node's `KVLinkConfig.connections_per_pull`; its cores decide when None
     kv_dtype: str | None = None  # the nodes' KV dtype (`EngineConfig.dtype`); the model's when None
     busy: int = 0  # sequences b decodes while the throughput rows pull into it (a serving node's steps)
     json_path: str | None = None  # where to write the report's numbers too (`migration_report.save_report`)
@@ -100,7 +101,8 @@ class NodePair:
         engine = EngineConfig(model=str(default_demo_model_path(size)), block_size=config.block_size,
                               num_blocks=num_blocks, max_num_seqs=4, max_num_batched_tokens=512, dtype=config.kv_dtype)
         options = dict(heartbeat_s=HEARTBEAT_S, model_name=self.model, link_token=secrets.token_urlsafe(32))
-        pulling = dict(options, link=KVLinkConfig(host=RAY_NODE_HOST, compress=config.compress))
+        pulling = dict(options, link=KVLinkConfig(host=RAY_NODE_HOST, compress=config.compress,
+                                                  connections_per_pull=config.connections))
         self.a = start_node_actor(local.head_ray_node_id, node_actor_config(f"a-{size}", engine, **options))
         self.b = start_node_actor(local.worker_nodes[0].node_id, node_actor_config(f"b-{size}", engine, **pulling))
         self.a_id, self.b_id = f"a-{size}", f"b-{size}"
@@ -352,10 +354,11 @@ def main(argv: list[str] | None = None) -> int:
                 cases += [run_case(pair, n) for n in config.lengths.get(size, (config.prefix_tokens,))]
             finally:
                 pair.close()
-    busy = f"; b decoding {config.busy} sequences while the throughput rows pull into it" if config.busy else ""
-    print_report(tcp, rows, cases, openblas_in_use(), where + busy)
+    notes = f"; b decoding {config.busy} sequences while the throughput rows pull into it" if config.busy else ""
+    notes += f"; pulls over {config.connections} connection(s) each" if config.connections else ""
+    print_report(tcp, rows, cases, openblas_in_use(), where + notes)
     if config.json_path:
-        save_report(config.json_path, link or "loopback", tcp, rows, cases, where + busy)
+        save_report(config.json_path, link or "loopback", tcp, rows, cases, where + notes)
     return 0
 
 
@@ -398,6 +401,9 @@ def parse_args(argv) -> tuple[BenchConfig, str | None, bool]:
     p.add_argument("--ray", action="store_true", help="with --link: two raylets across the namespaces, as without --link")
     p.add_argument("--compress", choices=COMPRESS_MODES, default="auto",
                    help="the pulling node's compressed chunks (KVLinkConfig.compress); over Ray only")
+    p.add_argument("--connections", type=int, default=None,
+                   help="connections each pull spreads over (KVLinkConfig.connections_per_pull; by default as the "
+                        "pulling node's cores decide); over Ray only")
     p.add_argument("--kv-dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="the nodes' KV dtype (the demo models' own is float32); over Ray only")
     p.add_argument("--busy", type=int, default=0,
@@ -409,7 +415,7 @@ def parse_args(argv) -> tuple[BenchConfig, str | None, bool]:
     lengths = {s: tuple(sorted(set(DEFAULT_LENGTHS.get(s, ())) | {args.prefix_tokens})) for s in sizes}
     pull_tokens = tuple(int(n) for n in args.pull_tokens.split(",") if n)
     config = BenchConfig(prefix_tokens=args.prefix_tokens, sizes=sizes, tcp_mib=args.tcp_mib, lengths=lengths,
-                         pull_tokens=pull_tokens, repeats=args.repeats, compress=args.compress,
+                         pull_tokens=pull_tokens, repeats=args.repeats, compress=args.compress, connections=args.connections,
                          kv_dtype=args.kv_dtype, busy=args.busy, json_path=args.json)
     return config, args.link, args.ray
 

@@ -1,9 +1,10 @@
 """The direct KV data path between two nodes: a listener on each, a client in each pull.
 
 Ray's object store moves a payload at a fifth of what the link carries, and needs the
-payload as one bytes object on both sides; this link sends a pull's blocks over one TCP
-connection, straight from the pool's arrays, into buffers the target keeps for the next
-pull. On the wire (after `orchard.node.serving.link_auth`'s handshake):
+payload as one bytes object on both sides; this link sends a pull's blocks over a TCP
+connection (or a part of them over each of several: `KVLinkConfig.connections_per_pull`), straight
+from the pool's arrays, into the pool blocks reserved for them or buffers the target keeps for the
+next pull. On the wire (after `orchard.node.serving.link_auth`'s handshake):
 
     request   u32 length, msgpack {"hashes": [bytes, ...], "chunk_bytes": int[, "layer_major": true][, "compress": "zstd"]}
               or {"probe": nbytes}: a well-formed payload of blocks no model uses (`orchard.node.serving.migration.probe_payload`)
