@@ -20,10 +20,12 @@ Each step adds one of those:
 - `raw, memory, two connections` and `raw, memory, checksummed, two connections`: each reply in two halves,
   each on a connection of its own, sent by a thread of its own and read by one of its own (the asking thread
   and a kept one): what spreading a pull's chunks over two connections could give where cores are free.
-- `pull, one connection` and `pull, two connections`: a direct pull of a fresh prefix, as the bench times it,
-  its run asked for over one connection, then in two parts over two (`KVLinkConfig.connections_per_pull`).
+- `pull, 1 connection(s)`, `pull, 2 connection(s)`, ...: a direct pull of a fresh prefix, as the bench times it,
+  its run asked for over one connection, then in parts over each count of `--pull-connections`
+  (`KVLinkConfig.connections_per_pull`).
 
     python -m experiments.kv_pull_floor [--size small] [--tokens 2048] [--rounds 10] [--per-round 6]
+                                        [--pull-connections 1,2]
 
 The steps run in turns of `--per-round` of each, interleaved, so each sees the machine alike. Prints best, p80
 and median GB/s of each, and each one's best and median as a share of the bench's raw TCP's. The numbers go to
@@ -51,7 +53,6 @@ from orchard.node.serving import link_io
 STEPS = ("raw, hot, bench's reads", "raw, hot", "raw, memory", "raw, memory, checksummed",
          "raw, memory, checksummed beside", "raw, memory, two connections", "raw, memory, checksummed, two connections")
 TWO = ", two connections"
-PULLS = {"pull, one connection": 1, "pull, two connections": 2}  # the pull steps: connections a pull spreads over
 REGION_BYTES = 1 << 30  # each end's region: well past any last-level cache here
 SENT_BYTE = 7  # what every byte the source sends holds; the target's regions start as zeros
 
@@ -220,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--per-round", type=int, default=6)
+    p.add_argument("--pull-connections", type=lambda text: [int(n) for n in text.split(",")], default=[1, 2],
+                   help="the connections each pull step spreads over, comma separated")
     args = p.parse_args(argv)
     print_header(f"a pull's bytes, step by step ({args.size}, {args.tokens} tokens)")
     pulls = args.rounds * args.per_round
@@ -243,14 +246,15 @@ def _run(args, ours, loop, path, address) -> dict[str, list[float]]:
         ours.send(("serve", (step, nbytes)))
         askers[step] = _Asker(ours.recv(), step, nbytes)
         askers[step].once()  # warm: the connection, the pages
-    rates: dict[str, list[float]] = {step: [] for step in (*STEPS, *PULLS)}
+    pulls = {f"pull, {n} connection(s)": n for n in args.pull_connections}
+    rates: dict[str, list[float]] = {step: [] for step in (*STEPS, *pulls)}
     seed = 3
     for done in range(args.rounds):
         for step in STEPS:
             for _ in range(args.per_round):
                 time.sleep(0.005)  # idle between replies, as between the bench's pulls
                 rates[step].append(askers[step].once())
-        for step, connections in PULLS.items():
+        for step, connections in pulls.items():
             path.config = replace(path.config, connections_per_pull=connections)
             for _ in range(args.per_round):
                 ours.send(("seed", (args.tokens, seed)))
