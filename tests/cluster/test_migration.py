@@ -33,18 +33,26 @@ BLOCK = 16
 ENGINE = EngineConfig(block_size=BLOCK, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=128)
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 LINK_TOKEN = "a-test-cluster-token-for-the-kv-link-000"
+BLOCK_BYTES = 65536  # a demo model block's KV on the wire
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """Two raylets, node "a" on the head and node "b" on the worker, plus the coordinator."""
+    """Two raylets, node "a" on the head and node "b" on the worker, plus the coordinator. Node "b" pulls in
+    chunks of two blocks over two connections at once (a four-block prefix: two blocks on each); node "a" as
+    configured by default (one connection on this machine's cores)."""
+    from orchard.node.serving.actor import RAY_NODE_HOST
+    from orchard.node.serving.kv_link import KVLinkConfig
+
     local = LocalCluster(cpus_per_node=1).start(extra_nodes=1)
     try:
         ensure_coordinator(CoordinatorConfig(membership=MembershipConfig(dead_after_s=10.0)))
         worker = local.worker_nodes[0].node_id
+        two_way = KVLinkConfig(host=RAY_NODE_HOST, chunk_bytes=2 * BLOCK_BYTES, connections_per_pull=2)
         actors = {
             "a": start_node_actor(local.head_ray_node_id, node_actor_config("a", ENGINE, heartbeat_s=0.5, link_token=LINK_TOKEN)),
-            "b": start_node_actor(worker, node_actor_config("b", ENGINE, heartbeat_s=0.5, link_token=LINK_TOKEN)),
+            "b": start_node_actor(worker, node_actor_config("b", ENGINE, heartbeat_s=0.5, link_token=LINK_TOKEN,
+                                                            link=two_way)),
         }
         yield actors
     finally:
@@ -109,6 +117,7 @@ def test_routed_request_pulls_the_prefix_and_matches_recomputing(cluster):
     assert wait_for(lambda: ray.get(coordinator().match.remote(hashes)) == {"a": 4})
     assert wait_for(lambda: ray.get(coordinator().link_rate.remote("a", "b")))
     before = node_row("b")["kv_migrated_blocks"]
+    accepted = ray.get(cluster["a"].stats.remote())["kv_link_accepted"]
     ray.get(coordinator().drain.remote("a"))  # b is the only candidate; a still holds the prefix
     try:
         async def run():
@@ -123,6 +132,7 @@ def test_routed_request_pulls_the_prefix_and_matches_recomputing(cluster):
     decision = ray.get(coordinator().recent_decisions.remote(1))[0]
     assert (decision["node_id"], decision["reason"], decision["migration"]["num_blocks"]) == ("b", "migrate", 4)
     assert (backend.last_migration.ok, backend.last_migration.imported) == (True, 4)
+    assert ray.get(cluster["a"].stats.remote())["kv_link_accepted"] == accepted + 2  # b's pull: two connections
     assert out.outputs[0].token_ids == reference
     assert out.num_cached_tokens == 4 * BLOCK
     assert backend._streams.direct_readers == 0  # a gateway without the cluster's key reads the node's Ray stream

@@ -220,6 +220,7 @@ class NodeActor:
             "kv_migrated_blocks": counters.migrated_blocks,
             "kv_migration_failures": counters.migration_failures,
             "kv_link_refused": self.direct.refused,  # connections to this node's listener that failed the handshake
+            "kv_link_accepted": self.direct.accepted,  # and those that proved the cluster's key
             "gateway_link_refused": self.gateway_link.refused if self.gateway_link is not None else 0,
         }
 

@@ -79,6 +79,11 @@ class DirectPath:
         """Connections to our listener that did not prove the key."""
         return self.server.counters.refused if self.server is not None else 0
 
+    @property
+    def accepted(self) -> int:
+        """Connections to our listener that proved the key."""
+        return self.server.counters.accepted if self.server is not None else 0
+
     def start(self) -> str | None:
         """Listen (only when a key is set); returns "host:port" or None."""
         if self.key is None or self.server is not None:
