@@ -41,7 +41,6 @@ direct path": the caller falls back to Ray. Nothing listens unless a key is set.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import queue
@@ -76,9 +75,6 @@ _MAX_REQUEST = 64 << 20
 COMPRESS_MODES = ("auto", "always", "never")
 RATE_MIN_BYTES = 1 << 20  # a reply shorter than this says too little of its link's rate
 SENDERS = KeptThreads("kv-link-send")  # each reply's sending, where it does not go from the connection's thread
-#: Each pull's receive loop: a thread kept idle takes it at once, where `Thread.start` returns only once the new thread
-#: runs, two wake-ups on the pull's path before the target plans, one a connection (docs/benchmarks.md, "## migration").
-RECEIVERS = KeptThreads("kv-link-recv")
 #: A process that may run on this many cores or fewer sends each reply from a kept thread and pulls over one
 #: connection at a time (`KVLinkConfig`).
 FEW_CORES = 2
@@ -291,7 +287,7 @@ class LinkStream:
         self._began = self._ended = 0.0  # when the first chunk's bytes began to land, when the last chunk's had
         self.stalled_s = 0.0  # while the receive thread waited for a buffer: the target, not the link, set the pace
         self._inflate_limit = 0
-        self._receiving: concurrent.futures.Future | None = None  # the receive loop's, on a kept thread (`RECEIVERS`)
+        self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None  # what ended the reply short, once it ended (`ChunkSink.end`)
 
     def start(self, hashes: Sequence[bytes], chunk_bytes: int, probe_bytes: int = 0, compress: bool = False) -> None:
@@ -307,7 +303,8 @@ class LinkStream:
             self._inflate_limit = asked_bytes(self.geometry, self.state_geometry, len(hashes))
         request = msgpack.packb(ask, use_bin_type=True)
         self.sock.sendall(U32.pack(len(request)) + request)
-        self._receiving = RECEIVERS.run(self._receive)
+        self._thread = threading.Thread(target=self._receive, name="kv-link-recv", daemon=True)
+        self._thread.start()
 
     async def chunks(self):
         """Yields (buffer, size, payload) until the reply ends, the payload verified and decoded as
@@ -361,18 +358,18 @@ class LinkStream:
     async def stopped(self) -> None:
         """Once the receive thread writes nothing more: at once where it has ended, else once it has, the
         connection closed first so it stops reading (a pull given up part way, its landing to be freed)."""
-        if self._receiving is None or self._finished:
+        if self._thread is None or self._finished:
             return
         self.close()
-        await asyncio.wrap_future(self._receiving)
+        await asyncio.to_thread(self._thread.join)
 
     def release(self) -> socket.socket | None:
         """The connection, for the next pull, once the reply ended whole; else close it and None."""
         if not self.ended:
             self.close()
             return None
-        if self._receiving is not None:
-            concurrent.futures.wait([self._receiving], 1.0)  # past the end marker: the loop is returning
+        if self._thread is not None:
+            self._thread.join(1.0)  # past the end marker: the thread is returning
         return self.sock
 
     def _receive(self) -> None:

@@ -1,5 +1,4 @@
-"""Threads kept idle for work handed to them as it comes: each reply of a KV link's source, each pull's receive
-loop at its target.
+"""Threads kept idle for work handed to them as it comes: each reply of a KV link's source.
 
 On a machine of few cores a pull's source sends each reply from a thread other than the connection's
 (`orchard.node.serving.kv_link.KVLinkConfig.reply_from_kept_thread`). That thread was made for the one reply, and

@@ -219,15 +219,6 @@ def test_replies_go_from_kept_threads_by_default_only_where_the_process_has_two_
         server.close()
 
 
-def test_each_pulls_receive_loop_runs_on_a_thread_kept_idle_between_pulls(nodes):
-    loop, paths = nodes
-    pull(loop, paths, prompt(82))
-    made = kv_link.RECEIVERS.made
-    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(83))
-    assert (result.ok, result.imported, kv_link.RECEIVERS.made) == (True, 5, made)  # no thread made for it
-    assert (migrated, hit) == (reference, 5 * BS)
-
-
 @pytest.mark.parametrize(("cores", "configured", "connections"), [(1, None, 1), (2, None, 1), (3, None, 2),
                                                                   (16, None, 2), (16, 1, 1), (2, 3, 3)])
 def test_pulls_spread_over_two_connections_by_default_only_where_the_process_has_more_than_two_cores(
