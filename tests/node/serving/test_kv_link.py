@@ -251,6 +251,26 @@ def test_a_pull_over_two_connections_asks_for_its_run_in_parts_of_whole_chunks_e
         assert len(paths["b"]._idle["a"]) == 2  # the one the last pull did not use is still kept
 
 
+def test_a_run_is_asked_for_in_parts_of_whole_chunks_only_where_its_chunks_land_in_any_order(nodes, monkeypatch):
+    """Two blocks a chunk: parts of whole chunks, as many as the connections and chunks allow; one part for
+    compressed chunks, a hybrid model's run, a pool not in host memory, or a run of one chunk."""
+    _, paths = nodes
+    path = paths["b"]
+    monkeypatch.setattr(path, "config", replace(path.config, connections_per_pull=2))
+    run = [BlockHash(bytes([n]) * 16) for n in range(7)]  # four chunks
+    assert path._parts(run, compress=False) == [run[:4], run[4:]]
+    assert path._parts(run[:5], compress=False) == [run[:4], run[4:5]]
+    assert path._parts(run[:2], compress=False) == [run[:2]]
+    monkeypatch.setattr(path, "config", replace(path.config, connections_per_pull=3))
+    assert path._parts(run, compress=False) == [run[:4], run[4:]]  # four chunks: parts of two, not three parts
+    assert path._parts(run, compress=True) == [run] and path._parts(run, False, split=False) == [run]
+    monkeypatch.setattr(direct_path, "host_memory", lambda: False)
+    assert path._parts(run, compress=False) == [run]
+    monkeypatch.setattr(direct_path, "host_memory", lambda: True)
+    monkeypatch.setattr(type(path.mover), "state_geometry", property(lambda _mover: object()))
+    assert path._parts(run, compress=False) == [run]
+
+
 def test_a_pull_over_two_connections_whose_source_holds_part_of_the_run_caches_its_leading_blocks_only(monkeypatch):
     """The source holds three of eight blocks: the first connection's reply carries those three, the second's
     none; the blocks reserved for the rest are freed."""
