@@ -39,6 +39,8 @@ from orchard.kvcache.hashing import HASH_SIZE, BlockHash, hash_block_rows
 from orchard.kvcache.pool import KVPool, as_slice
 from orchard.kvcache.wire import BlockRun, KVBlockData, row_bytes, wire_dtype
 
+_FREE, _WRITING, _WRITTEN = range(3)  # a reserved block's state in its landing
+
 
 class BlockLanding:
     """The reserved blocks of one pull, filled in order by `land` (any one thread), cached by `adopt`
@@ -58,8 +60,7 @@ class BlockLanding:
         self._hashes: list[bytes | None] = [None] * n  # of each block landed, by its place in the run
         self._parents: list[bytes | None] = [None] * n
         self._tokens: list[tuple[int, ...] | None] = [None] * n
-        self._claimed = [False] * n  # being written or written: no second chunk may write it
-        self._filled = [False] * n  # written whole
+        self._states = [_FREE] * n  # each reserved block's: free, being written, written whole
         self.landed = 0  # leading blocks of the run written into their reserved blocks, none missing between
         self._listed = 0  # leading blocks of the run listed as cached (`adopt_landed`, `adopt`)
         self._unreachable = False  # the run's first block hangs from nothing here: none of it is listed
@@ -117,7 +118,7 @@ class BlockLanding:
                 self._filled_in(start, hashes, parents, tokens)
         except BaseException:
             with self._lock:
-                self._claimed[start : start + len(hashes)] = [False] * len(hashes)
+                self._states[start : start + len(hashes)] = [_FREE] * len(hashes)
             raise
         finally:
             with self._lock:
@@ -131,8 +132,8 @@ class BlockLanding:
         self._hashes[start:end] = row_bytes(hashes)  # as bytes: the chunk's buffer is reused once handed back
         self._parents[start:end] = row_bytes(parents)
         self._tokens[start:end] = [tuple(t) for t in tokens.tolist()]
-        self._filled[start:end] = [True] * len(hashes)
-        while self.landed < self.capacity and self._filled[self.landed]:
+        self._states[start:end] = [_WRITTEN] * len(hashes)
+        while self.landed < self.capacity and self._states[self.landed] == _WRITTEN:
             self.landed += 1
 
     def _claim(self, start: int, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> list[slice]:
@@ -144,11 +145,11 @@ class BlockLanding:
         n = len(hashes)
         if start + n > self.capacity or hashes.tobytes() != self._wanted[start * HASH_SIZE : (start + n) * HASH_SIZE]:
             raise IncompatibleKVPayload("a chunk of the reply is not the next blocks of the run asked for")
-        if any(self._claimed[start : start + n]):
+        if any(state != _FREE for state in self._states[start : start + n]):
             raise IncompatibleKVPayload("a chunk of the reply repeats blocks already landed")
         if start and parents[0].tobytes() != self._wanted[(start - 1) * HASH_SIZE : start * HASH_SIZE]:
             raise IncompatibleKVPayload("a chunk of the reply does not follow the block before it")
-        self._claimed[start : start + n] = [True] * n
+        self._states[start : start + n] = [_WRITING] * n
         rows = as_slice(self.block_ids[start : start + n])
         return [rows] if isinstance(rows, slice) else [slice(b, b + 1) for b in rows.tolist()]
 

@@ -43,6 +43,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import chain
 
 from orchard.kvcache.block_landing import BlockLanding, LandingPart
 from orchard.kvcache.hashing import BlockHash
@@ -50,7 +51,7 @@ from orchard.kvcache.pool import host_memory
 from orchard.kvcache.wire import KVPayload
 from orchard.node.serving.kv_link import RATE_MIN_BYTES, KVLinkConfig, KVLinkServer, LinkStream, connect
 from orchard.node.serving.link_auth import LinkRefused
-from orchard.node.serving.migration import BlockMover, PullResult, local_prefix
+from orchard.node.serving.migration import BlockMover, PullResult, chunked, local_prefix
 
 log = logging.getLogger(__name__)
 
@@ -202,15 +203,18 @@ class DirectPath:
             self._addresses.pop(source_id, None)
             return None
 
-    def _kept(self, source_id: str) -> list[socket.socket]:
-        """The connections the last pulls from `source_id` left that are still open and fresh (taken)."""
-        kept = []
+    def _kept(self, source_id: str, most: int) -> list[socket.socket]:
+        """Up to `most` of the connections the last pulls from `source_id` left that are still open and fresh
+        (taken; the others fresh stay kept, the stale are closed)."""
+        fresh = []
         for sock, left in self._idle.pop(source_id, []):
             if time.monotonic() - left < self.config.io_timeout_s / 2 and _open(sock):
-                kept.append(sock)
+                fresh.append((sock, left))
             else:
                 sock.close()
-        return kept
+        if fresh[most:]:
+            self._idle[source_id] = fresh[most:]
+        return [sock for sock, _ in fresh[:most]]
 
     def _keep(self, source_id: str, socks: Sequence[socket.socket]) -> None:
         """Keep connections whose replies ended whole for the next pulls from `source_id`."""
@@ -225,10 +229,9 @@ class DirectPath:
         connections = self.config.pull_connections()
         if connections == 1 or not split or compress or self.mover.state_geometry is not None or not host_memory():
             return [hashes]
-        per_chunk = max(1, self._chunk_bytes(hashes) // self.mover.geometry.bytes_per_block)  # as the source cuts them
-        chunks = -(-len(hashes) // per_chunk)
-        per_part = -(-chunks // min(connections, chunks)) * per_chunk
-        return [hashes[i : i + per_part] for i in range(0, len(hashes), per_part)]
+        chunks = chunked(hashes, self.mover.geometry.bytes_per_block, self._chunk_bytes(hashes))  # as the source cuts them
+        per_part = -(-len(chunks) // connections)  # chunks a part, rounded up
+        return [list(chain.from_iterable(chunks[i : i + per_part])) for i in range(0, len(chunks), per_part)]
 
     def _chunk_bytes(self, hashes: Sequence[BlockHash]) -> int:
         return chunk_size(len(hashes) * self.mover.geometry.bytes_per_block, self.config.chunk_bytes)
@@ -237,19 +240,18 @@ class DirectPath:
         """Streams asking for `hashes`' parts (`_parts`) over connections the last pulls from `source_id`
         left, where they left one for each part, their chunks held until `take`; else none."""
         parts = self._parts(hashes, compress)
-        kept = self._kept(source_id)
+        kept = self._kept(source_id, len(parts))
         if len(kept) < len(parts):
             self._keep(source_id, kept)
             return []
-        self._keep(source_id, kept[len(parts) :])
-        return self._ask_parts(source_id, kept[: len(parts)], parts, self._chunk_bytes(hashes), compress)
+        return self._ask_parts(source_id, kept, parts, self._chunk_bytes(hashes), compress)
 
     async def _ask_new(self, source_id: str, address: str, hashes: list[BlockHash], compress: bool,
                        split: bool) -> list[LinkStream]:
         """Streams asking for `hashes`' parts (`_parts`) over kept connections and new ones, or none where a
         connection cannot be made."""
         parts = self._parts(hashes, compress, split)
-        socks = self._kept(source_id)[: len(parts)]
+        socks = self._kept(source_id, len(parts))
         made = await asyncio.gather(*(self._connect(source_id, address) for _ in range(len(parts) - len(socks))))
         socks += [sock for sock in made if sock is not None]
         if len(socks) < len(parts):

@@ -89,6 +89,12 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def few_cores() -> bool:
+    """Whether this process may run on `FEW_CORES` cores or fewer: what the link's defaults that depend on cores
+    follow (`KVLinkConfig.replies_from_kept_threads`, `KVLinkConfig.pull_connections`)."""
+    return usable_cores() <= FEW_CORES
+
+
 @dataclass(frozen=True)
 class KVLinkConfig:
     host: str = "127.0.0.1"  # the address to listen on; beyond loopback only when the cluster binds there
@@ -127,11 +133,15 @@ class KVLinkConfig:
         if self.connections_per_pull is not None and self.connections_per_pull < 1:
             raise ValueError(f"connections_per_pull is at least 1, not {self.connections_per_pull}")
 
+    def replies_from_kept_threads(self) -> bool:
+        """Whether a listener sends each reply from a kept thread (`reply_from_kept_thread`, None resolved here)."""
+        return few_cores() if self.reply_from_kept_thread is None else self.reply_from_kept_thread
+
     def pull_connections(self) -> int:
         """The connections a pull may spread its run over (`connections_per_pull`, None resolved here)."""
         if self.connections_per_pull is not None:
             return self.connections_per_pull
-        return MANY_CORES_CONNECTIONS if usable_cores() > FEW_CORES else 1
+        return 1 if few_cores() else MANY_CORES_CONNECTIONS
 
 
 @dataclass
@@ -174,8 +184,7 @@ class KVLinkServer(link_io.Listener):
         self.key, self.node_id, self.geometry = key, node_id, geometry
         self._export, self._release, self._export_layers = export, release, export_layers
         self.counters = LinkCounters()
-        kept = self.config.reply_from_kept_thread
-        self.replies_from_kept_threads = usable_cores() <= FEW_CORES if kept is None else kept
+        self.replies_from_kept_threads = self.config.replies_from_kept_threads()
         self._encoder = ThreadPoolExecutor(1, thread_name_prefix="kv-link-encode")  # probes, made ahead
         self._probes: dict[int, bytes] = {}
 
