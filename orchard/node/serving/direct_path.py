@@ -280,7 +280,8 @@ class DirectPath:
         """A stream whose request for `hashes` went, its chunks held until `take`; None, the connection
         closed, where the request could not be sent (the source went away): nothing was asked yet."""
         buffers = [self._buffers.pop() if self._buffers else bytearray() for _ in range(4)]  # arriving, queued, importing
-        stream = LinkStream(sock, buffers, self.mover.geometry, state_geometry=self.mover.state_geometry)
+        stream = LinkStream(sock, buffers, self.mover.geometry, state_geometry=self.mover.state_geometry,
+                            kept_thread=self.config.receives_on_kept_threads())
         try:
             stream.start(hashes, chunk_bytes, compress=compress)
         except OSError as exc:

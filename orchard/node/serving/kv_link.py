@@ -41,6 +41,7 @@ direct path": the caller falls back to Ray. Nothing listens unless a key is set.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import queue
@@ -75,8 +76,9 @@ _MAX_REQUEST = 64 << 20
 COMPRESS_MODES = ("auto", "always", "never")
 RATE_MIN_BYTES = 1 << 20  # a reply shorter than this says too little of its link's rate
 SENDERS = KeptThreads("kv-link-send")  # each reply's sending, where it does not go from the connection's thread
-#: A process that may run on this many cores or fewer sends each reply from a kept thread and pulls over one
-#: connection at a time (`KVLinkConfig`).
+RECEIVERS = KeptThreads("kv-link-recv")  # each pull's receive loop, where it does not get a thread started for it
+#: A process that may run on this many cores or fewer sends each reply from a kept thread, receives each pull on
+#: a thread started for it, and pulls over one connection at a time (`KVLinkConfig`).
 FEW_CORES = 2
 MANY_CORES_CONNECTIONS = 2  # a pull's connections where the process has more cores (`KVLinkConfig.connections_per_pull`)
 
@@ -126,6 +128,13 @@ class KVLinkConfig:
     # part's bytes, where one thread did all of them. None: `MANY_CORES_CONNECTIONS` where this process may
     # run on more than `FEW_CORES` cores, else one (docs/benchmarks.md, "## migration").
     connections_per_pull: int | None = None
+    # Each pull's receive loop run by a thread kept idle between pulls (`RECEIVERS`) rather than one started for it:
+    # True, False, or None for where this process may run on more than `FEW_CORES` cores. `Thread.start` returns
+    # once the new thread runs, two wake-ups before the next connection's request goes; on sixteen cores a pull
+    # over two connections returned sooner with kept threads. On two cores it returned later: a kept thread is
+    # woken beside the thread that hands it the pull, a new one where a core idles (docs/benchmarks.md,
+    # "## migration").
+    receive_on_kept_thread: bool | None = None
 
     def __post_init__(self):
         if self.compress not in COMPRESS_MODES:
@@ -136,6 +145,10 @@ class KVLinkConfig:
     def replies_from_kept_threads(self) -> bool:
         """Whether a listener sends each reply from a kept thread (`reply_from_kept_thread`, None resolved here)."""
         return few_cores() if self.reply_from_kept_thread is None else self.reply_from_kept_thread
+
+    def receives_on_kept_threads(self) -> bool:
+        """Whether a pull's receive loops run on kept threads (`receive_on_kept_thread`, None resolved here)."""
+        return not few_cores() if self.receive_on_kept_thread is None else self.receive_on_kept_thread
 
     def pull_connections(self) -> int:
         """The connections a pull may spread its run over (`connections_per_pull`, None resolved here)."""
@@ -274,9 +287,11 @@ def reply_runs(blocks: list, state: StateSnapshotData | None, per_chunk: int) ->
 class LinkStream:
     """One pull's connection: chunks arrive on a thread into reused buffers, the caller awaits them."""
 
-    def __init__(self, sock: socket.socket, buffers: list[bytearray], geometry, state_geometry=None):
+    def __init__(self, sock: socket.socket, buffers: list[bytearray], geometry, state_geometry=None,
+                 kept_thread: bool = False):
         """`state_geometry`: a hybrid model's state pool geometry, which each chunk's state must have. The
-        stream takes no chunk until `take` says where they go."""
+        stream takes no chunk until `take` says where they go. `kept_thread`: its receive loop runs on one of
+        `RECEIVERS`, else on a thread started for it (`KVLinkConfig.receive_on_kept_thread`)."""
         self.sock, self.geometry, self.state_geometry = sock, geometry, state_geometry
         self._sink: ChunkSink | None = None
         self._landing: BlockLanding | None = None
@@ -296,7 +311,8 @@ class LinkStream:
         self._began = self._ended = 0.0  # when the first chunk's bytes began to land, when the last chunk's had
         self.stalled_s = 0.0  # while the receive thread waited for a buffer: the target, not the link, set the pace
         self._inflate_limit = 0
-        self._thread: threading.Thread | None = None
+        self._kept_thread = kept_thread
+        self._receiving: concurrent.futures.Future | None = None  # settles once the receive loop returned
         self.failure: BaseException | None = None  # what ended the reply short, once it ended (`ChunkSink.end`)
 
     def start(self, hashes: Sequence[bytes], chunk_bytes: int, probe_bytes: int = 0, compress: bool = False) -> None:
@@ -312,8 +328,7 @@ class LinkStream:
             self._inflate_limit = asked_bytes(self.geometry, self.state_geometry, len(hashes))
         request = msgpack.packb(ask, use_bin_type=True)
         self.sock.sendall(U32.pack(len(request)) + request)
-        self._thread = threading.Thread(target=self._receive, name="kv-link-recv", daemon=True)
-        self._thread.start()
+        self._receiving = RECEIVERS.run(self._receive) if self._kept_thread else _on_new_thread(self._receive)
 
     async def chunks(self):
         """Yields (buffer, size, payload) until the reply ends, the payload verified and decoded as
@@ -367,18 +382,18 @@ class LinkStream:
     async def stopped(self) -> None:
         """Once the receive thread writes nothing more: at once where it has ended, else once it has, the
         connection closed first so it stops reading (a pull given up part way, its landing to be freed)."""
-        if self._thread is None or self._finished:
+        if self._receiving is None or self._finished:
             return
         self.close()
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.wrap_future(self._receiving)
 
     def release(self) -> socket.socket | None:
         """The connection, for the next pull, once the reply ended whole; else close it and None."""
         if not self.ended:
             self.close()
             return None
-        if self._thread is not None:
-            self._thread.join(1.0)  # past the end marker: the thread is returning
+        if self._receiving is not None:
+            concurrent.futures.wait([self._receiving], 1.0)  # past the end marker: the loop is returning
         return self.sock
 
     def _receive(self) -> None:
@@ -456,6 +471,20 @@ class LinkStream:
             self._loop.call_soon_threadsafe(self._ready.put_nowait, item)
         except RuntimeError:  # the loop is gone
             pass
+
+
+def _on_new_thread(fn: Callable[[], None]) -> concurrent.futures.Future:
+    """`fn()` on a thread started for it (named as `RECEIVERS`' are); the future settles once it returned."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fn()
+        finally:
+            done.set_result(None)
+
+    threading.Thread(target=run, name=RECEIVERS.name, daemon=True).start()
+    return done
 
 
 def asked_bytes(geometry, state_geometry, num_blocks: int) -> int:

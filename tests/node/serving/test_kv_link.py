@@ -65,9 +65,10 @@ def linked(names: str, engine_config: EngineConfig, link_config: KVLinkConfig = 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one connection", "two connections"])
 def nodes(request):
     """Source "a" and target "b" (and "c"), each an engine with its listener, on one event loop; pulls over one
-    connection, then (a second set of nodes) over two at once: a 90-token prompt's five blocks are three chunks,
-    asked for as four blocks on one connection and one on the other."""
-    config = replace(CONFIG, connections_per_pull=request.param)
+    connection, each received on a thread started for it, then (a second set of nodes) over two at once, on
+    threads kept between pulls, as where a process has more than two cores: a 90-token prompt's five blocks are
+    three chunks, asked for as four blocks on one connection and one on the other."""
+    config = replace(CONFIG, connections_per_pull=request.param, receive_on_kept_thread=request.param > 1)
     with linked("abc", EngineConfig(block_size=BS, num_blocks=64, max_num_batched_tokens=128), config) as linked_nodes:
         yield linked_nodes
 
@@ -217,6 +218,29 @@ def test_replies_go_from_kept_threads_by_default_only_where_the_process_has_two_
         assert server.replies_from_kept_threads is kept
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_pulls_receive_loop_runs_on_a_thread_kept_between_pulls_or_on_one_started_for_it(nodes, kept, monkeypatch):
+    loop, paths = nodes
+    monkeypatch.setattr(paths["b"], "config", replace(paths["b"].config, receive_on_kept_thread=kept))
+    started = []
+    real_start = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda thread: started.append(thread.name) or real_start(thread))
+    pull(loop, paths, prompt(84 if kept else 86))
+    made, started[:] = kv_link.RECEIVERS.made, []
+    result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(85 if kept else 87))
+    assert (result.ok, result.imported, kv_link.RECEIVERS.made) == (True, 5, made)  # no kept thread made for it
+    assert started.count("kv-link-recv") == (0 if kept else len(paths["b"]._idle["a"]))  # one a connection
+    assert (migrated, hit) == (reference, 5 * BS)
+
+
+@pytest.mark.parametrize(("cores", "configured", "kept"), [(1, None, False), (2, None, False), (3, None, True),
+                                                           (16, None, True), (16, False, False), (2, True, True)])
+def test_pulls_are_received_on_kept_threads_by_default_only_where_the_process_has_more_than_two_cores(
+        monkeypatch, cores, configured, kept):
+    monkeypatch.setattr(kv_link, "usable_cores", lambda: cores)
+    assert KVLinkConfig(receive_on_kept_thread=configured).receives_on_kept_threads() is kept
 
 
 @pytest.mark.parametrize(("cores", "configured", "connections"), [(1, None, 1), (2, None, 1), (3, None, 2),
