@@ -4,7 +4,7 @@ Two processes on loopback, as in `experiments.kv_pull_profile`: the source holds
 target pulls it over `orchard.node.serving.kv_link` as a node actor's `pull_blocks` does. A mark is the
 `time.perf_counter` reading (CLOCK_MONOTONIC on Linux, which every process reads alike) taken as a function on
 the pull's path starts or returns (`MARKS`). A mark reached more than once in a pull (a chunk sent, a chunk's
-first bytes read) is shown at its first and its last.
+first bytes read; a request read, once a connection) is shown at its first and its last.
 
     python -m experiments.kv_pull_timeline [--size small] [--tokens 2048] [--pulls 100] [--connections N]
 
@@ -33,18 +33,24 @@ from experiments.common import markdown_table, print_header, save_results
 MARKS = (
     ("target", "pull entered", "orchard.node.serving.direct_path", "DirectPath.pull", "start"),
     ("target", "request being sent", "orchard.node.serving.kv_link", "LinkStream.start", "start"),
+    ("target", "receive loop running", "orchard.node.serving.kv_link", "LinkStream._receive", "start"),
     ("source", "request read", "orchard.node.serving.kv_link", "_read_request", "end"),
     ("source", "reply thread running", "orchard.node.serving.kv_link", "KVLinkServer._reply", "start"),
     ("source", "run pinned", "orchard.node.serving.direct_path", "DirectPath._export_layers", "end"),
+    ("target", "lookup done", "orchard.node.serving.direct_path", "_plan", "end"),
     ("target", "blocks reserved", "orchard.node.serving.direct_path", "DirectPath._plan_and_take", "end"),
     ("source", "chunk sent", "orchard.node.serving.link_io", "send_payload", "start"),
+    ("source", "batch being sent", "orchard.node.serving.link_io", "send_pieces", "start"),
+    ("target", "chunk's size read", "orchard.node.serving.kv_link", "recv_exact", "end"),
     ("target", "chunk's first bytes read", "orchard.node.serving.kv_link", "LinkStream._receive_chunk", "start"),
     ("source", "reply ended", "orchard.node.serving.kv_link", "KVLinkServer._reply", "end"),
     ("target", "reply ended", "orchard.node.serving.kv_link", "LinkStream._finish", "start"),
     ("target", "blocks listed", "orchard.kvcache.block_landing", "BlockLanding.adopt", "end"),
     ("target", "pull returned", "orchard.node.serving.direct_path", "DirectPath.pull", "end"),
 )
-REPEATED = {"chunk sent", "chunk's first bytes read"}  # marks reached once a chunk
+#: Marks reached more than once a pull: once a chunk or a batch, or once a connection.
+REPEATED = {"chunk sent", "batch being sent", "chunk's size read", "chunk's first bytes read", "receive loop running",
+            "request read", "reply thread running", "run pinned"}
 START = "target: pull entered"
 
 _marks: list[tuple[str, float]] = []  # (side: label, perf_counter) of this process, in the order taken
