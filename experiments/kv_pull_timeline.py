@@ -7,9 +7,12 @@ the pull's path starts or returns (`MARKS`). A mark reached more than once in a 
 first bytes read; a request read, once a connection) is shown at its first and its last.
 
     python -m experiments.kv_pull_timeline [--size small] [--tokens 2048] [--pulls 100] [--connections N]
+    python -m experiments.kv_pull_timeline --plot LABEL=OUTPUT ... [--plot-name NAME]
 
 `--connections`: the connections each pull spreads its run over (`KVLinkConfig.connections_per_pull`; by default
 as this machine's cores decide).
+
+`--plot` draws runs printed before (their saved output, each with a label) into docs/img/<NAME>.png instead.
 
 Prints each mark, in the order they come, in ms from the pull's start (`DirectPath.pull` entered): the median
 over the fastest fifth of the pulls, and over all of them. The numbers go to
@@ -162,13 +165,68 @@ def measure(size: str, tokens: int, pulls: int, connections: int | None = None) 
     return measured
 
 
+#: Marks a run printed under another name (the runs of 2026-12-06 that tried these marks first), as named here.
+RENAMED = {"target: taken seen, size read": "target: chunk's size read"}
+
+
+def read_printed(path: str) -> dict[str, float]:
+    """The fastest fifth's ms of each mark, read back from what `main` printed (a saved run's output); a repeated
+    mark's last is left out where it came with its first (one connection's request, read once)."""
+    rows = {}
+    for line in open(path):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and ": " in cells[0]:
+            name, _, repeat = cells[0].partition(" (")
+            rows[RENAMED.get(name, name) + (f" ({repeat}" if repeat else "")] = float(cells[1])
+    return {key: ms for key, ms in rows.items()
+            if not (key.endswith(" (last)") and rows.get(key.replace(" (last)", " (first)")) == ms)}
+
+
+#: The marks `plot` draws: where a pull's time goes between its two ends.
+PLOTTED = ("source: request read (first)", "source: request read (last)", "source: run pinned (first)",
+           "source: run pinned (last)", "source: batch being sent (first)", "source: reply ended",
+           "target: request being sent", "target: blocks reserved", "target: chunk's size read (first)",
+           "target: reply ended", "target: blocks listed", "target: pull returned")
+
+
+def plot(outputs: list[str], labels: list[str], name: str) -> None:
+    """docs/img/<name>.png: each saved run's `PLOTTED` marks on a line of its own, the source's above it and the
+    target's below, at the fastest fifth's ms from the pull's start."""
+    from experiments.common import new_figure, save_figure
+
+    fig, ax = new_figure(9.0, 1.0 + 2.2 * len(outputs))
+    for row, (path, label) in enumerate(zip(outputs, labels)):
+        base, marks = -4.0 * row, read_printed(path)
+        shown = sorted((marks[key], key) for key in PLOTTED if key in marks)
+        placed = {"source": 0, "target": 0}
+        for ms, key in shown:
+            side, mark = key.split(": ", 1)
+            up, placed[side] = side == "source", placed[side] + 1
+            y = base + (1 if up else -1) * (0.35 + 0.33 * (placed[side] % 5))  # staggered: neighbours' labels apart
+            ax.plot([ms, ms], [base, y], color="tab:orange" if up else "tab:blue", lw=1)
+            ax.annotate(f"{mark} {ms:.2f}", (ms, y), fontsize=7, va="bottom" if up else "top", ha="center")
+        ax.axhline(base, color="grey", lw=0.5)
+        ax.text(-0.15, base, label, ha="right", va="center", fontsize=8)
+    ax.set_xlabel("ms from the pull's start (fastest fifth's median); the source above each line, the target below")
+    ax.set_yticks([])
+    ax.set_ylim(-4.0 * (len(outputs) - 1) - 2.2, 2.2)
+    save_figure(fig, name, bbox_inches="tight")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--size", default="small")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--pulls", type=int, default=100)
     p.add_argument("--connections", type=int, default=None)
+    p.add_argument("--plot", nargs="+", metavar="LABEL=OUTPUT", default=None,
+                   help="draw saved runs' printed timelines instead of measuring (docs/img/<--plot-name>.png)")
+    p.add_argument("--plot-name", default="kv_pull_timeline")
     args = p.parse_args(argv)
+    if args.plot:
+        labels, outputs = zip(*(item.split("=", 1) for item in args.plot))
+        plot(list(outputs), list(labels), args.plot_name)
+        return 0
     print_header(f"a direct KV pull's timeline ({args.size}, {args.tokens} tokens, {args.pulls} pulls, "
                  f"connections: {args.connections or 'default'})")
     pulls = measure(args.size, args.tokens, args.pulls, args.connections)

@@ -210,3 +210,23 @@ def test_pool_addresses_times_both_ways_of_reading_the_same_addresses():
 
     row = pool_addresses.measure(2, "bfloat16", repeats=3, num_blocks=4)
     assert row["layers"] == 2 and row["views_s"] > 0 and row["buffers_s"] > 0
+
+
+def test_a_timeline_printed_before_is_read_back_and_drawn(tmp_path, monkeypatch):
+    """`kv_pull_timeline --plot`: the fastest fifth's ms of each mark, a mark named otherwise by an earlier run as
+    named now, a repeated mark's last left out where it came with its first; drawn into docs/img."""
+    import experiments.common as common
+    from experiments import kv_pull_timeline as tl
+
+    printed = tmp_path / "run.txt"
+    printed.write_text("# a header\n| mark | ms, fastest fifth | ms, all |\n|---|---|---|\n"
+                       "| target: pull entered | 0.00 | 0.00 |\n| source: request read (first) | 0.35 | 0.38 |\n"
+                       "| source: request read (last) | 0.35 | 0.38 |\n| source: run pinned (first) | 0.58 | 0.60 |\n"
+                       "| source: run pinned (last) | 0.99 | 1.02 |\n| target: taken seen, size read (first) | 1.25 | 1.3 |\n"
+                       "| target: pull returned | 4.43 | 5.26 |\n")
+    assert tl.read_printed(str(printed)) == {
+        "target: pull entered": 0.0, "source: request read (first)": 0.35, "source: run pinned (first)": 0.58,
+        "source: run pinned (last)": 0.99, "target: chunk's size read (first)": 1.25, "target: pull returned": 4.43}
+    monkeypatch.setattr(common, "IMG_DIR", tmp_path)
+    assert tl.main(["--plot", f"a run={printed}", "--plot-name", "drawn"]) == 0
+    assert (tmp_path / "drawn.png").stat().st_size > 0
