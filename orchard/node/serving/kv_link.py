@@ -131,9 +131,8 @@ class KVLinkConfig:
     # Each pull's receive loop run by a thread kept idle between pulls (`RECEIVERS`) rather than one started for it:
     # True, False, or None for where this process may run on more than `FEW_CORES` cores. `Thread.start` returns
     # once the new thread runs, two wake-ups before the next connection's request goes; on sixteen cores a pull
-    # over two connections returned sooner with kept threads. On two cores it returned later: a kept thread is
-    # woken beside the thread that hands it the pull, a new one where a core idles (docs/benchmarks.md,
-    # "## migration").
+    # over two connections returned sooner with kept threads, and on two cores a pull over one returned later
+    # (docs/benchmarks.md, "## migration").
     receive_on_kept_thread: bool | None = None
 
     def __post_init__(self):

@@ -1,10 +1,12 @@
-"""Threads kept idle for work handed to them as it comes: each reply of a KV link's source.
+"""Threads kept idle for work handed to them as it comes: each reply of a KV link's source where cores are few,
+each pull's receive loop at its target where they are many.
 
 On a machine of few cores a pull's source sends each reply from a thread other than the connection's
-(`orchard.node.serving.kv_link.KVLinkConfig.reply_from_kept_thread`). That thread was made for the one reply, and
-starting a thread costs the starter two wake-ups on the pull's path: Python's `Thread.start` returns only once the
-new thread runs. A thread kept idle is handed its next work through a queue: one wake-up, and the caller goes on at
-once (docs/benchmarks.md, "## migration").
+(`orchard.node.serving.kv_link.KVLinkConfig.reply_from_kept_thread`), and on one of more cores a pull's target
+reads each connection's reply on a thread other than the one that asked (`KVLinkConfig.receive_on_kept_thread`).
+A thread made for the one reply or the one pull costs the starter two wake-ups on the pull's path: Python's
+`Thread.start` returns only once the new thread runs. A thread kept idle is handed its next work through a queue:
+one wake-up, and the caller goes on at once (docs/benchmarks.md, "## migration").
 
 Daemon threads, made when none is idle and kept for good: a thread blocked in a socket (a peer gone quiet)
 never holds the process at exit, which a `concurrent.futures` pool's threads would.
