@@ -28,6 +28,7 @@ import importlib
 import statistics
 import time
 from dataclasses import replace
+from pathlib import Path
 
 from experiments import kv_pull_profile as kp
 from experiments.common import markdown_table, print_header, save_results
@@ -173,7 +174,7 @@ def read_printed(path: str) -> dict[str, float]:
     """The fastest fifth's ms of each mark, read back from what `main` printed (a saved run's output); a repeated
     mark's last is left out where it came with its first (one connection's request, read once)."""
     rows = {}
-    for line in open(path):
+    for line in Path(path).read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 3 and ": " in cells[0]:
             name, _, repeat = cells[0].partition(" (")

@@ -67,7 +67,7 @@ from orchard.kvcache.wire_transit import IncomingPayload
 from orchard.node.serving import link_auth as auth
 from orchard.node.serving import link_io
 from orchard.node.serving.link_io import U32, U64, data_mode, eof, grow_send_buffer, recv_exact
-from orchard.node.serving.link_threads import KeptThreads
+from orchard.node.serving.link_threads import KeptThreads, run_on_new_thread
 from orchard.node.serving.migration import probe_payload
 
 log = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ def usable_cores() -> int:
 
 def few_cores() -> bool:
     """Whether this process may run on `FEW_CORES` cores or fewer: what the link's defaults that depend on cores
-    follow (`KVLinkConfig.replies_from_kept_threads`, `KVLinkConfig.pull_connections`)."""
+    follow (`KVLinkConfig.replies_from_kept_threads`, `receives_on_kept_threads`, `pull_connections`)."""
     return usable_cores() <= FEW_CORES
 
 
@@ -327,7 +327,8 @@ class LinkStream:
             self._inflate_limit = asked_bytes(self.geometry, self.state_geometry, len(hashes))
         request = msgpack.packb(ask, use_bin_type=True)
         self.sock.sendall(U32.pack(len(request)) + request)
-        self._receiving = RECEIVERS.run(self._receive) if self._kept_thread else _on_new_thread(self._receive)
+        self._receiving = (RECEIVERS.run(self._receive) if self._kept_thread
+                           else run_on_new_thread(RECEIVERS.name, self._receive))
 
     async def chunks(self):
         """Yields (buffer, size, payload) until the reply ends, the payload verified and decoded as
@@ -470,20 +471,6 @@ class LinkStream:
             self._loop.call_soon_threadsafe(self._ready.put_nowait, item)
         except RuntimeError:  # the loop is gone
             pass
-
-
-def _on_new_thread(fn: Callable[[], None]) -> concurrent.futures.Future:
-    """`fn()` on a thread started for it (named as `RECEIVERS`' are); the future settles once it returned."""
-    done: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            fn()
-        finally:
-            done.set_result(None)
-
-    threading.Thread(target=run, name=RECEIVERS.name, daemon=True).start()
-    return done
 
 
 def asked_bytes(geometry, state_geometry, num_blocks: int) -> int:

@@ -43,14 +43,34 @@ class KeptThreads:
     def _serve(self) -> None:
         while True:
             fn, done = self._work.get()
-            result = failure = None
             runs = done.set_running_or_notify_cancel()  # False where it was cancelled before it began
-            if runs:
-                try:
-                    result = fn()
-                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-                    failure = exc
+            outcome = _outcome(fn) if runs else None
             self._idle.release()  # before the caller hears: the work it hands next finds this thread idle
             if runs:
-                done.set_exception(failure) if failure is not None else done.set_result(result)
-            del fn, done, result, failure  # hold nothing of it while waiting for the next
+                _settle(done, *outcome)
+            del fn, done, outcome  # hold nothing of it while waiting for the next
+
+
+def run_on_new_thread(name: str, fn: Callable[[], object]) -> Future:
+    """`fn()` on a daemon thread started for it and named `name`, as `KeptThreads.run` runs it on a kept one: its
+    result (or what it raised) in the future returned."""
+    done: Future = Future()
+
+    def serve() -> None:
+        if done.set_running_or_notify_cancel():
+            _settle(done, *_outcome(fn))
+
+    threading.Thread(target=serve, name=name, daemon=True).start()
+    return done
+
+
+def _outcome(fn: Callable[[], object]) -> tuple[object, BaseException | None]:
+    """(what `fn()` returned, None), or (None, what it raised)."""
+    try:
+        return fn(), None
+    except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
+        return None, exc
+
+
+def _settle(done: Future, result: object, failure: BaseException | None) -> None:
+    done.set_exception(failure) if failure is not None else done.set_result(result)
