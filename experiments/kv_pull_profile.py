@@ -19,7 +19,7 @@ the two processes are two hosts of the namespace rig (`orchard.cluster.bench.net
 over a veth shaped to 1 or 10 Gbit/s or unshaped, and raw TCP goes through the same veths.
 
     python -m experiments.kv_pull_profile [--size large] [--tokens 8192] [--repeats 3] [--chunk-mib 4]
-                                          [--link 1gbit|10gbit|none] [--threads]
+                                          [--link 1gbit|10gbit|none] [--threads] [--connections N]
 """
 
 from __future__ import annotations
@@ -135,13 +135,13 @@ def _engine(size: str, num_blocks: int):
     return engine
 
 
-def _path(name: str, engine, chunk_mib: int = 4, host: str = "127.0.0.1"):
+def _path(name: str, engine, chunk_mib: int = 4, host: str = "127.0.0.1", connections: int | None = None):
     from orchard.node.serving import link_auth
     from orchard.node.serving.direct_path import DirectPath
     from orchard.node.serving.kv_link import KVLinkConfig
     from orchard.node.serving.migration import BlockMover
 
-    config = KVLinkConfig(chunk_bytes=chunk_mib << 20, host=host)
+    config = KVLinkConfig(chunk_bytes=chunk_mib << 20, host=host, connections_per_pull=connections)
     path = DirectPath(BlockMover(engine), name, link_auth.link_key(KEY_SECRET), config)
     path.start()
     return path
@@ -267,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--switch-ms", type=float, default=5.0, help="the interpreter's GIL switch interval, both processes")
     p.add_argument("--chunk-mib", type=int, default=4, help="chunk size the target asks for")
+    p.add_argument("--connections", type=int, default=None,
+                   help="the connections a pull spreads its run over (KVLinkConfig.connections_per_pull; "
+                        "by default as this machine's cores decide)")
     p.add_argument("--link", choices=("1gbit", "10gbit", "none"), default=None,
                    help="source and target in two network namespaces over a link shaped with tc (root)")
     p.add_argument("--threads", action="store_true",
@@ -303,7 +306,7 @@ def _profile(args, lab) -> int:
     stages, threads = Stages(), ThreadTimes()
     _instrument(stages, "target")
     threads.keep_receive_threads()
-    path = _path("dst", engine, args.chunk_mib, lab.hosts["b"] if lab is not None else "127.0.0.1")
+    path = _path("dst", engine, args.chunk_mib, lab.hosts["b"] if lab is not None else "127.0.0.1", args.connections)
     address = ours.recv()
     ours.send(("seed", (64, 1)))
     _pull(loop, path, address, ours.recv())  # warm

@@ -230,3 +230,29 @@ def test_a_timeline_printed_before_is_read_back_and_drawn(tmp_path, monkeypatch)
     monkeypatch.setattr(common, "IMG_DIR", tmp_path)
     assert tl.main(["--plot", f"a run={printed}", "--plot-name", "drawn"]) == 0
     assert (tmp_path / "drawn.png").stat().st_size > 0
+
+
+def test_a_pulls_marks_per_thread_make_each_threads_series_and_a_printed_run_is_read_back_and_drawn(tmp_path, monkeypatch):
+    """`kv_pull_series`: each tagged mark's n-th reaching, the median over the fastest fifth, as far as every one of
+    those pulls reached it; a series printed before is read back by mark and drawn into docs/img."""
+    import experiments.common as common
+    from experiments import kv_pull_series as ks
+
+    def pull(wall, extra):
+        marks = [(0.0, "target: pull entered"), (0.5, "source: send< #0"), (1.0 + extra, "source: send< #0"),
+                 (0.7, "source: send< #1"), (0.9, "target: lookup done")]
+        return wall, sorted(marks + ([(1.5, "source: send< #1")] if wall < 0.002 else []))
+
+    pulls = [pull(0.001, 0.0), pull(0.0011, 0.2)] + [pull(0.01 + i, 1.0) for i in range(8)]  # fastest fifth: two
+    made = ks.series(pulls)
+    assert list(made) == ["source: send< #0", "source: send< #1"]
+    assert made["source: send< #0"] == pytest.approx([0.5, 1.1]) and made["source: send< #1"] == pytest.approx([0.7, 1.5])
+    printed = tmp_path / "run.txt"
+    printed.write_text("connections 2: wall fastest fifth median 5.80 ms, all 6.17\n"
+                       "source: send< #0 (3): 1.53 1.72 1.83\nsource: send< #1 (2): 1.58 1.78\n"
+                       "target: recv< #1 (1): 1.65\none pull (5.82 ms), every mark:\n    0.000  target: pull entered\n")
+    assert ks.read_printed(str(printed)) == {"source: send< #0": [1.53, 1.72, 1.83], "source: send< #1": [1.58, 1.78],
+                                             "target: recv< #1": [1.65]}
+    monkeypatch.setattr(common, "IMG_DIR", tmp_path)
+    assert ks.main(["--plot", f"two={printed}", f"again={printed}", "--plot-name", "drawn"]) == 0
+    assert (tmp_path / "drawn.png").stat().st_size > 0
