@@ -17,11 +17,9 @@ reaching over those pulls), then every mark of one of those pulls in order. `--p
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import threading
 import time
-from dataclasses import replace
 from pathlib import Path
 
 from experiments import kv_pull_profile as kp
@@ -62,27 +60,12 @@ def _source(conn, size: str, num_blocks: int) -> None:
 
 def measure(size: str, tokens: int, pulls: int, connections: int | None) -> list[tuple[float, list[tuple[float, str]]]]:
     """(wall seconds, every mark of both sides as (ms from the pull's start, mark), in order) of each pull."""
-    num_blocks = (pulls + 2) * tokens // 16 + 64
-    install("target")
-    ours, source, loop, engine, path, address = kp.pull_pair(_source, size, num_blocks)
-    path.config = replace(path.config, connections_per_pull=connections)
-    measured = []
-    try:
-        for seed in range(2, pulls + 2):
-            ours.send(("seed", (tokens, seed)))
-            hashes = ours.recv()
-            tl.take_marks()
-            started = time.perf_counter()
-            result = kp._pull(loop, path, address, hashes)
-            wall = time.perf_counter() - started
-            assert result.ok and result.imported == len(hashes), result
-            ours.send(("marks", None))
-            marks = tl.take_marks() + ours.recv()
-            start = min(t for key, t in marks if key == tl.START)
-            measured.append((wall, sorted(((t - start) * 1e3, key) for key, t in marks if t >= start)))
-    finally:
-        kp.stop(ours, source, path, engine)
-    return measured
+    return tl.measure(size, tokens, pulls, connections, _source, install, _in_order)
+
+
+def _in_order(marks: list[tuple[str, float]]) -> list[tuple[float, str]]:
+    start = min(t for key, t in marks if key == tl.START)
+    return sorted(((t - start) * 1e3, key) for key, t in marks if t >= start)
 
 
 def series(pulls: list[tuple[float, list[tuple[float, str]]]]) -> dict[str, list[float]]:
@@ -127,25 +110,15 @@ def plot(outputs: list[str], labels: list[str], name: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", default="small")
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--pulls", type=int, default=40)
-    p.add_argument("--connections", type=int, default=None)
-    p.add_argument("--plot", nargs="+", metavar="LABEL=OUTPUT", default=None,
-                   help="draw saved runs' printed series instead of measuring (docs/img/<--plot-name>.png)")
-    p.add_argument("--plot-name", default="kv_pull_series")
-    args = p.parse_args(argv)
-    if args.plot:
-        labels, outputs = zip(*(item.split("=", 1) for item in args.plot))
-        plot(list(outputs), list(labels), args.plot_name)
+    args = tl.arguments(__doc__, 40, "kv_pull_series", argv)
+    if tl.plotted(args, plot):
         return 0
     print_header(f"a direct KV pull's marks per thread ({args.size}, {args.tokens} tokens, {args.pulls} pulls, "
                  f"connections: {args.connections or 'default'})")
     pulls = measure(args.size, args.tokens, args.pulls, args.connections)
     walls = sorted(wall for wall, _ in pulls)
     print(f"connections {args.connections or 'default'}: wall fastest fifth median "
-          f"{statistics.median(walls[: max(1, len(walls) // 5)]) * 1e3:.2f} ms, all {statistics.median(walls) * 1e3:.2f}")
+          f"{tl.fastest_fifths_median(walls) * 1e3:.2f} ms, all {statistics.median(walls) * 1e3:.2f}")
     for key, values in series(pulls).items():
         print(f"{key} ({len(values)}): " + " ".join(f"{ms:.2f}" for ms in values))
     wall, marks = sorted(pulls, key=lambda p: p[0])[max(1, len(pulls) // 5) // 2]

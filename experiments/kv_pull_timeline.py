@@ -142,12 +142,15 @@ def _source(conn, size: str, num_blocks: int) -> None:
     kp.source_node(conn, size, num_blocks, lambda command, arg: take_marks())
 
 
-def measure(size: str, tokens: int, pulls: int, connections: int | None = None) -> list[tuple[float, dict[str, float]]]:
-    """(wall seconds, `offsets`) of each of `pulls` pulls of a fresh prefix of `tokens` tokens, each over
-    `connections` connections (None: as the config's default decides)."""
+def measure(size: str, tokens: int, pulls: int, connections: int | None = None, source_main=None,
+            install_target=None, keep=None) -> list[tuple[float, object]]:
+    """(wall seconds, `keep(marks)`) of each of `pulls` pulls of a fresh prefix of `tokens` tokens, each over
+    `connections` connections (None: as the config's default decides). By default the marks are this module's
+    (`_source` in the source's process, `install` here) and what is kept of them their `offsets`."""
     num_blocks = (pulls + 2) * tokens // 16 + 64
-    install("target")
-    ours, source, loop, engine, path, address = kp.pull_pair(_source, size, num_blocks)
+    (install_target or install)("target")
+    keep = keep or offsets
+    ours, source, loop, engine, path, address = kp.pull_pair(source_main or _source, size, num_blocks)
     path.config = replace(path.config, connections_per_pull=connections)
     measured = []
     try:
@@ -160,7 +163,7 @@ def measure(size: str, tokens: int, pulls: int, connections: int | None = None) 
             wall = time.perf_counter() - started
             assert result.ok and result.imported == len(hashes), result
             ours.send(("marks", None))
-            measured.append((wall, offsets(take_marks() + ours.recv())))
+            measured.append((wall, keep(take_marks() + ours.recv())))
     finally:
         kp.stop(ours, source, path, engine)
     return measured
@@ -214,26 +217,43 @@ def plot(outputs: list[str], labels: list[str], name: str) -> None:
     save_figure(fig, name, bbox_inches="tight")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments(doc: str, pulls: int, plot_name: str, argv: list[str] | None) -> argparse.Namespace:
+    """A pull bench's command line: the prefix, the pulls, their connections, or `--plot` of saved outputs."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--size", default="small")
     p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--pulls", type=int, default=100)
+    p.add_argument("--pulls", type=int, default=pulls)
     p.add_argument("--connections", type=int, default=None)
     p.add_argument("--plot", nargs="+", metavar="LABEL=OUTPUT", default=None,
-                   help="draw saved runs' printed timelines instead of measuring (docs/img/<--plot-name>.png)")
-    p.add_argument("--plot-name", default="kv_pull_timeline")
-    args = p.parse_args(argv)
-    if args.plot:
-        labels, outputs = zip(*(item.split("=", 1) for item in args.plot))
-        plot(list(outputs), list(labels), args.plot_name)
+                   help="draw saved runs' printed output instead of measuring (docs/img/<--plot-name>.png)")
+    p.add_argument("--plot-name", default=plot_name)
+    return p.parse_args(argv)
+
+
+def plotted(args: argparse.Namespace, draw) -> bool:
+    """Whether `args` asked for `--plot`, then drawn by `draw(outputs, labels, name)`."""
+    if not args.plot:
+        return False
+    labels, outputs = zip(*(item.split("=", 1) for item in args.plot))
+    draw(list(outputs), list(labels), args.plot_name)
+    return True
+
+
+def fastest_fifths_median(walls: list[float]) -> float:
+    """The median of the fastest fifth of `walls` (sorted)."""
+    return statistics.median(walls[: max(1, len(walls) // 5)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = arguments(__doc__, 100, "kv_pull_timeline", argv)
+    if plotted(args, plot):
         return 0
     print_header(f"a direct KV pull's timeline ({args.size}, {args.tokens} tokens, {args.pulls} pulls, "
                  f"connections: {args.connections or 'default'})")
     pulls = measure(args.size, args.tokens, args.pulls, args.connections)
     rows = timeline(pulls)
     walls = sorted(wall for wall, _ in pulls)
-    print(f"pull wall time: fastest fifth's median {statistics.median(walls[: max(1, len(walls) // 5)]) * 1e3:.2f} ms, "
+    print(f"pull wall time: fastest fifth's median {fastest_fifths_median(walls) * 1e3:.2f} ms, "
           f"all {statistics.median(walls) * 1e3:.2f} ms")
     print(markdown_table(["mark", "ms, fastest fifth", "ms, all"], [[key, f"{a:.2f}", f"{b:.2f}"] for key, a, b in rows]))
     name = "kv_pull_timeline" if (args.size, args.tokens) == ("small", 2048) else f"kv_pull_timeline_{args.size}_{args.tokens}"
