@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import statistics
 import threading
-import time
 from pathlib import Path
 
 from experiments import kv_pull_profile as kp
@@ -35,11 +34,11 @@ def _tagged(fn, side: str, before: str, after: str):
     """`fn` taking the marks `before` and `after`, each tagged with the calling thread's number."""
     def tagged(*args, **kwargs):
         tag = _threads.setdefault(threading.get_ident(), len(_threads))
-        tl._marks.append((f"{side}: {before} #{tag}", time.perf_counter()))
+        tl.take_mark(f"{side}: {before} #{tag}")
         try:
             return fn(*args, **kwargs)
         finally:
-            tl._marks.append((f"{side}: {after} #{tag}", time.perf_counter()))
+            tl.take_mark(f"{side}: {after} #{tag}")
     return tagged
 
 
@@ -60,18 +59,13 @@ def _source(conn, size: str, num_blocks: int) -> None:
 
 def measure(size: str, tokens: int, pulls: int, connections: int | None) -> list[tuple[float, list[tuple[float, str]]]]:
     """(wall seconds, every mark of both sides as (ms from the pull's start, mark), in order) of each pull."""
-    return tl.measure(size, tokens, pulls, connections, _source, install, _in_order)
-
-
-def _in_order(marks: list[tuple[str, float]]) -> list[tuple[float, str]]:
-    start = min(t for key, t in marks if key == tl.START)
-    return sorted(((t - start) * 1e3, key) for key, t in marks if t >= start)
+    return tl.measure(size, tokens, pulls, connections, _source, install, tl.in_order)
 
 
 def series(pulls: list[tuple[float, list[tuple[float, str]]]]) -> dict[str, list[float]]:
     """Each tagged mark's series over the fastest fifth of `pulls`: the median ms of its n-th reaching, for n up to
     the fewest times any of those pulls reached it (a thread that took part in some pulls only is left out)."""
-    fastest = sorted(pulls, key=lambda p: p[0])[: max(1, len(pulls) // 5)]
+    fastest = tl.fastest_fifth(pulls)
     keys = sorted({key for _, marks in fastest for _, key in marks if " #" in key})
     out = {}
     for key in keys:
@@ -121,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{tl.fastest_fifths_median(walls) * 1e3:.2f} ms, all {statistics.median(walls) * 1e3:.2f}")
     for key, values in series(pulls).items():
         print(f"{key} ({len(values)}): " + " ".join(f"{ms:.2f}" for ms in values))
-    wall, marks = sorted(pulls, key=lambda p: p[0])[max(1, len(pulls) // 5) // 2]
+    fastest = tl.fastest_fifth(pulls)
+    wall, marks = fastest[len(fastest) // 2]
     print(f"one pull ({wall * 1e3:.2f} ms), every mark:")
     for ms, key in marks:
         print(f"  {ms:7.3f}  {key}")

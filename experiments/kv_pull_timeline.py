@@ -72,11 +72,16 @@ def install(side: str) -> None:
         setattr(owner, name, _marked(getattr(owner, name), f"{side}: {label}", when))
 
 
+def take_mark(key: str) -> None:
+    """The mark `key`, now, in this process."""
+    _marks.append((key, time.perf_counter()))
+
+
 def _marked(fn, key: str, when: str):
     """`fn` (a function or a coroutine function) taking the mark `key` as it starts or as it returns (`when`)."""
     def mark(at: str) -> None:
         if at == when:
-            _marks.append((key, time.perf_counter()))
+            take_mark(key)
 
     if asyncio.iscoroutinefunction(fn):
         @functools.wraps(fn)
@@ -104,16 +109,18 @@ def take_marks() -> list[tuple[str, float]]:
     return taken
 
 
-def offsets(marks: list[tuple[str, float]]) -> dict[str, float]:
-    """ms from the pull's start to each mark of one pull (both sides' marks, any order): a repeated mark's first
-    and last as "<mark> (first)" and "<mark> (last)", any other mark's first. Marks before the start are left out
-    (a connection's thread reading the request before this pull's)."""
+def in_order(marks: list[tuple[str, float]]) -> list[tuple[float, str]]:
+    """One pull's marks (both sides', any order) as (ms from the pull's start, mark), in order. Marks before the start
+    are left out (a connection's thread reading the request before this pull's)."""
     start = min(t for key, t in marks if key == START)
+    return sorted(((t - start) * 1e3, key) for key, t in marks if t >= start)
+
+
+def offsets(marks: list[tuple[str, float]]) -> dict[str, float]:
+    """ms from the pull's start to each mark of one pull (`in_order`): a repeated mark's first and last as
+    "<mark> (first)" and "<mark> (last)", any other mark's first."""
     out: dict[str, float] = {}
-    for key, t in sorted(marks, key=lambda m: m[1]):
-        if t < start:
-            continue
-        ms = (t - start) * 1e3
+    for ms, key in in_order(marks):
         if key.split(": ", 1)[1] in REPEATED:
             out.setdefault(f"{key} (first)", ms)
             out[f"{key} (last)"] = ms
@@ -125,7 +132,7 @@ def offsets(marks: list[tuple[str, float]]) -> dict[str, float]:
 def timeline(pulls: list[tuple[float, dict[str, float]]]) -> list[tuple[str, float, float]]:
     """(mark, median ms over the fastest fifth of `pulls`, median ms over all), in the order of the first: `pulls` are
     (wall seconds, `offsets`) each."""
-    fastest = sorted(pulls, key=lambda p: p[0])[: max(1, len(pulls) // 5)]
+    fastest = fastest_fifth(pulls)
     keys = {key for _, marks in pulls for key in marks}
 
     def median(of, key):
@@ -239,9 +246,14 @@ def plotted(args: argparse.Namespace, draw) -> bool:
     return True
 
 
+def fastest_fifth(pulls: list[tuple[float, object]]) -> list[tuple[float, object]]:
+    """The fastest fifth of `pulls`, (wall seconds, marks) each, fastest first (at least one)."""
+    return sorted(pulls, key=lambda p: p[0])[: max(1, len(pulls) // 5)]
+
+
 def fastest_fifths_median(walls: list[float]) -> float:
-    """The median of the fastest fifth of `walls` (sorted)."""
-    return statistics.median(walls[: max(1, len(walls) // 5)])
+    """The median wall of the fastest fifth of `walls`."""
+    return statistics.median(wall for wall, _ in fastest_fifth([(wall, None) for wall in walls]))
 
 
 def main(argv: list[str] | None = None) -> int:
