@@ -256,3 +256,72 @@ def test_a_pulls_marks_per_thread_make_each_threads_series_and_a_printed_run_is_
     monkeypatch.setattr(common, "IMG_DIR", tmp_path)
     assert ks.main(["--plot", f"two={printed}", f"again={printed}", "--plot-name", "drawn"]) == 0
     assert (tmp_path / "drawn.png").stat().st_size > 0
+
+
+def test_the_size_sweep_reads_each_pulls_share_of_raw_tcp_and_draws_saved_runs(tmp_path, monkeypatch):
+    """`kv_pull_sizes`: a pull's best over raw TCP's best and its median over raw TCP's median, one row a size, and
+    saved runs drawn into docs/img."""
+    import json
+
+    import experiments.common as common
+    from experiments import kv_pull_sizes as sizes
+
+    run = {"bytes": 8 << 20, sizes.RAW: [4e9, 8e9, 6e9], sizes.RAW_CHECKSUMMED: [5e9, 5e9, 5e9], sizes.PULL: [2e9, 4e9, 2.4e9]}
+    small = {"bytes": 4 << 20, sizes.RAW: [8e9], sizes.RAW_CHECKSUMMED: [5e9], sizes.PULL: [2e9]}
+    assert sizes.shares(run) == pytest.approx((0.5, 0.4))
+    assert sizes.shares(small) == pytest.approx((0.25, 0.25))
+    printed = sizes.table({2048: run, 1024: small}).splitlines()
+    assert printed[2] == "| 2048 | 8.0 | 8.00 / 6.00 | 5.00 / 5.00 | 4.00 / 2.40 | 50 % | 40 % |"
+    assert printed[3] == "| 1024 | 4.0 | 8.00 / 8.00 | 5.00 / 5.00 | 2.00 / 2.00 | 25 % | 25 % |"
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps({"machine": "Linux x86_64, 16 cores, load 0.1", "date": "2026-12-06 09:35",
+                                 "runs": {"2048": run, "1024": small}}))
+    monkeypatch.setattr(common, "IMG_DIR", tmp_path)
+    assert sizes.main(["--plot", str(saved), str(saved), "--plot-name", "drawn"]) == 0
+    assert (tmp_path / "drawn.png").stat().st_size > 0
+
+
+def test_the_cpu_accounting_reads_perfs_samples_and_sums_them_by_phase_side_thread_and_kind_of_code():
+    """`kv_pull_cpu`: a `perf script` line parsed; each sample's function sorted into a kind of code; ms a pull summed
+    by phase (its time window), side (its process) and thread, samples of other processes or outside every phase
+    left out."""
+    from experiments import kv_pull_cpu as cpu
+
+    line = " kv-link-recv  3088/3129    325.400000123:     333444  ffffffff81234567 _copy_to_iter ([kernel.kallsyms])"
+    sample = cpu._SAMPLE.match(line)
+    assert (sample["comm"], sample["pid"], sample["time"], sample["period"], sample["sym"], sample["dso"]) == (
+        "kv-link-recv", "3088", "325.400000123", "333444", "_copy_to_iter", "[kernel.kallsyms]")
+    functions = [("_copy_from_iter", "[kernel.kallsyms]"), ("tcp_sendmsg_locked", "[kernel.kallsyms]"),
+                 ("XXH3_update_avx512", "/site/xxhash/_xxhash.cpython-312-x86_64-linux-gnu.so"),
+                 ("_PyEval_EvalFrameDefault", "/usr/bin/python3.12"), ("[unknown]", "/usr/bin/python3.12"),
+                 ("__memmove_avx_unaligned_erms", "/usr/lib/x86_64-linux-gnu/libc.so.6")]
+    assert [cpu.kind_of(*f) for f in functions] == [*cpu.KINDS[:4], cpu.KINDS[3], cpu.KINDS[4]]
+    rows = [(10, "kv-link-recv", 1.5, 2_000_000, "_copy_to_iter", "[kernel.kallsyms]"),
+            (10, "kv-link-recv", 1.6, 1_000_000, "XXH3_update_avx512", "_xxhash.so"),
+            (11, "kv-link-conn", 2.5, 4_000_000, "tcp_sendmsg_locked", "[kernel.kallsyms]"),
+            (12, "kv-link-conn", 2.5, 4_000_000, "tcp_sendmsg_locked", "[kernel.kallsyms]"),  # another process
+            (10, "kv-link-recv", 3.5, 4_000_000, "_copy_to_iter", "[kernel.kallsyms]")]  # after the last phase
+    phases = [(1.0, 2.0, 8 << 20, 2e9, 1e9), (2.0, 3.0, 8 << 20, 2e9, 1e9)]
+    by_kind, by_sym = cpu.tally(rows, {10: "target", 11: "source"}, phases, pulls=2)
+    assert by_kind == {(0, "target", "kv-link-recv", "kernel: copies"): 1.0,
+                       (0, "target", "kv-link-recv", "checksum"): 0.5, (1, "source", "kv-link-conn", "kernel: other"): 2.0}
+    assert by_sym[1, "source", "kv-link-conn", "tcp_sendmsg_locked"] == 2.0
+
+
+def test_threads_started_once_named_carry_their_python_name_to_the_os(monkeypatch):
+    """`kv_pull_cpu.name_threads`: what perf reports as a thread's `comm` is its Python name, spaces dropped."""
+    import threading
+    from pathlib import Path
+
+    from experiments import kv_pull_cpu as cpu
+
+    if not Path(f"/proc/self/task/{threading.get_native_id()}/comm").exists():
+        pytest.skip("no /proc task names here")
+    monkeypatch.setattr(threading.Thread, "_bootstrap_inner", threading.Thread._bootstrap_inner)  # undone after
+    cpu.name_threads()
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(Path(f"/proc/self/task/{threading.get_native_id()}/comm")
+                                                         .read_text().strip()), name="kv-link-recv 2")
+    thread.start()
+    thread.join()
+    assert seen == ["kv-link-recv2"]

@@ -1,0 +1,144 @@
+"""From what size a direct pull reaches half of raw TCP: pulls of several sizes beside raw TCP replies of the
+same bytes, in one pair of processes for each size.
+
+A pull pays fixed costs (the request, the source's export, the target's reservation and listing, the hand-overs
+between threads) besides moving its bytes, so its share of raw TCP grows with its size. For each `--tokens`
+(the small model's 4 MiB a 1,024 tokens), in turns of `--per-round` each: the bench's raw TCP replies (one
+buffer each end, hot in the caches: `kv_pull_floor`'s first step, issue 19's "raw TCP on the same path"), raw
+replies from and into memory, checksummed, over two connections (what a pull's bytes must do and nothing
+else), and direct pulls of a fresh prefix over `--connections` (default: the link's own choice for this machine).
+
+    python -m experiments.kv_pull_sizes [--tokens 1024,2048,4096,8192,16384] [--rounds 2] [--per-round 6]
+                                        [--connections N]
+    python -m experiments.kv_pull_sizes --plot RUN.json [RUN.json ...] [--plot-name NAME]
+
+Prints one table: each size's best and median GB/s of each, and the pull's best and median as a share of raw
+TCP's. The numbers go to experiments/results/kv_pull_sizes.json; `--plot` draws saved runs' shares against
+the size (docs/img/kv_pull_sizes.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from experiments import kv_pull_floor as floor
+from experiments import kv_pull_profile as kp
+from experiments.common import markdown_table, new_figure, print_header, save_figure, save_results
+
+RAW = floor.STEPS[0]  # the bench's raw TCP replies
+RAW_CHECKSUMMED = "raw, memory, checksummed, two connections"
+PULL = "pull"
+TARGET_SHARE = 0.5  # issue 19: a pull at half of raw TCP or more
+
+
+def measure(tokens: int, rounds: int, per_round: int, connections: int | None) -> dict[str, list[float]]:
+    """Bytes/s of each reply and pull of one size, in interleaved turns; `bytes` the pull's size."""
+    pulls = rounds * per_round
+    source = functools.partial(kp.source_node, answer=floor._answer)
+    ours, process, loop, engine, path, address = kp.pull_pair(source, "small", (pulls + 2) * tokens // 16 + 64)
+    try:
+        if connections is not None:
+            path.config = replace(path.config, connections_per_pull=connections)
+        ours.send(("seed", (tokens, 2)))
+        nbytes = kp._pull(loop, path, address, ours.recv()).bytes
+        askers = {}
+        for step in (RAW, RAW_CHECKSUMMED):
+            ours.send(("serve", (step, nbytes)))
+            askers[step] = floor._Asker(ours.recv(), step, nbytes)
+            askers[step].once()  # warm: the connection, the pages
+        rates: dict[str, list[float]] = {RAW: [], RAW_CHECKSUMMED: [], PULL: []}
+        seeds = iter(range(3, 1 << 30))
+        for _ in range(rounds):
+            for step, asker in askers.items():
+                for _ in range(per_round):
+                    time.sleep(0.005)  # idle between replies, as between the bench's pulls
+                    rates[step].append(asker.once())
+            for _ in range(per_round):
+                ours.send(("seed", (tokens, next(seeds))))
+                hashes = ours.recv()
+                time.sleep(0.005)
+                rates[PULL].append(floor._pulled(loop, path, address, hashes))
+        for asker in askers.values():
+            asker.close()
+        return {"bytes": nbytes, **rates}
+    finally:
+        kp.stop(ours, process, path, engine)
+
+
+def best_and_median(values: list[float]) -> tuple[float, float]:
+    ranked = sorted(values, reverse=True)
+    return ranked[0], ranked[len(ranked) // 2]
+
+
+def shares(run: dict) -> tuple[float, float]:
+    """The pull's best as a share of raw TCP's best, and its median of raw TCP's median."""
+    (pull_best, pull_median), (raw_best, raw_median) = best_and_median(run[PULL]), best_and_median(run[RAW])
+    return pull_best / raw_best, pull_median / raw_median
+
+
+def table(runs: dict[int, dict]) -> str:
+    rows = []
+    for tokens, run in runs.items():
+        cells = [f"{tokens}", f"{run['bytes'] / 2**20:.1f}"]
+        for step in (RAW, RAW_CHECKSUMMED, PULL):
+            best, median = best_and_median(run[step])
+            cells.append(f"{best / 1e9:.2f} / {median / 1e9:.2f}")
+        best_share, median_share = shares(run)
+        rows.append([*cells, f"{100 * best_share:.0f} %", f"{100 * median_share:.0f} %"])
+    return markdown_table(["tokens", "MiB", "raw TCP, GB/s best / median", "raw checksummed, two connections",
+                           "pull", "pull best, of raw's", "pull median, of raw's"], rows)
+
+
+def plot(saved: list[Path], name: str) -> Path:
+    """Each saved run's pull as a share of raw TCP (best, median) against its MiB, with the target's line."""
+    fig, ax = new_figure(6.4, 3.8)
+    machines = set()
+    for i, path in enumerate(saved):
+        data = json.loads(path.read_text())
+        machines.add(data["machine"].split(", load")[0])
+        runs = sorted(data["runs"].values(), key=lambda run: run["bytes"])
+        mib = [run["bytes"] / 2**20 for run in runs]
+        for which, style, label in ((0, "o-", "best, of raw TCP's best"), (1, "s--", "median, of raw TCP's median")):
+            ax.plot(mib, [100 * shares(run)[which] for run in runs], style, color=f"C{which}", alpha=1 - 0.35 * i,
+                    label=f"pull's {label}, {data['date']}")
+    ax.axhline(100 * TARGET_SHARE, linestyle=":", color="grey", label="issue 19's target")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(mib, [f"{m:.0f}" for m in mib])
+    ax.set_xlabel("pull size, MiB (the small demo model's KV)")
+    ax.set_ylabel("% of raw TCP on the same path")
+    ax.set_title("direct pull against raw TCP by size\n" + "; ".join(sorted(machines)), fontsize=9)
+    ax.legend(fontsize=7)
+    return save_figure(fig, name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=lambda text: [int(n) for n in text.split(",")], default=[1024, 2048, 4096, 8192, 16384])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--per-round", type=int, default=6)
+    p.add_argument("--connections", type=int, default=None, help="a pull's connections (default: the link's choice)")
+    p.add_argument("--plot", type=Path, nargs="+", default=None, help="draw saved runs instead of measuring")
+    p.add_argument("--plot-name", default="kv_pull_sizes")
+    args = p.parse_args(argv)
+    if args.plot is not None:
+        print(plot(args.plot, args.plot_name))
+        return 0
+    print_header(f"direct pulls against raw TCP by size (small; {args.rounds} rounds of {args.per_round}; "
+                 f"connections: {args.connections or 'default'})")
+    runs = {}
+    for tokens in args.tokens:
+        runs[tokens] = measure(tokens, args.rounds, args.per_round, args.connections)
+        print(f"{tokens} tokens done", flush=True)
+    print(table(runs))
+    save_results("kv_pull_sizes", {"rounds": args.rounds, "per_round": args.per_round,
+                                   "connections": args.connections, "runs": runs})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
