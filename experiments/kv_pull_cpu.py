@@ -82,13 +82,8 @@ def run_phases(pulls: int) -> None:
     ours, process, loop, engine, path, address = kp.pull_pair(_source, "small", num_blocks)
     print(f"PIDS {os.getpid()} {process.pid}", flush=True)
     try:
-        ours.send(("seed", (TOKENS, 2)))
-        nbytes = kp._pull(loop, path, address, ours.recv()).bytes
-        askers = {}
-        for step in (s for s in PHASES.values() if isinstance(s, str)):
-            ours.send(("serve", (step, nbytes)))
-            askers[step] = floor._Asker(ours.recv(), step, nbytes)
-            askers[step].once()  # warm: the connection, the pages
+        nbytes = floor.first_pull_bytes(ours, loop, path, address, TOKENS)
+        askers = floor.raw_askers(ours, [how for how in PHASES.values() if isinstance(how, str)], nbytes)
         seeds = iter(range(3, 1 << 30))
         for i, how in enumerate(PHASES.values()):
             started, rates = time.monotonic(), []
@@ -96,10 +91,7 @@ def run_phases(pulls: int) -> None:
                 path.config = replace(path.config, connections_per_pull=how)
             for _ in range(pulls):
                 if isinstance(how, int):
-                    ours.send(("seed", (TOKENS, next(seeds))))
-                    hashes = ours.recv()
-                    time.sleep(0.005)
-                    rates.append(floor._pulled(loop, path, address, hashes))
+                    rates.append(floor.fresh_pull(ours, loop, path, address, TOKENS, next(seeds)))
                 else:
                     time.sleep(0.005)
                     rates.append(askers[how].once())

@@ -238,17 +238,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args, ours, loop, path, address) -> dict[str, list[float]]:
-    ours.send(("seed", (args.tokens, 2)))
-    first = kp._pull(loop, path, address, ours.recv())
-    nbytes = first.bytes  # what a pull's rate is counted over
-    askers = {}
-    for step in STEPS:
-        ours.send(("serve", (step, nbytes)))
-        askers[step] = _Asker(ours.recv(), step, nbytes)
-        askers[step].once()  # warm: the connection, the pages
+    nbytes = first_pull_bytes(ours, loop, path, address, args.tokens)  # what a pull's rate is counted over
+    askers = raw_askers(ours, STEPS, nbytes)
     pulls = {f"pull, {n} connection(s)": n for n in args.pull_connections}
     rates: dict[str, list[float]] = {step: [] for step in (*STEPS, *pulls)}
-    seed = 3
+    seeds = iter(range(3, 1 << 30))
     for done in range(args.rounds):
         for step in STEPS:
             for _ in range(args.per_round):
@@ -257,15 +251,36 @@ def _run(args, ours, loop, path, address) -> dict[str, list[float]]:
         for step, connections in pulls.items():
             path.config = replace(path.config, connections_per_pull=connections)
             for _ in range(args.per_round):
-                ours.send(("seed", (args.tokens, seed)))
-                seed += 1
-                hashes = ours.recv()
-                time.sleep(0.005)
-                rates[step].append(_pulled(loop, path, address, hashes))
+                rates[step].append(fresh_pull(ours, loop, path, address, args.tokens, next(seeds)))
         print(f"round {done + 1}/{args.rounds}", flush=True)
     for asker in askers.values():
         asker.close()
     return rates
+
+
+def first_pull_bytes(ours, loop, path, address: str, tokens: int) -> int:
+    """The bytes of a first pull of `tokens` (which also warms the link): what each pull's rate is counted over."""
+    ours.send(("seed", (tokens, 2)))
+    return kp._pull(loop, path, address, ours.recv()).bytes
+
+
+def raw_askers(ours, steps, nbytes: int) -> dict[str, _Asker]:
+    """An asker a raw step, the source process listening for it ("serve"), each warmed by one reply."""
+    askers = {}
+    for step in steps:
+        ours.send(("serve", (step, nbytes)))
+        askers[step] = _Asker(ours.recv(), step, nbytes)
+        askers[step].once()  # warm: the connection, the pages
+    return askers
+
+
+def fresh_pull(ours, loop, path, address: str, tokens: int, seed: int) -> float:
+    """The bytes/s of one pull of a fresh prefix of `tokens` (seeded at the source as `seed`), after the idle the
+    bench leaves between pulls; raises where it failed."""
+    ours.send(("seed", (tokens, seed)))
+    hashes = ours.recv()
+    time.sleep(0.005)
+    return _pulled(loop, path, address, hashes)
 
 
 def _pulled(loop, path, address: str, hashes: list[bytes]) -> float:

@@ -44,13 +44,8 @@ def measure(tokens: int, rounds: int, per_round: int, connections: int | None) -
     try:
         if connections is not None:
             path.config = replace(path.config, connections_per_pull=connections)
-        ours.send(("seed", (tokens, 2)))
-        nbytes = kp._pull(loop, path, address, ours.recv()).bytes
-        askers = {}
-        for step in (RAW, RAW_CHECKSUMMED):
-            ours.send(("serve", (step, nbytes)))
-            askers[step] = floor._Asker(ours.recv(), step, nbytes)
-            askers[step].once()  # warm: the connection, the pages
+        nbytes = floor.first_pull_bytes(ours, loop, path, address, tokens)
+        askers = floor.raw_askers(ours, (RAW, RAW_CHECKSUMMED), nbytes)
         rates: dict[str, list[float]] = {RAW: [], RAW_CHECKSUMMED: [], PULL: []}
         seeds = iter(range(3, 1 << 30))
         for _ in range(rounds):
@@ -59,10 +54,7 @@ def measure(tokens: int, rounds: int, per_round: int, connections: int | None) -
                     time.sleep(0.005)  # idle between replies, as between the bench's pulls
                     rates[step].append(asker.once())
             for _ in range(per_round):
-                ours.send(("seed", (tokens, next(seeds))))
-                hashes = ours.recv()
-                time.sleep(0.005)
-                rates[PULL].append(floor._pulled(loop, path, address, hashes))
+                rates[PULL].append(floor.fresh_pull(ours, loop, path, address, tokens, next(seeds)))
         for asker in askers.values():
             asker.close()
         return {"bytes": nbytes, **rates}
