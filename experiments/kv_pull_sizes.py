@@ -88,24 +88,24 @@ def table(runs: dict[int, dict]) -> str:
 
 def plot(saved: list[Path], name: str) -> Path:
     """Each saved run's pull as a share of raw TCP (best, median) against its MiB, with the target's line."""
-    fig, ax = new_figure(6.4, 3.8)
+    fig, ax = new_figure(8.6, 3.8)
     machines = set()
     for i, path in enumerate(saved):
         data = json.loads(path.read_text())
         machines.add(data["machine"].split(", load")[0])
         runs = sorted(data["runs"].values(), key=lambda run: run["bytes"])
         mib = [run["bytes"] / 2**20 for run in runs]
-        for which, style, label in ((0, "o-", "best, of raw TCP's best"), (1, "s--", "median, of raw TCP's median")):
-            ax.plot(mib, [100 * shares(run)[which] for run in runs], style, color=f"C{which}", alpha=1 - 0.35 * i,
-                    label=f"pull's {label}, {data['date']}")
+        for which, style, label in ((0, "o-", "best / raw's best"), (1, "s--", "median / raw's median")):
+            ax.plot(mib, [100 * shares(run)[which] for run in runs], style, color=f"C{which}", alpha=1 - 0.6 * i / max(1, len(saved) - 1),
+                    label=f"{label}, {data['date']}")
     ax.axhline(100 * TARGET_SHARE, linestyle=":", color="grey", label="issue 19's target")
     ax.set_xscale("log", base=2)
     ax.set_xticks(mib, [f"{m:.0f}" for m in mib])
     ax.set_xlabel("pull size, MiB (the small demo model's KV)")
     ax.set_ylabel("% of raw TCP on the same path")
     ax.set_title("direct pull against raw TCP by size\n" + "; ".join(sorted(machines)), fontsize=9)
-    ax.legend(fontsize=7)
-    return save_figure(fig, name)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return save_figure(fig, name, bbox_inches="tight")
 
 
 def main(argv: list[str] | None = None) -> int:
