@@ -3,11 +3,13 @@ samples of every thread of both processes, summed by thread and by kind of code,
 
 `kv_pull_profile --threads` says how much CPU each thread spends a pull; this says on what: the kernel's copies
 to and from the socket, the rest of the kernel (TCP, wake-ups, page faults), the wire format's checksum (xxh3),
-the Python interpreter, and other user code (numpy, MLX, the C library). One pair of processes runs four phases
+the Python interpreter (the python executable or libpython), and other user code (numpy, MLX, extension
+modules, the C library). One pair of processes runs four phases
 in turn, each of `--pulls` replies: direct pulls over two connections, the floor's raw checksummed replies over
 two (`kv_pull_floor`'s "raw, memory, checksummed, two connections"), then both over one. The raw replies do what
 a pull's bytes must (from and into memory out of cache, checksummed as they go) and nothing else, so a thread's
-ms beyond its raw twin's are the pull's own work. Each thread's OS name is its Python name (perf's `comm`).
+ms beyond its raw twin's are the pull's own work. Each thread started in either process takes its Python name as
+its OS name (perf's `comm`); a process's main thread keeps the executable's.
 
     python -m experiments.kv_pull_cpu [--pulls 60] [--perf perf] [--frequency 2999] [--top 10]
 
@@ -47,7 +49,7 @@ _SAMPLE = re.compile(r"^\s*(?P<comm>\S+)\s+(?P<pid>\d+)/(?P<tid>\d+)\s+(?P<time>
 
 def name_threads() -> None:
     """From now on, each thread this process starts takes its Python name as its OS name (what perf reports),
-    spaces dropped, cut to Linux's 15 bytes."""
+    spaces dropped and "ThreadPoolExecutor-" shortened to "pool", cut to Linux's 15 bytes."""
     libc = ctypes.CDLL(None)
     boot = threading.Thread._bootstrap_inner
 
@@ -64,8 +66,8 @@ def kind_of(sym: str, dso: str) -> str:
         return KINDS[0] if _COPY.search(sym) else KINDS[1]
     if sym.startswith("XXH"):
         return KINDS[2]
-    if "python" in dso or dso.startswith("[JIT]"):
-        return KINDS[3]
+    if dso.rsplit("/", 1)[-1].startswith(("python", "libpython")) or dso.startswith("[JIT]"):
+        return KINDS[3]  # the interpreter, not an extension module (numpy's `*.cpython-312-*.so` is other user code)
     return KINDS[4]
 
 
@@ -132,7 +134,7 @@ def samples(perf: str, data: Path):
 
 
 def tally(rows, pids: dict, phases: list[tuple], pulls: int):
-    """ms a pull by (phase, side, thread, kind) and by (phase, side, thread, symbol)."""
+    """ms a pull by (phase, side, thread, kind) and by (phase, side, thread, (symbol, dso))."""
     by_kind, by_sym = defaultdict(float), defaultdict(float)
     for pid, comm, at, period, sym, dso in rows:
         side = pids.get(pid)
@@ -141,28 +143,33 @@ def tally(rows, pids: dict, phases: list[tuple], pulls: int):
             continue
         ms = period / 1e6 / pulls
         by_kind[phase, side, comm, kind_of(sym, dso)] += ms
-        by_sym[phase, side, comm, sym] += ms
+        by_sym[phase, side, comm, (sym, dso)] += ms
     return by_kind, by_sym
 
 
 def report(by_kind, by_sym, phases: list[tuple], top: int) -> dict:
+    """Print the phases' rates, each thread's ms by kind and each link thread's top functions; returns, for each
+    thread kept, its ms by kind and its functions (symbol, library, ms) of 0.01 ms or more."""
     names = list(PHASES)
     print(markdown_table(["phase", "best GB/s", "median GB/s"],
                          [[names[i], f"{p[3] / 1e9:.2f}", f"{p[4] / 1e9:.2f}"] for i, p in enumerate(phases)]))
-    threads = sorted({key[:3] for key in by_kind})
     rows, saved = [], {}
-    for phase, side, comm in threads:
+    for phase, side, comm in sorted({key[:3] for key in by_kind}):
         kinds = [by_kind.get((phase, side, comm, k), 0.0) for k in KINDS]
         if comm.startswith("orchard-engine") or sum(kinds) < 0.05:
             continue  # the engine's ms are the source's seeding between pulls, not the pull
         rows.append([names[phase], side, comm, *(f"{v:.2f}" for v in kinds), f"{sum(kinds):.2f}"])
-        saved[f"{names[phase]} | {side} | {comm}"] = dict(zip(KINDS, kinds))
+        functions = sorted(((ms, sym, dso) for (p, sd, c, (sym, dso)), ms in by_sym.items()
+                            if (p, sd, c) == (phase, side, comm) and ms >= 0.01), reverse=True)
+        saved[f"{names[phase]} | {side} | {comm}"] = {"by_kind": dict(zip(KINDS, kinds)),
+                                                       "functions": [[sym, dso, ms] for ms, sym, dso in functions]}
     print("\nms of CPU a pull or reply, each thread (the source's engine left out: it seeds between pulls)\n")
     print(markdown_table(["phase", "side", "thread", *KINDS, "total"], rows))
-    for phase, side, comm in threads:
-        syms = sorted(((ms, s) for (p, sd, c, s), ms in by_sym.items() if (p, sd, c) == (phase, side, comm)), reverse=True)
+    for key, thread in saved.items():
+        phase, side, comm = key.split(" | ")
         if comm.startswith(("kv-link", "Thread-", "pool")) or (side == "target" and comm.startswith("python")):
-            print(f"\n{names[phase]}, {side}, {comm}: " + ", ".join(f"{s} {ms:.2f}" for ms, s in syms[:top] if ms >= 0.02))
+            listed = ", ".join(f"{sym} {ms:.2f}" for sym, _, ms in thread["functions"][:top] if ms >= 0.02)
+            print(f"\n{phase}, {side}, {comm}: {listed}")
     return saved
 
 

@@ -293,9 +293,10 @@ def test_the_cpu_accounting_reads_perfs_samples_and_sums_them_by_phase_side_thre
         "kv-link-recv", "3088", "325.400000123", "333444", "_copy_to_iter", "[kernel.kallsyms]")
     functions = [("_copy_from_iter", "[kernel.kallsyms]"), ("tcp_sendmsg_locked", "[kernel.kallsyms]"),
                  ("XXH3_update_avx512", "/site/xxhash/_xxhash.cpython-312-x86_64-linux-gnu.so"),
-                 ("_PyEval_EvalFrameDefault", "/usr/bin/python3.12"), ("[unknown]", "/usr/bin/python3.12"),
-                 ("__memmove_avx_unaligned_erms", "/usr/lib/x86_64-linux-gnu/libc.so.6")]
-    assert [cpu.kind_of(*f) for f in functions] == [*cpu.KINDS[:4], cpu.KINDS[3], cpu.KINDS[4]]
+                 ("_PyEval_EvalFrameDefault", "/usr/bin/python3.12"), ("[unknown]", "/usr/lib/libpython3.11.so.1.0"),
+                 ("__memmove_avx_unaligned_erms", "/usr/lib/x86_64-linux-gnu/libc.so.6"),
+                 ("PyArray_NewFromDescr_int", "/site/numpy/_core/_multiarray_umath.cpython-312-x86_64-linux-gnu.so")]
+    assert [cpu.kind_of(*f) for f in functions] == [*cpu.KINDS[:4], cpu.KINDS[3], cpu.KINDS[4], cpu.KINDS[4]]
     rows = [(10, "kv-link-recv", 1.5, 2_000_000, "_copy_to_iter", "[kernel.kallsyms]"),
             (10, "kv-link-recv", 1.6, 1_000_000, "XXH3_update_avx512", "_xxhash.so"),
             (11, "kv-link-conn", 2.5, 4_000_000, "tcp_sendmsg_locked", "[kernel.kallsyms]"),
@@ -305,7 +306,11 @@ def test_the_cpu_accounting_reads_perfs_samples_and_sums_them_by_phase_side_thre
     by_kind, by_sym = cpu.tally(rows, {10: "target", 11: "source"}, phases, pulls=2)
     assert by_kind == {(0, "target", "kv-link-recv", "kernel: copies"): 1.0,
                        (0, "target", "kv-link-recv", "checksum"): 0.5, (1, "source", "kv-link-conn", "kernel: other"): 2.0}
-    assert by_sym[1, "source", "kv-link-conn", "tcp_sendmsg_locked"] == 2.0
+    assert by_sym[1, "source", "kv-link-conn", ("tcp_sendmsg_locked", "[kernel.kallsyms]")] == 2.0
+    saved = cpu.report(by_kind, by_sym, phases, top=5)
+    assert saved["pull, 2 connections | target | kv-link-recv"] == {
+        "by_kind": {"kernel: copies": 1.0, "kernel: other": 0.0, "checksum": 0.5, "Python": 0.0, "other user": 0.0},
+        "functions": [["_copy_to_iter", "[kernel.kallsyms]", 1.0], ["XXH3_update_avx512", "_xxhash.so", 0.5]]}
 
 
 def test_threads_started_once_named_carry_their_python_name_to_the_os(monkeypatch):
