@@ -14,7 +14,7 @@ else), and direct pulls of a fresh prefix over `--connections` (default: the lin
 
 Prints one table: each size's best and median GB/s of each, and the pull's best and median as a share of raw
 TCP's. The numbers go to experiments/results/kv_pull_sizes.json; `--plot` draws saved runs' shares against
-the size (docs/img/kv_pull_sizes.png).
+the size (docs/img/<--plot-name>.png).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from experiments import kv_pull_profile as kp
 from experiments.common import markdown_table, new_figure, print_header, save_figure, save_results
 
 RAW = floor.STEPS[0]  # the bench's raw TCP replies
-RAW_CHECKSUMMED = "raw, memory, checksummed, two connections"
+RAW_CHECKSUMMED = floor.STEPS[-1]  # "raw, memory, checksummed, two connections"
 PULL = "pull"
 TARGET_SHARE = 0.5  # issue 19: a pull at half of raw TCP or more
 
