@@ -155,23 +155,25 @@ def report(by_kind, by_sym, phases: list[tuple], top: int) -> dict:
     names = list(PHASES)
     print(markdown_table(["phase", "best GB/s", "median GB/s"],
                          [[names[i], f"{p[3] / 1e9:.2f}", f"{p[4] / 1e9:.2f}"] for i, p in enumerate(phases)]))
-    rows, saved = [], {}
-    for phase, side, comm in sorted({key[:3] for key in by_kind}):
-        kinds = [by_kind.get((phase, side, comm, k), 0.0) for k in KINDS]
+    functions = defaultdict(list)  # by (phase, side, thread): (ms, symbol, library), most first
+    for (phase, side, comm, (sym, dso)), ms in sorted(by_sym.items(), key=lambda item: -item[1]):
+        if ms >= 0.01:
+            functions[phase, side, comm].append((ms, sym, dso))
+    rows, saved, listed = [], {}, []
+    for thread in sorted({key[:3] for key in by_kind}):
+        phase, side, comm = thread
+        kinds = [by_kind.get((*thread, k), 0.0) for k in KINDS]
         if comm.startswith("orchard-engine") or sum(kinds) < 0.05:
             continue  # the engine's ms are the source's seeding between pulls, not the pull
         rows.append([names[phase], side, comm, *(f"{v:.2f}" for v in kinds), f"{sum(kinds):.2f}"])
-        functions = sorted(((ms, sym, dso) for (p, sd, c, (sym, dso)), ms in by_sym.items()
-                            if (p, sd, c) == (phase, side, comm) and ms >= 0.01), reverse=True)
         saved[f"{names[phase]} | {side} | {comm}"] = {"by_kind": dict(zip(KINDS, kinds)),
-                                                       "functions": [[sym, dso, ms] for ms, sym, dso in functions]}
+                                                       "functions": [[sym, dso, ms] for ms, sym, dso in functions[thread]]}
+        if comm.startswith(("kv-link", "Thread-", "pool")) or (side == "target" and comm.startswith("python")):
+            top_functions = ", ".join(f"{sym} {ms:.2f}" for ms, sym, _ in functions[thread][:top] if ms >= 0.02)
+            listed.append(f"\n{names[phase]}, {side}, {comm}: {top_functions}")
     print("\nms of CPU a pull or reply, each thread (the source's engine left out: it seeds between pulls)\n")
     print(markdown_table(["phase", "side", "thread", *KINDS, "total"], rows))
-    for key, thread in saved.items():
-        phase, side, comm = key.split(" | ")
-        if comm.startswith(("kv-link", "Thread-", "pool")) or (side == "target" and comm.startswith("python")):
-            listed = ", ".join(f"{sym} {ms:.2f}" for sym, _, ms in thread["functions"][:top] if ms >= 0.02)
-            print(f"\n{phase}, {side}, {comm}: {listed}")
+    print("\n".join(listed))
     return saved
 
 

@@ -225,37 +225,39 @@ def main(argv: list[str] | None = None) -> int:
                    help="the connections each pull step spreads over, comma separated")
     args = p.parse_args(argv)
     print_header(f"a pull's bytes, step by step ({args.size}, {args.tokens} tokens)")
-    pulls = args.rounds * args.per_round
-    num_blocks = (pulls + 2) * args.tokens // 16 + 64
-    source = functools.partial(kp.source_node, answer=_answer)
-    ours, process, loop, engine, path, address = kp.pull_pair(source, args.size, num_blocks)
-    try:
-        rates = _run(args, ours, loop, path, address)
-    finally:
-        kp.stop(ours, process, path, engine)
+    pulls = {f"pull, {n} connection(s)": n for n in args.pull_connections}
+    _, rates = interleaved(args.size, args.tokens, STEPS, pulls, args.rounds, args.per_round)
     _report(args, rates)
     return 0
 
 
-def _run(args, ours, loop, path, address) -> dict[str, list[float]]:
-    nbytes = first_pull_bytes(ours, loop, path, address, args.tokens)  # what a pull's rate is counted over
-    askers = raw_askers(ours, STEPS, nbytes)
-    pulls = {f"pull, {n} connection(s)": n for n in args.pull_connections}
-    rates: dict[str, list[float]] = {step: [] for step in (*STEPS, *pulls)}
-    seeds = iter(range(3, 1 << 30))
-    for done in range(args.rounds):
-        for step in STEPS:
-            for _ in range(args.per_round):
-                time.sleep(0.005)  # idle between replies, as between the bench's pulls
-                rates[step].append(askers[step].once())
-        for step, connections in pulls.items():
-            path.config = replace(path.config, connections_per_pull=connections)
-            for _ in range(args.per_round):
-                rates[step].append(fresh_pull(ours, loop, path, address, args.tokens, next(seeds)))
-        print(f"round {done + 1}/{args.rounds}", flush=True)
-    for asker in askers.values():
-        asker.close()
-    return rates
+def interleaved(size: str, tokens: int, steps, pulls: dict[str, int | None], rounds: int,
+                per_round: int) -> tuple[int, dict[str, list[float]]]:
+    """In one pair of processes (the source's answering `serve` with `_answer`): a pull's bytes, and the bytes/s of
+    each reply of each raw step of `steps` and of each pull of each of `pulls` (name: the connections it spreads
+    over, None for the link's own choice), in `rounds` turns of `per_round` of each, each round's end printed."""
+    source = functools.partial(kp.source_node, answer=_answer)
+    ours, process, loop, engine, path, address = kp.pull_pair(source, size, (rounds * per_round + 2) * tokens // 16 + 64)
+    try:
+        nbytes = first_pull_bytes(ours, loop, path, address, tokens)  # what a pull's rate is counted over
+        askers = raw_askers(ours, steps, nbytes)
+        rates: dict[str, list[float]] = {step: [] for step in (*steps, *pulls)}
+        seeds = iter(range(3, 1 << 30))
+        for done in range(rounds):
+            for step in steps:
+                for _ in range(per_round):
+                    time.sleep(0.005)  # idle between replies, as between the bench's pulls
+                    rates[step].append(askers[step].once())
+            for step, connections in pulls.items():
+                path.config = replace(path.config, connections_per_pull=connections)
+                for _ in range(per_round):
+                    rates[step].append(fresh_pull(ours, loop, path, address, tokens, next(seeds)))
+            print(f"round {done + 1}/{rounds}", flush=True)
+        for asker in askers.values():
+            asker.close()
+        return nbytes, rates
+    finally:
+        kp.stop(ours, process, path, engine)
 
 
 def first_pull_bytes(ours, loop, path, address: str, tokens: int) -> int:

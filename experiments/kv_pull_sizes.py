@@ -20,14 +20,10 @@ the size (docs/img/<--plot-name>.png).
 from __future__ import annotations
 
 import argparse
-import functools
 import json
-import time
-from dataclasses import replace
 from pathlib import Path
 
 from experiments import kv_pull_floor as floor
-from experiments import kv_pull_profile as kp
 from experiments.common import markdown_table, new_figure, print_header, save_figure, save_results
 
 RAW = floor.STEPS[0]  # the bench's raw TCP replies
@@ -37,29 +33,10 @@ TARGET_SHARE = 0.5  # issue 19: a pull at half of raw TCP or more
 
 
 def measure(tokens: int, rounds: int, per_round: int, connections: int | None) -> dict[str, list[float]]:
-    """Bytes/s of each reply and pull of one size, in interleaved turns; `bytes` the pull's size."""
-    pulls = rounds * per_round
-    source = functools.partial(kp.source_node, answer=floor._answer)
-    ours, process, loop, engine, path, address = kp.pull_pair(source, "small", (pulls + 2) * tokens // 16 + 64)
-    try:
-        if connections is not None:
-            path.config = replace(path.config, connections_per_pull=connections)
-        nbytes = floor.first_pull_bytes(ours, loop, path, address, tokens)
-        askers = floor.raw_askers(ours, (RAW, RAW_CHECKSUMMED), nbytes)
-        rates: dict[str, list[float]] = {RAW: [], RAW_CHECKSUMMED: [], PULL: []}
-        seeds = iter(range(3, 1 << 30))
-        for _ in range(rounds):
-            for step, asker in askers.items():
-                for _ in range(per_round):
-                    time.sleep(0.005)  # idle between replies, as between the bench's pulls
-                    rates[step].append(asker.once())
-            for _ in range(per_round):
-                rates[PULL].append(floor.fresh_pull(ours, loop, path, address, tokens, next(seeds)))
-        for asker in askers.values():
-            asker.close()
-        return {"bytes": nbytes, **rates}
-    finally:
-        kp.stop(ours, process, path, engine)
+    """Bytes/s of each reply and pull of one size, in interleaved turns (`kv_pull_floor.interleaved`); `bytes` the
+    pull's size."""
+    nbytes, rates = floor.interleaved("small", tokens, (RAW, RAW_CHECKSUMMED), {PULL: connections}, rounds, per_round)
+    return {"bytes": nbytes, **rates}
 
 
 def best_and_median(values: list[float]) -> tuple[float, float]:
