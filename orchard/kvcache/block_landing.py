@@ -30,6 +30,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import numpy as np
 
@@ -108,6 +109,7 @@ class BlockLanding:
         `at`: the run's place of the first block (a part's, `LandingPart`), else the first not landed."""
         if hash_block_rows(parents, tokens) != hashes.tobytes():
             raise IncompatibleKVPayload("a block's hash does not match its parent and tokens")
+        listing = _Listing.of(hashes, parents, tokens)  # made now, while the KV is still on its way
         with self._lock:
             start = self.landed if at is None else at
             rows = self._claim(start, hashes, parents, tokens)
@@ -115,7 +117,7 @@ class BlockLanding:
         try:
             yield [([keys[r] for r in rows], [values[r] for r in rows]) for keys, values in zip(*self._views)]
             with self._lock:
-                self._filled_in(start, hashes, parents, tokens)
+                self._filled_in(start, listing)
         except BaseException:
             with self._lock:
                 self._states[start : start + len(hashes)] = [_FREE] * len(hashes)
@@ -125,14 +127,12 @@ class BlockLanding:
                 self._writing -= 1
                 self._lock.notify_all()
 
-    def _filled_in(self, start: int, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> None:
+    def _filled_in(self, start: int, listing: _Listing) -> None:
         """Blocks `[start, start + n)` were written whole: keep what lists them, move `landed` past them where
         the run's blocks before are written too (under the lock)."""
-        end = start + len(hashes)
-        self._hashes[start:end] = row_bytes(hashes)  # as bytes: the chunk's buffer is reused once handed back
-        self._parents[start:end] = row_bytes(parents)
-        self._tokens[start:end] = [tuple(t) for t in tokens.tolist()]
-        self._states[start:end] = [_WRITTEN] * len(hashes)
+        end = start + len(listing.hashes)
+        self._hashes[start:end], self._parents[start:end], self._tokens[start:end] = listing
+        self._states[start:end] = [_WRITTEN] * len(listing.hashes)
         while self.landed < self.capacity and self._states[self.landed] == _WRITTEN:
             self.landed += 1
 
@@ -238,6 +238,19 @@ class LandingPart:
         with self.landing.placing(hashes, parents, tokens, at=self.start + self.landed) as layers:
             yield layers
         self.landed += len(hashes)
+
+
+class _Listing(NamedTuple):
+    """What lists a chunk's blocks once written, as the block manager keeps it, made apart from the chunk's
+    buffer (reused once handed back)."""
+
+    hashes: list[bytes]
+    parents: list[bytes]
+    tokens: list[tuple[int, ...]]
+
+    @classmethod
+    def of(cls, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> _Listing:
+        return cls(row_bytes(hashes), row_bytes(parents), list(map(tuple, tokens.tolist())))
 
 
 def _land(placing, blocks: Sequence[KVBlockData]) -> int:

@@ -28,6 +28,10 @@ A plain pull of more than one chunk goes over several connections at once where 
 cores (`KVLinkConfig.connections_per_pull`): its run in consecutive parts of whole chunks, one a
 connection, each read by its connection's receive thread into its own part of the landing
 (`BlockLanding.parts`), so that copying and checksumming the bytes is not one thread's work at each end.
+Such a pull asks for no more chunks than it has connections, where `KVLinkConfig.chunk_bytes` allows: its
+bytes land layer by layer as they come whatever the chunk's size, and each chunk costs both ends a fixed
+amount of work in the interpreter (laying it out, checking its blocks, listing them). A pull whose chunks are
+imported or copied once whole asks for eight, so that one is written while the next arrives (`chunk_size`).
 
 A connection whose reply ended whole is kept for the next pull from the same source (as many as a pull
 uses, for half the listener's idle timeout): a pull of a few MiB otherwise spends as long connecting and
@@ -227,14 +231,25 @@ class DirectPath:
         the pool is not in host memory, whose chunks are imported by the engine thread in the order they come
         (a landing takes parts in any order: `BlockLanding.parts`)."""
         connections = self.config.pull_connections()
-        if connections == 1 or not split or compress or self.mover.state_geometry is not None or not host_memory():
+        if connections == 1 or not split or not self._lands_in_place(compress):
             return [hashes]
-        chunks = chunked(hashes, self.mover.geometry.bytes_per_block, self._chunk_bytes(hashes))  # as the source cuts them
+        chunks = chunked(hashes, self.mover.geometry.bytes_per_block, self._chunk_bytes(hashes, True))  # as the source cuts them
         per_part = -(-len(chunks) // connections)  # chunks a part, rounded up
         return [list(chain.from_iterable(chunks[i : i + per_part])) for i in range(0, len(chunks), per_part)]
 
-    def _chunk_bytes(self, hashes: Sequence[BlockHash]) -> int:
-        return chunk_size(len(hashes) * self.mover.geometry.bytes_per_block, self.config.chunk_bytes)
+    def _lands_in_place(self, compress: bool) -> bool:
+        """Whether a pull's chunks can be read straight into the blocks reserved for them: plain chunks, no
+        recurrent state, a pool in host memory (`LinkStream.take`'s landing)."""
+        return not compress and self.mover.state_geometry is None and host_memory()
+
+    def _chunk_bytes(self, hashes: Sequence[BlockHash], placed: bool) -> int:
+        """The chunk size a pull of `hashes` asks for (`chunk_size`). Chunks read straight into the pool
+        (`placed`) need no more of them than the connections the pull is spread over: a chunk's bytes land
+        layer by layer as they come, and each chunk costs both ends a fixed amount of work. Chunks imported
+        or copied once whole need several, so that one is written while the next arrives."""
+        chunks = self.config.pull_connections() if placed else CHUNKS_PER_PULL
+        return chunk_size(len(hashes) * self.mover.geometry.bytes_per_block, self.config.chunk_bytes, chunks,
+                          self.mover.geometry.bytes_per_block)
 
     def _ask_kept(self, source_id: str, hashes: list[BlockHash], compress: bool) -> list[LinkStream]:
         """Streams asking for `hashes`' parts (`_parts`) over connections the last pulls from `source_id`
@@ -244,7 +259,7 @@ class DirectPath:
         if len(kept) < len(parts):
             self._keep(source_id, kept)
             return []
-        return self._ask_parts(source_id, kept, parts, self._chunk_bytes(hashes), compress)
+        return self._ask_parts(source_id, kept, parts, self._chunk_bytes(hashes, self._lands_in_place(compress)), compress)
 
     async def _ask_new(self, source_id: str, address: str, hashes: list[BlockHash], compress: bool,
                        split: bool) -> list[LinkStream]:
@@ -258,7 +273,7 @@ class DirectPath:
             for sock in socks:
                 sock.close()
             return []
-        return self._ask_parts(source_id, socks, parts, self._chunk_bytes(hashes), compress)
+        return self._ask_parts(source_id, socks, parts, self._chunk_bytes(hashes, split and self._lands_in_place(compress)), compress)
 
     def _ask_parts(self, source_id: str, socks: list[socket.socket], parts: list[list[BlockHash]], chunk_bytes: int,
                    compress: bool) -> list[LinkStream]:
@@ -393,16 +408,18 @@ class DirectPath:
 #: Under "auto", compressed pulls from one source before a plain one re-reads its link (`compress_next`).
 RECHECK_AFTER = 4
 
-#: A pull is cut into at least this many chunks where `MIN_CHUNK_BYTES` allows: one chunk's
-#: encode, checks and pool write are not overlapped with anything (the pipeline filling and
-#: draining), so they should be a small part of the pull.
+#: A pull whose chunks are imported or copied once whole is cut into at least this many chunks where
+#: `MIN_CHUNK_BYTES` allows: one chunk's decode and pool write are not overlapped with anything (the
+#: pipeline filling and draining), so they should be a small part of the pull.
 CHUNKS_PER_PULL = 8
 MIN_CHUNK_BYTES = 1 << 20
 
 
-def chunk_size(pull_bytes: int, largest: int) -> int:
-    """The chunk size a pull of `pull_bytes` asks for: `largest`, or less for a small pull."""
-    return min(largest, max(MIN_CHUNK_BYTES, pull_bytes // CHUNKS_PER_PULL))
+def chunk_size(pull_bytes: int, largest: int, chunks: int = CHUNKS_PER_PULL, block_bytes: int = 1) -> int:
+    """The chunk size a pull of `pull_bytes` asks for: `largest`, or less for a small pull, cut into `chunks`
+    of whole blocks of `block_bytes` (the last the shortest), none below `MIN_CHUNK_BYTES`."""
+    blocks = -(-pull_bytes // block_bytes)
+    return min(largest, max(MIN_CHUNK_BYTES, -(-blocks // chunks) * block_bytes))
 
 
 def _open(sock: socket.socket) -> bool:

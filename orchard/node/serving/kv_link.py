@@ -101,7 +101,7 @@ def few_cores() -> bool:
 class KVLinkConfig:
     host: str = "127.0.0.1"  # the address to listen on; beyond loopback only when the cluster binds there
     port: int = 0
-    chunk_bytes: int = 4 << 20  # small enough that a pull has several chunks to overlap
+    chunk_bytes: int = 4 << 20  # the largest chunk a pull asks for (`orchard.node.serving.direct_path.chunk_size`)
     handshake_timeout_s: float = 5.0
     io_timeout_s: float = 30.0
     connect_timeout_s: float = 2.0

@@ -1028,11 +1028,29 @@ def test_a_silent_peer_times_out_under_the_kernels_timeout_of_an_authenticated_c
 def test_a_small_pull_asks_for_smaller_chunks_so_its_stages_overlap():
     from orchard.node.serving.direct_path import MIN_CHUNK_BYTES, chunk_size
 
-    mib = 1 << 20
+    mib, block = 1 << 20, 64 << 10
     assert chunk_size(128 * mib, 4 * mib) == 4 * mib  # a large pull: the configured size
     assert chunk_size(16 * mib, 4 * mib) == 2 * mib  # eight chunks
     assert chunk_size(2 * mib, 4 * mib) == MIN_CHUNK_BYTES  # never below the floor...
     assert chunk_size(2 * mib, 128 * 1024) == 128 * 1024  # ...nor above what is configured
+    assert chunk_size(8 * mib, 4 * mib, chunks=2, block_bytes=block) == 4 * mib  # two chunks
+    assert chunk_size(127 * block, 4 * mib, chunks=2, block_bytes=block) == 64 * block  # whole blocks, rounded up
+
+
+def test_a_pull_read_straight_into_the_pool_asks_one_chunk_a_connection_and_others_eight(monkeypatch):
+    """Chunks landed layer by layer as they come need no more of them than connections; chunks imported
+    or copied once whole come in eight, so that one is written while the next arrives."""
+    config = replace(CONFIG, chunk_bytes=4 << 20, connections_per_pull=2)
+    with linked("b", EngineConfig(block_size=BS, num_blocks=16, max_num_batched_tokens=128), config) as (_, paths):
+        path = paths["b"]
+        per_block = path.mover.geometry.bytes_per_block
+        run = [BlockHash(bytes([n % 256, n // 256]) * 8) for n in range((8 << 20) // per_block)]  # 8 MiB
+        half = len(run) // 2
+        assert path._chunk_bytes(run, placed=True) == half * per_block
+        assert path._parts(run, compress=False) == [run[:half], run[half:]]
+        assert path._chunk_bytes(run, placed=False) == (1 << 20) // per_block * per_block
+        monkeypatch.setattr(path, "config", replace(config, connections_per_pull=1))
+        assert path._chunk_bytes(run, placed=True) == 4 << 20  # one connection: no more than configured
 
 
 def test_the_senders_buffer_grows_as_far_as_the_kernel_allows_and_a_refusal_is_not_an_error(monkeypatch):
