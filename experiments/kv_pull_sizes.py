@@ -10,7 +10,7 @@ else), and direct pulls of a fresh prefix over `--connections` (default: the lin
 
     python -m experiments.kv_pull_sizes [--tokens 1024,2048,4096,8192,16384] [--rounds 2] [--per-round 6]
                                         [--connections N]
-    python -m experiments.kv_pull_sizes --plot RUN.json [RUN.json ...] [--plot-name NAME]
+    python -m experiments.kv_pull_sizes --plot [LABEL=]RUN.json ... [--plot-name NAME]
 
 Prints one table: each size's best and median GB/s of each, and the pull's best and median as a share of raw
 TCP's. The numbers go to experiments/results/kv_pull_sizes.json; `--plot` draws saved runs' shares against
@@ -63,18 +63,23 @@ def table(runs: dict[int, dict]) -> str:
                            "pull", "pull best, of raw's", "pull median, of raw's"], rows)
 
 
-def plot(saved: list[Path], name: str) -> Path:
-    """Each saved run's pull as a share of raw TCP (best, median) against its MiB, with the target's line."""
+def plot(saved: list[str], name: str) -> Path:
+    """Each saved run's pull as a share of raw TCP (best, median) against its MiB, with the target's line. A run is
+    "LABEL=RUN.json" or "RUN.json" (labelled by its date); runs of one label share a colour and a legend entry."""
     fig, ax = new_figure(8.6, 3.8)
-    machines = set()
-    for i, path in enumerate(saved):
-        data = json.loads(path.read_text())
+    machines, colours = set(), {}
+    for item in saved:
+        label, _, path = item.rpartition("=")
+        data = json.loads(Path(path).read_text())
         machines.add(data["machine"].split(", load")[0])
+        label = label or data["date"]
+        first = label not in colours
+        colour = colours.setdefault(label, f"C{len(colours)}")
         runs = sorted(data["runs"].values(), key=lambda run: run["bytes"])
         mib = [run["bytes"] / 2**20 for run in runs]
-        for which, style, label in ((0, "o-", "best / raw's best"), (1, "s--", "median / raw's median")):
-            ax.plot(mib, [100 * shares(run)[which] for run in runs], style, color=f"C{which}", alpha=1 - 0.6 * i / max(1, len(saved) - 1),
-                    label=f"{label}, {data['date']}")
+        for which, style, kind in ((0, "o-", "best / raw's best"), (1, "s--", "median / raw's median")):
+            ax.plot(mib, [100 * shares(run)[which] for run in runs], style, color=colour, alpha=0.9 - 0.45 * which,
+                    label=f"{kind}, {label}" if first else None)
     ax.axhline(100 * TARGET_SHARE, linestyle=":", color="grey", label="issue 19's target")
     ax.set_xscale("log", base=2)
     ax.set_xticks(mib, [f"{m:.0f}" for m in mib])
@@ -91,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--per-round", type=int, default=6)
     p.add_argument("--connections", type=int, default=None, help="a pull's connections (default: the link's choice)")
-    p.add_argument("--plot", type=Path, nargs="+", default=None, help="draw saved runs instead of measuring")
+    p.add_argument("--plot", nargs="+", default=None, help="draw saved runs (LABEL=RUN.json or RUN.json) instead of measuring")
     p.add_argument("--plot-name", default="kv_pull_sizes")
     args = p.parse_args(argv)
     if args.plot is not None:

@@ -279,6 +279,14 @@ def test_the_size_sweep_reads_each_pulls_share_of_raw_tcp_and_draws_saved_runs(t
     monkeypatch.setattr(common, "IMG_DIR", tmp_path)
     assert sizes.main(["--plot", str(saved), str(saved), "--plot-name", "drawn"]) == 0
     assert (tmp_path / "drawn.png").stat().st_size > 0
+    drawn = []
+    monkeypatch.setattr(sizes, "save_figure", lambda fig, name, **_: drawn.append(fig) or tmp_path / f"{name}.png")
+    sizes.plot([f"before={saved}", f"after={saved}", f"after={saved}"], "labelled")
+    lines = drawn[0].axes[0].get_lines()
+    assert [line.get_label() for line in lines if not line.get_label().startswith("_")] == [
+        "best / raw's best, before", "median / raw's median, before", "best / raw's best, after",
+        "median / raw's median, after", "issue 19's target"]  # one legend entry a label, one colour a label
+    assert len({line.get_color() for line in lines[:6]}) == 2 and lines[2].get_color() == lines[4].get_color()
 
 
 def test_the_cpu_accounting_reads_perfs_samples_and_sums_them_by_phase_side_thread_and_kind_of_code():
