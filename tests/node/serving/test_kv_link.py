@@ -277,6 +277,25 @@ def test_a_pull_over_two_connections_asks_for_its_run_in_parts_of_whole_chunks_e
         assert len(paths["b"]._idle["a"]) == 2  # the one the last pull did not use is still kept
 
 
+def test_a_pull_at_the_default_chunk_size_goes_as_one_chunk_on_each_of_its_two_connections(monkeypatch):
+    """Forty blocks (2.5 MiB of the demo model's KV) at the link's default chunk size: twenty blocks asked on
+    each connection, each sent as one chunk and read straight into the pool, token exact."""
+    asked, chunks = [], []
+    real_read, real_pieces = kv_link._read_request, kv_link.layer_pieces
+    monkeypatch.setattr(kv_link, "_read_request", lambda conn: (request := real_read(conn)) and asked.append(
+        (len(request["hashes"]), request["chunk_bytes"])) or request)
+    monkeypatch.setattr(kv_link, "layer_pieces", lambda geometry, chunk: chunks.append(len(chunk.hashes))
+                        or real_pieces(geometry, chunk))
+    engine_config = EngineConfig(block_size=BS, num_blocks=128, max_num_batched_tokens=256)
+    config = replace(CONFIG, chunk_bytes=KVLinkConfig().chunk_bytes, connections_per_pull=2, receive_on_kept_thread=True)
+    with linked("ab", engine_config, config) as (loop, paths):
+        result, (migrated, hit), (reference, _) = pull(loop, paths, prompt(80, length=40 * BS + 8))
+        per_block = paths["b"].mover.geometry.bytes_per_block
+    assert (result.ok, result.imported, result.bytes >= 40 * per_block) == (True, 40, True)
+    assert sorted(asked) == [(20, 20 * per_block), (20, 20 * per_block)] and chunks == [20, 20]
+    assert (migrated, hit) == (reference, 40 * BS)
+
+
 def test_a_run_is_asked_for_in_parts_of_whole_chunks_only_where_its_chunks_land_in_any_order(nodes, monkeypatch):
     """Two blocks a chunk: parts of whole chunks, as many as the connections and chunks allow; one part for
     compressed chunks, a hybrid model's run, a pool not in host memory, or a run of one chunk."""
