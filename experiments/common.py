@@ -105,6 +105,12 @@ def resident_bytes(path: Path) -> int | None:
     return int(words[0]) if out.returncode == 0 and words else None
 
 
+def best_and_median(values: Sequence[float]) -> tuple[float, float]:
+    """The largest of `values` and their median (the upper one of an even count): a rate's best and median."""
+    ranked = sorted(values, reverse=True)
+    return ranked[0], ranked[len(ranked) // 2]
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]

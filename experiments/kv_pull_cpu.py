@@ -36,7 +36,7 @@ from pathlib import Path
 
 from experiments import kv_pull_floor as floor
 from experiments import kv_pull_profile as kp
-from experiments.common import markdown_table, print_header, save_results
+from experiments.common import best_and_median, markdown_table, print_header, save_results
 
 TOKENS = 2048  # the small model's 8 MiB
 RAW_CHECKSUMMED = floor.STEPS[3]  # "raw, memory, checksummed"
@@ -99,9 +99,8 @@ def run_phases(pulls: int) -> None:
                 else:
                     time.sleep(0.005)
                     rates.append(askers[how].once())
-            ranked = sorted(rates, reverse=True)
-            print(f"PHASE {i} {started:.6f} {time.monotonic():.6f} {nbytes} {ranked[0]:.0f} {ranked[len(ranked) // 2]:.0f}",
-                  flush=True)
+            best, median = best_and_median(rates)
+            print(f"PHASE {i} {started:.6f} {time.monotonic():.6f} {nbytes} {best:.0f} {median:.0f}", flush=True)
         for asker in askers.values():
             asker.close()
     finally:

@@ -46,7 +46,7 @@ import numpy as np
 import xxhash
 
 from experiments import kv_pull_profile as kp
-from experiments.common import markdown_table, print_header, save_results
+from experiments.common import best_and_median, markdown_table, print_header, save_results
 from orchard.cluster.bench.netns import read_reply
 from orchard.node.serving import link_io
 
@@ -294,14 +294,13 @@ def _pulled(loop, path, address: str, hashes: list[bytes]) -> float:
 
 
 def _report(args, rates: dict[str, list[float]]) -> None:
-    hot = sorted(rates[STEPS[0]], reverse=True)
-    hot_best, hot_median = hot[0], hot[len(hot) // 2]
+    hot_best, hot_median = best_and_median(rates[STEPS[0]])
     rows = []
     for step, values in rates.items():
-        ranked = sorted(values, reverse=True)
-        rows.append([step, f"{ranked[0] / 1e9:.2f}", f"{ranked[len(ranked) // 5] / 1e9:.2f}",
-                     f"{ranked[len(ranked) // 2] / 1e9:.2f}", f"{100 * ranked[0] / hot_best:.0f} %",
-                     f"{100 * ranked[len(ranked) // 2] / hot_median:.0f} %"])
+        best, median = best_and_median(values)
+        p80 = sorted(values, reverse=True)[len(values) // 5]
+        rows.append([step, f"{best / 1e9:.2f}", f"{p80 / 1e9:.2f}", f"{median / 1e9:.2f}",
+                     f"{100 * best / hot_best:.0f} %", f"{100 * median / hot_median:.0f} %"])
     print(markdown_table(["step", "best GB/s", "p80 GB/s", "median GB/s", "best, of the bench's raw", "median, of its"], rows))
     save_results("kv_pull_floor", {"size": args.size, "tokens": args.tokens, "rates_Bps": rates})
 

@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 
 from experiments import kv_pull_floor as floor
-from experiments.common import markdown_table, new_figure, print_header, save_figure, save_results
+from experiments.common import best_and_median, markdown_table, new_figure, print_header, save_figure, save_results
 
 RAW = floor.STEPS[0]  # the bench's raw TCP replies
 RAW_CHECKSUMMED = floor.STEPS[-1]  # "raw, memory, checksummed, two connections"
@@ -37,11 +37,6 @@ def measure(tokens: int, rounds: int, per_round: int, connections: int | None) -
     pull's size."""
     nbytes, rates = floor.interleaved("small", tokens, (RAW, RAW_CHECKSUMMED), {PULL: connections}, rounds, per_round)
     return {"bytes": nbytes, **rates}
-
-
-def best_and_median(values: list[float]) -> tuple[float, float]:
-    ranked = sorted(values, reverse=True)
-    return ranked[0], ranked[len(ranked) // 2]
 
 
 def shares(run: dict) -> tuple[float, float]:

@@ -231,16 +231,17 @@ class DirectPath:
         the pool is not in host memory, whose chunks are imported by the engine thread in the order they come
         (a landing takes parts in any order: `BlockLanding.parts`)."""
         connections = self.config.pull_connections()
-        if connections == 1 or not split or not self._lands_in_place(compress):
+        if connections == 1 or not self._lands_in_place(compress, split):
             return [hashes]
         chunks = chunked(hashes, self.mover.geometry.bytes_per_block, self._chunk_bytes(hashes, True))  # as the source cuts them
         per_part = -(-len(chunks) // connections)  # chunks a part, rounded up
         return [list(chain.from_iterable(chunks[i : i + per_part])) for i in range(0, len(chunks), per_part)]
 
-    def _lands_in_place(self, compress: bool) -> bool:
-        """Whether a pull's chunks can be read straight into the blocks reserved for them: plain chunks, no
-        recurrent state, a pool in host memory (`LinkStream.take`'s landing)."""
-        return not compress and self.mover.state_geometry is None and host_memory()
+    def _lands_in_place(self, compress: bool, landing: bool = True) -> bool:
+        """Whether a pull's chunks are read straight into the blocks reserved for them (`LinkStream.take`'s
+        landing): plain chunks, no recurrent state, a pool in host memory, and blocks reserved (`landing`: False
+        where the engine reserved none)."""
+        return landing and not compress and self.mover.state_geometry is None and host_memory()
 
     def _chunk_bytes(self, hashes: Sequence[BlockHash], placed: bool) -> int:
         """The chunk size a pull of `hashes` asks for (`chunk_size`). Chunks read straight into the pool
@@ -273,7 +274,7 @@ class DirectPath:
             for sock in socks:
                 sock.close()
             return []
-        return self._ask_parts(source_id, socks, parts, self._chunk_bytes(hashes, split and self._lands_in_place(compress)), compress)
+        return self._ask_parts(source_id, socks, parts, self._chunk_bytes(hashes, self._lands_in_place(compress, split)), compress)
 
     def _ask_parts(self, source_id: str, socks: list[socket.socket], parts: list[list[BlockHash]], chunk_bytes: int,
                    compress: bool) -> list[LinkStream]:
