@@ -32,6 +32,9 @@ MODEL = "orchard-demo"
 BLOCK = 16
 ENGINE = EngineConfig(block_size=BLOCK, num_blocks=96, max_num_seqs=16, max_num_batched_tokens=256)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# Long enough that a node killed once one of its streams has 3 tokens still has streams to cut: at 12 tokens a
+# loaded machine once saw every stream on the victim finish before the kill landed (none resumed mid-stream).
+LONG_GREEDY = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
 # The cluster's secret for nodes, coordinator and gateways, as `orchard serve` and `orchard head` give it:
 # requests are routed and served over direct links (tests/cluster/test_migration.py keeps Ray's paths).
 LINK_TOKEN = "a-test-cluster-token-for-the-output-link-0"
@@ -435,10 +438,10 @@ def _fault_run(kill, victim: str, params=GREEDY):
 def test_requests_survive_a_node_actor_crash(cluster):
     local, nodes = cluster
     victim = ray.get_actor(node_actor_name("w1"), namespace="orchard")
-    reference, faulted, fired = _fault_run(lambda: ray.kill(victim, no_restart=True), "w1")
+    reference, faulted, fired = _fault_run(lambda: ray.kill(victim, no_restart=True), "w1", LONG_GREEDY)
     assert fired
     assert faulted == reference
-    assert all(len(ids) == GREEDY.max_tokens for ids in faulted)
+    assert all(len(ids) == LONG_GREEDY.max_tokens for ids in faulted)
     status = {n["node_id"]: n["status"] for n in ray.get(coordinator().nodes.remote())}
     assert status["w1"] == "dead"
 
@@ -461,8 +464,7 @@ def test_requests_survive_a_raylet_being_killed(cluster):
             pass
         local.kill_node(raylet)
 
-    longer = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
-    reference, faulted, fired = _fault_run(machine_gone, "w2", longer)
+    reference, faulted, fired = _fault_run(machine_gone, "w2", LONG_GREEDY)
     assert fired
     assert faulted == reference
     status = {n["node_id"]: n["status"] for n in ray.get(coordinator().nodes.remote())}
@@ -472,9 +474,9 @@ def test_requests_survive_a_raylet_being_killed(cluster):
 
 # Greedy with every penalty, and seeded sampling with penalties: both pattern (i // 2) % 2,
 # so that whichever node is the victim in a round-robin rotation gets requests of each kind.
-PENALISED_GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
+PENALISED_GREEDY = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True,
                                   presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.3)
-SEEDED = SamplingParams(max_tokens=16, temperature=1.0, top_k=40, seed=1234, ignore_eos=True, frequency_penalty=0.4)
+SEEDED = SamplingParams(max_tokens=96, temperature=1.0, top_k=40, seed=1234, ignore_eos=True, frequency_penalty=0.4)
 
 
 def _fresh_victim(cluster, node_id: str):
