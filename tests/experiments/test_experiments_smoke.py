@@ -338,3 +338,18 @@ def test_threads_started_once_named_carry_their_python_name_to_the_os(monkeypatc
     thread.start()
     thread.join()
     assert seen == ["kv-link-recv2"]
+
+
+def test_pull_bookkeeping_times_each_call_warm_and_cooled_and_leaves_the_pools_as_it_found_them(monkeypatch):
+    from experiments import pull_bookkeeping
+
+    made = []
+    real_cache = pull_bookkeeping._cache
+    monkeypatch.setattr(pull_bookkeeping, "_cache", lambda n: made.append(real_cache(n)) or made[-1])
+    rows = pull_bookkeeping.measure(tokens=256, parts=2, repeats=3, cold_mib=1)
+    assert [r["end"] for r in rows] == ["source"] * 4 + ["target"] * 5
+    assert all(r[k] > 0 for r in rows for k in ("warm_median_us", "warm_tenth_us", "cold_median_us", "cold_tenth_us"))
+    source, target = made
+    # Every pin was undone and every landing adopted or released: nothing is held in either pool.
+    assert source.manager.num_used == 0 and target.manager.num_used == 0
+    assert not pull_bookkeeping._COOL
