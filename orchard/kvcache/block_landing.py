@@ -133,10 +133,8 @@ class BlockLanding:
         end = start + len(listing.hashes)
         self._hashes[start:end], self._parents[start:end], self._tokens[start:end] = listing
         self._states[start:end] = [_WRITTEN] * len(listing.hashes)
-        landed, states = self.landed, self._states  # a loop a block: locals, not attributes
-        while landed < len(states) and states[landed] == _WRITTEN:
-            landed += 1
-        self.landed = landed
+        while self.landed < self.capacity and self._states[self.landed] == _WRITTEN:
+            self.landed += 1
 
     def _claim(self, start: int, hashes: np.ndarray, parents: np.ndarray, tokens: np.ndarray) -> list[slice]:
         """The reserved blocks of the run's `len(hashes)` blocks from `start` (whose hashes follow from their
@@ -147,7 +145,7 @@ class BlockLanding:
         n = len(hashes)
         if start + n > self.capacity or hashes.tobytes() != self._wanted[start * HASH_SIZE : (start + n) * HASH_SIZE]:
             raise IncompatibleKVPayload("a chunk of the reply is not the next blocks of the run asked for")
-        if self._states[start : start + n].count(_FREE) != n:
+        if any(state != _FREE for state in self._states[start : start + n]):
             raise IncompatibleKVPayload("a chunk of the reply repeats blocks already landed")
         if start and parents[0].tobytes() != self._wanted[(start - 1) * HASH_SIZE : start * HASH_SIZE]:
             raise IncompatibleKVPayload("a chunk of the reply does not follow the block before it")
