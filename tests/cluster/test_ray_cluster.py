@@ -415,7 +415,7 @@ def test_restarted_coordinator_rebuilds_the_index_from_node_snapshots(cluster):
     assert wait_for(rebuilt)
 
 
-def _fault_run(kill, victim: str, params=GREEDY):
+def _fault_run(kill, victim: str, params=LONG_GREEDY):
     """16 streaming requests; `kill()` fires once a request on `victim` has streamed 3 tokens."""
     backend = RayBackend(RayBackendConfig(link_token=LINK_TOKEN, policy="round_robin", stall_check_s=0.5))
     prompts = [prompt(i) for i in range(16)]
@@ -438,7 +438,7 @@ def _fault_run(kill, victim: str, params=GREEDY):
 def test_requests_survive_a_node_actor_crash(cluster):
     local, nodes = cluster
     victim = ray.get_actor(node_actor_name("w1"), namespace="orchard")
-    reference, faulted, fired = _fault_run(lambda: ray.kill(victim, no_restart=True), "w1", LONG_GREEDY)
+    reference, faulted, fired = _fault_run(lambda: ray.kill(victim, no_restart=True), "w1")
     assert fired
     assert faulted == reference
     assert all(len(ids) == LONG_GREEDY.max_tokens for ids in faulted)
@@ -464,7 +464,7 @@ def test_requests_survive_a_raylet_being_killed(cluster):
             pass
         local.kill_node(raylet)
 
-    reference, faulted, fired = _fault_run(machine_gone, "w2", LONG_GREEDY)
+    reference, faulted, fired = _fault_run(machine_gone, "w2")
     assert fired
     assert faulted == reference
     status = {n["node_id"]: n["status"] for n in ray.get(coordinator().nodes.remote())}
@@ -473,7 +473,8 @@ def test_requests_survive_a_raylet_being_killed(cluster):
 
 
 # Greedy with every penalty, and seeded sampling with penalties: both pattern (i // 2) % 2,
-# so that whichever node is the victim in a round-robin rotation gets requests of each kind.
+# so that whichever node is the victim in a round-robin rotation gets requests of each kind; 96 tokens, so that
+# the victim's streams are still running when the kill lands (as `LONG_GREEDY`).
 PENALISED_GREEDY = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True,
                                   presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.3)
 SEEDED = SamplingParams(max_tokens=96, temperature=1.0, top_k=40, seed=1234, ignore_eos=True, frequency_penalty=0.4)
