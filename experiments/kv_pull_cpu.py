@@ -39,10 +39,9 @@ from experiments import kv_pull_profile as kp
 from experiments.common import best_and_median, markdown_table, print_header, save_results
 
 TOKENS = 2048  # the small model's 8 MiB
-RAW_CHECKSUMMED = floor.STEPS[3]  # "raw, memory, checksummed"
 #: Each phase's pulls' connections, or the floor's raw step it times.
-PHASES = {"pull, 2 connections": 2, "raw, 2 connections": f"{RAW_CHECKSUMMED}{floor.TWO}",
-          "pull, 1 connection": 1, "raw, 1 connection": RAW_CHECKSUMMED}
+PHASES = {"pull, 2 connections": 2, "raw, 2 connections": floor.CHECKSUMMED_TWO,
+          "pull, 1 connection": 1, "raw, 1 connection": floor.CHECKSUMMED}
 KINDS = ("kernel: copies", "kernel: other", "checksum", "Python", "other user")
 _COPY = re.compile(r"copy_(to|from)_iter|copy_user|rep_movs")
 _SAMPLE = re.compile(r"^\s*(?P<comm>\S+)\s+(?P<pid>\d+)/(?P<tid>\d+)\s+(?P<time>[\d.]+):\s+(?P<period>\d+)\s+"

@@ -170,8 +170,12 @@ def _seed(path, tokens_len: int, seed: int) -> list[bytes]:
     """A fresh prefix in the source's pool, imported from made-up KV under its true hashes."""
     from orchard.cluster.bench.netns_node import seed_kv
 
-    tokens = [(seed * 7919 + j * 13 + (j * j) % 97) % 1500 + 20 for j in range(tokens_len)]
-    return seed_kv(path.mover.engine.engine.kv, tokens, seed)
+    return seed_kv(path.mover.engine.engine.kv, made_up_tokens(tokens_len, seed), seed)
+
+
+def made_up_tokens(count: int, seed: int) -> list[int]:
+    """`count` token ids of the small demo model's vocabulary, a different run for each `seed`."""
+    return [(seed * 7919 + j * 13 + (j * j) % 97) % 1500 + 20 for j in range(count)]
 
 
 def _source_main(conn, size: str, num_blocks: int, switch_s: float, where: tuple[str, str] | None) -> None:

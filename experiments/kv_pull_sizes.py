@@ -26,8 +26,6 @@ from pathlib import Path
 from experiments import kv_pull_floor as floor
 from experiments.common import best_and_median, markdown_table, new_figure, print_header, save_figure, save_results
 
-RAW = floor.STEPS[0]  # the bench's raw TCP replies
-RAW_CHECKSUMMED = floor.STEPS[-1]  # "raw, memory, checksummed, two connections"
 PULL = "pull"
 TARGET_SHARE = 0.5  # issue 19: a pull at half of raw TCP or more
 
@@ -35,13 +33,13 @@ TARGET_SHARE = 0.5  # issue 19: a pull at half of raw TCP or more
 def measure(tokens: int, rounds: int, per_round: int, connections: int | None) -> dict[str, list[float]]:
     """Bytes/s of each reply and pull of one size, in interleaved turns (`kv_pull_floor.interleaved`); `bytes` the
     pull's size."""
-    nbytes, rates = floor.interleaved("small", tokens, (RAW, RAW_CHECKSUMMED), {PULL: connections}, rounds, per_round)
+    nbytes, rates = floor.interleaved("small", tokens, (floor.RAW_HOT, floor.CHECKSUMMED_TWO), {PULL: connections}, rounds, per_round)
     return {"bytes": nbytes, **rates}
 
 
 def shares(run: dict) -> tuple[float, float]:
     """The pull's best as a share of raw TCP's best, and its median of raw TCP's median."""
-    (pull_best, pull_median), (raw_best, raw_median) = best_and_median(run[PULL]), best_and_median(run[RAW])
+    (pull_best, pull_median), (raw_best, raw_median) = best_and_median(run[PULL]), best_and_median(run[floor.RAW_HOT])
     return pull_best / raw_best, pull_median / raw_median
 
 
@@ -49,7 +47,7 @@ def table(runs: dict[int, dict]) -> str:
     rows = []
     for tokens, run in runs.items():
         cells = [f"{tokens}", f"{run['bytes'] / 2**20:.1f}"]
-        for step in (RAW, RAW_CHECKSUMMED, PULL):
+        for step in (floor.RAW_HOT, floor.CHECKSUMMED_TWO, PULL):
             best, median = best_and_median(run[step])
             cells.append(f"{best / 1e9:.2f} / {median / 1e9:.2f}")
         best_share, median_share = shares(run)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 from experiments.common import markdown_table, print_header, save_results
+from experiments.kv_pull_profile import made_up_tokens
 
 
 def _times(fn: Callable[..., object], repeats: int, setup: Callable[[], object] | None = None,
@@ -116,7 +117,7 @@ def _run(kv, tokens_len: int, parts: int, seed: int):
     from orchard.kvcache.wire import hash_rows, token_rows
 
     bs = kv.geometry.block_size
-    tokens = _tokens(tokens_len, seed)
+    tokens = made_up_tokens(tokens_len, seed)
     hashes = [bytes(h) for h in kv.block_hashes(tokens)]
     parents = [kv.root, *hashes[:-1]]
     size = len(hashes) // parts
@@ -124,10 +125,6 @@ def _run(kv, tokens_len: int, parts: int, seed: int):
                token_rows(tuple(tokens[j * bs : (j + 1) * bs]) for j in range(i, i + size)))
               for i in range(0, size * parts, size)]
     return hashes[: size * parts], chunks
-
-
-def _tokens(count: int, seed: int) -> list[int]:
-    return [(seed * 7919 + j * 13 + (j * j) % 97) % 1500 + 20 for j in range(count)]
 
 
 def measure(tokens: int, parts: int, repeats: int, cold_mib: int) -> list[dict]:
@@ -139,7 +136,7 @@ def measure(tokens: int, parts: int, repeats: int, cold_mib: int) -> list[dict]:
 
     source, target = _cache(4 * tokens // 16), _cache(4 * tokens // 16)
     freeze_loaded_objects()  # as a node does once its engine is made
-    hashes = seed_kv(source, _tokens(tokens, 0), 1)
+    hashes = seed_kv(source, made_up_tokens(tokens, 0), 1)
     passes = []
     for buffers in ([], [np.ones(cold_mib << 20, np.uint8), np.zeros(cold_mib << 20, np.uint8)]):
         _COOL[:] = buffers

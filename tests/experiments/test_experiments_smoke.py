@@ -265,9 +265,10 @@ def test_the_size_sweep_reads_each_pulls_share_of_raw_tcp_and_draws_saved_runs(t
 
     import experiments.common as common
     from experiments import kv_pull_sizes as sizes
+    from experiments.kv_pull_floor import CHECKSUMMED_TWO, RAW_HOT
 
-    run = {"bytes": 8 << 20, sizes.RAW: [4e9, 8e9, 6e9], sizes.RAW_CHECKSUMMED: [5e9, 5e9, 5e9], sizes.PULL: [2e9, 4e9, 2.4e9]}
-    small = {"bytes": 4 << 20, sizes.RAW: [8e9], sizes.RAW_CHECKSUMMED: [5e9], sizes.PULL: [2e9]}
+    run = {"bytes": 8 << 20, RAW_HOT: [4e9, 8e9, 6e9], CHECKSUMMED_TWO: [5e9, 5e9, 5e9], sizes.PULL: [2e9, 4e9, 2.4e9]}
+    small = {"bytes": 4 << 20, RAW_HOT: [8e9], CHECKSUMMED_TWO: [5e9], sizes.PULL: [2e9]}
     assert sizes.shares(run) == pytest.approx((0.5, 0.4))
     assert sizes.shares(small) == pytest.approx((0.25, 0.25))
     printed = sizes.table({2048: run, 1024: small}).splitlines()
