@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
-from experiments.common import markdown_table, print_header, save_results
+from experiments.common import markdown_table, print_header, save_results, timed
 from experiments.kv_pull_profile import made_up_tokens
 
 
@@ -34,9 +33,7 @@ def _times(fn: Callable[..., object], repeats: int, setup: Callable[[], object] 
     for _ in range(repeats + 5):
         arg = setup() if setup is not None else None
         cool()
-        started = time.perf_counter()
-        fn(arg) if setup is not None else fn()
-        spent.append(time.perf_counter() - started)
+        spent.append(timed(lambda: fn(arg) if setup is not None else fn()))  # noqa: B023 - called at once
         if teardown is not None:
             teardown(arg)
     spent = sorted(spent[5:])
