@@ -8,8 +8,11 @@ buffer each end, hot in the caches: `kv_pull_floor`'s first step, issue 19's "ra
 replies from and into memory, checksummed, over two connections (what a pull's bytes must do and nothing
 else), and direct pulls of a fresh prefix over `--connections` (default: the link's own choice for this machine).
 
+`--size large` pulls the large demo model's KV instead: 16 KiB a token where the small's is 4 KiB, so a pull of
+the same bytes carries a quarter of the blocks, and a quarter of the per-block bookkeeping at both ends.
+
     python -m experiments.kv_pull_sizes [--tokens 1024,2048,4096,8192,16384] [--rounds 2] [--per-round 6]
-                                        [--connections N]
+                                        [--connections N] [--size small|large]
     python -m experiments.kv_pull_sizes --plot [LABEL=]RUN.json ... [--plot-name NAME]
 
 Prints one table: each size's best and median GB/s of each, and the pull's best and median as a share of raw
@@ -30,10 +33,10 @@ PULL = "pull"
 TARGET_SHARE = 0.5  # issue 19: a pull at half of raw TCP or more
 
 
-def measure(tokens: int, rounds: int, per_round: int, connections: int | None) -> dict[str, list[float]]:
-    """Bytes/s of each reply and pull of one size, in interleaved turns (`kv_pull_floor.interleaved`); `bytes` the
-    pull's size."""
-    nbytes, rates = floor.interleaved("small", tokens, (floor.RAW_HOT, floor.CHECKSUMMED_TWO), {PULL: connections}, rounds, per_round)
+def measure(tokens: int, rounds: int, per_round: int, connections: int | None, size: str = "small") -> dict[str, list[float]]:
+    """Bytes/s of each reply and pull of `tokens` of the `size` demo model's KV, in interleaved turns
+    (`kv_pull_floor.interleaved`); `bytes` the pull's size."""
+    nbytes, rates = floor.interleaved(size, tokens, (floor.RAW_HOT, floor.CHECKSUMMED_TWO), {PULL: connections}, rounds, per_round)
     return {"bytes": nbytes, **rates}
 
 
@@ -65,7 +68,7 @@ def plot(saved: list[str], name: str) -> Path:
         label, _, path = item.rpartition("=")
         data = json.loads(Path(path).read_text())
         machines.add(data["machine"].split(", load")[0])
-        label = label or data["date"]
+        label = label or f"{data['date']}, {data.get('size', 'small')}"
         first = label not in colours
         colour = colours.setdefault(label, f"C{len(colours)}")
         runs = sorted(data["runs"].values(), key=lambda run: run["bytes"])
@@ -76,7 +79,7 @@ def plot(saved: list[str], name: str) -> Path:
     ax.axhline(100 * TARGET_SHARE, linestyle=":", color="grey", label="issue 19's target")
     ax.set_xscale("log", base=2)
     ax.set_xticks(mib, [f"{m:.0f}" for m in mib])
-    ax.set_xlabel("pull size, MiB (the small demo model's KV)")
+    ax.set_xlabel("pull size, MiB (a demo model's KV)")
     ax.set_ylabel("% of raw TCP on the same path")
     ax.set_title("direct pull against raw TCP by size\n" + "; ".join(sorted(machines)), fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -89,20 +92,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--per-round", type=int, default=6)
     p.add_argument("--connections", type=int, default=None, help="a pull's connections (default: the link's choice)")
+    p.add_argument("--size", choices=["small", "large"], default="small", help="whose KV the pulls carry")
     p.add_argument("--plot", nargs="+", default=None, help="draw saved runs (LABEL=RUN.json or RUN.json) instead of measuring")
     p.add_argument("--plot-name", default="kv_pull_sizes")
     args = p.parse_args(argv)
     if args.plot is not None:
         print(plot(args.plot, args.plot_name))
         return 0
-    print_header(f"direct pulls against raw TCP by size (small; {args.rounds} rounds of {args.per_round}; "
+    print_header(f"direct pulls against raw TCP by size ({args.size}; {args.rounds} rounds of {args.per_round}; "
                  f"connections: {args.connections or 'default'})")
     runs = {}
     for tokens in args.tokens:
-        runs[tokens] = measure(tokens, args.rounds, args.per_round, args.connections)
+        runs[tokens] = measure(tokens, args.rounds, args.per_round, args.connections, args.size)
         print(f"{tokens} tokens done", flush=True)
     print(table(runs))
-    save_results("kv_pull_sizes", {"rounds": args.rounds, "per_round": args.per_round,
+    save_results("kv_pull_sizes", {"size": args.size, "rounds": args.rounds, "per_round": args.per_round,
                                    "connections": args.connections, "runs": runs})
     return 0
 

@@ -288,6 +288,12 @@ def test_the_size_sweep_reads_each_pulls_share_of_raw_tcp_and_draws_saved_runs(t
         "best / raw's best, before", "median / raw's median, before", "best / raw's best, after",
         "median / raw's median, after", "issue 19's target"]  # one legend entry a label, one colour a label
     assert len({line.get_color() for line in lines[:6]}) == 2 and lines[2].get_color() == lines[4].get_color()
+    large = tmp_path / "large.json"
+    large.write_text(json.dumps({"machine": "Linux x86_64, 16 cores", "date": "2026-12-06 17:00", "size": "large",
+                                 "runs": {"512": run}}))
+    sizes.plot([str(saved), str(large)], "unlabelled")  # a run saved without its size pulled the small model's KV
+    assert [line.get_label() for line in drawn[1].axes[0].get_lines()][::2][:2] == [
+        "best / raw's best, 2026-12-06 09:35, small", "best / raw's best, 2026-12-06 17:00, large"]
 
 
 def test_the_cpu_accounting_reads_perfs_samples_and_sums_them_by_phase_side_thread_and_kind_of_code():
