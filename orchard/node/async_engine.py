@@ -183,15 +183,13 @@ class AsyncEngine:
         while its bytes move."""
         self._commands.put(("call", fn, settle, publish))
 
-    def call_here_if_idle(self, fn, settle, publish: bool = False, loan_wait_s: float = 0.0) -> None:
+    def call_here_if_idle(self, fn, settle, publish: bool = False) -> None:
         """`call_from_thread`, but run on the calling thread at once where the engine thread waits idle with
         nothing queued (`orchard.node.command_queue`), `settle` too: no thread is woken for it. Queued as
         `call_from_thread` queues it otherwise, and from the engine thread itself. Only for calls that make
         no MLX array (bookkeeping, numpy views of evaluated arrays): MLX evaluates an array only on the thread
-        whose stream made it. `loan_wait_s`: how long to wait for another thread's loan of the idle engine to
-        end before queuing (`CommandQueue.borrow`); only for a thread that would wait for the answer anyway,
-        never the event loop's."""
-        if not self._commands.borrow(loan_wait_s):
+        whose stream made it."""
+        if not self._commands.borrow():
             self.call_from_thread(fn, settle, publish)
             return
         try:

@@ -12,10 +12,6 @@ Calls still run one at a time and in the order each thread made them:
 - `take` returns nothing while the engine is lent, so the engine thread starts no command or step
   until the loan ends.
 
-A thread may wait a little for another's loan to end (`borrow`'s `wait_s`) rather than queue its call: a
-link thread pinning one part of a pull while another pins the next. Queued, the call cost two wake-ups (the
-engine thread's, then its caller's); waited for, one, the waiting thread's.
-
 Ending a loan wakes the engine thread only where commands were queued during it. Woken otherwise, it would
 find nothing and wait again, but on two cores the wake-up took the core from the thread that ended the loan,
 a pull's sender with the end of its reply still to send (docs/benchmarks.md, "## migration"). An engine thread
@@ -32,13 +28,10 @@ class CommandQueue:
     """Commands for the engine thread, in order; `borrow` lends the engine to another thread while it waits."""
 
     def __init__(self):
-        self._lock = threading.Lock()
-        self._ready = threading.Condition(self._lock)  # the engine thread waits on it
-        self._returned = threading.Condition(self._lock)  # a thread waiting for another's loan to end waits on it
+        self._ready = threading.Condition(threading.Lock())
         self._queue: deque = deque()
         self._idle = False  # the engine thread waits in `take`
         self._lent = False  # another thread runs a call on the engine (`borrow` to `give_back`)
-        self._lender = 0  # the thread the engine is lent to (`threading.get_ident`)
 
     def put(self, command) -> None:
         """Queue `command` (any thread)."""
@@ -62,27 +55,22 @@ class CommandQueue:
         with self._ready:
             return self._drain()
 
-    def borrow(self, wait_s: float = 0.0) -> bool:
+    def borrow(self) -> bool:
         """Whether the engine is now lent to the calling thread, which must `give_back` once its call ran:
-        only while the engine thread waits in `take` with nothing queued and no other loan made. Where another
-        thread holds a loan, wait up to `wait_s` for it to end; not for the engine thread's step, nor past a
-        command queued meanwhile, which runs first."""
+        only while the engine thread waits in `take` with nothing queued and no other loan made."""
         with self._ready:
-            if wait_s > 0 and self._lent and self._lender != threading.get_ident():
-                self._returned.wait_for(lambda: not self._lent or self._queue or not self._idle, wait_s)
             if not self._idle or self._lent or self._queue:
                 return False
-            self._lent, self._lender = True, threading.get_ident()
+            self._lent = True
             return True
 
     def give_back(self) -> None:
         """End the loan `borrow` made: the engine thread may take commands again, and is woken where there are
-        any to take; else a thread waiting for the loan to end, if any, is."""
+        any to take."""
         with self._ready:
-            self._lent, self._lender = False, 0
+            self._lent = False
             if self._queue:
                 self._ready.notify_all()
-            self._returned.notify()
 
     def _drain(self) -> list:
         commands = list(self._queue)

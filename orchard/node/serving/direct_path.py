@@ -398,25 +398,13 @@ class DirectPath:
     def _on_engine(self, fn, here_if_idle: bool):
         """`fn(engine)` on the engine thread, or with `here_if_idle` on the calling (link) thread where the engine
         idles (`AsyncEngine.call_here_if_idle`), waited for here: no event loop in between, so a pull's source
-        side does not wait for a busy actor's loop to wake, nor, where it may, for an idle engine thread to. The
-        idle engine lent to another link thread (the pull's other part pinned at once), the call waits up to
-        `LOAN_WAIT_S` for that loan to end rather than go through the engine thread."""
+        side does not wait for a busy actor's loop to wake, nor, where it may, for an idle engine thread to."""
         done: Future = Future()
         engine = self.mover.engine
-
-        def settle(result, exc) -> None:
-            done.set_result(result) if exc is None else done.set_exception(exc)
-
-        if here_if_idle:
-            engine.call_here_if_idle(fn, settle, loan_wait_s=LOAN_WAIT_S)
-        else:
-            engine.call_from_thread(fn, settle)
+        call = engine.call_here_if_idle if here_if_idle else engine.call_from_thread
+        call(fn, lambda result, exc: done.set_result(result) if exc is None else done.set_exception(exc))
         return done.result(self.config.io_timeout_s)
 
-
-#: How long a link thread waits for another's loan of the idle engine to end before it queues its call
-#: (`AsyncEngine.call_here_if_idle`): a pin or an unpin of a part's run takes tens of microseconds.
-LOAN_WAIT_S = 0.002
 
 #: Under "auto", compressed pulls from one source before a plain one re-reads its link (`compress_next`).
 RECHECK_AFTER = 4

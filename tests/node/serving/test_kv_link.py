@@ -624,40 +624,6 @@ def until_idle(engine: AsyncEngine, timeout_s: float = 5.0) -> None:
     engine._commands.give_back()
 
 
-def test_a_sources_pin_waits_for_anothers_loan_of_its_idle_engine_rather_than_queue_for_the_engine_thread(
-        nodes, monkeypatch):
-    """A pull's parts are pinned by their link threads at once: one finding the idle engine lent to another
-    waits for that loan to end (`LOAN_WAIT_S`) and pins on its own thread; with no wait, the engine thread pins."""
-    loop, paths = nodes
-    source, tokens = paths["a"], prompt(145)
-    loop.run_until_complete(generate(source, "cache-145", tokens))
-    engine = source.mover.engine
-    kv = engine.engine.kv
-    pinned_on: list[str] = []
-    real_pin = kv.pin_layer_export
-    monkeypatch.setattr(kv, "pin_layer_export", lambda hashes: pinned_on.append(threading.current_thread().name)
-                        or real_pin(hashes))
-
-    def pin_while_lent(wait_s: float) -> str:
-        monkeypatch.setattr(direct_path, "LOAN_WAIT_S", wait_s)
-        until_idle(engine)
-        assert engine._commands.borrow()  # lent to this thread, as to the link thread of the pull's other part
-        exported: list = []
-        link = threading.Thread(target=lambda: exported.append(source._export_layers(hashes_of(source, tokens))),
-                                name="kv-link-part")
-        link.start()
-        time.sleep(0.05)
-        engine._commands.give_back()
-        link.join(5.0)
-        handle, run = exported[0]
-        assert len(run) == len(tokens) // BS
-        source._release(handle)
-        return pinned_on.pop()
-
-    assert pin_while_lent(5.0) == "kv-link-part"
-    assert pin_while_lent(0.0) != "kv-link-part"  # queued: the engine thread pinned it
-
-
 def planning_threads(monkeypatch, target: DirectPath) -> list[str]:
     """The names of the threads `target` plans its pulls on, in order, as they plan them."""
     planned = []
