@@ -28,6 +28,7 @@ from pathlib import Path
 
 from experiments import kv_pull_floor as floor
 from experiments.common import best_and_median, markdown_table, new_figure, print_header, save_figure, save_results
+from orchard.node.model.demo import DEMO_CONFIGS
 
 PULL = "pull"
 TARGET_SHARE = 0.5  # issue 19: a pull at half of raw TCP or more
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--per-round", type=int, default=6)
     p.add_argument("--connections", type=int, default=None, help="a pull's connections (default: the link's choice)")
-    p.add_argument("--size", choices=["small", "large"], default="small", help="whose KV the pulls carry")
+    p.add_argument("--size", choices=sorted(DEMO_CONFIGS), default="small", help="the demo model whose KV the pulls carry")
     p.add_argument("--plot", nargs="+", default=None, help="draw saved runs (LABEL=RUN.json or RUN.json) instead of measuring")
     p.add_argument("--plot-name", default="kv_pull_sizes")
     args = p.parse_args(argv)

@@ -18,6 +18,7 @@ experiments/results/pull_bookkeeping.json.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 from collections.abc import Callable
 
@@ -31,11 +32,11 @@ def _times(fn: Callable[..., object], repeats: int, setup: Callable[[], object] 
     copy that cools the caches first (`cool`) untimed."""
     spent = []
     for _ in range(repeats + 5):
-        arg = setup() if setup is not None else None
+        args = (setup(),) if setup is not None else ()
         cool()
-        spent.append(timed(lambda: fn(arg) if setup is not None else fn()))  # noqa: B023 - called at once
+        spent.append(timed(functools.partial(fn, *args)))
         if teardown is not None:
-            teardown(arg)
+            teardown(*args)
     spent = sorted(spent[5:])
     return statistics.median(spent) * 1e6, spent[len(spent) // 10] * 1e6
 
