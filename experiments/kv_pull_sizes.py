@@ -34,7 +34,7 @@ PULL = "pull"
 TARGET_SHARE = 0.5  # issue 19: a pull at half of raw TCP or more
 
 
-def measure(tokens: int, rounds: int, per_round: int, connections: int | None, size: str = "small") -> dict[str, list[float]]:
+def measure(size: str, tokens: int, rounds: int, per_round: int, connections: int | None) -> dict[str, list[float]]:
     """Bytes/s of each reply and pull of `tokens` of the `size` demo model's KV, in interleaved turns
     (`kv_pull_floor.interleaved`); `bytes` the pull's size."""
     nbytes, rates = floor.interleaved(size, tokens, (floor.RAW_HOT, floor.CHECKSUMMED_TWO), {PULL: connections}, rounds, per_round)
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"connections: {args.connections or 'default'})")
     runs = {}
     for tokens in args.tokens:
-        runs[tokens] = measure(tokens, args.rounds, args.per_round, args.connections, args.size)
+        runs[tokens] = measure(args.size, tokens, args.rounds, args.per_round, args.connections)
         print(f"{tokens} tokens done", flush=True)
     print(table(runs))
     save_results("kv_pull_sizes", {"size": args.size, "rounds": args.rounds, "per_round": args.per_round,
